@@ -1,0 +1,215 @@
+"""ZeroMQ PUSH/PULL channels that carry wire messages between processes.
+
+Delivery semantics (ZeroMQ PUSH/PULL, https://zguide.zeromq.org/docs/chapter2/):
+
+- **Fan-out / fan-in**: a PUSH socket connected to several PULL peers deals messages round-robin
+  among them (load balancing); a PULL socket fair-queues from all its PUSH peers. Messages from
+  one sender arrive in order; there is no order across senders.
+- **Back-pressure**: each side queues at most ``hwm`` messages; beyond that ``send`` blocks, up to
+  ``send_timeout_s``, then raises :class:`ChannelBlocked` — nothing is dropped silently.
+- **No durability**: messages queued in a process die with it, and ``close`` discards what is
+  still queued (linger 0, so a dead peer can never hang a shutdown). At-least-once delivery of
+  prompt groups is the in-flight ledger's job (a lost group is re-issued), not the channel's.
+- **Bad input**: a message that does not decode is counted
+  (``asyncrl_wire_malformed_messages_total``), logged once per offending field, and skipped;
+  the receiver keeps running.
+- **Security**: CURVE encryption and authentication; required whenever a socket binds beyond
+  loopback, optional on loopback. The binding side holds the server secret key and accepts only
+  the client public keys found in its authorised-keys folder.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import zmq
+
+from common.logs import get_logger
+from common.metrics import CHANNEL_RECEIVED, CHANNEL_SENT, CHANNEL_SENT_BYTES, WIRE_MALFORMED
+from common.wire import Decoder, Limits, WireError, encode
+
+log = get_logger("channel")
+
+
+class ChannelBlocked(TimeoutError):
+    """The peer's queue stayed full (high-water mark) for longer than the send timeout."""
+
+
+class InsecureBindError(PermissionError):
+    """Refused to bind beyond loopback without CURVE keys."""
+
+
+@dataclass(frozen=True)
+class CurveServer:
+    """CURVE for the binding side: its key pair and the folder of authorised client public keys."""
+
+    secret_key_file: Path
+    authorized_clients: Path
+
+
+@dataclass(frozen=True)
+class CurveClient:
+    """CURVE for the connecting side: its own key pair and the server's public key."""
+
+    secret_key_file: Path
+    server_public_key_file: Path
+
+
+def create_keypair(directory: str | Path, name: str) -> tuple[Path, Path]:
+    """Write ``name.key`` (public) and ``name.key_secret`` into ``directory``; returns both paths."""
+    import zmq.auth
+
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    public, secret = zmq.auth.create_certificates(str(directory), name)
+    return Path(public), Path(secret)
+
+
+def is_loopback(endpoint: str) -> bool:
+    """True for ``inproc``/``ipc`` and for ``tcp`` on a loopback address or ``localhost``."""
+    parts = urlsplit(endpoint)
+    if parts.scheme in ("inproc", "ipc"):
+        return True
+    host = (parts.hostname or "").strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # '*', an interface name or a host name: assume it reaches beyond this machine
+
+
+class _Channel:
+    def __init__(self, kind: int, name: str, hwm: int) -> None:
+        self.name = name
+        self.context = zmq.Context.instance()
+        self.socket = self.context.socket(kind)
+        self.socket.linger = 0
+        self.socket.sndhwm = hwm
+        self.socket.rcvhwm = hwm
+        self._authenticator: Any = None
+        self.endpoint = ""
+
+    def bind(self, endpoint: str, curve: CurveServer | None = None) -> str:
+        """Bind (``tcp://host:0`` picks a free port); returns the endpoint actually bound."""
+        if curve is None and not is_loopback(endpoint):
+            raise InsecureBindError(
+                f"channel {self.name!r}: binding {endpoint} beyond loopback needs CURVE keys "
+                "(set transport.curve_server_key and transport.curve_client_keys)"
+            )
+        if curve is not None:
+            self._serve_curve(curve)
+        if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
+            port = self.socket.bind_to_random_port(endpoint.rsplit(":", 1)[0])
+            self.endpoint = f"{endpoint.rsplit(':', 1)[0]}:{port}"
+        else:
+            self.socket.bind(endpoint)
+            self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        return self.endpoint
+
+    def _serve_curve(self, curve: CurveServer) -> None:
+        import zmq.auth
+        from zmq.auth.thread import ThreadAuthenticator
+
+        public, secret = zmq.auth.load_certificate(str(curve.secret_key_file))
+        if secret is None:
+            raise ValueError(f"{curve.secret_key_file} holds no secret key")
+        self._authenticator = ThreadAuthenticator(self.context)
+        self._authenticator.start()
+        self._authenticator.configure_curve(domain="*", location=str(curve.authorized_clients))
+        self.socket.curve_publickey = public
+        self.socket.curve_secretkey = secret
+        self.socket.curve_server = True
+
+    def connect(self, endpoint: str, curve: CurveClient | None = None) -> None:
+        if curve is not None:
+            import zmq.auth
+
+            public, secret = zmq.auth.load_certificate(str(curve.secret_key_file))
+            server_public, _ = zmq.auth.load_certificate(str(curve.server_public_key_file))
+            self.socket.curve_publickey = public
+            self.socket.curve_secretkey = secret
+            self.socket.curve_serverkey = server_public
+        self.socket.connect(endpoint)
+        self.endpoint = endpoint
+
+    def close(self) -> None:
+        """Close at once (linger 0): queued messages are discarded, a dead peer cannot block us."""
+        self.socket.close(linger=0)
+        if self._authenticator is not None:
+            self._authenticator.stop()
+            self._authenticator = None
+
+    def __enter__(self) -> _Channel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class PushChannel(_Channel):
+    """The sending end; blocks at the high-water mark for up to ``send_timeout_s`` (None = forever)."""
+
+    def __init__(self, name: str, hwm: int = 64, send_timeout_s: float | None = None) -> None:
+        super().__init__(zmq.PUSH, name, hwm)
+        self.socket.sndtimeo = -1 if send_timeout_s is None else int(send_timeout_s * 1000)
+
+    def send(self, message: Any) -> None:
+        self.send_frames(encode(message))
+
+    def send_frames(self, frames: Sequence[Any]) -> None:
+        """Send already-encoded frames; arrays go out without a copy."""
+        try:
+            self.socket.send_multipart(frames, copy=False)
+        except zmq.Again:
+            raise ChannelBlocked(
+                f"channel {self.name!r}: peer queue full for {self.socket.sndtimeo} ms; "
+                "is the receiving side alive and keeping up?"
+            ) from None
+        CHANNEL_SENT.labels(self.name).inc()
+        CHANNEL_SENT_BYTES.labels(self.name).inc(sum(len(memoryview(f)) for f in frames))
+
+
+class PullChannel(_Channel):
+    """The receiving end: decodes into ``expected`` and skips (and counts) anything malformed."""
+
+    def __init__(self, name: str, expected: type, hwm: int = 64, limits: Limits | None = None) -> None:
+        super().__init__(zmq.PULL, name, hwm)
+        limits = limits or Limits()
+        self.decoder = Decoder(expected, limits)
+        # Refuse oversized messages inside libzmq, before they are even buffered.
+        self.socket.setsockopt(zmq.MAXMSGSIZE, limits.max_bytes)
+        self.malformed = 0
+        self._logged_fields: set[str] = set()
+
+    def recv(self, timeout_s: float | None = None) -> Any | None:
+        """The next well-formed message, or None when none arrived within ``timeout_s``."""
+        deadline_ms = None if timeout_s is None else int(timeout_s * 1000)
+        while True:
+            if not self.socket.poll(deadline_ms, zmq.POLLIN):
+                return None
+            frames = self.socket.recv_multipart(copy=False)
+            try:
+                message = self.decoder.decode(frames)
+            except WireError as exc:
+                self._count_malformed(exc)
+                continue  # skip it and keep waiting for a good one
+            CHANNEL_RECEIVED.labels(self.name).inc()
+            return message
+
+    def _count_malformed(self, exc: WireError) -> None:
+        self.malformed += 1
+        WIRE_MALFORMED.labels(self.name, exc.field).inc()
+        if exc.field not in self._logged_fields:
+            self._logged_fields.add(exc.field)
+            log.warning(
+                "dropped a malformed message (logged once per field)",
+                channel=self.name,
+                field=exc.field,
+                reason=exc.reason,
+                action="check that every process runs the same asyncrl version",
+            )

@@ -1,0 +1,348 @@
+"""The run configuration: one validated schema for a whole run, loaded from TOML.
+
+Every field's docstring is its help text (``rl-learner config --help-fields`` prints them).
+A config file may name a ``preset`` (a TOML file in ``configs/``) that it overlays; then
+``--set a.b=c`` overrides apply, then validation. The resolved config is written to
+``runs/<name>/config.json`` and published to Redis, so that an actor started with only
+``--redis URL --run NAME`` works from exactly the same settings as the learner.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names each bad field and what is allowed."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class RunSection(Section):
+    name: str = Field("demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    """Run name: the Redis namespace and the folder under ``root``."""
+    root: str = "runs"
+    """Folder that holds one sub-folder per run."""
+    seed: int = 0
+    """Seed for prompt order, sampling and initialisation."""
+
+
+class ModelSection(Section):
+    path: str = "runs/models/tiny-arith"
+    """Hugging Face checkpoint folder (local; nothing is fetched from a hub)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Precision of the policy weights on actors and learner."""
+    max_model_len: int = Field(512, ge=16)
+    """Longest prompt + response in tokens."""
+
+
+class RolloutSection(Section):
+    num_samples: int = Field(8, ge=1, le=4096)
+    """Responses sampled per prompt (the group size K)."""
+    max_new_tokens: int = Field(64, ge=1)
+    """Longest response in tokens."""
+    temperature: float = Field(1.0, ge=0.0)
+    """Sampling temperature; 1.0 keeps the behaviour log-probs those of the policy itself."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass."""
+    stop: list[str] = Field(default_factory=list)
+    """Strings that end a response."""
+    max_groups_in_flight: int = Field(16, ge=1)
+    """Prompt groups one actor generates at once."""
+    kv_cache_bytes: int = Field(256 * 2**20, ge=2**20)
+    """KV-cache size per vLLM engine in bytes (set explicitly on CPUs)."""
+    cpu_threads: str = ""
+    """vLLM CPU cores to bind, e.g. ``0`` or ``0-3`` (``VLLM_CPU_OMP_THREADS_BIND``); empty = vLLM's choice."""
+    enforce_eager: bool = True
+    """Disable CUDA graphs / compilation (required on CPUs, faster start everywhere)."""
+
+
+class RewardFunction(Section):
+    name: str
+    """Registered reward function, e.g. ``task``, ``format``, ``overlong``, ``code_tests``, ``reward_model``."""
+    weight: float = 1.0
+    """Weight of this function in the summed reward."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Settings passed to the function."""
+
+
+class RewardSection(Section):
+    functions: list[RewardFunction] = Field(default_factory=lambda: [RewardFunction(name="task")])
+    """Reward functions summed with their weights."""
+    timeout_s: float = Field(10.0, gt=0)
+    """Per-call time limit of a reward function."""
+    retries: int = Field(2, ge=0)
+    """Retries of a call that timed out or failed before the group is dead-lettered."""
+
+
+class TaskSection(Section):
+    name: str = "arithmetic"
+    """Prompt source: a built-in task (``arithmetic``, ``reverse``, ``countdown``) or ``file``."""
+    path: str = ""
+    """JSONL/Parquet file with ``prompt`` and ``answer`` fields, when ``name = "file"``."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Task settings, e.g. digit counts."""
+
+
+class AlgorithmSection(Section):
+    preset: str = "grpo"
+    """Name of the algorithm this config was built from (informational once resolved)."""
+    advantage: str = "grpo"
+    """Registered advantage estimator."""
+    loss: str = "ppo_clip"
+    """Registered policy loss."""
+    aggregation: str = "token_mean"
+    """Registered loss aggregation."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Settings of the chosen estimator, loss and aggregation (validated by their own types)."""
+    kl_coef: float = Field(0.0, ge=0.0)
+    """Weight of the KL penalty to the reference model."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator (Schulman 2020): k1 = log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r."""
+    entropy_coef: float = Field(0.0, ge=0.0)
+    """Weight of the entropy bonus."""
+
+
+class LearnerSection(Section):
+    steps: int = Field(50, ge=1)
+    """Optimizer steps in the run."""
+    groups_per_step: int = Field(8, ge=1)
+    """Prompt groups in one training batch."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Sequences per forward/backward pass."""
+    lr: float = Field(1e-5, gt=0.0)
+    """Peak learning rate."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW weight decay."""
+    grad_clip: float = Field(1.0, ge=0.0)
+    """Gradient norm clip (0 disables)."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear learning-rate warm-up."""
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    """DeepSpeed ZeRO stage."""
+    precision: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Training precision."""
+    offload: bool = False
+    """Offload optimizer state to CPU memory (ZeRO 1-3)."""
+
+
+class StalenessSection(Section):
+    max_staleness: int = Field(1, ge=0)
+    """Versions a token may lag the policy being trained; 0 = synchronous on-policy training."""
+    correction: Literal["none", "truncate", "mask"] = "truncate"
+    """Off-policy correction by π_old/μ: ``none`` uses μ as π_old; ``truncate`` caps the weight; ``mask`` drops tokens outside the band."""  # noqa: E501
+    level: Literal["token", "sequence"] = "token"
+    """Level at which the importance weight is computed."""
+    cap: float = Field(2.0, gt=1.0)
+    """Upper cap (truncate) or upper band edge (mask) of the importance weight."""
+
+
+class TransportSection(Section):
+    redis_url: str = ""
+    """Redis URL; empty = start an embedded redis-server in the run folder."""
+    zmq_endpoint: str = "tcp://127.0.0.1:0"
+    """Where reward workers bind their PULL socket for rollouts (port 0 = pick a free one)."""
+    zmq_hwm: int = Field(64, ge=1)
+    """ZeroMQ high-water mark in messages: senders block beyond it (back-pressure)."""
+    curve_server_key: str = ""
+    """Path of the CURVE server secret key file (required when binding beyond loopback)."""
+    curve_client_keys: str = ""
+    """Folder of authorised CURVE client public keys."""
+    max_message_mb: float = Field(64.0, gt=0)
+    """Largest accepted message; bigger ones are rejected and counted."""
+    replay_maxlen: int = Field(10_000, ge=10)
+    """Approximate cap of the replay stream (``XADD MAXLEN ~``)."""
+    heartbeat_s: float = Field(2.0, gt=0)
+    """Seconds between heartbeats."""
+    heartbeat_ttl_s: float = Field(10.0, gt=0)
+    """A process whose heartbeat is older than this is considered dead."""
+
+    @model_validator(mode="after")
+    def _ttl_exceeds_period(self) -> TransportSection:
+        if self.heartbeat_ttl_s <= self.heartbeat_s:
+            raise ValueError("heartbeat_ttl_s must exceed heartbeat_s, or live processes would expire")
+        return self
+
+
+class WeightSyncSection(Section):
+    sync_every: int = Field(1, ge=1)
+    """Broadcast new weights every this many optimizer steps."""
+    bucket_mb: float = Field(256.0, gt=0)
+    """Size of one flat broadcast bucket."""
+    timeout_s: float = Field(60.0, gt=0)
+    """Time limit of one collective; an actor that misses it is evicted."""
+
+
+class CheckpointSection(Section):
+    every: int = Field(0, ge=0)
+    """Save every this many steps (0 = only at the end and on SIGTERM)."""
+    keep: int = Field(2, ge=1)
+    """Most recent checkpoints kept (plus the best by reward)."""
+
+
+class MonitoringSection(Section):
+    metrics_port: int = Field(0, ge=0, le=65535)
+    """Prometheus /metrics port; 0 = pick a free one and register it in Redis."""
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Log level of every process."""
+    samples_every: int = Field(5, ge=0)
+    """Write a handful of prompts and responses to samples.jsonl every this many steps (0 = never)."""
+
+
+class RunConfig(Section):
+    """A whole run. Sections group the settings of each part of the system."""
+
+    run: RunSection = Field(default_factory=RunSection)
+    model: ModelSection = Field(default_factory=ModelSection)
+    task: TaskSection = Field(default_factory=TaskSection)
+    rollout: RolloutSection = Field(default_factory=RolloutSection)
+    reward: RewardSection = Field(default_factory=RewardSection)
+    algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
+    learner: LearnerSection = Field(default_factory=LearnerSection)
+    staleness: StalenessSection = Field(default_factory=StalenessSection)
+    transport: TransportSection = Field(default_factory=TransportSection)
+    weight_sync: WeightSyncSection = Field(default_factory=WeightSyncSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    monitoring: MonitoringSection = Field(default_factory=MonitoringSection)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.root) / self.run.name
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> RunConfig:
+        return _validated(json.loads(text))
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """The config in ``path`` (over its ``preset``, if any) with ``key.path=value`` overrides applied."""
+    data: dict[str, Any] = _read_toml_with_preset(Path(path)) if path else {}
+    for item in overrides:
+        key, value = _parse_override(item)
+        _set_dotted(data, key, value)
+    return _validated(data)
+
+
+def _read_toml_with_preset(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    if path in seen:
+        raise ConfigError(f"{path}: preset cycle through {' -> '.join(map(str, seen))}")
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    base_name = data.pop("preset", None)
+    if base_name is None:
+        return data
+    base_path = _preset_path(str(base_name), path.parent)
+    return _deep_merge(_read_toml_with_preset(base_path, (*seen, path)), data)
+
+
+def _preset_path(name: str, relative_to: Path) -> Path:
+    for candidate in (relative_to / name, relative_to / f"{name}.toml", CONFIG_DIR / f"{name}.toml"):
+        if candidate.is_file():
+            return candidate
+    known = sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
+    raise ConfigError(f"preset {name!r} not found; known presets: {', '.join(known) or 'none'}")
+
+
+def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    """``a.b=c`` → (``a.b``, value); the value is read as TOML (``3``, ``true``, ``[1,2]``) or else a string."""
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"override {item!r} is not of the form section.field=value")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return key, value
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {key!r}: {part!r} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _validated(data: dict[str, Any]) -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_explain(exc)) from None
+
+
+def _explain(exc: ValidationError) -> str:
+    lines = [f"invalid config ({exc.error_count()} problem{'s' * (exc.error_count() > 1)}):"]
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = f"unknown field; allowed here: {', '.join(_allowed_fields(err['loc'][:-1]))}"
+        got = "" if err["type"] == "missing" else f" (got {err.get('input')!r})"
+        lines.append(f"  {where}: {msg}{got}")
+    return "\n".join(lines)
+
+
+def _allowed_fields(loc: tuple[Any, ...]) -> list[str]:
+    model: Any = RunConfig
+    for part in loc:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+            return ["(see the config reference)"]
+        model = field.annotation
+    return sorted(model.model_fields)
+
+
+def field_help(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted name, default, docstring) of every field: the config reference."""
+    rows = []
+    for name, info in model.model_fields.items():
+        ann = info.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            rows += field_help(ann, f"{prefix}{name}.")
+            continue
+        default = info.get_default(call_default_factory=True)
+        rows.append((f"{prefix}{name}", json.dumps(default, default=str), info.description or ""))
+    return rows
+
+
+def write_resolved(config: RunConfig) -> Path:
+    """Write ``runs/<name>/config.json`` (creating the run folder) and return its path."""
+    config.run_dir.mkdir(parents=True, exist_ok=True)
+    out = config.run_dir / "config.json"
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(config.to_json())
+    tmp.replace(out)
+    return out

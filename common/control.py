@@ -1,0 +1,219 @@
+"""The run's control plane in Redis: config, policy version, process registry, prompt queue, ledger.
+
+Every key of a run lives under ``asyncrl:<run>:`` (see :class:`RunKeys`), so several runs can
+share one Redis and ``redis-cli --scan --pattern 'asyncrl:<run>:*'`` shows everything of one.
+
+Delivery semantics:
+
+- **prompt queue** (a list): FIFO; ``take_prompt`` pops atomically, so each group goes to one
+  actor. A group that an actor gives back (SIGTERM) goes to the *front*. A group popped by an
+  actor that then dies is not in the queue any more: the in-flight ledger (issue time, actor)
+  is what lets the dispatcher find and re-issue it.
+- **registry**: a heartbeat key per process with a TTL, plus a set of every process ever seen.
+  A member of the set whose key has expired has died (or was killed) without saying goodbye.
+- **dead letters**: anything undecodable goes to the ``dead`` stream with its source and the
+  reason, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from common.config import RunConfig
+from common.logs import get_logger
+from common.wire import Decoder, Heartbeat, Limits, PromptGroup, WireError, decode_blob, encode_blob
+
+if TYPE_CHECKING:
+    import redis
+
+log = get_logger("control")
+DEAD_LETTER_MAXLEN = 10_000
+
+
+class RunNotFoundError(LookupError):
+    """The run has no published config in this Redis."""
+
+
+@dataclass(frozen=True)
+class RunKeys:
+    """The names of every Redis key of one run."""
+
+    run: str
+
+    def _k(self, name: str) -> str:
+        return f"asyncrl:{self.run}:{name}"
+
+    @property
+    def config(self) -> str:
+        return self._k("config")
+
+    @property
+    def version(self) -> str:
+        return self._k("version")
+
+    @property
+    def manifest(self) -> str:
+        return self._k("manifest")
+
+    @property
+    def processes(self) -> str:
+        return self._k("processes")
+
+    def heartbeat(self, process_id: str) -> str:
+        return self._k(f"heartbeat:{process_id}")
+
+    @property
+    def prompts(self) -> str:
+        return self._k("prompts")
+
+    @property
+    def inflight(self) -> str:
+        return self._k("inflight")
+
+    @property
+    def replay(self) -> str:
+        return self._k("replay")
+
+    @property
+    def dead(self) -> str:
+        return self._k("dead")
+
+
+def connect(url: str) -> redis.Redis:
+    """A Redis client with sane time limits (a dead server raises instead of hanging forever)."""
+    import redis
+
+    return redis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=30)
+
+
+def dead_letter(client: redis.Redis, keys: RunKeys, source: str, reason: str, payload: bytes) -> None:
+    """Keep an unacceptable message with where it came from and why it was refused."""
+    fields = {"source": source, "reason": reason, "payload": payload, "at": f"{time.time():.3f}"}
+    client.xadd(keys.dead, fields, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    """Where one issued prompt group is: when and at which version it was issued, and by whom it is held."""
+
+    issued_at: float
+    version: int
+    actor: str = ""
+    attempts: int = 1
+
+
+class ControlPlane:
+    """Typed access to one run's control keys."""
+
+    def __init__(self, client: redis.Redis, run: str, limits: Limits | None = None) -> None:
+        self.client = client
+        self.keys = RunKeys(run)
+        self._prompt_decoder = Decoder(PromptGroup, limits)
+        self._heartbeat_decoder = Decoder(Heartbeat, limits)
+
+    # -- config and version
+    def publish_config(self, config: RunConfig) -> None:
+        self.client.set(self.keys.config, config.to_json())
+
+    def read_config(self) -> RunConfig:
+        raw = self.client.get(self.keys.config)
+        if raw is None:
+            raise RunNotFoundError(
+                f"no run {self.keys.run!r} in this Redis: start `rl-learner` for it first, or check --run and --redis"
+            )
+        return RunConfig.from_json(raw)
+
+    def version(self) -> int:
+        return int(self.client.get(self.keys.version) or 0)
+
+    def set_version(self, version: int) -> None:
+        self.client.set(self.keys.version, version)
+
+    # -- process registry
+    def beat(self, heartbeat: Heartbeat, ttl_s: float) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        pipe.set(self.keys.heartbeat(heartbeat.process_id), encode_blob(heartbeat), px=int(ttl_s * 1000))
+        pipe.sadd(self.keys.processes, heartbeat.process_id)
+        pipe.execute()
+
+    def leave(self, process_id: str) -> None:
+        """A clean goodbye: the process is removed from the registry at once."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.delete(self.keys.heartbeat(process_id))
+        pipe.srem(self.keys.processes, process_id)
+        pipe.execute()
+
+    def processes(self) -> tuple[list[Heartbeat], list[str]]:
+        """(live heartbeats, ids of processes whose heartbeat expired)."""
+        ids = sorted(m.decode() for m in self.client.smembers(self.keys.processes))
+        blobs = self.client.mget([self.keys.heartbeat(i) for i in ids]) if ids else []
+        live, lost = [], []
+        for pid, blob in zip(ids, blobs, strict=True):
+            if blob is None:
+                lost.append(pid)
+                continue
+            try:
+                live.append(decode_blob(self._heartbeat_decoder, blob))
+            except WireError as exc:
+                log.warning("unreadable heartbeat", process=pid, field=exc.field, reason=exc.reason)
+                lost.append(pid)
+        return live, lost
+
+    def forget(self, process_ids: Iterable[str]) -> None:
+        ids = list(process_ids)
+        if ids:
+            self.client.srem(self.keys.processes, *ids)
+
+    # -- prompt queue
+    def push_prompts(self, groups: Iterable[PromptGroup]) -> int:
+        blobs = [encode_blob(g) for g in groups]
+        return self.client.lpush(self.keys.prompts, *blobs) if blobs else self.queue_depth()
+
+    def take_prompt(self, actor: str, timeout_s: float = 1.0) -> PromptGroup | None:
+        """Pop the oldest prompt group (blocking up to ``timeout_s``) and record ``actor`` as its holder."""
+        item = self.client.brpop([self.keys.prompts], timeout=timeout_s)
+        if item is None:
+            return None
+        blob = item[1]
+        try:
+            group = decode_blob(self._prompt_decoder, blob)
+        except WireError as exc:
+            log.warning("dead-lettered a malformed prompt group", field=exc.field, reason=exc.reason)
+            dead_letter(self.client, self.keys, "prompts", str(exc), blob)
+            return None
+        self._update_ledger(group.group_id, actor=actor)
+        return group
+
+    def return_prompts(self, groups: Iterable[PromptGroup]) -> None:
+        """Give unfinished groups back; they are taken next (front of the queue)."""
+        for group in groups:
+            self.client.rpush(self.keys.prompts, encode_blob(group))
+            self._update_ledger(group.group_id, actor="")
+
+    def queue_depth(self) -> int:
+        return int(self.client.llen(self.keys.prompts))
+
+    # -- in-flight ledger
+    def record_issued(self, groups: Iterable[PromptGroup]) -> None:
+        mapping = {g.group_id: json.dumps(LedgerEntry(g.issued_at, g.issued_version).__dict__) for g in groups}
+        if mapping:
+            self.client.hset(self.keys.inflight, mapping=mapping)
+
+    def _update_ledger(self, group_id: str, **changes: Any) -> None:
+        raw = self.client.hget(self.keys.inflight, group_id)
+        if raw is None:
+            return  # issued by someone who keeps no ledger (e.g. a test or a tool)
+        entry = {**json.loads(raw), **changes}
+        self.client.hset(self.keys.inflight, group_id, json.dumps(entry))
+
+    def complete(self, group_ids: Iterable[str]) -> None:
+        ids = list(group_ids)
+        if ids:
+            self.client.hdel(self.keys.inflight, *ids)
+
+    def ledger(self) -> dict[str, LedgerEntry]:
+        return {k.decode(): LedgerEntry(**json.loads(v)) for k, v in self.client.hgetall(self.keys.inflight).items()}

@@ -1,0 +1,30 @@
+"""Prometheus metrics shared by every process, named ``asyncrl_<component>_<what>_<unit>``.
+
+Counters live in the default registry; a process exposes them with :func:`serve`.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, start_http_server
+
+WIRE_MALFORMED = Counter(
+    "asyncrl_wire_malformed_messages_total",
+    "Messages refused by a decoder, by channel and offending field.",
+    ["channel", "field"],
+)
+CHANNEL_SENT = Counter("asyncrl_channel_sent_messages_total", "Messages sent on a ZeroMQ channel.", ["channel"])
+CHANNEL_SENT_BYTES = Counter("asyncrl_channel_sent_bytes_total", "Bytes sent on a ZeroMQ channel.", ["channel"])
+CHANNEL_RECEIVED = Counter(
+    "asyncrl_channel_received_messages_total", "Well-formed messages received on a ZeroMQ channel.", ["channel"]
+)
+REPLAY_ENTRIES_ADDED = Counter("asyncrl_replay_entries_added_total", "Scored groups added to the replay stream.")
+REPLAY_ENTRIES_READ = Counter("asyncrl_replay_entries_read_total", "Scored groups read from the replay stream.")
+REPLAY_DEAD_LETTERS = Counter(
+    "asyncrl_replay_dead_letters_total", "Replay entries moved to the dead-letter stream.", ["field"]
+)
+
+
+def serve(port: int = 0, addr: str = "0.0.0.0") -> int:
+    """Serve ``/metrics`` over HTTP on ``port`` (0 = a free one); returns the port."""
+    server, _thread = start_http_server(port, addr)
+    return int(server.server_port)

@@ -1,0 +1,151 @@
+"""The replay queue: scored groups in a Redis stream, read by the learner through a consumer group.
+
+Delivery semantics (Redis streams, https://redis.io/docs/latest/develop/data-types/streams/):
+
+- **Order**: entries are read in the order they were added (stream ids grow monotonically).
+- **At least once**: an entry read with ``XREADGROUP`` stays in the consumer's pending list
+  until :meth:`ReplayReader.ack` — call it only after the step that used the entry has been
+  applied. A consumer that restarts under the same name gets its own pending entries back
+  first; a consumer that died under another name has its entries claimed (``XAUTOCLAIM``)
+  once they have been idle for ``claim_idle_s``.
+- **Durability**: with AOF (``appendfsync everysec``) a restarted Redis keeps every entry
+  and every pending list; a crash of the *machine* may lose the last second.
+- **Bound**: ``XADD MAXLEN ~ n`` trims the oldest entries once the stream holds about ``n``.
+  Trimming also removes entries that were read but not acknowledged — size ``n`` well above
+  what the learner holds in flight.
+- **Bad entries**: an entry that does not decode is copied to the dead-letter stream with the
+  reason, acknowledged, and skipped; the reader keeps going.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from common.control import RunKeys, dead_letter
+from common.logs import get_logger
+from common.metrics import REPLAY_DEAD_LETTERS, REPLAY_ENTRIES_ADDED, REPLAY_ENTRIES_READ
+from common.wire import Decoder, Limits, ScoredGroup, WireError, decode_blob, encode_blob
+
+if TYPE_CHECKING:
+    import redis
+
+log = get_logger("replay")
+_BLOB_FIELD = b"m"
+
+
+@dataclass(frozen=True)
+class ReplayEntry:
+    entry_id: str
+    group: ScoredGroup
+
+
+class ReplayWriter:
+    """Appends scored groups to the run's replay stream (used by reward workers)."""
+
+    def __init__(self, client: redis.Redis, keys: RunKeys, maxlen: int = 10_000) -> None:
+        self.client = client
+        self.keys = keys
+        self.maxlen = maxlen
+
+    def add(self, groups: Sequence[ScoredGroup]) -> list[str]:
+        """XADD every group in one round trip; returns their stream ids."""
+        pipe = self.client.pipeline(transaction=False)
+        for group in groups:
+            pipe.xadd(self.keys.replay, {_BLOB_FIELD: encode_blob(group)}, maxlen=self.maxlen, approximate=True)
+        ids = [i.decode() for i in pipe.execute()]
+        REPLAY_ENTRIES_ADDED.inc(len(ids))
+        return ids
+
+
+class ReplayReader:
+    """Reads scored groups as one consumer of the learner's consumer group."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: RunKeys,
+        consumer: str = "learner-0",
+        group: str = "learner",
+        limits: Limits | None = None,
+        claim_idle_s: float = 30.0,
+    ) -> None:
+        self.client = client
+        self.keys = keys
+        self.consumer = consumer
+        self.group = group
+        self.claim_idle_s = claim_idle_s
+        self.decoder = Decoder(ScoredGroup, limits)
+        self._create_group()
+
+    def _create_group(self) -> None:
+        import redis
+
+        try:
+            self.client.xgroup_create(self.keys.replay, self.group, id="0", mkstream=True)
+        except redis.exceptions.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def recover(self, count: int = 1000) -> list[ReplayEntry]:
+        """Entries read before but never acknowledged: this consumer's own, then idle ones of others."""
+        own = self.client.xreadgroup(self.group, self.consumer, {self.keys.replay: "0"}, count=count)
+        entries = self._decode_all(own[0][1] if own else [])
+        entries += self._claim_idle(count)
+        if entries:
+            log.info("recovered unacknowledged replay entries", count=len(entries), consumer=self.consumer)
+        return entries
+
+    def _claim_idle(self, count: int) -> list[ReplayEntry]:
+        entries: list[ReplayEntry] = []
+        start = "0-0"
+        idle_ms = int(self.claim_idle_s * 1000)
+        while True:
+            reply = self.client.xautoclaim(
+                self.keys.replay, self.group, self.consumer, idle_ms, start_id=start, count=count
+            )
+            start, claimed = reply[0], reply[1]
+            entries += self._decode_all(claimed)
+            if start in (b"0-0", "0-0") or len(entries) >= count:
+                return entries
+
+    def read(self, count: int, block_ms: int = 1000) -> list[ReplayEntry]:
+        """Up to ``count`` new entries, waiting at most ``block_ms`` for the first."""
+        reply = self.client.xreadgroup(self.group, self.consumer, {self.keys.replay: ">"}, count=count, block=block_ms)
+        return self._decode_all(reply[0][1] if reply else [])
+
+    def ack(self, entry_ids: Iterable[str]) -> int:
+        ids = list(entry_ids)
+        return int(self.client.xack(self.keys.replay, self.group, *ids)) if ids else 0
+
+    def _decode_all(self, raw: list[tuple[bytes, dict[bytes, bytes] | None]]) -> list[ReplayEntry]:
+        entries = []
+        for entry_id, fields in raw:
+            eid = entry_id.decode()
+            if fields is None:  # the entry was trimmed away while it was pending
+                self.ack([eid])
+                continue
+            try:
+                entries.append(ReplayEntry(eid, decode_blob(self.decoder, fields.get(_BLOB_FIELD, b""))))
+            except WireError as exc:
+                self._reject(eid, fields, exc)
+        REPLAY_ENTRIES_READ.inc(len(entries))
+        return entries
+
+    def _reject(self, entry_id: str, fields: dict[bytes, bytes], exc: WireError) -> None:
+        log.warning(
+            "dead-lettered an undecodable replay entry",
+            entry=entry_id,
+            field=exc.field,
+            reason=exc.reason,
+            action=f"inspect with XRANGE {self.keys.dead} - +",
+        )
+        dead_letter(self.client, self.keys, f"replay:{entry_id}", str(exc), fields.get(_BLOB_FIELD, b""))
+        REPLAY_DEAD_LETTERS.labels(field=exc.field).inc()
+        self.ack([entry_id])
+
+    def depth(self) -> dict[str, int]:
+        """Stream length and entries pending (read, not yet acknowledged) in this consumer group."""
+        pending = self.client.xpending(self.keys.replay, self.group)
+        return {"length": int(self.client.xlen(self.keys.replay)), "pending": int(pending["pending"])}
