@@ -1,0 +1,301 @@
+"""Prompt sources: small seeded tasks with ground truth, and user data files.
+
+A task turns a ``random.Random`` into a :class:`TaskExample` (a prompt and the answer its
+verifier checks against; see ``actors/verifiers.py``, whose registry uses the same names).
+Tasks are registered by name, so the run config's ``task.name`` selects one and
+``task.options`` are its constructor's keyword arguments::
+
+    task = get_task("arithmetic", ops="+-", max_digits=3)
+    example = task.sample(random.Random(0))   # TaskExample(prompt='...=', answer='...')
+
+Every prompt and answer uses only :data:`TASK_ALPHABET`, from which the tiny model's
+character-level tokenizer is built: a character outside it could not be tokenized.
+
+Built-in formats (the prompt ends with ``=``; the model continues with the answer):
+
+==============  ========================  ==================================================
+task            prompt                    answer
+==============  ========================  ==================================================
+``arithmetic``  ``12+7=``                 ``19``
+``reverse``     ``rev:abcde=``            ``edcba``
+``countdown``   ``cd:3,5,7>22=``          ``{"numbers": [3, 5, 7], "target": 22, "solution": "(3*5)+7"}``
+``file``        the file's ``prompt``     the file's ``answer`` (JSON-encoded when not a string)
+==============  ========================  ==================================================
+
+Countdown: reach the target with ``+ - * /`` over the given numbers, each used at most once
+(not all need be used). The generator builds the target from a random expression over a subset
+of the numbers, so every example has a solution; it is kept in the answer as ``solution``
+(verifiers ignore it; a supervised warm-start can learn from it).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+TASK_ALPHABET = '0123456789abcdefghijklmnopqrstuvwxyz+-*/=()<>:,{}[]" \n'
+"""Every character a prompt or answer may contain, in a fixed order (a tokenizer's id order)."""
+
+_ALPHABET_SET = frozenset(TASK_ALPHABET)
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def outside_alphabet(text: str) -> set[str]:
+    """The characters of ``text`` that are not in :data:`TASK_ALPHABET` (empty when all are)."""
+    return set(text) - _ALPHABET_SET
+
+
+@dataclass(frozen=True)
+class TaskExample:
+    """One prompt and the ground truth its verifier compares the model's response with."""
+
+    prompt: str
+    answer: str
+    """A plain string; for structured tasks (countdown) a JSON document."""
+
+
+class Task(ABC):
+    """A source of prompts. Subclasses register with :func:`register_task`, which sets ``name``."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def sample(self, rng: random.Random) -> TaskExample:
+        """Draw one example; all randomness comes from ``rng``, so a seed fixes the sequence."""
+
+    def fresh(self) -> Task:
+        """This task with no position in its data (stateless tasks return themselves)."""
+        return self
+
+    def write_jsonl(self, path: str | Path, n: int, seed: int) -> Path:
+        """Write ``n`` examples drawn with ``random.Random(seed)`` as JSONL rows ``{"prompt", "answer"}``.
+
+        Draws from :meth:`fresh`, so the same seed writes the same file, whatever this task drew before.
+        """
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        rng, task = random.Random(seed), self.fresh()
+        with path.open("w", encoding="utf-8") as f:
+            for _ in range(n):
+                f.write(json.dumps(asdict(task.sample(rng))) + "\n")
+        return path
+
+
+# --------------------------------------------------------------------------- registry
+
+_TASKS: dict[str, type[Task]] = {}
+
+
+def register_task(name: str) -> Callable[[type[Task]], type[Task]]:
+    """Class decorator: register a :class:`Task` under ``name``; a different class claiming it raises."""
+
+    def wrap(cls: type[Task]) -> type[Task]:
+        taken = _TASKS.get(name)
+        if taken is not None and taken is not cls:
+            raise ValueError(f"task name {name!r} already registered by {taken.__qualname__}")
+        cls.name = name
+        _TASKS[name] = cls
+        return cls
+
+    return wrap
+
+
+def task_names() -> list[str]:
+    """Names of the registered tasks, sorted."""
+    return sorted(_TASKS)
+
+
+def get_task(name: str, **options: Any) -> Task:
+    """Build the task registered as ``name`` with ``options`` (its constructor's keyword arguments)."""
+    cls = _TASKS.get(name)
+    if cls is None:
+        raise ValueError(f"unknown task {name!r}; registered: {', '.join(task_names())}")
+    try:
+        inspect.signature(cls).bind(**options)
+    except TypeError as e:
+        raise ValueError(f"task {name!r}: bad options {sorted(options)}: {e}") from None
+    return cls(**options)
+
+
+def _check_range(task: str, option: str, value: int, low: int, high: int) -> None:
+    if not (isinstance(value, int) and low <= value <= high):
+        raise ValueError(f"task {task!r}: {option} must be an integer in [{low}, {high}], got {value!r}")
+
+
+# --------------------------------------------------------------------------- built-in tasks
+
+
+@register_task("arithmetic")
+class ArithmeticTask(Task):
+    """``a+b=``, ``a-b=`` or ``a*b=`` over non-negative integers of up to ``max_digits`` digits."""
+
+    _OPS: ClassVar[dict[str, Callable[[int, int], int]]] = {
+        "+": lambda a, b: a + b,
+        "-": lambda a, b: a - b,
+        "*": lambda a, b: a * b,
+    }
+
+    def __init__(self, ops: str = "+*", max_digits: int = 2) -> None:
+        if not ops or set(ops) - set(self._OPS):
+            raise ValueError(f"task 'arithmetic': ops must be a non-empty string over '+-*', got {ops!r}")
+        _check_range("arithmetic", "max_digits", max_digits, 1, 9)
+        self.ops = "".join(sorted(set(ops), key=ops.index))
+        self.max_digits = max_digits
+
+    def sample(self, rng: random.Random) -> TaskExample:
+        high = 10**self.max_digits - 1
+        a, b, op = rng.randint(0, high), rng.randint(0, high), rng.choice(self.ops)
+        return TaskExample(f"{a}{op}{b}=", str(self._OPS[op](a, b)))
+
+
+@register_task("reverse")
+class ReverseTask(Task):
+    """``rev:abcde=`` → ``edcba``: reverse a random lowercase string of ``min_length``..``max_length``."""
+
+    def __init__(self, min_length: int = 3, max_length: int = 8) -> None:
+        _check_range("reverse", "min_length", min_length, 1, 256)
+        _check_range("reverse", "max_length", max_length, min_length, 256)
+        self.min_length, self.max_length = min_length, max_length
+
+    def sample(self, rng: random.Random) -> TaskExample:
+        text = "".join(rng.choices(_LETTERS, k=rng.randint(self.min_length, self.max_length)))
+        return TaskExample(f"rev:{text}=", text[::-1])
+
+
+@register_task("countdown")
+class CountdownTask(Task):
+    """``cd:3,5,7>22=``: reach the target with ``+ - * /`` over the numbers, each used at most once.
+
+    ``count`` numbers are drawn from 1..``max_number`` (repeats allowed). The target is the value of a
+    random expression tree over 2..``count`` of them whose every intermediate value is a positive integer
+    (subtraction only when it stays positive, division only when exact), so a solution always exists.
+    """
+
+    def __init__(self, count: int = 3, max_number: int = 10) -> None:
+        _check_range("countdown", "count", count, 2, 6)
+        _check_range("countdown", "max_number", max_number, 1, 100)
+        self.count, self.max_number = count, max_number
+
+    def sample(self, rng: random.Random) -> TaskExample:
+        numbers = [rng.randint(1, self.max_number) for _ in range(self.count)]
+        used = rng.sample(numbers, rng.randint(2, self.count))
+        solution, target = _random_expression(used, rng)
+        answer = json.dumps({"numbers": numbers, "target": target, "solution": solution})
+        return TaskExample(f"cd:{','.join(map(str, numbers))}>{target}=", answer)
+
+
+def _random_expression(numbers: list[int], rng: random.Random) -> tuple[str, int]:
+    """A random expression using each of ``numbers`` once (compound operands in parentheses), and its value."""
+    if len(numbers) == 1:
+        return str(numbers[0]), numbers[0]
+    split = rng.randint(1, len(numbers) - 1)
+    (left, a), (right, b) = _random_expression(numbers[:split], rng), _random_expression(numbers[split:], rng)
+    ops = ["+", "*"] + (["-"] if a > b else []) + (["/"] if a % b == 0 else [])
+    op = rng.choice(ops)
+    value = {"+": a + b, "-": a - b, "*": a * b, "/": a // b}[op]
+    return f"{_operand(left)}{op}{_operand(right)}", value
+
+
+def _operand(expr: str) -> str:
+    """``expr`` as an operand of a larger expression: a number stays bare, a compound one gets parentheses."""
+    return expr if expr.isdigit() else f"({expr})"
+
+
+# --------------------------------------------------------------------------- user data
+
+
+class TaskFileError(ValueError):
+    """A data file that cannot be used; the message names the file and the line (or row)."""
+
+
+@register_task("file")
+class FileTask(Task):
+    """Examples from a user JSONL or Parquet file with ``prompt`` and ``answer`` fields.
+
+    Rows are read once, then served in a shuffled order that is drawn from the ``rng`` passed to
+    :meth:`sample` at the start of every pass, so each pass visits every row exactly once and a seed
+    fixes the whole sequence. The position is state: one task object serves one stream.
+    A non-string ``answer`` (a countdown object, a number) is stored JSON-encoded. With
+    ``check_alphabet`` (the default) a character outside :data:`TASK_ALPHABET` is an error, because
+    the character-level tokenizer could not encode it.
+    """
+
+    def __init__(self, path: str | Path, check_alphabet: bool = True) -> None:
+        self.path = Path(path)
+        self.check_alphabet = check_alphabet
+        self.examples = _read_examples(self.path, check_alphabet)
+        self._order: list[int] = []
+        self._next = 0
+
+    def sample(self, rng: random.Random) -> TaskExample:
+        if self._next >= len(self._order):
+            self._order = list(range(len(self.examples)))
+            rng.shuffle(self._order)
+            self._next = 0
+        self._next += 1
+        return self.examples[self._order[self._next - 1]]
+
+    def fresh(self) -> FileTask:
+        task = copy.copy(self)  # shares the read-only rows
+        task._order, task._next = [], 0
+        return task
+
+
+def _read_examples(path: Path, check_alphabet: bool) -> list[TaskExample]:
+    """All rows of a JSONL or Parquet file as examples; raises :class:`TaskFileError` naming the bad row."""
+    if not path.is_file():
+        raise TaskFileError(f"{path}: no such file")
+    rows = _parquet_rows(path) if path.suffix.lower() in (".parquet", ".pq") else _jsonl_rows(path)
+    examples = [_example(row, f"{path}:{where}", check_alphabet) for where, row in rows]
+    if not examples:
+        raise TaskFileError(f"{path}: no examples")
+    return examples
+
+
+def _jsonl_rows(path: Path) -> list[tuple[str, Any]]:
+    """``(line N, parsed object)`` for every non-blank line."""
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append((f"line {number}", json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise TaskFileError(f"{path}:line {number}: not valid JSON ({e.msg})") from None
+    return rows
+
+
+def _parquet_rows(path: Path) -> list[tuple[str, Any]]:
+    """``(row N, dict)`` for every row of a Parquet file (needs pyarrow)."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise TaskFileError(f"{path}: reading Parquet needs the 'pyarrow' package (pip install pyarrow)") from None
+    return [(f"row {number}", row) for number, row in enumerate(pq.read_table(path).to_pylist(), start=1)]
+
+
+def _example(row: Any, where: str, check_alphabet: bool) -> TaskExample:
+    """One row as an example; ``where`` (file and line) names it in every error."""
+    if not isinstance(row, dict):
+        raise TaskFileError(f"{where}: expected an object with 'prompt' and 'answer', got {type(row).__name__}")
+    for field in ("prompt", "answer"):
+        if row.get(field) is None:
+            raise TaskFileError(f"{where}: missing field {field!r}")
+    if not isinstance(row["prompt"], str):
+        raise TaskFileError(f"{where}: field 'prompt' must be a string, got {type(row['prompt']).__name__}")
+    answer = row["answer"] if isinstance(row["answer"], str) else json.dumps(row["answer"])
+    example = TaskExample(row["prompt"], answer)
+    bad = outside_alphabet(example.prompt + example.answer) if check_alphabet else set()
+    if bad:
+        raise TaskFileError(f"{where}: characters outside TASK_ALPHABET: {''.join(sorted(bad))!r}")
+    return example

@@ -1,0 +1,128 @@
+"""ZeroMQ channels on real sockets: delivery across processes, bad input, back-pressure, CURVE."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from common import synthetic
+from common.channel import (
+    ChannelBlocked,
+    CurveClient,
+    CurveServer,
+    InsecureBindError,
+    PullChannel,
+    PushChannel,
+    create_keypair,
+    is_loopback,
+)
+from common.wire import RolloutGroup, encode
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+
+SENDER = textwrap.dedent(
+    """
+    import sys
+    from common import synthetic
+    from common.channel import PushChannel
+    push = PushChannel("rollouts", send_timeout_s=10)
+    push.connect(sys.argv[1])
+    push.socket.send_multipart([b"\\x93garbage"])          # malformed header
+    push.socket.send_multipart([b"\\x01", b"\\x02"])       # not msgpack at all
+    for i in range(int(sys.argv[2])):
+        push.send(synthetic.rollout_group(4, 64, seed=i))
+    push.socket.close(linger=5000)                          # deliver what is queued before exiting
+    """
+)
+
+
+@pytest.fixture
+def pull():
+    channel = PullChannel("rollouts", RolloutGroup, hwm=4)
+    yield channel
+    channel.close()
+
+
+def test_messages_from_another_process_arrive_and_bad_ones_are_skipped(pull) -> None:
+    endpoint = pull.bind("tcp://127.0.0.1:0")
+    sender = subprocess.Popen([sys.executable, "-c", SENDER, endpoint, "5"], cwd=ROOT)
+    try:
+        received = [pull.recv(timeout_s=30) for _ in range(5)]
+        assert sender.wait(30) == 0
+    finally:
+        sender.kill()
+        sender.wait()
+    expected = [synthetic.rollout_group(4, 64, seed=i) for i in range(5)]
+    assert [r.token_ids.tolist() for r in received] == [e.token_ids.tolist() for e in expected]
+    assert pull.malformed == 2
+    assert pull.recv(timeout_s=0.1) is None
+
+
+def test_a_full_queue_blocks_then_raises_instead_of_dropping(pull) -> None:
+    endpoint = pull.bind("tcp://127.0.0.1:0")
+    push = PushChannel("rollouts", hwm=1, send_timeout_s=0.3)
+    push.connect(endpoint)
+    frames = encode(synthetic.rollout_group(8, 1024))
+    sent = 0
+    with pytest.raises(ChannelBlocked, match="peer queue full"):
+        for _ in range(1000):  # nobody receives: both high-water marks fill up
+            push.send_frames(frames)
+            sent += 1
+    assert 1 <= sent < 1000
+    received = 0
+    while pull.recv(timeout_s=0.5) is not None:
+        received += 1
+    assert received == sent  # everything accepted by send() was delivered
+    push.close()
+
+
+def test_binding_beyond_loopback_without_keys_is_refused(pull) -> None:
+    assert is_loopback("tcp://127.0.0.1:5555") and is_loopback("tcp://[::1]:1") and is_loopback("ipc:///tmp/x")
+    assert not is_loopback("tcp://0.0.0.0:5555") and not is_loopback("tcp://*:5555")
+    with pytest.raises(InsecureBindError, match="needs CURVE keys"):
+        pull.bind("tcp://0.0.0.0:0")
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> dict[str, Path]:
+    server_pub, server_sec = create_keypair(tmp_path / "server", "server")
+    _client_pub, client_sec = create_keypair(tmp_path / "authorized", "client")
+    stranger_pub, stranger_sec = create_keypair(tmp_path / "strangers", "stranger")
+    return {
+        "server_pub": server_pub,
+        "server_sec": server_sec,
+        "client_sec": client_sec,
+        "authorized": tmp_path / "authorized",
+        "stranger_pub": stranger_pub,
+        "stranger_sec": stranger_sec,
+    }
+
+
+def _send_one(endpoint: str, curve: CurveClient | None) -> PushChannel:
+    push = PushChannel("rollouts", send_timeout_s=1)
+    push.connect(endpoint, curve)
+    push.send(synthetic.rollout_group(2, 8))
+    return push
+
+
+def test_curve_lets_only_authorised_clients_with_the_server_key_send(pull, keys) -> None:
+    endpoint = pull.bind("tcp://0.0.0.0:0", CurveServer(keys["server_sec"], keys["authorized"]))
+    local = endpoint.replace("0.0.0.0", "127.0.0.1")
+    senders = [
+        _send_one(local, None),  # no encryption at all
+        _send_one(local, CurveClient(keys["stranger_sec"], keys["server_pub"])),  # key not authorised
+        _send_one(local, CurveClient(keys["client_sec"], keys["stranger_pub"])),  # wrong server key
+    ]
+    try:
+        assert pull.recv(timeout_s=1.5) is None
+        senders.append(_send_one(local, CurveClient(keys["client_sec"], keys["server_pub"])))
+        assert isinstance(pull.recv(timeout_s=10), RolloutGroup)
+        assert pull.recv(timeout_s=0.5) is None
+    finally:
+        for sender in senders:
+            sender.close()

@@ -1,0 +1,78 @@
+"""The run config: presets, overrides, validation messages, and the resolved file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from common.config import ConfigError, RunConfig, field_help, load_config, write_resolved
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_defaults_validate() -> None:
+    config = load_config()
+    assert config.rollout.num_samples == 8 and config.staleness.max_staleness == 1
+
+
+def test_overrides_parse_toml_values(tmp_path: Path) -> None:
+    config = load_config(
+        None,
+        ["learner.lr=3e-4", "learner.zero_stage=2", 'rollout.stop=["\\n", "."]', "run.name=exp-1", "model.path=x/y"],
+    )
+    assert config.learner.lr == 3e-4
+    assert config.learner.zero_stage == 2
+    assert config.rollout.stop == ["\n", "."]
+    assert config.model.path == "x/y"  # not TOML: taken as a string
+    assert config.run_dir == Path("runs/exp-1")
+
+
+def test_file_overlays_its_preset_then_overrides_apply(tmp_path: Path) -> None:
+    write(tmp_path / "base.toml", "[learner]\nlr = 1e-3\nsteps = 7\n[rollout]\nnum_samples = 4\n")
+    child = write(tmp_path / "child.toml", 'preset = "base"\n[learner]\nsteps = 9\n')
+    config = load_config(child, ["rollout.num_samples=16"])
+    assert (config.learner.lr, config.learner.steps, config.rollout.num_samples) == (1e-3, 9, 16)
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("learner.lr=-1", "learner.lr: Input should be greater than 0 (got -1)"),
+        ("learner.zero_stage=5", "learner.zero_stage: Input should be 0, 1, 2 or 3 (got 5)"),
+        ("learner.foo=1", "learner.foo: unknown field; allowed here: grad_clip, groups_per_step, lr"),
+        ("staleness.correction=clip", "staleness.correction: Input should be 'none', 'truncate' or 'mask'"),
+        ("transport.heartbeat_ttl_s=1", "heartbeat_ttl_s must exceed heartbeat_s"),
+        ("run.name=../etc", "run.name: String should match pattern"),
+    ],
+)
+def test_invalid_values_name_the_field_and_what_is_allowed(override: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert expected in str(err.value)
+
+
+def test_malformed_override_and_missing_files_are_explained(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"section\.field=value"):
+        load_config(None, ["learner.lr"])
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(write(tmp_path / "bad.toml", "[learner\n"))
+    with pytest.raises(ConfigError, match="preset 'nope' not found"):
+        load_config(write(tmp_path / "p.toml", 'preset = "nope"\n'))
+
+
+def test_resolved_config_round_trips_through_json(tmp_path: Path) -> None:
+    config = load_config(None, [f"run.root={tmp_path}", "run.name=r1", "learner.lr=0.5"])
+    path = write_resolved(config)
+    assert path == tmp_path / "r1" / "config.json"
+    assert RunConfig.from_json(path.read_text()) == config
+
+
+def test_every_field_has_help() -> None:
+    rows = field_help()
+    assert rows and all(doc for _, _, doc in rows), [name for name, _, doc in rows if not doc]

@@ -1,0 +1,212 @@
+"""Rule verifiers on correct, wrong, malformed and adversarial responses; the code sandbox's limits."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from actors import verifiers
+from actors.sandbox import run_python_tests
+from actors.verifiers import get_verifier, register_verifier, verifier_names
+from common.tasks import task_names
+
+CD = json.dumps({"numbers": [3, 5, 7], "target": 22})
+RULE_VERIFIERS = ["arithmetic", "reverse", "countdown"]
+ADVERSARIAL = [
+    "",
+    " ",
+    "\n19",  # the answer only after the first newline
+    "9" * 10000,
+    "-" + "9" * 300,
+    "2**99999",
+    "9**9**9**9",
+    "__import__('os').system('echo hacked')",
+    "().__class__.__bases__[0].__subclasses__()",
+    "lambda: 1",
+    "１９",  # fullwidth digits: int() would accept them
+    "١٩",  # Arabic-Indic digits
+    "19\u200b",  # zero-width space
+    "\ud800",  # lone surrogate
+    "\x00",
+    "(" * 150 + "3" + ")" * 150,
+    "(" * 1000,
+    "3" + "+3" * 100,
+    "1e309",
+    "nan",
+    "0x13",
+    "1_9",
+    "ǅ",
+]
+
+
+def test_every_generated_task_has_a_verifier_of_its_name() -> None:
+    assert set(task_names()) - {"file"} <= set(verifier_names())
+    assert set(verifier_names()) == {"arithmetic", "reverse", "countdown", "code_tests"}
+
+
+@pytest.mark.parametrize(
+    ("response", "score"),
+    [
+        ("19", 1.0),
+        ("19\nbecause 12+7 is 19, or 20", 1.0),  # text after the first newline is ignored
+        ("  19 ", 1.0),
+        ("019", 1.0),  # the same integer
+        ("20", 0.0),
+        ("19 20", 0.0),
+        ("+19", 0.0),
+        ("19.0", 0.0),
+        ("twelve", 0.0),
+    ],
+)
+def test_arithmetic(response: str, score: float) -> None:
+    assert get_verifier("arithmetic")(response, "19") == score
+
+
+def test_arithmetic_negative_answers() -> None:
+    assert get_verifier("arithmetic")("-9", "-9") == 1.0
+    assert get_verifier("arithmetic")("9", "-9") == 0.0
+
+
+@pytest.mark.parametrize(
+    ("response", "score"), [("edcba", 1.0), ("edcba\nmore", 1.0), (" edcba", 1.0), ("abcde", 0.0), ("edcb", 0.0)]
+)
+def test_reverse(response: str, score: float) -> None:
+    assert get_verifier("reverse")(response, "edcba") == score
+
+
+@pytest.mark.parametrize(
+    ("response", "score"),
+    [
+        ("3*5+7", 1.0),  # 15 + 7 = 22
+        ("(3*5)+7\nthat is 22", 1.0),
+        ("7+5*3", 1.0),
+        ("(5+7)*3-14", 0.0),  # 14 is not given
+        ("3*5+7+0", 0.0),  # 0 is not given
+        ("3*5+7*1", 0.0),
+        ("7*3+5-5+1", 0.0),  # 5 used twice, 1 not given
+        ("7+7+5+3", 0.0),  # 7 used twice
+        ("3*5+8", 0.0),
+        ("22", 0.0),  # the target itself is not a given number
+        ("3*7", 0.0),  # 21
+        ("(3+5/5)*5", 0.0),
+        ("-3+25", 0.0),  # no unary minus, 25 not given
+        ("3//5", 0.0),
+        ("3*5+7=22", 0.0),
+        ("7/(5-5)+3", 0.0),  # division by zero
+    ],
+)
+def test_countdown(response: str, score: float) -> None:
+    assert get_verifier("countdown")(response, CD) == score
+
+
+def test_countdown_repeated_numbers_may_each_be_used_once() -> None:
+    two_twos = json.dumps({"numbers": [2, 2, 5], "target": 20})
+    assert get_verifier("countdown")("2*2*5", two_twos) == 1.0
+    assert get_verifier("countdown")("2*2*5", json.dumps({"numbers": [2, 5], "target": 20})) == 0.0
+
+
+def test_countdown_fractions_in_between_are_exact() -> None:
+    # 7/2 = 3.5, then 3.5 * 4 = 14: exact over rationals, no float rounding.
+    assert get_verifier("countdown")("(7/2)*4", json.dumps({"numbers": [7, 2, 4], "target": 14})) == 1.0
+    assert get_verifier("countdown")("(1/3)*3", json.dumps({"numbers": [1, 3, 3], "target": 1})) == 1.0
+
+
+def test_countdown_rejects_a_malformed_answer_loudly() -> None:
+    for answer in ["", "{}", '{"numbers": "3,5", "target": 8}', '{"numbers": [3], "target": 2.5}', "[1, 2]"]:
+        with pytest.raises(ValueError, match="countdown answer"):
+            get_verifier("countdown")("3+5", answer)
+
+
+@pytest.mark.parametrize("name", RULE_VERIFIERS)
+@pytest.mark.parametrize("response", ADVERSARIAL)
+def test_adversarial_responses_score_zero_without_raising(name: str, response: str) -> None:
+    answer = {"arithmetic": "19", "reverse": "19", "countdown": CD}[name]
+    start = time.perf_counter()
+    assert get_verifier(name)(response, answer) == 0.0
+    assert time.perf_counter() - start < 0.5
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=300), st.sampled_from(RULE_VERIFIERS))
+def test_any_text_scores_in_the_unit_interval(response: str, name: str) -> None:
+    answer = {"arithmetic": "19", "reverse": "edcba", "countdown": CD}[name]
+    assert get_verifier(name)(response, answer) in (0.0, 1.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet="0123456789+-*/() ", max_size=60))
+def test_countdown_on_expression_like_text_never_raises(response: str) -> None:
+    assert get_verifier("countdown")(response, CD) in (0.0, 1.0)
+
+
+def test_registry_refuses_a_second_function_under_a_taken_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(verifiers, "_VERIFIERS", dict(verifiers._VERIFIERS))  # the real registry stays untouched
+
+    def other(response: str, answer: str) -> float:
+        return 0.5
+
+    with pytest.raises(ValueError, match="'arithmetic' already registered by verify_arithmetic"):
+        register_verifier("arithmetic")(other)
+    assert register_verifier("other")(other) is other
+    assert register_verifier("other")(other) is other  # the same function again is fine
+    assert get_verifier("other")("x", "y") == 0.5
+    with pytest.raises(ValueError, match="unknown verifier 'nope'"):
+        get_verifier("nope")
+
+
+# --------------------------------------------------------------------------- sandbox (starts processes)
+
+TESTS = "assert add(2, 3) == 5, 'add(2, 3)'\n"
+
+
+@pytest.mark.integration
+def test_sandbox_passing_and_failing_tests() -> None:
+    ok = run_python_tests("def add(a, b):\n    return a + b\n", TESTS)
+    assert (ok.passed, ok.reason) == (True, "passed") and ok.seconds < 5
+    bad = run_python_tests("def add(a, b):\n    return a - b\n", TESTS)
+    assert not bad.passed and bad.reason.startswith("failed:") and "AssertionError: add(2, 3)" in bad.reason
+    broken = run_python_tests("def add(a, b) return\n", TESTS)
+    assert not broken.passed and "SyntaxError" in broken.reason
+
+
+@pytest.mark.integration
+def test_sandbox_kills_an_infinite_loop_at_the_cpu_limit() -> None:
+    result = run_python_tests("while True:\n    pass\n", "", cpu_s=1, wall_s=4)
+    assert not result.passed and result.reason.startswith("timeout:")
+    assert result.seconds < 4.5  # killed by the CPU limit (about 1 s) or at worst the wall clock
+
+
+@pytest.mark.integration
+def test_sandbox_kills_a_sleeper_at_the_wall_clock_limit() -> None:
+    result = run_python_tests("import time\ntime.sleep(60)\n", "", wall_s=1)
+    assert not result.passed and result.reason.startswith("timeout: wall-clock")
+    assert 1 <= result.seconds < 2
+
+
+@pytest.mark.integration
+def test_sandbox_stops_a_memory_hog() -> None:
+    hog = "chunks = []\nwhile True:\n    chunks.append(bytearray(16 * 2**20))\n"
+    result = run_python_tests(hog, "", memory_mb=128, wall_s=5)
+    assert not result.passed and result.reason.startswith("memory:") and result.seconds < 5
+
+
+@pytest.mark.integration
+def test_sandbox_child_sees_no_parent_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASYNCRL_SECRET", "hunter2")
+    code = "import os, sys\nassert 'ASYNCRL_SECRET' not in os.environ, 'leak'\nassert sys.flags.isolated\n"
+    tests = "assert set(os.environ) <= {'PATH', 'HOME', 'LC_CTYPE'}, sorted(os.environ)\n"
+    result = run_python_tests(code, tests)
+    assert result.passed, result.reason
+
+
+@pytest.mark.integration
+def test_code_tests_verifier_runs_the_fenced_program() -> None:
+    verify = get_verifier("code_tests")
+    assert verify("Here:\n```python\ndef add(a, b):\n    return a + b\n```\nDone.", TESTS) == 1.0
+    assert verify("def add(a, b):\n    return a + b\n", TESTS) == 1.0
+    assert verify("def add(a, b):\n    return 0\n", TESTS) == 0.0
+    assert verify("\ud800", TESTS) == 0.0
