@@ -264,6 +264,8 @@ class Heartbeat:
     pid: int = 0
     metrics_url: str = ""
     sent_at: float = field(default_factory=_now)
+    endpoint: str = ""
+    """Where a reward worker's PULL socket is bound (actors PUSH rollouts to every live one)."""
 
     def validate(self, limits: Limits) -> None:
         if self.kind not in ("actor", "reward"):

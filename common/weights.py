@@ -1,0 +1,165 @@
+"""Moving weights from the learner to every actor: flat dtype buckets over one torch.distributed group.
+
+The learner (rank 0) and each actor's vLLM worker (ranks 1..N) form a group through a TCPStore
+that the learner hosts. A group is formed once per *epoch* (a membership); its store keys live
+under ``asyncrl/<epoch>/`` so that a re-formed group never reads a stale key. Weights go as a
+few large broadcasts — parameters of one dtype packed back to back into buckets of at most
+``bucket_bytes`` — rather than one call per parameter, the known bottleneck of per-parameter
+designs. Gloo on CPUs, NCCL on GPUs: the same code.
+
+Every collective has a time limit; a member that misses it raises :class:`WeightSyncError`
+on the survivors, who drop it at the next formation. Each formation starts with a small test
+broadcast whose checksum every member verifies (the communication self-check).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+from common.wire import WeightBucket
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
+_SELF_CHECK_NUMEL = 1024
+
+
+class WeightSyncError(RuntimeError):
+    """A weight-group collective failed or timed out."""
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _TORCH_DTYPES[name]
+
+
+def plan_buckets(params: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[WeightBucket]:
+    """Group parameters by dtype into buckets of at most ``bucket_bytes`` (a larger parameter gets its own)."""
+    buckets: list[WeightBucket] = []
+    by_dtype: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor in params.items():
+        by_dtype.setdefault(_DTYPE_NAMES[tensor.dtype], []).append((name, tensor))
+    for dtype, items in by_dtype.items():
+        itemsize = torch_dtype(dtype).itemsize
+        names: list[str] = []
+        shapes: list[list[int]] = []
+        offsets: list[int] = []
+        numel = 0
+        for name, tensor in items:
+            if names and (numel + tensor.numel()) * itemsize > bucket_bytes:
+                buckets.append(WeightBucket(dtype=dtype, numel=numel, names=names, shapes=shapes, offsets=offsets))
+                names, shapes, offsets, numel = [], [], [], 0
+            names.append(name)
+            shapes.append(list(tensor.shape))
+            offsets.append(numel)
+            numel += tensor.numel()
+        buckets.append(WeightBucket(dtype=dtype, numel=numel, names=names, shapes=shapes, offsets=offsets))
+    return buckets
+
+
+def pack_bucket(bucket: WeightBucket, params: Mapping[str, torch.Tensor], device: str = "cpu") -> torch.Tensor:
+    """One flat tensor holding the bucket's parameters back to back (a copy: training may go on)."""
+    flat = torch.empty(bucket.numel, dtype=torch_dtype(bucket.dtype), device=device)
+    for name, offset in zip(bucket.names, bucket.offsets, strict=True):
+        source = params[name].detach()
+        flat[offset : offset + source.numel()].copy_(source.reshape(-1))
+    return flat
+
+
+def unpack_bucket(bucket: WeightBucket, flat: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, view) for every parameter of a received bucket; the views share ``flat``'s memory."""
+    for name, shape, offset in zip(bucket.names, bucket.shapes, bucket.offsets, strict=True):
+        yield name, flat[offset : offset + math.prod(shape)].view(shape)
+
+
+@dataclass(frozen=True)
+class GroupAddress:
+    """Where and as whom to join one formation of the weight group."""
+
+    host: str
+    port: int
+    epoch: int
+    rank: int
+    world_size: int
+    timeout_s: float = 60.0
+    backend: str = "gloo"
+
+
+def host_store(host: str, port: int, timeout_s: float = 60.0) -> torch.distributed.TCPStore:
+    """The learner's TCPStore; ``wait_for_workers=False`` so it serves while actors come and go."""
+    return torch.distributed.TCPStore(
+        host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+    )
+
+
+class WeightGroup:
+    """One formation of the learner + actors group; rank 0 (the learner) is the broadcast root."""
+
+    def __init__(self, address: GroupAddress, store: torch.distributed.Store | None = None) -> None:
+        self.address = address
+        timeout = timedelta(seconds=address.timeout_s)
+        if store is None:
+            store = torch.distributed.TCPStore(address.host, address.port, is_master=False, timeout=timeout)
+        self._store = store  # keep the connection alive as long as the group
+        prefixed = torch.distributed.PrefixStore(f"asyncrl/{address.epoch}/", store)
+        self.device = "cuda" if address.backend == "nccl" else "cpu"
+        self.group = self._make_group(prefixed, timeout)
+
+    def _make_group(self, store, timeout: timedelta):
+        a = self.address
+        try:
+            if a.backend == "nccl":
+                options = torch.distributed.ProcessGroupNCCL.Options()
+                options._timeout = timeout
+                return torch.distributed.ProcessGroupNCCL(store, a.rank, a.world_size, options)
+            return torch.distributed.ProcessGroupGloo(store, a.rank, a.world_size, timeout)
+        except Exception as exc:
+            raise WeightSyncError(f"could not form weight group epoch {a.epoch} as rank {a.rank}: {exc}") from exc
+
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Broadcast ``tensor`` from rank 0 in place; raises :class:`WeightSyncError` past the time limit."""
+        try:
+            options = torch.distributed.BroadcastOptions()
+            options.rootRank = 0
+            options.timeout = timedelta(seconds=self.address.timeout_s)
+            work = self.group.broadcast([tensor], options)
+            if not work.wait(timedelta(seconds=self.address.timeout_s)):
+                raise WeightSyncError(f"broadcast timed out after {self.address.timeout_s}s")
+        except WeightSyncError:
+            raise
+        except Exception as exc:
+            raise WeightSyncError(f"broadcast failed in epoch {self.address.epoch}: {exc}") from exc
+        return tensor
+
+    def self_check(self) -> float:
+        """Broadcast a known tensor and verify it arrived intact; returns the seconds it took."""
+        start = time.perf_counter()
+        expected = torch.arange(_SELF_CHECK_NUMEL, dtype=torch.float32, device=self.device) * (self.address.epoch + 1)
+        received = expected.clone() if self.address.rank == 0 else torch.zeros_like(expected)
+        self.broadcast(received)
+        if not torch.equal(received, expected):
+            raise WeightSyncError(
+                f"self-check of epoch {self.address.epoch}: checksum mismatch on rank "
+                f"{self.address.rank} ({received.sum().item()} != {expected.sum().item()})"
+            )
+        return time.perf_counter() - start
+
+    def send(self, buckets: Iterable[WeightBucket], params: Mapping[str, torch.Tensor]) -> int:
+        """Root: broadcast every bucket of ``params``; returns the bytes sent."""
+        sent = 0
+        for bucket in buckets:
+            flat = pack_bucket(bucket, params, self.device)
+            self.broadcast(flat)
+            sent += flat.numel() * flat.element_size()
+        return sent
+
+    def receive(self, buckets: Iterable[WeightBucket]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Member: receive bucket after bucket, yielding (name, tensor) as each arrives (lazy)."""
+        for bucket in buckets:
+            flat = torch.empty(bucket.numel, dtype=torch_dtype(bucket.dtype), device=self.device)
+            self.broadcast(flat)
+            yield from unpack_bucket(bucket, flat)
