@@ -6,28 +6,87 @@ from typing import Annotated
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="asyncrl actors: rollout and reward workers.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="asyncrl actors. Without a command: one rollout actor (rl-actor --redis URL --run NAME).",
+)
 
 RedisOpt = Annotated[str | None, typer.Option(help="Redis URL of the run (default: the run's embedded Redis).")]
 RunOpt = Annotated[str, typer.Option(help="Run name.")]
 
 
-@app.callback()
-def _group() -> None:
-    """asyncrl actors: rollout and reward workers."""
+IdOpt = Annotated[str | None, typer.Option("--id", help="Process id in the registry (default: KIND-HOST-PID).")]
+
+
+@app.callback(invoke_without_command=True)
+def rollout(ctx: typer.Context, redis: RedisOpt = None, run: RunOpt = "demo", id_: IdOpt = None) -> None:
+    """Without a command: run one rollout actor (vLLM) for the run until SIGTERM.
+
+    It needs only the run's Redis and name: the config, the current weights and the prompt
+    groups all come from the run. SIGTERM gives its unfinished groups back to the queue.
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    from actors.rollout import run_actor
+    from common.cliutil import redis_url
+
+    url = redis_url(redis, run)
+    run_actor(_read_run_config(url, run), url, id_)
 
 
 @app.command("show-config")
 def show_config(redis: RedisOpt = None, run: RunOpt = "demo") -> None:
     """Print the run config this process would work from, read from the run's Redis."""
+    from common.cliutil import redis_url
+
+    print(_read_run_config(redis_url(redis, run), run).to_json())
+
+
+@app.command("reward")
+def reward(
+    redis: RedisOpt = None,
+    run: RunOpt = "demo",
+    id_: IdOpt = None,
+) -> None:
+    """Score rollout groups with the run's reward functions and write them to the replay stream, until SIGTERM."""
+    import os
+    import socket
+
+    import zmq
+
+    from actors.reward_worker import RewardWorker, run_until_stopped
+    from common.channel import InsecureBindError
     from common.cliutil import fail, redis_url
+
+    url = redis_url(redis, run)
+    config = _read_run_config(url, run)
+    worker_id = id_ or f"reward-{socket.gethostname()}-{os.getpid()}"
+    try:
+        worker = RewardWorker(config, url, worker_id)
+        code = run_until_stopped(worker)
+    except (ValueError, InsecureBindError, zmq.ZMQError) as exc:  # unknown function, no CURVE keys, port in use
+        fail(str(exc))
+    raise typer.Exit(code)
+
+
+def _read_run_config(url: str, run: str):
+    """The run's config from Redis with the run's log level set, or a clear exit 2."""
+    import redis as redis_lib
+
+    from common.cliutil import fail
+    from common.config import ConfigError
     from common.control import ControlPlane, RunNotFoundError, connect
+    from common.logs import configure
 
     try:
-        config = ControlPlane(connect(redis_url(redis, run)), run).read_config()
-    except RunNotFoundError as exc:
+        config = ControlPlane(connect(url), run).read_config()
+    except (RunNotFoundError, ConfigError) as exc:
         fail(str(exc))
-    print(config.to_json())
+    except redis_lib.exceptions.ConnectionError as exc:
+        fail(f"cannot reach Redis at {url.split('@')[-1]}: {exc}")
+    configure(config.monitoring.log_level)
+    return config
 
 
 def main() -> None:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from fractions import Fraction
 
 from actors.sandbox import run_python_tests
+from common.registry import Registry
 
 Verifier = Callable[[str, str], float]
 """``verify(response, answer) -> score in [0, 1]``."""
@@ -28,33 +29,11 @@ Verifier = Callable[[str, str], float]
 MAX_RESPONSE_CHARS = 200
 """Longer first lines score 0.0 without being parsed (no task's answer is that long)."""
 
-_VERIFIERS: dict[str, Verifier] = {}
-
-
-def register_verifier(name: str) -> Callable[[Verifier], Verifier]:
-    """Function decorator: register a verifier under ``name``; a different function claiming it raises."""
-
-    def wrap(fn: Verifier) -> Verifier:
-        taken = _VERIFIERS.get(name)
-        if taken is not None and taken is not fn:
-            raise ValueError(f"verifier name {name!r} already registered by {taken.__qualname__}")
-        _VERIFIERS[name] = fn
-        return fn
-
-    return wrap
-
-
-def verifier_names() -> list[str]:
-    """Names of the registered verifiers, sorted."""
-    return sorted(_VERIFIERS)
-
-
-def get_verifier(name: str) -> Verifier:
-    """The verifier registered as ``name``."""
-    fn = _VERIFIERS.get(name)
-    if fn is None:
-        raise ValueError(f"unknown verifier {name!r}; registered: {', '.join(verifier_names())}")
-    return fn
+VERIFIERS: Registry[Verifier] = Registry("verifier")
+"""Rule verifiers by task name."""
+register_verifier = VERIFIERS.register
+get_verifier = VERIFIERS.get
+verifier_names = VERIFIERS.names
 
 
 def first_line(response: str) -> str:

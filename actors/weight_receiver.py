@@ -43,7 +43,7 @@ class WeightReceiverExtension:
                 yield name, tensor
 
         self.model_runner.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
-        return {"seconds": time.perf_counter() - start, "bytes": float(received), "version": float(manifest.version)}
+        return {"load_s": time.perf_counter() - start, "bytes": float(received)}
 
     def asyncrl_leave(self) -> None:
         """Drop the current group (its store connection closes with it)."""

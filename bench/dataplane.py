@@ -11,9 +11,12 @@ int32 ids, float32 log-probs, int32 versions — about 98 KB a group):
 
 Cores: redis-server runs on the last core; every Python process of the measurement on core 0, so
 "the pipeline" is measured on one core as the goal states (>= 50% of raw XADD throughput).
+Redis keeps its AOF (appendfsync everysec) on tmpfs when /dev/shm exists: every figure here
+writes ~100 MB/s of AOF, and a shared disk's write-back bursts would otherwise decide the
+ratios. The three measurements alternate for ``--rounds`` rounds; each figure is the median.
 The last line printed is one JSON object with the figures and the ratios.
 
-    python bench/dataplane.py [--seconds 10] [--samples 8] [--tokens 1024]
+    python bench/dataplane.py [--seconds 4] [--rounds 3] [--samples 8] [--tokens 1024]
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -168,7 +172,8 @@ def measure_raw_zmq(seconds: float, frames: list[bytes], payload: int) -> dict[s
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=10.0, help="length of each measurement")
+    parser.add_argument("--seconds", type=float, default=4.0, help="length of each measurement in each round")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the three measurements (median kept)")
     parser.add_argument("--samples", type=int, default=8, help="responses per group")
     parser.add_argument("--tokens", type=int, default=1024, help="tokens per response")
     args = parser.parse_args()
@@ -180,16 +185,23 @@ def main() -> None:
     group = synthetic.rollout_group(args.samples, args.tokens)
     frames = [bytes(memoryview(f)) for f in encode(group)]
     payload = _payload_bytes(group)
-    with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis") as redis:
+    scratch = "/dev/shm" if Path("/dev/shm").is_dir() else None
+    rounds: dict[str, list[dict[str, float]]] = {"raw_xadd": [], "raw_zmq": [], "pipeline": []}
+    with tempfile.TemporaryDirectory(dir=scratch) as tmp, EmbeddedRedis(Path(tmp) / "redis") as redis:
         if len(cores) > 1:
             os.sched_setaffinity(redis.process.pid, {cores[-1]})
-        raw_xadd = measure_raw_xadd(redis.url, args.seconds, pack_frames(frames), payload)
-        raw_zmq = measure_raw_zmq(args.seconds, frames, payload)
-        pipeline = measure_pipeline(redis.url, args.seconds, args.samples, args.tokens)
+        for _ in range(args.rounds):
+            blob = pack_frames(frames)
+            rounds["raw_xadd"].append(measured(measure_raw_xadd, redis.url, args.seconds, blob, payload))
+            rounds["raw_zmq"].append(measured(measure_raw_zmq, args.seconds, frames, payload))
+            rounds["pipeline"].append(measured(measure_pipeline, redis.url, args.seconds, args.samples, args.tokens))
+    raw_xadd, raw_zmq, pipeline = (_median(rounds[k]) for k in ("raw_xadd", "raw_zmq", "pipeline"))
     result = {
         "payload": {"samples": args.samples, "tokens": args.tokens, "bytes_per_group": payload},
         "cores": f"python processes on core 0; redis-server on core {cores[-1]} of {len(cores)}",
         "seconds_each": args.seconds,
+        "rounds": args.rounds,
+        "aof": "tmpfs" if scratch else "disk",
         "pipeline": _rounded(pipeline),
         "raw_xadd": _rounded(raw_xadd),
         "raw_zmq": _rounded(raw_zmq),
@@ -204,8 +216,34 @@ def main() -> None:
     print(json.dumps(result))
 
 
+def _cpu_busy() -> dict[str, tuple[float, float]]:
+    """Per-core (busy, total) jiffies from /proc/stat."""
+    out = {}
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, *fields = line.split()
+        if name.startswith("cpu") and name != "cpu":
+            values = [float(v) for v in fields]
+            idle = values[3] + values[4]
+            out[name] = (sum(values) - idle, sum(values))
+    return out
+
+
+def measured(fn, *args) -> dict[str, float]:
+    """``fn(*args)``'s figures plus how busy each core was meanwhile (1.0 = saturated)."""
+    before = _cpu_busy()
+    figures = fn(*args)
+    after = _cpu_busy()
+    for core, (busy, total) in after.items():
+        figures[f"{core}_busy"] = (busy - before[core][0]) / max(total - before[core][1], 1.0)
+    return figures
+
+
+def _median(figures: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(f[k] for f in figures) for k in figures[0]}
+
+
 def _rounded(figures: dict[str, float]) -> dict[str, float]:
-    return {k: round(v, 1) for k, v in figures.items()}
+    return {k: round(v, 2 if k.endswith("_busy") else 1) for k, v in figures.items()}
 
 
 if __name__ == "__main__":

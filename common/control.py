@@ -25,7 +25,17 @@ from typing import TYPE_CHECKING, Any
 
 from common.config import RunConfig
 from common.logs import get_logger
-from common.wire import Decoder, Heartbeat, Limits, PromptGroup, WireError, decode_blob, encode_blob
+from common.wire import (
+    Decoder,
+    Heartbeat,
+    Limits,
+    PromptGroup,
+    WeightManifest,
+    WireError,
+    decode_blob,
+    encode_blob,
+    unpack_frames,
+)
 
 if TYPE_CHECKING:
     import redis
@@ -60,6 +70,11 @@ class RunKeys:
         return self._k("manifest")
 
     @property
+    def manifest_channel(self) -> str:
+        """Pub/sub channel on which a new manifest is announced (its payload is the version)."""
+        return self._k("manifest:announce")
+
+    @property
     def processes(self) -> str:
         return self._k("processes")
 
@@ -84,10 +99,17 @@ class RunKeys:
 
 
 def connect(url: str) -> redis.Redis:
-    """A Redis client with sane time limits (a dead server raises instead of hanging forever)."""
-    import redis
+    """A Redis client with sane time limits (a dead server raises instead of hanging forever).
 
-    return redis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=30)
+    Replies are parsed by hiredis when it is installed (fast for the replay stream's large
+    entries), but commands are always packed by redis-py's Python serializer: it sends values
+    above 6 kB as separate buffers, where hiredis's packer copies every 100 kB group once more.
+    """
+    import redis
+    from redis.connection import Encoder, PythonRespSerializer
+
+    packer = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
+    return redis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=30, command_packer=packer)
 
 
 def dead_letter(client: redis.Redis, keys: RunKeys, source: str, reason: str, payload: bytes) -> None:
@@ -114,6 +136,7 @@ class ControlPlane:
         self.keys = RunKeys(run)
         self._prompt_decoder = Decoder(PromptGroup, limits)
         self._heartbeat_decoder = Decoder(Heartbeat, limits)
+        self._manifest_decoder = Decoder(WeightManifest, limits)
 
     # -- config and version
     def publish_config(self, config: RunConfig) -> None:
@@ -132,6 +155,20 @@ class ControlPlane:
 
     def set_version(self, version: int) -> None:
         self.client.set(self.keys.version, version)
+
+    # -- weight manifests
+    def publish_manifest(self, manifest: WeightManifest) -> None:
+        """Store the manifest, then announce it (subscribers re-read the key, so a missed announcement only delays)."""
+        self.client.set(self.keys.manifest, encode_blob(manifest))
+        self.client.publish(self.keys.manifest_channel, str(manifest.version))
+
+    def read_manifest(self) -> tuple[WeightManifest, list[memoryview]] | None:
+        """The current manifest and its frames (to hand on to a vLLM worker), or None before the first."""
+        blob = self.client.get(self.keys.manifest)
+        if blob is None:
+            return None
+        frames = unpack_frames(blob)
+        return self._manifest_decoder.decode(frames), frames
 
     # -- process registry
     def beat(self, heartbeat: Heartbeat, ttl_s: float) -> None:

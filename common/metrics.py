@@ -5,7 +5,7 @@ Counters live in the default registry; a process exposes them with :func:`serve`
 
 from __future__ import annotations
 
-from prometheus_client import Counter, start_http_server
+from prometheus_client import Counter, Histogram, start_http_server
 
 WIRE_MALFORMED = Counter(
     "asyncrl_wire_malformed_messages_total",
@@ -21,6 +21,28 @@ REPLAY_ENTRIES_ADDED = Counter("asyncrl_replay_entries_added_total", "Scored gro
 REPLAY_ENTRIES_READ = Counter("asyncrl_replay_entries_read_total", "Scored groups read from the replay stream.")
 REPLAY_DEAD_LETTERS = Counter(
     "asyncrl_replay_dead_letters_total", "Replay entries moved to the dead-letter stream.", ["field"]
+)
+
+REWARD_SCORED_GROUPS = Counter(
+    "asyncrl_reward_scored_groups_total", "Rollout groups scored by a reward worker and written to the replay stream."
+)
+REWARD_DEAD_LETTERED_GROUPS = Counter(
+    "asyncrl_reward_dead_lettered_groups_total",
+    "Rollout groups a reward worker could not score, moved to the dead-letter stream, by reward function.",
+    ["function"],
+)
+REWARD_FAILED_CALLS = Counter(
+    "asyncrl_reward_failed_calls_total",
+    "Reward-function calls that raised or returned unusable scores (timeouts are counted apart).",
+    ["function"],
+)
+REWARD_TIMED_OUT_CALLS = Counter(
+    "asyncrl_reward_timed_out_calls_total", "Reward-function calls abandoned at the time limit.", ["function"]
+)
+REWARD_SCORING_SECONDS = Histogram(
+    "asyncrl_reward_scoring_seconds",
+    "Seconds to score one rollout group with every reward function, retries included.",
+    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
 )
 
 

@@ -40,6 +40,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from common.registry import Registry
+
 TASK_ALPHABET = '0123456789abcdefghijklmnopqrstuvwxyz+-*/=()<>:,{}[]" \n'
 """Every character a prompt or answer may contain, in a fixed order (a tokenizer's id order)."""
 
@@ -92,33 +94,25 @@ class Task(ABC):
 
 # --------------------------------------------------------------------------- registry
 
-_TASKS: dict[str, type[Task]] = {}
+TASKS: Registry[type[Task]] = Registry("task")
+"""Task classes by name (the config's ``task.name``)."""
+task_names = TASKS.names
 
 
 def register_task(name: str) -> Callable[[type[Task]], type[Task]]:
-    """Class decorator: register a :class:`Task` under ``name``; a different class claiming it raises."""
+    """Class decorator: register a :class:`Task` under ``name`` (which becomes its ``name``)."""
 
     def wrap(cls: type[Task]) -> type[Task]:
-        taken = _TASKS.get(name)
-        if taken is not None and taken is not cls:
-            raise ValueError(f"task name {name!r} already registered by {taken.__qualname__}")
+        TASKS.register(name)(cls)
         cls.name = name
-        _TASKS[name] = cls
         return cls
 
     return wrap
 
 
-def task_names() -> list[str]:
-    """Names of the registered tasks, sorted."""
-    return sorted(_TASKS)
-
-
 def get_task(name: str, **options: Any) -> Task:
     """Build the task registered as ``name`` with ``options`` (its constructor's keyword arguments)."""
-    cls = _TASKS.get(name)
-    if cls is None:
-        raise ValueError(f"unknown task {name!r}; registered: {', '.join(task_names())}")
+    cls = TASKS.get(name)
     try:
         inspect.signature(cls).bind(**options)
     except TypeError as e:

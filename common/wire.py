@@ -296,21 +296,35 @@ def encode(msg: Any) -> Frames:
     return [header, *(memoryview(a).cast("B") for a in arrays)]
 
 
+_SCALARS = (str, int, float, bool, type(None))
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
 def _to_plain(value: Any, arrays: list[np.ndarray]) -> Any:
-    if dataclasses.is_dataclass(value):
-        return [_to_plain(getattr(value, f.name), arrays) for f in dataclasses.fields(value)]
+    if type(value) in _SCALARS:
+        return value
     if isinstance(value, np.ndarray):
-        name = _DTYPE_NAMES.get(value.dtype)
-        if name is None:
-            raise TypeError(f"arrays of dtype {value.dtype} are not part of the wire format")
-        arrays.append(np.ascontiguousarray(value).view(np.uint8).reshape(-1))
-        ref = msgpack.packb([name, list(value.shape), len(arrays)])
-        return msgpack.ExtType(_ARRAY_EXT, ref)
+        return _array_ref(value, arrays)
     if isinstance(value, list | tuple):
+        if all(type(v) in _SCALARS for v in value):
+            return value  # msgpack packs it as is: skip the per-item walk
         return [_to_plain(v, arrays) for v in value]
     if isinstance(value, dict):
         return {k: _to_plain(v, arrays) for k, v in value.items()}
-    return value
+    names = _FIELD_NAMES.get(type(value))
+    if names is None:
+        if not dataclasses.is_dataclass(value):
+            raise TypeError(f"{type(value).__name__} is not part of the wire format")
+        names = _FIELD_NAMES[type(value)] = tuple(f.name for f in dataclasses.fields(value))
+    return [_to_plain(getattr(value, name), arrays) for name in names]
+
+
+def _array_ref(value: np.ndarray, arrays: list[np.ndarray]) -> msgpack.ExtType:
+    name = _DTYPE_NAMES.get(value.dtype)
+    if name is None:
+        raise TypeError(f"arrays of dtype {value.dtype} are not part of the wire format")
+    arrays.append(np.ascontiguousarray(value).view(np.uint8).reshape(-1))
+    return msgpack.ExtType(_ARRAY_EXT, msgpack.packb([name, list(value.shape), len(arrays)]))
 
 
 # --------------------------------------------------------------------------- decoding
@@ -531,17 +545,22 @@ def _array(v: Any, spec: ArraySpec, path: str, ctx: _Ctx) -> np.ndarray:
 
 
 def _check_values(arr: np.ndarray, spec: ArraySpec, path: str) -> None:
+    """Finite (floats) and within the spec's range, from one min and one max pass over the array.
+
+    NaN propagates through min/max and ±inf lands in one of them, so a finite min and max prove
+    every value finite without a boolean temporary per array.
+    """
     if arr.size == 0:
         return
-    if arr.dtype.kind == "f" or arr.dtype == _DTYPES["bfloat16"]:
-        as32 = arr.astype(np.float32, copy=False)
-        if not np.isfinite(as32).all():
-            raise WireError(path, "contains non-finite values")
-        arr = as32
-    if spec.min_value is not None and arr.min() < spec.min_value:
-        raise WireError(path, f"value {arr.min()} below the minimum {spec.min_value}")
-    if spec.max_value is not None and arr.max() > spec.max_value:
-        raise WireError(path, f"value {arr.max()} above the maximum {spec.max_value}")
+    floating = arr.dtype.kind == "f" or arr.dtype == _DTYPES["bfloat16"]
+    with np.errstate(invalid="ignore"):  # a NaN is reported below as a WireError, not as a warning
+        low, high = float(arr.min()), float(arr.max())
+    if floating and not (math.isfinite(low) and math.isfinite(high)):
+        raise WireError(path, "contains non-finite values")
+    if spec.min_value is not None and low < spec.min_value:
+        raise WireError(path, f"value {low} below the minimum {spec.min_value}")
+    if spec.max_value is not None and high > spec.max_value:
+        raise WireError(path, f"value {high} above the maximum {spec.max_value}")
 
 
 # --------------------------------------------------------------------------- single-blob form

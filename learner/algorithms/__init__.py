@@ -1,0 +1,83 @@
+"""Algorithms as data: advantage estimators, policy losses, loss aggregations and KL estimators.
+
+Each is a registry keyed by the name used in the config (DESIGN.md "Algorithms as data"); importing
+this package registers the built-ins. The learner resolves its three functions once at start-up and
+then runs, for every step::
+
+    advantage = build_advantage(name, options)       # whole batch: AdvantageInput -> AdvantageOutput
+    loss = build_loss(name, options)                 # micro-batch: LossInput -> LossOutput
+    aggregate = build_aggregation(name, options)     # (per_token_loss, mask, GlobalCounts) -> scalar
+
+Built-ins: advantages ``grpo``, ``dr_grpo``, ``rloo``, ``batch_mean``; loss ``ppo_clip``; aggregations
+``token_mean``, ``seq_mean_token_sum``, ``seq_mean_token_mean``, ``seq_mean_token_sum_norm``; KL
+estimators ``k1``, ``k2``, ``k3``. A config may also name a user's function by import path
+``package.module:function``; its ``settings`` annotation is its settings model.
+"""
+
+from __future__ import annotations
+
+from learner.algorithms import advantages, aggregations, kl, losses
+from learner.algorithms.losses import OffPolicySettings, importance_weights
+from learner.algorithms.registries import (
+    ADVANTAGES,
+    AGGREGATIONS,
+    ALL_REGISTRIES,
+    KL_ESTIMATORS,
+    LOSSES,
+    advantage_settings,
+    aggregation_settings,
+    build_advantage,
+    build_aggregation,
+    build_kl_estimator,
+    build_loss,
+    kl_settings,
+    loss_settings,
+    register_advantage,
+    register_aggregation,
+    register_kl_estimator,
+    register_loss,
+    settings_tag,
+    settings_type,
+)
+from learner.algorithms.types import (
+    AdvantageInput,
+    AdvantageOutput,
+    GlobalCounts,
+    LossInput,
+    LossOutput,
+    Settings,
+)
+
+__all__ = [
+    "ADVANTAGES",
+    "AGGREGATIONS",
+    "ALL_REGISTRIES",
+    "KL_ESTIMATORS",
+    "LOSSES",
+    "AdvantageInput",
+    "AdvantageOutput",
+    "GlobalCounts",
+    "LossInput",
+    "LossOutput",
+    "OffPolicySettings",
+    "Settings",
+    "advantage_settings",
+    "advantages",
+    "aggregation_settings",
+    "aggregations",
+    "build_advantage",
+    "build_aggregation",
+    "build_kl_estimator",
+    "build_loss",
+    "importance_weights",
+    "kl",
+    "kl_settings",
+    "loss_settings",
+    "losses",
+    "register_advantage",
+    "register_aggregation",
+    "register_kl_estimator",
+    "register_loss",
+    "settings_tag",
+    "settings_type",
+]

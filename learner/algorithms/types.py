@@ -1,0 +1,152 @@
+"""Typed inputs and outputs of the algorithm registries, the settings base, and global batch counts.
+
+Shapes, stated once for the whole package:
+
+- ``B``: sequences (responses) in the tensors handed over — the whole training batch for advantage
+  estimators, one micro-batch for losses and aggregations;
+- ``T``: response positions, right-padded; ``response_mask [B, T]`` (bool) is True at real response
+  tokens and False at padding. Values at masked positions are never read into a result: every function
+  in this package replaces them before use, so padding may hold anything, NaN included.
+
+Log-probabilities are of the sampled token at each position, float32 (the learner upcasts bf16).
+Every registered function takes one of these inputs plus its own :class:`Settings` and returns one of
+these outputs, so the learner loop never inspects which algorithm it runs (STYLE.md rule 5).
+Fields are appended, never reordered (issue 5 adds e.g. entropy and critic values to :class:`LossInput`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict
+from torch import Tensor
+
+
+class Settings(BaseModel):
+    """Base of every variant's settings: frozen, unknown options refused, field docstrings are the help.
+
+    A registered variant's settings declare ``name: Literal["<key>"] = "<key>"``: the tag equals its
+    registry key (STYLE.md rule 6), which the registering decorator checks.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+@dataclass(frozen=True, slots=True)
+class AdvantageInput:
+    """What an advantage estimator sees: the whole training batch of complete groups.
+
+    rewards [B] float32 (one scalar per sequence); group_ids [B] int64 (sequences sharing an id were
+    sampled from the same prompt; ids need not be contiguous or sorted); response_mask [B, T] bool;
+    token_kl [B, T] or None (per-token KL to the reference, for estimators that put KL in the reward);
+    values [B, T] or None (critic values, for GAE).
+    """
+
+    rewards: Tensor
+    group_ids: Tensor
+    response_mask: Tensor
+    token_kl: Tensor | None = None
+    values: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        mask = _expect_mask(self.response_mask)
+        _expect("rewards", self.rewards, mask.shape[:1])
+        _expect("group_ids", self.group_ids, mask.shape[:1], torch.int64)
+        _expect("token_kl", self.token_kl, mask.shape)
+        _expect("values", self.values, mask.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class AdvantageOutput:
+    """advantages [B, T] float32, zero at masked positions; returns [B, T] (critic targets) or None."""
+
+    advantages: Tensor
+    returns: Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LossInput:
+    """What a policy loss sees for one micro-batch; every tensor is [B, T].
+
+    logprobs: log π_θ, the current policy, carrying the graph (the only input that gets a gradient);
+    old_logprobs: log π_old, the proximal policy recomputed at the start of the step (or μ itself when
+    the off-policy correction is ``none``); behaviour_logprobs: log μ, shipped by vLLM with each token;
+    advantages: from the estimator; response_mask: bool; ref_logprobs: log π_ref of the frozen
+    reference model, or None when no KL term is used.
+    """
+
+    logprobs: Tensor
+    old_logprobs: Tensor
+    behaviour_logprobs: Tensor
+    advantages: Tensor
+    response_mask: Tensor
+    ref_logprobs: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        mask = _expect_mask(self.response_mask)
+        for name in ("logprobs", "old_logprobs", "behaviour_logprobs", "advantages", "ref_logprobs"):
+            _expect(name, getattr(self, name), mask.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class LossOutput:
+    """per_token_loss [B, T], zero at masked positions; metrics: detached scalars over the masked tokens
+    of this micro-batch, named ``component/metric``."""
+
+    per_token_loss: Tensor
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class GlobalCounts:
+    """Response tokens and sequences in the WHOLE global batch: every micro-batch on every learner rank.
+
+    Aggregations divide by these instead of by a micro-batch's own counts, so the aggregated losses of
+    the micro-batches sum to exactly the full-batch loss, whatever the split (micro-batch size, number of
+    ranks). The learner sums :meth:`of` over its micro-batches and all-reduces the two numbers.
+    A sequence counts when it has at least one response token.
+    """
+
+    tokens: int
+    sequences: int
+
+    def __post_init__(self) -> None:
+        if self.tokens < 0 or self.sequences < 0 or self.sequences > self.tokens:
+            raise ValueError(f"inconsistent counts: {self.tokens} tokens, {self.sequences} sequences")
+
+    @classmethod
+    def of(cls, response_mask: Tensor) -> GlobalCounts:
+        """The counts of one [B, T] mask (one micro-batch's share of the global counts)."""
+        mask = _expect_mask(response_mask)
+        return cls(tokens=int(mask.sum()), sequences=int(mask.any(dim=-1).sum()))
+
+    def __add__(self, other: GlobalCounts) -> GlobalCounts:
+        return GlobalCounts(self.tokens + other.tokens, self.sequences + other.sequences)
+
+
+AdvantageFn = Callable[[AdvantageInput, Any], AdvantageOutput]
+"""``fn(inp, settings) -> AdvantageOutput``; ``settings`` is annotated with the variant's own :class:`Settings`."""
+LossFn = Callable[[LossInput, Any], LossOutput]
+"""``fn(inp, settings) -> LossOutput``."""
+AggregationFn = Callable[[Tensor, Tensor, GlobalCounts, Any], Tensor]
+"""``fn(per_token_loss [B, T], response_mask [B, T], counts, settings) -> scalar``."""
+KLEstimatorFn = Callable[[Tensor, Tensor, Any], Tensor]
+"""``fn(logprobs [B, T], ref_logprobs [B, T], settings) -> per-token KL estimate [B, T]``."""
+
+
+def _expect_mask(mask: Tensor) -> Tensor:
+    if mask.dtype != torch.bool or mask.dim() != 2:
+        raise ValueError(f"response_mask must be a [B, T] bool tensor, got {mask.dtype} {tuple(mask.shape)}")
+    return mask
+
+
+def _expect(name: str, tensor: Tensor | None, shape: torch.Size, dtype: torch.dtype | None = None) -> None:
+    if tensor is None:
+        return
+    if tensor.shape != shape:
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(tensor.shape)}")
+    if dtype is not None and tensor.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {tensor.dtype}")

@@ -1,0 +1,98 @@
+"""torch.distributed for the learner ranks: accelerator choice, process-group start, small collectives.
+
+One code path for every launch: under ``torchrun``/``deepspeed`` the launcher sets ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``; a plain ``python`` process (one rank, tests, the demo) gets
+single-rank defaults with a free loopback port. Gloo on CPUs, NCCL on GPUs. DeepSpeed picks its accelerator when it
+is first imported, so :func:`configure_accelerator` must run before any ``import deepspeed``; :func:`import_deepspeed`
+does both.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from types import ModuleType
+
+import torch
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+def configure_accelerator() -> str:
+    """Tell DeepSpeed which accelerator to use (``cpu`` when there is no CUDA device) and return its name.
+
+    DeepSpeed 0.19 guesses CPU by itself when it finds no GPU, but logs a warning and may pick up a stray GPU
+    toolkit; ``DS_ACCELERATOR`` makes the choice explicit. A value the caller already set wins.
+    """
+    if "DS_ACCELERATOR" not in os.environ:
+        os.environ["DS_ACCELERATOR"] = "cuda" if torch.cuda.is_available() else "cpu"
+    return os.environ["DS_ACCELERATOR"]
+
+
+def import_deepspeed() -> ModuleType:
+    """``import deepspeed`` after :func:`configure_accelerator` (its accelerator is fixed at first import)."""
+    configure_accelerator()
+    import deepspeed
+
+    return deepspeed
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _set_single_rank_defaults() -> None:
+    """Environment of a one-rank world for a process that no launcher started (launcher values win)."""
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(_free_port())
+
+
+def init_distributed(timeout: timedelta = DEFAULT_TIMEOUT) -> str:
+    """Start the default process group once per process (gloo on CPU, nccl on GPU); return the backend.
+
+    Idempotent: a second call (a second engine in the same process) reuses the group.
+    """
+    backend = "gloo" if configure_accelerator() == "cpu" else "nccl"
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_backend()
+    _set_single_rank_defaults()
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    import_deepspeed().init_distributed(dist_backend=backend, timeout=timeout)
+    return backend
+
+
+def rank() -> int:
+    """This process's global rank (0 before the group exists)."""
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def world_size() -> int:
+    """Number of ranks (1 before the group exists)."""
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def all_reduce_sum(value: float | torch.Tensor) -> float:
+    """Σ over ranks of a scalar (e.g. a token count, so every rank can normalise with the global count).
+
+    Collective: every rank must call it. Summed in float64 so counts stay exact.
+    """
+    tensor = torch.as_tensor(value, dtype=torch.float64).detach().reshape(1).cpu()
+    if world_size() > 1:
+        if torch.distributed.get_backend() == "nccl":
+            tensor = tensor.cuda()
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
+    return float(tensor.item())
+
+
+def barrier() -> None:
+    """Wait for every rank (a no-op in a one-rank world)."""
+    if world_size() > 1:
+        torch.distributed.barrier()

@@ -1,0 +1,351 @@
+"""The learner's models: the DeepSpeed-wrapped policy that trains, and a frozen reference for the KL term.
+
+:class:`PolicyEngine` owns what DeepSpeed does well — ZeRO stages, optimizer offload, mixed precision, gradient
+clipping, data-parallel gradient reduction — and exposes the three things the loop needs: per-token log-probs
+(:meth:`PolicyEngine.token_logprobs`), one optimizer step over a list of micro-batches
+(:meth:`PolicyEngine.train_step`), and the full weights for the broadcast to actors
+(:meth:`PolicyEngine.state_dict_for_broadcast`).
+
+**Loss convention.** A loss function returns its micro-batch's *share* of the full-batch loss, normalised with
+global counts (all tokens or sequences of the optimizer step, over every micro-batch and every rank), so the shares
+sum to the full-batch loss. Then accumulation is a plain sum: :meth:`train_step` calls ``backward`` without
+DeepSpeed's division by the accumulation steps, and multiplies by the data-parallel size because DeepSpeed averages
+(not sums) gradients over ranks. One rank with one micro-batch, one rank with many, and many ranks all give the same
+gradient — ``tests/integration/test_learner_engine.py`` checks it.
+
+DeepSpeed is imported through :mod:`learner.dist` (its accelerator is fixed at first import).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers import AutoModelForCausalLM
+
+from common.config import LearnerSection, RunConfig
+from learner import dist
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ADAM_BETAS = (0.9, 0.999)
+ADAM_EPS = 1e-8
+ZERO3_GATHER_NUMEL = 64 * 2**20  # parameters gathered per all-gather when collecting ZeRO-3 weights
+TOKENIZER_FILE_PREFIXES = ("tokenizer", "special_tokens", "vocab", "merges", "added_tokens", "chat_template")
+
+Batch = dict[str, Tensor]
+LossFn = Callable[["PolicyEngine", Batch], Tensor]
+
+
+# --------------------------------------------------------------------------- log-probs
+
+
+def sequence_logprobs(
+    model: Callable[..., Any], input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0
+) -> Tensor:
+    """Log-probability of every token given the tokens before it, under a causal LM.
+
+    ``out[b, t] = log_softmax(z[b, t-1] / τ)[x[b, t]]``, where ``z[b, t-1]`` are the logits the model emits at
+    position ``t-1`` (after reading ``x[b, :t]``). So ``out[:, t]`` is the log-prob OF token ``t``, aligned with
+    ``input_ids``; ``out[:, 0] = 0`` (nothing predicts the first token), and ``out[b, t] = 0`` where token ``t`` or
+    token ``t-1`` is padding. Computed as ``z[x] - logsumexp(z)`` in float32 (bf16 log-sum-exp over a vocabulary is
+    off by ~1e-2), which avoids materialising a second ``[B, T, V]`` tensor. Position ids count valid tokens
+    (``cumsum(mask) - 1``), so left- and right-padded rows both see each token at its true position, as vLLM does.
+
+    Shapes: ``input_ids``, ``attention_mask`` ``[B, T]`` → ``[B, T]`` float32. Differentiable unless called under
+    ``torch.no_grad``.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    mask = attention_mask.bool()
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False)
+    logits = out.logits[:, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    picked = logits.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    valid = mask[:, 1:] & mask[:, :-1]
+    # where(), not a product: a padded row's logits may be NaN, and NaN * 0 is NaN.
+    picked = torch.where(valid, picked, torch.zeros_like(picked))
+    return torch.cat([picked.new_zeros(picked.shape[0], 1), picked], dim=1)
+
+
+def split_micro_batches(batch: Mapping[str, Tensor], size: int) -> list[Batch]:
+    """Cut a batch of ``[N, ...]`` tensors along dim 0 into micro-batches of at most ``size`` rows (views)."""
+    if size < 1:
+        raise ValueError(f"micro-batch size must be >= 1, got {size}")
+    rows = {len(value) for value in batch.values()}
+    if len(rows) != 1:
+        raise ValueError(f"batch tensors disagree on the row count: {sorted(rows)}")
+    total = rows.pop()
+    return [{key: value[start : start + size] for key, value in batch.items()} for start in range(0, total, size)]
+
+
+# --------------------------------------------------------------------------- DeepSpeed config
+
+
+def deepspeed_config(
+    learner: LearnerSection, *, micro_batch_size: int, accumulation_steps: int, cpu: bool
+) -> dict[str, Any]:
+    """The DeepSpeed config of a :class:`LearnerSection`.
+
+    The optimizer is DeepSpeed's ``AdamW`` with ``torch_adam`` (``torch.optim.AdamW``): it needs no compiled op,
+    so it works on CPUs and on GPU machines without a CUDA toolkit. Only optimizer offload on a GPU machine uses
+    DeepSpeedCPUAdam (JIT-built), because torch's AdamW on CPU is several times slower there. Offload has no
+    meaning for stage 0 and is dropped. The batch fields are bookkeeping only: :meth:`PolicyEngine.train_step`
+    sets the accumulation boundary itself and never lets DeepSpeed divide by the accumulation steps.
+    """
+    zero: dict[str, Any] = {"stage": learner.zero_stage}
+    if learner.offload and learner.zero_stage >= 1:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": not cpu}
+    torch_adam = cpu or not (learner.offload and learner.zero_stage >= 1)
+    adamw = {"lr": learner.lr, "betas": list(ADAM_BETAS), "eps": ADAM_EPS, "weight_decay": learner.weight_decay}
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": accumulation_steps,
+        "gradient_clipping": learner.grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": learner.precision == "bfloat16"},
+        "fp16": {"enabled": learner.precision == "float16"},
+        "optimizer": {"type": "AdamW", "params": {**adamw, "torch_adam": torch_adam}},
+        "steps_per_print": 2**31 - 1,  # the learner logs its own metrics
+        "wall_clock_breakdown": False,
+    }
+
+
+def warmup_schedule(warmup_steps: int) -> Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]:
+    """Linear warm-up to the peak lr, then constant: step ``k`` (1-based) uses ``lr · min(1, k / warmup_steps)``.
+
+    Not DeepSpeed's ``WarmupLR``: its first step uses ``warmup_min_lr`` (a wasted step at lr 0) and it warms up over
+    at least 2 steps. ``warmup_steps = 0`` is a constant lr.
+    """
+
+    def factor(index: int) -> float:  # index = optimizer steps taken so far
+        return 1.0 if warmup_steps == 0 else min(1.0, (index + 1) / warmup_steps)
+
+    return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+# --------------------------------------------------------------------------- the policy
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One optimizer step. Every rank gets the same values."""
+
+    loss: float
+    """Full-batch loss: Σ of the loss function over micro-batches and ranks."""
+    grad_norm: float
+    """Global L2 norm of the gradient before clipping (NaN if DeepSpeed did not compute one)."""
+    lr: float
+    """Learning rate this step applied."""
+    seconds: float
+    """Wall time of the step (forward, backward, reduction, update)."""
+    micro_batches: int
+    """Micro-batches on this rank."""
+    applied: bool
+    """False when fp16 loss scaling overflowed and DeepSpeed skipped the update."""
+
+
+class PolicyEngine:
+    """The trained policy: a Hugging Face causal LM wrapped by ``deepspeed.initialize``.
+
+    ``global_batch`` is the number of sequences in one optimizer step over all ranks (default: groups per step ×
+    samples per prompt); it only sizes DeepSpeed's bookkeeping. Every method that touches the model is collective
+    under data parallelism: all ranks call it in the same order.
+    """
+
+    def __init__(self, config: RunConfig, model_path: str | None = None, *, global_batch: int | None = None) -> None:
+        self.config = config
+        self.model_path = Path(model_path or config.model.path)
+        dist.init_distributed()
+        self.deepspeed = dist.import_deepspeed()
+        learner = config.learner
+        self.world_size = dist.world_size()
+        per_rank = math.ceil((global_batch or learner.groups_per_step * config.rollout.num_samples) / self.world_size)
+        self.micro_batch_size = min(learner.micro_batch_size, per_rank)
+        self.ds_config = deepspeed_config(
+            learner,
+            micro_batch_size=self.micro_batch_size,
+            accumulation_steps=math.ceil(per_rank / self.micro_batch_size),
+            cpu=dist.configure_accelerator() == "cpu",
+        )
+        model = self._load_model()
+        self.engine, *_ = self.deepspeed.initialize(
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            config=self.ds_config,
+            lr_scheduler=warmup_schedule(learner.warmup_steps),
+        )
+        # No dropout: π_old recomputed at the start of a step must equal π_θ before its update, and vLLM samples
+        # without dropout. Backward works the same in eval mode.
+        self.engine.eval()
+
+    def _load_model(self) -> torch.nn.Module:
+        """The HF model, whole, in the training precision.
+
+        Under ZeRO-3 ``deepspeed.initialize`` partitions it afterwards, so each rank briefly holds the whole model in
+        host memory. Loading straight into partitions needs transformers' ``HfDeepSpeedConfig``, which requires the
+        ``accelerate`` package (not a dependency of this project).
+        """
+        return AutoModelForCausalLM.from_pretrained(self.model_path, dtype=DTYPES[self.config.learner.precision])
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The Hugging Face model inside the engine (ZeRO-3: its parameters are partitioned)."""
+        return self.engine.module
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    @property
+    def rank(self) -> int:
+        return dist.rank()
+
+    def token_logprobs(self, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0) -> Tensor:
+        """``[B, T]`` log π_θ(x_t | x_<t), differentiable; see :func:`sequence_logprobs` for the alignment."""
+        return sequence_logprobs(self.engine, input_ids.to(self.device), attention_mask.to(self.device), temperature)
+
+    @torch.no_grad()
+    def token_logprobs_no_grad(self, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0) -> Tensor:
+        """The same without a graph: proximal log-probs π_old at the start of a step."""
+        return self.token_logprobs(input_ids, attention_mask, temperature)
+
+    def train_step(self, micro_batches: Sequence[Mapping[str, Tensor]], loss_fn: LossFn) -> StepStats:
+        """One optimizer step: ``backward`` of each micro-batch's loss share, then one DeepSpeed ``step``.
+
+        ``loss_fn(engine, micro_batch)`` returns a scalar normalised with global counts (see the module docstring).
+        The accumulation boundary is set by hand (``set_gradient_accumulation_boundary``), so any number of
+        micro-batches makes one update, whatever ``gradient_accumulation_steps`` says. Collective.
+        """
+        if not micro_batches:
+            raise ValueError("train_step needs at least one micro-batch")
+        started = time.perf_counter()
+        lr = float(self.engine.get_lr()[0])  # before step(): the scheduler moves it on afterwards
+        local_loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        last = len(micro_batches) - 1
+        for index, micro_batch in enumerate(micro_batches):
+            self.engine.set_gradient_accumulation_boundary(index == last)
+            loss = loss_fn(self, {key: value.to(self.device) for key, value in micro_batch.items()})
+            # DeepSpeed averages gradients over data-parallel ranks; the shares are already globally normalised.
+            self.engine.backward(loss * self.engine.dp_world_size, scale_wrt_gas=False)
+            local_loss += loss.detach()  # a tensor: no device sync per micro-batch
+        own_norm = self._grad_norm() if not hasattr(self.engine.optimizer, "_global_grad_norm") else None
+        self.engine.step()
+        grad_norm = own_norm if own_norm is not None else self.engine.get_global_grad_norm()
+        return StepStats(
+            loss=dist.all_reduce_sum(local_loss),
+            grad_norm=math.nan if grad_norm is None else float(grad_norm),
+            lr=lr,
+            seconds=time.perf_counter() - started,
+            micro_batches=len(micro_batches),
+            applied=bool(self.engine.was_step_applied()),
+        )
+
+    def _grad_norm(self) -> float:
+        """L2 norm of the module's gradients, for the one set-up where DeepSpeed keeps none (ZeRO 0, float32).
+
+        Called after the boundary backward, when ZeRO 0 has already all-reduced the gradients, so it is global.
+        """
+        norms = [p.grad.detach().float().norm() for p in self.module.parameters() if p.grad is not None]
+        return float(torch.stack(norms).norm()) if norms else 0.0
+
+    # ----------------------------------------------------------------------- weights out
+
+    def state_dict_for_broadcast(self, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+        """The policy's full parameters on rank 0 (``{}`` on other ranks), named as in the HF checkpoint.
+
+        Names are ``named_parameters()`` of the HF model (``model.layers.0.self_attn.q_proj.weight``,
+        ``lm_head.weight``; a tied weight appears once, as in ``save_pretrained``). ``dtype`` defaults to
+        ``config.model.dtype``, the actors' dtype. ZeRO 0–2 keep whole parameters on every rank: the tensors are
+        detached views of the live weights on the engine's device (no copy; copy before the next ``train_step``
+        when sending in the background — ``common.weights.pack_bucket`` does). ZeRO-3: collective; parameters are
+        all-gathered ``ZERO3_GATHER_NUMEL`` elements at a time with ``deepspeed.zero.GatheredParameters`` and
+        rank 0 keeps CPU copies, so no rank ever holds the whole model on its device at once.
+        """
+        dtype = dtype or DTYPES[self.config.model.dtype]
+        if self.config.learner.zero_stage == 3:
+            return self._gather_zero3(dtype)
+        if self.rank != 0:
+            return {}
+        return {name: p.detach().to(dtype) for name, p in self.module.named_parameters()}
+
+    def _gather_zero3(self, dtype: torch.dtype) -> dict[str, Tensor]:
+        gathered: dict[str, Tensor] = {}
+        for chunk in _chunks_by_numel(list(self.module.named_parameters()), ZERO3_GATHER_NUMEL):
+            with self.deepspeed.zero.GatheredParameters([p for _, p in chunk], modifier_rank=None):
+                if self.rank == 0:
+                    gathered.update((name, p.detach().to("cpu", dtype, copy=True)) for name, p in chunk)
+        return gathered
+
+    def save_hf(self, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
+        """Write a Hugging Face folder (config, safetensors weights, the tokenizer files of the source) on rank 0.
+
+        Collective (ZeRO-3 gathers); other ranks write nothing. Weights are in ``dtype`` (default
+        ``config.model.dtype``) and config.json says so.
+        """
+        out = Path(out_dir)
+        dtype = dtype or DTYPES[self.config.model.dtype]
+        weights = self.state_dict_for_broadcast(dtype)
+        if self.rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            self.module.save_pretrained(out, state_dict=weights, safe_serialization=True)
+            hf_config = copy.deepcopy(self.module.config)
+            hf_config.dtype = dtype
+            hf_config.save_pretrained(out)
+            for source in self.model_path.iterdir():
+                if source.is_file() and source.name.startswith(TOKENIZER_FILE_PREFIXES):
+                    shutil.copy2(source, out / source.name)
+        dist.barrier()
+        return out
+
+
+def _chunks_by_numel(items: list[tuple[str, Any]], limit: int) -> Iterator[list[tuple[str, Any]]]:
+    """Consecutive runs of (name, parameter) whose ZeRO-3 full sizes (``ds_numel``) sum to at most ``limit``."""
+    chunk: list[tuple[str, Any]] = []
+    size = 0
+    for name, param in items:
+        numel = getattr(param, "ds_numel", param.numel())
+        if chunk and size + numel > limit:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append((name, param))
+        size += numel
+    if chunk:
+        yield chunk
+
+
+# --------------------------------------------------------------------------- the reference
+
+
+class ReferenceModel:
+    """A frozen copy of the initial policy for the KL term: eval mode, no gradients, not wrapped by DeepSpeed.
+
+    Whole on every rank (a reference too large for one device would need DeepSpeed's inference engine).
+    """
+
+    def __init__(self, path: str | Path, dtype: str | torch.dtype = "float32", device: str | None = None) -> None:
+        torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+        self.device = torch.device(device or _default_device())
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(self.device).eval()
+        self.model.requires_grad_(False)
+
+    @torch.no_grad()
+    def token_logprobs(self, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0) -> Tensor:
+        """``[B, T]`` log π_ref(x_t | x_<t); see :func:`sequence_logprobs` for the alignment."""
+        return sequence_logprobs(self.model, input_ids.to(self.device), attention_mask.to(self.device), temperature)
+
+
+def _default_device() -> str:
+    if dist.configure_accelerator() == "cpu":
+        return "cpu"
+    return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"

@@ -1,0 +1,239 @@
+"""``rl-actor reward`` as a separate process: real Redis, real ZeroMQ sockets, real signals."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from common.channel import PushChannel
+from common.config import load_config
+from common.control import ControlPlane, RunKeys
+from common.replay import ReplayEntry, ReplayReader
+from common.wire import Decoder, Heartbeat, RolloutGroup, decode_blob
+from tests.helpers.rollouts import make_group
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+STALL = "tests.helpers.slow_rewards:stall"
+
+
+def publish(redis_client, run: str, *overrides: str) -> None:
+    """Publish a run config as the learner would (fast heartbeats, so the tests wait less)."""
+    config = load_config(
+        None, [f"run.name={run}", "transport.heartbeat_s=0.2", "transport.heartbeat_ttl_s=5", *overrides]
+    )
+    ControlPlane(redis_client, run).publish_config(config)
+
+
+def start(url: str, run: str, worker_id: str, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the worker imports tests.helpers reward functions by path
+    with log.open("w") as out:
+        return subprocess.Popen(
+            [str(BIN / "rl-actor"), "reward", "--redis", url, "--run", run, "--id", worker_id],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=ROOT,
+        )
+
+
+@contextmanager
+def reward_worker(redis_server, redis_client, tmp_path: Path, run: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """A worker process and its advertised endpoint, once its heartbeat says ``ready``; always ended."""
+    log = tmp_path / f"{run}.log"
+    proc = start(redis_server.url, run, "rw-1", log)
+    try:
+        beat = wait_for(lambda: heartbeat(redis_client, run, "rw-1", state="ready"), proc, log, "a ready heartbeat")
+        assert beat.kind == "reward" and beat.pid == proc.pid and beat.endpoint.startswith("tcp://127.0.0.1:")
+        yield proc, beat.endpoint
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def heartbeat(redis_client, run: str, worker_id: str, state: str | None = None) -> Heartbeat | None:
+    live, _lost = ControlPlane(redis_client, run).processes()
+    found = [b for b in live if b.process_id == worker_id and (state is None or b.state == state)]
+    return found[0] if found else None
+
+
+def wait_for(probe, proc: subprocess.Popen, log: Path, what: str, timeout_s: float = 60):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        result = probe()
+        if result:
+            return result
+        assert proc.poll() is None, f"worker exited ({proc.returncode}) before {what}:\n{log.read_text()}"
+        time.sleep(0.05)
+    raise AssertionError(f"no {what} within {timeout_s} s:\n{log.read_text()}")
+
+
+def read_replay(redis_client, run: str, count: int, timeout_s: float = 30) -> list[ReplayEntry]:
+    reader = ReplayReader(redis_client, RunKeys(run), consumer="test")
+    entries: list[ReplayEntry] = []
+    deadline = time.monotonic() + timeout_s
+    while len(entries) < count and time.monotonic() < deadline:
+        entries += reader.read(count=count - len(entries), block_ms=200)
+    return entries
+
+
+def stop(proc: subprocess.Popen, log: Path) -> None:
+    """SIGTERM, then the exit status must be 0 within a few seconds."""
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(20) == 0, log.read_text()
+
+
+def metric(heartbeat_: Heartbeat, name: str) -> float:
+    """The sum of a metric's samples from the worker's /metrics (on loopback: it binds every interface)."""
+    port = heartbeat_.metrics_url.rsplit(":", 1)[1].split("/")[0]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def sender(endpoint: str) -> PushChannel:
+    push = PushChannel("rollouts", send_timeout_s=10)
+    push.connect(endpoint)
+    return push
+
+
+def test_scores_right_and_wrong_answers_and_survives_malformed_messages(redis_server, redis_client, tmp_path) -> None:
+    run = "scores"
+    publish(redis_client, run, 'reward.functions=[{name="task"}, {name="format", weight=0.5}]')
+    right_and_wrong = make_group(
+        ["19", "20", "19\nbecause 12+7 is 19", ""], finish_reasons=["stop", "stop", "length", "stop"], group_id="g-1"
+    )
+    other = make_group(["7", "19"], finish_reasons=["stop", "length"], prompt="3+4=", answer="7", group_id="g-2")
+    log = tmp_path / f"{run}.log"
+    with reward_worker(redis_server, redis_client, tmp_path, run) as (proc, endpoint):
+        push = sender(endpoint)
+        try:
+            push.socket.send_multipart([b"\x93garbage"])  # a malformed header
+            push.socket.send_multipart([b"\x01", b"\x02"])  # not msgpack at all
+            push.send(right_and_wrong)
+            push.send(other)
+            entries = read_replay(redis_client, run, 2)
+        finally:
+            push.close()
+        assert [e.group.rollout.group_id for e in entries] == ["g-1", "g-2"]
+        first, second = entries[0].group, entries[1].group
+        # task [1, 0, 1, 0] + 0.5 * format [1, 1, 0 (cut at the limit), 0 (empty)]
+        assert first.rewards.tolist() == [1.5, 0.5, 1.0, 0.0] and first.scorer_id == "rw-1"
+        assert first.details[2] == {"task": 1.0, "format": 0.0}
+        # task [1, 0] + 0.5 * format [1, 0]
+        assert second.rewards.tolist() == [1.5, 0.0]
+        assert first.rollout.texts == right_and_wrong.texts
+        assert redis_client.xlen(RunKeys(run).dead) == 0
+        beat = heartbeat(redis_client, run, "rw-1")
+        assert metric(beat, 'asyncrl_wire_malformed_messages_total{channel="rollouts"') == 2
+        # Counted just after the write that the test saw: wait rather than race it.
+        wait_for(lambda: metric(beat, "asyncrl_reward_scored_groups_total") == 2, proc, log, "the count")
+        stop(proc, log)
+
+
+def test_a_timing_out_function_is_retried_then_dead_lettered_while_others_are_scored(
+    redis_server, redis_client, tmp_path
+) -> None:
+    run = "timeouts"
+    calls = tmp_path / "calls.txt"
+    stall = f'{{name="{STALL}", options={{stall="stall-", seconds=2.0, log="{calls}"}}}}'
+    publish(
+        redis_client, run, f'reward.functions=[{{name="task"}}, {stall}]', "reward.timeout_s=0.3", "reward.retries=2"
+    )
+    log = tmp_path / f"{run}.log"
+    with reward_worker(redis_server, redis_client, tmp_path, run) as (proc, endpoint):
+        push = sender(endpoint)
+        try:
+            push.send(make_group(["19", "18"], group_id="stall-1"))
+            dead = wait_for(lambda: redis_client.xrange(RunKeys(run).dead), proc, log, "a dead letter")
+            # Nothing else was called since: the last call of the stalling function failed.
+            assert heartbeat(redis_client, run, "rw-1").state == "degraded"
+            push.send(make_group(["19", "18"], group_id="ok-1"))
+            entries = read_replay(redis_client, run, 1)
+        finally:
+            push.close()
+        assert calls.read_text().split() == ["stall-1"] * 3 + ["ok-1"]  # one call and two retries, then the next group
+        assert [e.group.rollout.group_id for e in entries] == ["ok-1"]
+        assert entries[0].group.details == [{"task": 1.0, STALL: 1.0}, {"task": 0.0, STALL: 1.0}]
+        [(_, fields)] = dead
+        assert fields[b"source"] == b"reward"
+        reason = fields[b"reason"].decode()
+        assert f"reward function '{STALL}'" in reason and "failed 3 attempt(s)" in reason
+        assert "timed out after 0.3 s" in reason
+        assert decode_blob(Decoder(RolloutGroup), fields[b"payload"]).group_id == "stall-1"
+        beat = wait_for(lambda: heartbeat(redis_client, run, "rw-1", state="ready"), proc, log, "ready again")
+        assert metric(beat, "asyncrl_reward_timed_out_calls_total") == 3
+        assert metric(beat, "asyncrl_reward_dead_lettered_groups_total") == 1
+        started = time.monotonic()
+        stop(proc, log)  # abandoned calls still sleeping must not hold the exit
+        assert time.monotonic() - started < 1.5
+
+
+def test_sigterm_finishes_the_group_in_hand_and_leaves_the_registry(redis_server, redis_client, tmp_path) -> None:
+    run = "shutdown"
+    calls = tmp_path / "calls.txt"
+    slow = f'{{name="{STALL}", options={{stall="slow-", seconds=1.5, log="{calls}"}}}}'
+    publish(redis_client, run, f"reward.functions=[{slow}]")
+    log = tmp_path / f"{run}.log"
+    with reward_worker(redis_server, redis_client, tmp_path, run) as (proc, endpoint):
+        push = sender(endpoint)
+        try:
+            push.send(make_group(["19"], group_id="slow-1"))
+            wait_for(lambda: calls.exists() and calls.read_text(), proc, log, "the call to begin")
+            stop(proc, log)  # while the group is being scored
+        finally:
+            push.close()
+    assert [e.group.rollout.group_id for e in read_replay(redis_client, run, 1)] == ["slow-1"]
+    assert ControlPlane(redis_client, run).processes() == ([], [])  # left, not merely expired
+    assert "reward worker stopped" in log.read_text()
+
+
+def test_a_worker_whose_calls_keep_hanging_dead_letters_the_group_and_exits_1(
+    redis_server, redis_client, tmp_path
+) -> None:
+    run = "stalled"
+    hang = f'{{name="{STALL}", options={{stall="hang-", seconds=60.0}}}}'
+    publish(redis_client, run, f"reward.functions=[{hang}]", "reward.timeout_s=0.1", "reward.retries=20")
+    log = tmp_path / f"{run}.log"
+    with reward_worker(redis_server, redis_client, tmp_path, run) as (proc, endpoint):
+        push = sender(endpoint)
+        try:
+            push.send(make_group(["19"], group_id="hang-1"))
+            # MAX_ABANDONED_CALLS (8) threads sleep on; the 9th attempt is refused instead of started.
+            assert proc.wait(30) == 1, log.read_text()
+        finally:
+            push.close()
+    [(_, fields)] = redis_client.xrange(RunKeys(run).dead)
+    assert b"8 abandoned calls are still running" in fields[b"reason"]
+    assert ControlPlane(redis_client, run).processes() == ([], [])
+    assert "reward worker stalled" in log.read_text()
+
+
+def test_an_unknown_run_or_reward_function_exits_2_with_the_reason(redis_server, redis_client, tmp_path) -> None:
+    result = subprocess.run(
+        [str(BIN / "rl-actor"), "reward", "--redis", redis_server.url, "--run", "nope"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2 and "start `rl-learner` for it first" in result.stderr
+    publish(redis_client, "typo", 'reward.functions=[{name="tsak"}]')
+    result = subprocess.run(
+        [str(BIN / "rl-actor"), "reward", "--redis", redis_server.url, "--run", "typo"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2 and "unknown reward function 'tsak'" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert ControlPlane(redis_client, "typo").processes() == ([], [])

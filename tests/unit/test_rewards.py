@@ -1,0 +1,322 @@
+"""Reward functions on tiny hand-built groups, their weighted sum, the registry, and time-limited calls."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from actors import rewards
+from actors.reward_worker import CallTimedOut, TimedCalls, WorkerStalled
+from actors.rewards import (
+    RewardError,
+    check_functions,
+    combine,
+    get_reward,
+    load_reward_model,
+    register_reward,
+    reward_names,
+    score,
+)
+from common.config import RewardFunction
+from tests.helpers.rollouts import make_group
+
+ADD_TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0"
+
+
+@pytest.fixture
+def registry():
+    """Registrations made in one test are undone afterwards; the real registry is never cleared."""
+    with rewards.REWARDS.snapshot() as snapshot:
+        yield snapshot
+
+
+def fn(name: str, weight: float = 1.0, **options) -> RewardFunction:
+    return RewardFunction(name=name, weight=weight, options=options)
+
+
+# --------------------------------------------------------------------------- built-ins
+
+
+def test_the_built_ins_are_registered() -> None:
+    assert {"task", "format", "overlong", "code_tests", "reward_model"} <= set(reward_names())
+
+
+def test_task_applies_the_verifier_of_the_groups_task() -> None:
+    group = make_group(["19", "20", "19\nbecause 12+7 is 19", "", "１９", "9" * 500])
+    assert score(fn("task"), group) == [1.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+
+
+def test_task_can_name_the_verifier_for_a_file_task() -> None:
+    group = make_group(["olleh", "hello"], task="file", prompt="rev:hello=", answer="olleh")
+    assert score(fn("task", verifier="reverse"), group) == [1.0, 0.0]
+    with pytest.raises(ValueError, match="unknown verifier 'file'"):
+        score(fn("task"), group)
+
+
+def test_format_needs_a_stop_and_a_non_empty_first_line() -> None:
+    group = make_group(
+        ["19", "wrong but tidy", "19", "", "  \n19", "19\n\n"],
+        finish_reasons=["stop", "stop", "length", "stop", "stop", "abort"],
+    )
+    assert score(fn("format"), group) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    ("length", "expected"),
+    [
+        # L_max = 20, L_cache = 5: no penalty up to L_max - L_cache = 15 tokens,
+        (0, 0.0),
+        (15, 0.0),
+        # then (15 - |y|) / 5 inside the buffer: 16 → -1/5, 18 → -3/5, 20 → -5/5,
+        (16, -0.2),
+        (18, -0.6),
+        (20, -1.0),
+        # and -1 beyond L_max.
+        (21, -1.0),
+        (500, -1.0),
+    ],
+)
+def test_overlong_follows_dapo_at_the_buffer_edges(length: int, expected: float) -> None:
+    group = make_group(["x"], lengths=[length])
+    assert score(fn("overlong", max_tokens=20, buffer=5), group) == [pytest.approx(expected)]
+
+
+def test_overlong_with_the_whole_length_as_buffer_penalises_every_token() -> None:
+    # L_max = L_cache = 4: (0 - |y|) / 4 → 0, -1/4, -4/4.
+    group = make_group(["a", "b", "c"], lengths=[0, 1, 4])
+    assert score(fn("overlong", max_tokens=4, buffer=4), group) == [0.0, -0.25, -1.0]
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"max_tokens": 10}, {"max_tokens": 10, "buffer": 0}, {"max_tokens": 3, "buffer": 4}]
+)
+def test_overlong_refuses_options_without_a_valid_buffer(options: dict) -> None:
+    with pytest.raises(ValueError, match="buffer <= max_tokens"):
+        score(RewardFunction(name="overlong", options=options), make_group(["x"]))
+
+
+def test_code_tests_runs_each_program_against_the_answers_tests() -> None:
+    responses = [
+        "```python\ndef add(a, b):\n    return a + b\n```\nexplanation after the block",
+        "def add(a, b):\n    return a + b",  # no fence: the whole response is the program
+        "def add(a, b):\n    return a - b",
+        "def add(a, b) return",  # a syntax error
+    ]
+    group = make_group(responses, task="code_tests", prompt="write add", answer=ADD_TESTS)
+    assert score(fn("code_tests", workers=2), group) == [1.0, 1.0, 0.0, 0.0]
+
+
+# --------------------------------------------------------------------------- reward model
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A randomly initialised 2-layer LlamaForSequenceClassification (one label) with a character tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from common.tasks import TASK_ALPHABET
+    from learner.tiny_model import build_char_tokenizer
+
+    out = tmp_path_factory.mktemp("reward-model")
+    tokenizer = build_char_tokenizer(TASK_ALPHABET, model_max_length=128)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    LlamaForSequenceClassification(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def test_reward_model_scores_in_batches_exactly_as_one_by_one(reward_model_dir: Path) -> None:
+    group = make_group(["19", "2", "1234567890", "", "19\nbecause", "-7"])
+    batched = score(fn("reward_model", path=str(reward_model_dir), batch_size=4), group)
+    single = score(fn("reward_model", path=str(reward_model_dir), batch_size=1), group)
+    assert batched == pytest.approx(single, abs=1e-5)
+    assert len(set(round(s, 4) for s in single)) == len(single)  # the text matters, not only the padding
+
+
+def test_reward_model_scores_prompt_plus_response_like_a_plain_forward(reward_model_dir: Path) -> None:
+    import torch
+
+    model, tokenizer = load_reward_model(str(reward_model_dir))
+    assert load_reward_model(str(reward_model_dir))[0] is model  # loaded once, cached
+    with torch.no_grad():
+        expected = model(**tokenizer("12+7=19", return_tensors="pt")).logits[0, 0].item()
+    assert score(fn("reward_model", path=str(reward_model_dir)), make_group(["19"])) == [pytest.approx(expected)]
+
+
+def test_reward_model_without_a_path_says_so() -> None:
+    with pytest.raises(ValueError, match=r"options\.path"):
+        score(fn("reward_model"), make_group(["19"]))
+
+
+# --------------------------------------------------------------------------- combining
+
+
+def test_combine_sums_with_weights_and_keeps_raw_scores() -> None:
+    group = make_group(["19", "20", "19"], finish_reasons=["stop", "stop", "length"], lengths=[2, 9, 12])
+    functions = [fn("task"), fn("format", 0.5), fn("overlong", 2.0, max_tokens=12, buffer=4)]
+    rewards_, details = combine(group, functions)
+    # task [1, 0, 1]; format [1, 1, 0]; overlong: 2 → 0, 9 → (8 - 9)/4 = -0.25, 12 → (8 - 12)/4 = -1
+    # reward = task + 0.5 * format + 2 * overlong = [1.5, 0.5 - 0.5, 1 - 2]
+    assert rewards_ == [1.5, 0.0, -1.0]
+    assert details == [
+        {"task": 1.0, "format": 1.0, "overlong": 0.0},
+        {"task": 0.0, "format": 1.0, "overlong": -0.25},
+        {"task": 1.0, "format": 0.0, "overlong": -1.0},
+    ]
+
+
+def test_combine_keys_a_repeated_function_apart() -> None:
+    functions = [fn("tests.helpers.slow_rewards:constant", value=1.0), fn("tests.helpers.slow_rewards:constant", 2.0)]
+    rewards_, details = combine(make_group(["a"]), functions)
+    # 1 * 1.0 + 2 * 0.25
+    assert rewards_ == [1.5]
+    assert details == [{"tests.helpers.slow_rewards:constant": 1.0, "tests.helpers.slow_rewards:constant#2": 0.25}]
+
+
+def test_combine_uses_the_callers_call() -> None:
+    seen = []
+
+    def call(function: RewardFunction, group) -> list[float]:
+        seen.append(function.name)
+        return [3.0] * group.num_samples
+
+    assert combine(make_group(["a", "b"]), [fn("task"), fn("format", -1.0)], call=call) == (
+        [0.0, 0.0],
+        [{"task": 3.0, "format": 3.0}] * 2,
+    )
+    assert seen == ["task", "format"]
+
+
+@pytest.mark.parametrize(
+    ("output", "message"),
+    [
+        ([1.0], "returned 1 scores for 2 responses"),
+        ([1.0, float("nan")], "not finite"),
+        ([1.0, "x"], "not a number"),
+        (None, "returned a NoneType, not a list of 2 scores"),
+        ("ab", "returned a str, not a list"),
+        ([1.0, 1e39], None),
+    ],
+)
+def test_unusable_output_is_a_reward_error_naming_the_function(registry, output, message) -> None:
+    register_reward("broken")(lambda group, options: output)
+    group = make_group(["a", "b"])
+    if message is None:  # finite as a Python float, but no float32 holds it
+        with pytest.raises(RewardError, match="overflows float32"):
+            combine(group, [fn("broken")])
+        return
+    with pytest.raises(RewardError, match=f"reward function 'broken': .*{message}"):
+        score(fn("broken"), group)
+
+
+# --------------------------------------------------------------------------- registry
+
+
+def test_a_different_function_cannot_take_a_registered_name(registry) -> None:
+    def first(group, options):
+        return [0.0] * group.num_samples
+
+    def second(group, options):
+        return [1.0] * group.num_samples
+
+    assert register_reward("mine")(first) is first
+    assert register_reward("mine")(first) is first  # the same function again (a module reload) is fine
+    with pytest.raises(ValueError, match=r"'mine' already registered by .*first"):
+        register_reward("mine")(second)
+    with pytest.raises(ValueError, match="already registered"):
+        register_reward("task")(second)
+    with pytest.raises(ValueError, match="no ':'"):
+        register_reward("a:b")
+
+
+def test_the_registry_snapshot_leaves_the_real_one_alone() -> None:
+    assert "mine" not in reward_names() and "broken" not in reward_names()
+
+
+def test_functions_resolve_by_import_path_once() -> None:
+    path = "tests.helpers.slow_rewards:constant"
+    resolved = get_reward(path)
+    assert resolved is get_reward(path)
+    assert score(fn(path, value=0.75), make_group(["a", "b"])) == [0.75, 0.75]
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("no_such_reward", "unknown reward function 'no_such_reward'"),
+        ("tests.helpers.no_such_module:fn", "cannot be resolved"),
+        ("tests.helpers.slow_rewards:missing", "cannot be resolved"),
+        ("tests.helpers.slow_rewards:", "not of the form"),
+        ("common.wire:SCHEMA_VERSION", "names a int, not something callable"),
+    ],
+)
+def test_bad_names_fail_at_check_time(name: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_functions([fn("task"), fn(name)])
+
+
+def test_no_functions_at_all_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"reward\.functions is empty"):
+        check_functions([])
+
+
+# --------------------------------------------------------------------------- time-limited calls
+
+
+def test_a_call_past_its_limit_is_abandoned_and_the_next_starts_at_once() -> None:
+    calls, release = TimedCalls(max_abandoned=2), threading.Event()
+    try:
+        started = time.monotonic()
+        with pytest.raises(CallTimedOut, match=r"timed out after 0\.1 s"):
+            calls.run("hang", release.wait, (), timeout_s=0.1)
+        assert calls.abandoned() == 1
+        assert calls.run("quick", lambda x: x + 1, (1,), timeout_s=5) == 2
+        assert time.monotonic() - started < 2
+    finally:
+        release.set()
+
+
+def test_a_functions_own_errors_pass_through_unchanged() -> None:
+    calls = TimedCalls()
+
+    def raises(kind: type[Exception]) -> None:
+        raise kind("from the function")
+
+    with pytest.raises(KeyError, match="from the function"):
+        calls.run("f", raises, (KeyError,), timeout_s=5)
+    with pytest.raises(TimeoutError, match="from the function") as info:
+        calls.run("f", raises, (TimeoutError,), timeout_s=5)
+    assert not isinstance(info.value, CallTimedOut) and calls.abandoned() == 0
+
+
+def test_too_many_hung_calls_stall_instead_of_growing_threads() -> None:
+    calls, release = TimedCalls(max_abandoned=2), threading.Event()
+    try:
+        for _ in range(2):
+            with pytest.raises(CallTimedOut):
+                calls.run("hang", release.wait, (), timeout_s=0.05)
+        threads = threading.active_count()
+        with pytest.raises(WorkerStalled, match="2 abandoned calls are still running"):
+            calls.run("hang", release.wait, (), timeout_s=0.05)
+        assert threading.active_count() == threads  # refused before starting a thread
+    finally:
+        release.set()
+    deadline = time.monotonic() + 5
+    while calls.abandoned() and time.monotonic() < deadline:  # released threads finish: room again
+        time.sleep(0.01)
+    assert calls.run("quick", int, ("7",), timeout_s=5) == 7
