@@ -97,19 +97,17 @@ class AlgorithmSection(Section):
     preset: str = "grpo"
     """Name of the algorithm this config was built from (informational once resolved)."""
     advantage: str = "grpo"
-    """Registered advantage estimator."""
+    """Registered advantage estimator (or ``package.module:function``)."""
+    advantage_options: dict[str, Any] = Field(default_factory=dict)
+    """Settings of the advantage estimator, validated by its own settings type."""
     loss: str = "ppo_clip"
-    """Registered policy loss."""
+    """Registered policy loss (or ``package.module:function``)."""
+    loss_options: dict[str, Any] = Field(default_factory=dict)
+    """Settings of the loss, e.g. ``clip_high``, ``kl_coef`` (the off-policy correction comes from [staleness])."""
     aggregation: str = "token_mean"
     """Registered loss aggregation."""
-    options: dict[str, Any] = Field(default_factory=dict)
-    """Settings of the chosen estimator, loss and aggregation (validated by their own types)."""
-    kl_coef: float = Field(0.0, ge=0.0)
-    """Weight of the KL penalty to the reference model."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator (Schulman 2020): k1 = log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r."""
-    entropy_coef: float = Field(0.0, ge=0.0)
-    """Weight of the entropy bonus."""
+    aggregation_options: dict[str, Any] = Field(default_factory=dict)
+    """Settings of the aggregation, e.g. ``norm`` for ``seq_mean_token_sum_norm``."""
 
 
 class LearnerSection(Section):
@@ -132,7 +130,11 @@ class LearnerSection(Section):
     precision: Literal["float32", "bfloat16", "float16"] = "float32"
     """Training precision."""
     offload: bool = False
-    """Offload optimizer state to CPU memory (ZeRO 1-3)."""
+    """Offload optimizer state to CPU memory (ZeRO 1-3; no effect on CPU-only machines)."""
+    group_deadline_s: float = Field(300.0, gt=0)
+    """A prompt group not back in the replay stream this long after issue is re-issued once, then counted lost."""
+    wait_for_batch_s: float = Field(600.0, gt=0)
+    """Longest wait for one training batch before the learner stops with an error (actors or reward workers gone)."""
 
 
 class StalenessSection(Section):

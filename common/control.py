@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -96,6 +96,21 @@ class RunKeys:
     @property
     def dead(self) -> str:
         return self._k("dead")
+
+    @property
+    def groups(self) -> str:
+        """Hash: group id → encoded :class:`PromptGroup` of every issued group not yet completed or lost."""
+        return self._k("groups")
+
+    @property
+    def dispatch(self) -> str:
+        """Hash of the dispatcher's counters (see ``learner/dispatcher.py``)."""
+        return self._k("dispatch")
+
+    @property
+    def done(self) -> str:
+        """Set of the ids of completed groups (to tell a late duplicate of a re-issued group)."""
+        return self._k("done")
 
 
 def connect(url: str) -> redis.Redis:
@@ -254,3 +269,92 @@ class ControlPlane:
 
     def ledger(self) -> dict[str, LedgerEntry]:
         return {k.decode(): LedgerEntry(**json.loads(v)) for k, v in self.client.hgetall(self.keys.inflight).items()}
+
+    def ledger_size(self) -> int:
+        """Groups in the in-flight ledger (without reading them)."""
+        return int(self.client.hlen(self.keys.inflight))
+
+    # -- dispatcher state: payloads of issued groups, counters, completed ids
+    def save_groups(self, groups: Iterable[PromptGroup], counts: Mapping[str, int]) -> None:
+        """Store the payloads of issued groups and add ``counts`` to the dispatcher's counters, in one transaction.
+
+        This is the dispatcher's commit point: a counter never claims a group whose payload is missing.
+        """
+        payloads = {g.group_id: encode_blob(g) for g in groups}
+        pipe = self.client.pipeline(transaction=True)
+        if payloads:
+            pipe.hset(self.keys.groups, mapping=payloads)
+        for name, delta in counts.items():
+            pipe.hincrby(self.keys.dispatch, name, delta)
+        pipe.execute()
+
+    def has_group(self, group_id: str) -> bool:
+        """Whether an issued group's payload is stored (issued, neither completed nor lost)."""
+        return bool(self.client.hexists(self.keys.groups, group_id))
+
+    def load_group(self, group_id: str) -> PromptGroup | None:
+        """The stored payload of an issued group; None when there is none (or it is unreadable: dead-lettered)."""
+        blob = self.client.hget(self.keys.groups, group_id)
+        if blob is None:
+            return None
+        try:
+            return decode_blob(self._prompt_decoder, blob)
+        except WireError as exc:
+            log.warning("dead-lettered an unreadable stored prompt group", group=group_id, field=exc.field)
+            dead_letter(self.client, self.keys, "groups", str(exc), blob)
+            return None
+
+    def replace_issued(self, group: PromptGroup, entry: LedgerEntry) -> int:
+        """Give an issued group a new payload and ledger entry, removing its old copy from the queue.
+
+        The old copy (if still queued) is removed so that re-issuing a group nobody has taken yet moves it
+        instead of duplicating it. Returns how many queued copies were removed. Queue the new copy with
+        :meth:`return_prompts` (front of the queue) afterwards.
+        """
+        old = self.client.hget(self.keys.groups, group.group_id)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hset(self.keys.groups, group.group_id, encode_blob(group))
+        pipe.hset(self.keys.inflight, group.group_id, json.dumps(entry.__dict__))
+        if old is not None:
+            pipe.lrem(self.keys.prompts, 0, old)
+        replies = pipe.execute()
+        return int(replies[2]) if old is not None else 0
+
+    def retire_groups(
+        self, group_ids: Iterable[str], counts: Mapping[str, int] | None = None, completed: bool = False
+    ) -> int:
+        """Remove groups from the ledger, the payload store and the queue in one transaction.
+
+        ``completed`` also remembers their ids as done (:meth:`was_completed`); ``counts`` are added to the
+        dispatcher's counters in the same transaction. Returns how many of them were in the ledger.
+        """
+        ids = list(group_ids)
+        if not ids:
+            return 0
+        queued = [b for b in self.client.hmget(self.keys.groups, ids) if b is not None]
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hdel(self.keys.inflight, *ids)
+        pipe.hdel(self.keys.groups, *ids)
+        for blob in queued:  # a re-issued copy nobody took yet would be wasted work
+            pipe.lrem(self.keys.prompts, 0, blob)
+        if completed:
+            pipe.sadd(self.keys.done, *ids)
+        for name, delta in (counts or {}).items():
+            pipe.hincrby(self.keys.dispatch, name, delta)
+        return int(pipe.execute()[0])
+
+    def was_completed(self, group_id: str) -> bool:
+        return bool(self.client.sismember(self.keys.done, group_id))
+
+    def completed_count(self) -> int:
+        return int(self.client.scard(self.keys.done))
+
+    def dispatch_counts(self) -> dict[str, int]:
+        """The dispatcher's counters (a missing one is 0)."""
+        return {k.decode(): int(v) for k, v in self.client.hgetall(self.keys.dispatch).items()}
+
+    def add_dispatch_counts(self, counts: Mapping[str, int]) -> None:
+        pipe = self.client.pipeline(transaction=True)
+        for name, delta in counts.items():
+            pipe.hincrby(self.keys.dispatch, name, delta)
+        pipe.execute()

@@ -46,6 +46,24 @@ REWARD_SCORING_SECONDS = Histogram(
 )
 
 
+DISPATCHER_RELEASED_GROUPS = Counter(
+    "asyncrl_dispatcher_released_groups_total",
+    "Prompt groups released into the prompt queue by admission control (replacements of lost groups included).",
+)
+DISPATCHER_REISSUED_GROUPS = Counter(
+    "asyncrl_dispatcher_reissued_groups_total",
+    "Prompt groups re-issued because their actor died or they missed the deadline.",
+)
+DISPATCHER_LOST_GROUPS = Counter(
+    "asyncrl_dispatcher_lost_groups_total",
+    "Prompt groups given up on after missing the deadline (or losing their actor) once more after re-issue.",
+)
+DISPATCHER_DUPLICATE_GROUPS = Counter(
+    "asyncrl_dispatcher_duplicate_groups_total",
+    "Scored groups the learner dropped because the same group id was already trained (a re-issued group's twin).",
+)
+
+
 def serve(port: int = 0, addr: str = "0.0.0.0") -> int:
     """Serve ``/metrics`` over HTTP on ``port`` (0 = a free one); returns the port."""
     server, _thread = start_http_server(port, addr)

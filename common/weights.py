@@ -106,7 +106,11 @@ class WeightGroup:
             store = torch.distributed.TCPStore(address.host, address.port, is_master=False, timeout=timeout)
         self._store = store  # keep the connection alive as long as the group
         prefixed = torch.distributed.PrefixStore(f"asyncrl/{address.epoch}/", store)
+        self.store = prefixed
         self.device = "cuda" if address.backend == "nccl" else "cpu"
+        if address.rank > 0:
+            # Say "I came" before the rendezvous: if it times out, the root knows whom to evict.
+            prefixed.set(f"joined/{address.rank}", "1")
         self.group = self._make_group(prefixed, timeout)
 
     def _make_group(self, store, timeout: timedelta):
@@ -163,3 +167,9 @@ class WeightGroup:
             flat = torch.empty(bucket.numel, dtype=torch_dtype(bucket.dtype), device=self.device)
             self.broadcast(flat)
             yield from unpack_bucket(bucket, flat)
+
+
+def absent_ranks(store: torch.distributed.Store, epoch: int, world_size: int) -> list[int]:
+    """Ranks (1..world-1) that never announced themselves for ``epoch``: the ones to evict after a timeout."""
+    prefixed = torch.distributed.PrefixStore(f"asyncrl/{epoch}/", store)
+    return [rank for rank in range(1, world_size) if not prefixed.check([f"joined/{rank}"])]

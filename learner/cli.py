@@ -60,6 +60,61 @@ def fields(
         print(f"{name} = {default}\n    {doc}")
 
 
+@app.command("init-model")
+def init_model_command(
+    config: ConfigArg = None,
+    set_: SetOpt = None,
+    warm_steps: Annotated[int, typer.Option(help="Supervised warm-start steps on the config's task (0 = random).")] = 0,
+    examples: Annotated[int, typer.Option(help="Examples drawn for the warm start.")] = 4000,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing model folder.")] = False,
+) -> None:
+    """Write the tiny Llama checkpoint the config names (model.path): character tokenizer, seeded weights,
+    optionally a short supervised warm start on the config's task so that RL starts from partial skill."""
+    import random
+
+    from common.cliutil import load
+    from common.tasks import TASK_ALPHABET, get_task
+    from learner.tiny_model import init_model, model_fingerprint, warm_start
+
+    resolved = load(config, set_)
+    out = Path(resolved.model.path)
+    if (out / "config.json").exists() and not force:
+        typer.echo(f"{out} exists; keeping it (--force to overwrite)", err=True)
+        return
+    folder = init_model(out, alphabet=TASK_ALPHABET, seed=resolved.run.seed)
+    if warm_steps:
+        task, rng = get_task(resolved.task.name, **resolved.task.options), random.Random(resolved.run.seed + 1)
+        pairs = [(e.prompt, e.answer) for e in (task.sample(rng) for _ in range(examples))]
+        figures = warm_start(folder, pairs, steps=warm_steps, seed=resolved.run.seed)
+        typer.echo(
+            f"warm start: loss {figures['loss_first']:.3f} -> {figures['loss_last']:.3f} in {figures['seconds']:.1f}s",
+            err=True,
+        )
+    typer.echo(f"wrote {folder} (sha256 {model_fingerprint(folder)[:16]})", err=True)
+
+
+@app.command()
+def train(
+    config: ConfigArg = None,
+    set_: SetOpt = None,
+    redis: Annotated[str | None, typer.Option(help="Redis URL (default: transport.redis_url, else embedded).")] = None,
+) -> None:
+    """Run the learner: admit prompts, train on scored groups, broadcast weights, until learner.steps."""
+    from common.cliutil import load
+    from common.redis_server import EmbeddedRedis
+
+    resolved = load(config, set_)
+    url = redis or resolved.transport.redis_url
+    server = None if url else EmbeddedRedis(resolved.run_dir / "redis").start()
+    try:
+        from learner.loop import Learner
+
+        Learner(resolved, url or server.url).run()
+    finally:
+        if server is not None:
+            server.stop()
+
+
 def main() -> None:
     app()
 

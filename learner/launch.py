@@ -47,6 +47,71 @@ def redis(
         server.stop()
 
 
+@app.command()
+def run(
+    config: Annotated[Path | None, typer.Argument(help="Run config (TOML).")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Override a field: section.field=value.")] = None,
+    actors: Annotated[int, typer.Option(help="Rollout actors to start.")] = 2,
+    rewards: Annotated[int, typer.Option(help="Reward workers to start.")] = 1,
+) -> None:
+    """Start embedded Redis, the learner, rollout actors and reward workers; show progress; Ctrl-C stops all."""
+    from common.cliutil import fail, load
+    from common.config import write_resolved
+    from common.control import ControlPlane, connect
+    from common.redis_server import EmbeddedRedis, EmbeddedRedisError
+    from learner.children import Children, progress_line, tail_metrics
+
+    resolved = load(config, set_)
+    write_resolved(resolved)
+    try:
+        server = EmbeddedRedis(resolved.run_dir / "redis").start()
+    except EmbeddedRedisError as exc:
+        fail(str(exc))
+    children = Children(resolved.run_dir / "logs")
+    code = 1
+    try:
+        ControlPlane(connect(server.url), resolved.run.name).publish_config(resolved)
+        code = _run_children(
+            children, resolved, server.url, config, set_ or [], actors, rewards, progress_line, tail_metrics
+        )
+    finally:
+        children.stop_all()
+        server.stop()
+    raise typer.Exit(code)
+
+
+def _run_children(children, resolved, url, config, overrides, actors, rewards, progress_line, tail_metrics) -> int:
+    import os
+    import sys
+
+    bin_dir = Path(sys.executable).parent
+    run_args = ["--redis", url, "--run", resolved.run.name]
+    cores = sorted(os.sched_getaffinity(0))
+    for i in range(rewards):
+        children.start(f"reward-{i}", [str(bin_dir / "rl-actor"), "reward", *run_args, "--id", f"reward-{i}"])
+    for i in range(actors):
+        env = {"VLLM_CPU_OMP_THREADS_BIND": str(cores[i % len(cores)])}
+        children.start(f"actor-{i}", [str(bin_dir / "rl-actor"), *run_args, "--id", f"actor-{i}"], env)
+    learner_cmd = [str(bin_dir / "rl-learner"), "train", *([str(config)] if config else [])]
+    learner_cmd += [a for o in overrides for a in ("--set", o)] + ["--redis", url]
+    learner = children.start("learner", learner_cmd)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    metrics = resolved.run_dir / "metrics.jsonl"
+    while not stop.wait(1.0) and learner.poll() is None:
+        if (dead := children.failed()) and dead != "learner":
+            typer.echo(f"\n{dead} exited with an error; see {resolved.run_dir / 'logs' / (dead + '.log')}", err=True)
+        if (last := tail_metrics(metrics)) is not None:
+            typer.echo("\r" + progress_line(last, resolved.learner.steps), nl=False, err=True)
+    typer.echo("", err=True)
+    if learner.poll() is None:
+        return 130  # interrupted
+    if learner.returncode:
+        typer.echo(f"learner failed; see {resolved.run_dir / 'logs' / 'learner.log'}", err=True)
+    return learner.returncode
+
+
 def _wait_for_stop_signal() -> None:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -43,7 +43,7 @@ def test_file_overlays_its_preset_then_overrides_apply(tmp_path: Path) -> None:
     [
         ("learner.lr=-1", "learner.lr: Input should be greater than 0 (got -1)"),
         ("learner.zero_stage=5", "learner.zero_stage: Input should be 0, 1, 2 or 3 (got 5)"),
-        ("learner.foo=1", "learner.foo: unknown field; allowed here: grad_clip, groups_per_step, lr"),
+        ("learner.foo=1", "learner.foo: unknown field; allowed here: grad_clip, group_deadline_s, groups_per_step"),
         ("staleness.correction=clip", "staleness.correction: Input should be 'none', 'truncate' or 'mask'"),
         ("transport.heartbeat_ttl_s=1", "heartbeat_ttl_s must exceed heartbeat_s"),
         ("run.name=../etc", "run.name: String should match pattern"),

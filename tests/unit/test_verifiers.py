@@ -176,15 +176,15 @@ def test_sandbox_passing_and_failing_tests() -> None:
 @pytest.mark.integration
 def test_sandbox_kills_an_infinite_loop_at_the_cpu_limit() -> None:
     result = run_python_tests("while True:\n    pass\n", "", cpu_s=1, wall_s=4)
+    # Killed by the CPU limit, or by the wall clock when a loaded machine gives it less than a core (no time asserted).
     assert not result.passed and result.reason.startswith("timeout:")
-    assert result.seconds < 4.5  # killed by the CPU limit (about 1 s) or at worst the wall clock
 
 
 @pytest.mark.integration
 def test_sandbox_kills_a_sleeper_at_the_wall_clock_limit() -> None:
     result = run_python_tests("import time\ntime.sleep(60)\n", "", wall_s=1)
     assert not result.passed and result.reason.startswith("timeout: wall-clock")
-    assert 1 <= result.seconds < 2
+    assert result.seconds >= 1  # never before its limit (an upper bound would depend on the machine's load)
 
 
 @pytest.mark.integration

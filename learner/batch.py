@@ -1,0 +1,74 @@
+"""From scored groups to the padded tensors one training step works on.
+
+Every response becomes one row: prompt tokens then response tokens, right-padded to the longest
+row. Token-aligned values follow the engine's convention (``learner/engine.py``): the value at index
+``t`` belongs to token ``t`` (its log-prob given the tokens before it), so the behaviour log-probs
+that vLLM reported for response token ``j`` sit at index ``len(prompt) + j``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from common.wire import ScoredGroup
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    """B rows (one per response) of length T."""
+
+    input_ids: torch.Tensor  # [B, T] int64
+    attention_mask: torch.Tensor  # [B, T] int64, 1 on real tokens
+    response_mask: torch.Tensor  # [B, T] bool, True on response tokens
+    behaviour_logprobs: torch.Tensor  # [B, T] float32, μ at response tokens, 0 elsewhere
+    versions: torch.Tensor  # [B, T] int64, policy version of each response token, -1 elsewhere
+    rewards: torch.Tensor  # [B] float32
+    group_ids: torch.Tensor  # [B] int64, index of the row's group in this batch
+
+    @property
+    def rows(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {
+            "input_ids": self.input_ids,
+            "attention_mask": self.attention_mask,
+            "response_mask": self.response_mask,
+            "behaviour_logprobs": self.behaviour_logprobs,
+        }
+
+
+def collate(groups: Sequence[ScoredGroup], pad_id: int) -> TrainBatch:
+    """Pad every response of every group into one batch (see the module docstring for the alignment)."""
+    rows = [(g, i) for g in groups for i in range(g.rollout.num_samples)]
+    width = max(len(g.rollout.prompt_ids) + int(g.rollout.lengths[i]) for g, i in rows)
+    shape = (len(rows), width)
+    input_ids = np.full(shape, pad_id, np.int64)
+    attention = np.zeros(shape, np.int64)
+    response = np.zeros(shape, bool)
+    behaviour = np.zeros(shape, np.float32)
+    versions = np.full(shape, -1, np.int64)
+    group_index = {id(g): n for n, g in enumerate(groups)}
+    for row, (group, i) in enumerate(rows):
+        prompt = group.rollout.prompt_ids
+        ids, logprobs, token_versions = group.rollout.response(i)
+        start, end = len(prompt), len(prompt) + len(ids)
+        input_ids[row, :start] = prompt
+        input_ids[row, start:end] = ids
+        attention[row, :end] = 1
+        response[row, start:end] = True
+        behaviour[row, start:end] = logprobs.astype(np.float32)
+        versions[row, start:end] = token_versions
+    return TrainBatch(
+        input_ids=torch.from_numpy(input_ids),
+        attention_mask=torch.from_numpy(attention),
+        response_mask=torch.from_numpy(response),
+        behaviour_logprobs=torch.from_numpy(behaviour),
+        versions=torch.from_numpy(versions),
+        rewards=torch.tensor([float(g.rewards[i]) for g, i in rows], dtype=torch.float32),
+        group_ids=torch.tensor([group_index[id(g)] for g, _ in rows], dtype=torch.int64),
+    )

@@ -1,0 +1,115 @@
+"""The weight broadcaster: after a step, new weights to every live rollout actor.
+
+Membership is the set of actors whose heartbeat says they are up (not ``starting`` or
+``draining``). When it changes, the group is re-formed under a new epoch at the next sync. A
+formation or broadcast that misses ``weight_sync.timeout_s`` raises inside :class:`WeightGroup`;
+the actors that never announced themselves for the epoch are evicted (left out of the next
+``EVICT_SYNCS`` formations) and the run goes on — nobody waits on a hung actor for longer than
+the timeout, and a failed sync is never announced as done: the version is only bumped after a
+broadcast that every member completed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+import torch
+
+from common.config import RunConfig
+from common.control import ControlPlane
+from common.logs import get_logger
+from common.redis_server import free_port
+from common.weights import GroupAddress, WeightGroup, WeightSyncError, absent_ranks, host_store, plan_buckets
+from common.wire import WeightManifest
+
+log = get_logger("broadcaster")
+EVICT_SYNCS = 5
+_JOINABLE = ("starting", "draining")
+
+
+class Broadcaster:
+    def __init__(self, config: RunConfig, plane: ControlPlane, host: str = "127.0.0.1") -> None:
+        self.config = config
+        self.plane = plane
+        self.host = host
+        self.port = free_port(host)
+        self.store = host_store(host, self.port, config.weight_sync.timeout_s)
+        self.backend = "nccl" if torch.cuda.is_available() else "gloo"
+        self.epoch = 0
+        self.members: list[str] = []
+        self.group: WeightGroup | None = None
+        self.evicted: dict[str, int] = {}  # actor id -> syncs left out
+
+    def live_actors(self) -> list[str]:
+        live, _ = self.plane.processes()
+        return sorted(h.process_id for h in live if h.kind == "actor" and h.state not in _JOINABLE)
+
+    def sync(self, version: int, params: Mapping[str, torch.Tensor]) -> dict[str, float]:
+        """Publish ``version`` and broadcast ``params`` to every member; returns figures for metrics."""
+        start = time.perf_counter()
+        self._update_membership()
+        buckets = plan_buckets(params, int(self.config.weight_sync.bucket_mb * 2**20))
+        manifest = WeightManifest(
+            version=version,
+            store_host=self.host,
+            store_port=self.port,
+            world_size=len(self.members) + 1,
+            members=list(self.members),
+            buckets=buckets,
+            group_epoch=self.epoch,
+        )
+        self.plane.publish_manifest(manifest)
+        figures = {"members": float(len(self.members)), "bytes": 0.0, "self_check_s": 0.0}
+        if self.members:
+            try:
+                figures.update(self._send(buckets, params))
+            except WeightSyncError as exc:
+                self._evict_absent(exc)
+                figures["failed"] = 1.0
+        figures["seconds"] = time.perf_counter() - start
+        return figures
+
+    def _update_membership(self) -> None:
+        self.evicted = {a: n - 1 for a, n in self.evicted.items() if n > 1}
+        members = [a for a in self.live_actors() if a not in self.evicted]
+        if members != self.members or self.group is None:
+            self.epoch += 1
+            self.members = members
+            self.group = None
+            if members:
+                log.info("weight group re-formed", epoch=self.epoch, members=",".join(members))
+
+    def _send(self, buckets, params) -> dict[str, float]:
+        figures = {}
+        if self.group is None:
+            address = GroupAddress(
+                self.host,
+                self.port,
+                self.epoch,
+                0,
+                len(self.members) + 1,
+                self.config.weight_sync.timeout_s,
+                self.backend,
+            )
+            self.group = WeightGroup(address, self.store)
+            figures["self_check_s"] = self.group.self_check()
+            log.info("weight group self-check passed", epoch=self.epoch, seconds=round(figures["self_check_s"], 4))
+        figures["bytes"] = float(self.group.send(buckets, params))
+        return figures
+
+    def _evict_absent(self, exc: WeightSyncError) -> None:
+        absent = [self.members[r - 1] for r in absent_ranks(self.store, self.epoch, len(self.members) + 1)]
+        suspects = absent or list(self.members)  # all came but one hung mid-broadcast: retry them all later
+        for actor in absent:
+            self.evicted[actor] = EVICT_SYNCS
+        log.error(
+            "weight sync failed; the run goes on without these actors",
+            epoch=self.epoch,
+            evicted=",".join(absent) or "none",
+            suspects=",".join(suspects),
+            error=str(exc),
+            action="check the actors' logs; they rejoin at a later sync once healthy",
+        )
+        self.group = None
+        self.members = []

@@ -1,0 +1,78 @@
+"""Child processes of ``rl-launch``: started with their logs in the run folder, stopped by PID, always."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+from common.logs import get_logger
+
+log = get_logger("launch")
+
+
+class Children:
+    """The processes one launcher started; ``stop_all`` ends them (SIGTERM, then SIGKILL) and only them."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        log_file = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - the child owns it
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,  # our Ctrl-C is handled here, and then passed on as SIGTERM
+        )
+        self.procs[name] = proc
+        log.info("started", process=name, pid=proc.pid, log=self.log_dir / f"{name}.log")
+        return proc
+
+    def failed(self) -> str | None:
+        """The name of a child that exited with an error, if any."""
+        return next((n for n, p in self.procs.items() if p.poll() not in (None, 0)), None)
+
+    def stop_all(self, timeout_s: float = 60.0) -> None:
+        """SIGTERM each child, wait, then SIGKILL its whole session (its own children, e.g. vLLM engine
+        processes, live in the session the child leads: the group id is the child's PID, ours to end)."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for name, proc in self.procs.items():
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("did not stop on SIGTERM; killing", process=name, pid=proc.pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # stragglers of a child that died or hung
+            proc.wait()
+
+
+def tail_metrics(path: Path) -> dict | None:
+    """The last complete line of metrics.jsonl, or None."""
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return None
+    for line in reversed(lines):
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line being written
+    return None
+
+
+def progress_line(m: dict, steps: int) -> str:
+    tokens_s = m.get("rollout/tokens", 0.0) / max(m.get("step/seconds", 1e-9), 1e-9)
+    return (
+        f"step {int(m['step']):>4}/{steps}  reward {m['rollout/reward_mean']:.3f}  "
+        f"kl {m.get('train/loss/kl_ref', 0.0):.4f}  mismatch {m.get('train/offpolicy/mismatch_kl', 0.0):.2e}  "
+        f"staleness {m['rollout/staleness_max']:.0f}  tokens/s {tokens_s:,.0f}  step {m['step/seconds']:.1f}s"
+    )

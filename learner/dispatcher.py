@@ -1,0 +1,274 @@
+"""Prompt admission for the learner: releases prompt groups under the staleness bound, re-issues lost ones.
+
+Admission control (the AReaL rule, DESIGN.md "Policy versions, staleness and importance ratios")::
+
+    capacity(v)    = (max_staleness + v + 1) × groups_per_step
+    released_total = distinct groups ever released − groups counted lost − groups discarded
+    release(v)     releases max(0, capacity(v) − released_total) new groups
+
+A re-issue does not count again (same group id), a completed group keeps counting (admission counts
+groups released, not groups in flight), and a lost or discarded group (one that will never be trained)
+stops counting, so a replacement is released in its place. The learner trains ``groups_per_step`` groups
+per version, so a group released at version v is among the first (max_staleness + v + 1) × groups_per_step
+and, trained roughly in release order, lands in a batch no later than step v + max_staleness. With
+``max_staleness = 0`` at most (v + 1) × groups_per_step groups exist at version v — the batch of step v is
+released only once v is reached: exactly synchronous on-policy training.
+
+State lives in Redis under the run's namespace (:class:`common.control.RunKeys`), so a restarted learner
+carries on: the ledger (``inflight``: issue time, version, holder, attempts), the payload of every group in
+flight (``groups``, for re-issue), the counters (``dispatch``: ``created`` numbers group ids and positions the
+prompt stream, ``released`` is ``released_total``) and the ids of completed groups (``done``).
+
+Crash safety of :meth:`Dispatcher.release`: ledger entries first, then payloads and counters in one
+transaction (the commit point), then the queue. A crash before the commit leaves ledger entries without a
+payload, which :meth:`Dispatcher.reissue_overdue` drops uncounted (their ids are reused); a crash after it
+leaves groups recorded but never queued, which their deadline re-issues.
+
+One dispatcher per run, called from one thread (the learner loop): it is not safe to run two at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from collections.abc import Callable, Iterable
+
+import numpy as np
+
+from common.config import RunConfig, TaskSection
+from common.control import ControlPlane, LedgerEntry
+from common.logs import get_logger
+from common.metrics import (
+    DISPATCHER_DUPLICATE_GROUPS,
+    DISPATCHER_LOST_GROUPS,
+    DISPATCHER_REISSUED_GROUPS,
+    DISPATCHER_RELEASED_GROUPS,
+)
+from common.tasks import Task, get_task
+from common.wire import PromptGroup
+
+log = get_logger("dispatcher")
+MAX_ATTEMPTS = 2
+"""A group is issued at most this often (once, then re-issued once) before it is counted lost."""
+
+
+def prompt_source(section: TaskSection) -> tuple[Task, str]:
+    """The run's task and the name its groups carry (the verifier the reward worker will use).
+
+    For ``file`` the path comes from ``task.path`` and the name from ``task.options["verifier"]``
+    (default ``"file"``), which is not a constructor option of the task.
+    """
+    options = dict(section.options)
+    if section.name != "file":
+        return get_task(section.name, **options), section.name
+    label = str(options.pop("verifier", "file"))
+    if section.path:
+        options["path"] = section.path
+    if not options.get("path"):
+        raise ValueError("task 'file' needs a data file: set task.path to a JSONL or Parquet file")
+    return get_task("file", **options), label
+
+
+def overdue_reason(entry: LedgerEntry, live: set[str], deadline_s: float, now: float) -> str | None:
+    """Why an in-flight group should be re-issued (or given up), or None while it is fine.
+
+    An empty holder means the group is still queued (or was never pushed): only the deadline applies.
+    """
+    if entry.actor and entry.actor not in live:
+        return f"holder {entry.actor} is gone (heartbeat expired or it left)"
+    age = now - entry.issued_at
+    if age > deadline_s:
+        return f"not back {age:.1f}s after issue (deadline {deadline_s:g}s)"
+    return None
+
+
+class Dispatcher:
+    """Releases prompt groups into the run's prompt queue under admission control and tracks them.
+
+    ``encode`` turns a prompt into token ids the way the model expects (BOS included).
+    """
+
+    def __init__(self, config: RunConfig, plane: ControlPlane, encode: Callable[[str], list[int]]) -> None:
+        self.config = config
+        self.plane = plane
+        self.encode = encode
+        self.task, self.task_label = prompt_source(config.task)
+        self._rng = random.Random(config.run.seed)
+        self._drawn = 0  # examples drawn from the task so far (its position in the prompt stream)
+
+    # -- admission
+    def capacity(self, version: int) -> int:
+        """How many groups may have been released (and not lost or discarded) at ``version``."""
+        return (self.config.staleness.max_staleness + version + 1) * self.config.learner.groups_per_step
+
+    def release(self, version: int) -> int:
+        """Release as many new groups as admission allows at policy ``version``; returns how many."""
+        if version < 0:
+            raise ValueError(f"version must be >= 0, got {version}")
+        counts = self.plane.dispatch_counts()
+        free = self.capacity(version) - counts.get("released", 0)
+        if free <= 0:
+            return 0
+        groups = self._new_groups(counts.get("created", 0), free, version)
+        self.plane.record_issued(groups)
+        self.plane.save_groups(groups, {"created": free, "released": free})  # the commit point
+        self.plane.push_prompts(groups)
+        DISPATCHER_RELEASED_GROUPS.inc(free)
+        log.debug("released prompt groups", count=free, version=version, first=groups[0].group_id)
+        return free
+
+    def group_id(self, number: int) -> str:
+        """The id of the run's ``number``-th group: unique within the run, across learner restarts."""
+        return f"{self.config.run.name}-{number:08d}"
+
+    def _new_groups(self, first: int, count: int, version: int) -> list[PromptGroup]:
+        """Groups number ``first`` .. ``first + count - 1``, drawing their prompts from the task."""
+        self._seek(first)
+        now = time.time()
+        groups = []
+        for number in range(first, first + count):
+            example = self.task.sample(self._rng)
+            self._drawn += 1  # per draw: a failure half-way makes the next _seek rewind
+            groups.append(
+                PromptGroup(
+                    group_id=self.group_id(number),
+                    task=self.task_label,
+                    prompt=example.prompt,
+                    prompt_ids=np.asarray(self.encode(example.prompt), dtype=np.int32),
+                    answer=example.answer,
+                    num_samples=self.config.rollout.num_samples,
+                    issued_version=version,
+                    issued_at=now,
+                )
+            )
+        return groups
+
+    def _seek(self, position: int) -> None:
+        """Put the prompt stream at ``position`` examples from the start of the run.
+
+        A restarted learner replays the seeded stream up to the ``created`` counter, so group n gets the
+        same prompt as in an uninterrupted run; after a failed release (drawn, never committed) it rewinds.
+        """
+        if self._drawn > position:
+            self._rng, self.task, self._drawn = random.Random(self.config.run.seed), self.task.fresh(), 0
+        for _ in range(position - self._drawn):
+            self.task.sample(self._rng)
+        self._drawn = position
+
+    # -- re-issue
+    def reissue_overdue(self, deadline_s: float, now: float | None = None) -> tuple[int, int]:
+        """Re-issue every in-flight group whose holder died or that is older than ``deadline_s``.
+
+        A group's first time overdue re-issues it (front of the queue, fresh issue time, attempts 2); its
+        second counts it lost (ledger entry and payload removed, no longer counted by admission, so the
+        next :meth:`release` replaces it). Returns (re-issued, lost).
+        """
+        now = time.time() if now is None else now
+        live = {heartbeat.process_id for heartbeat in self.plane.processes()[0]}
+        reissued, lost = 0, []
+        # newest first: each re-issue goes to the front, so the oldest group ends up taken first
+        newest_first = sorted(self.plane.ledger().items(), key=lambda kv: (kv[1].issued_at, kv[0]), reverse=True)
+        for group_id, entry in newest_first:
+            reason = overdue_reason(entry, live, deadline_s, now)
+            if reason is None:
+                continue
+            group = self.plane.load_group(group_id)
+            if group is None:
+                self._drop_unknown(group_id, entry)
+            elif entry.attempts >= MAX_ATTEMPTS:
+                lost.append((group_id, entry, reason))
+            else:
+                self._reissue(group, entry, reason, now)
+                reissued += 1
+        self._lose(lost)
+        return reissued, len(lost)
+
+    def _reissue(self, group: PromptGroup, entry: LedgerEntry, reason: str, now: float) -> None:
+        fresh = dataclasses.replace(group, issued_at=now)
+        self.plane.replace_issued(fresh, LedgerEntry(now, entry.version, "", entry.attempts + 1))
+        self.plane.return_prompts([fresh])  # front of the queue: taken next
+        self.plane.add_dispatch_counts({"reissued": 1})
+        DISPATCHER_REISSUED_GROUPS.inc()
+        log.warning(
+            "re-issued a prompt group",
+            group=group.group_id,
+            actor=entry.actor or "(queued)",
+            reason=reason,
+            attempt=entry.attempts + 1,
+            action="none if rare; if frequent, check actor health (rl-top) or raise learner.group_deadline_s",
+        )
+
+    def _lose(self, lost: list[tuple[str, LedgerEntry, str]]) -> None:
+        if not lost:
+            return
+        # released -= n: admission releases a replacement for each lost group
+        self.plane.retire_groups([g for g, _, _ in lost], {"released": -len(lost), "lost": len(lost)})
+        DISPATCHER_LOST_GROUPS.inc(len(lost))
+        for group_id, entry, reason in lost:
+            log.warning(
+                "lost a prompt group after its re-issue; releasing a replacement",
+                group=group_id,
+                actor=entry.actor or "(queued)",
+                reason=reason,
+                attempts=entry.attempts,
+                action="if this repeats, check that actors and reward workers run (rl-top) and the deadline fits",
+            )
+
+    def _drop_unknown(self, group_id: str, entry: LedgerEntry) -> None:
+        """A ledger entry without a payload: not (or no longer) the dispatcher's, e.g. left by a crash."""
+        self.plane.retire_groups([group_id])
+        log.warning(
+            "dropped an overdue ledger entry with no stored prompt group",
+            group=group_id,
+            actor=entry.actor or "(queued)",
+            action="none: a group the dispatcher did not commit (or already retired) is not re-issued",
+        )
+
+    # -- completion and duplicates
+    def is_known(self, group_id: str) -> bool:
+        """Whether ``group_id`` is in flight: released by this run, neither completed nor lost."""
+        return self.plane.has_group(group_id)
+
+    def was_completed(self, group_id: str) -> bool:
+        """Whether ``group_id`` was completed before (a second arrival is a re-issued group's twin)."""
+        return self.plane.was_completed(group_id)
+
+    def complete(self, group_ids: Iterable[str]) -> int:
+        """Mark groups trained: remove their ledger entries, payloads and queued copies, remember them as done.
+
+        Admission is unchanged (completed groups keep counting). Returns how many were in flight.
+        """
+        return self.plane.retire_groups(group_ids, completed=True)
+
+    def discard(self, group_ids: Iterable[str]) -> int:
+        """Give up on groups that arrived but will not be trained (too stale, or filtered out).
+
+        Like :meth:`complete` (their twins count as duplicates), but admission stops counting them, so
+        replacements are released: with ``max_staleness = 0`` a batch could otherwise never fill again.
+        Returns how many were in flight.
+        """
+        known = [g for g in dict.fromkeys(group_ids) if self.plane.has_group(g)]
+        self.plane.retire_groups(known, {"released": -len(known), "discarded": len(known)}, completed=True)
+        return len(known)
+
+    def note_duplicate(self, group_id: str = "") -> None:
+        """Count a group the learner dropped because it already trained that id."""
+        self.plane.add_dispatch_counts({"duplicates": 1})
+        DISPATCHER_DUPLICATE_GROUPS.inc()
+        log.info("dropped a duplicate of a completed prompt group", group=group_id)
+
+    def stats(self) -> dict[str, int]:
+        """Counters for logs and monitors (all persisted in Redis, so they survive a learner restart)."""
+        counts = self.plane.dispatch_counts()
+        return {
+            "released_total": counts.get("released", 0),
+            "in_flight": self.plane.ledger_size(),
+            "queued": self.plane.queue_depth(),
+            "reissued_total": counts.get("reissued", 0),
+            "lost_total": counts.get("lost", 0),
+            "completed_total": self.plane.completed_count(),
+            "duplicates_total": counts.get("duplicates", 0),
+            "discarded_total": counts.get("discarded", 0),
+            "created_total": counts.get("created", 0),
+        }
