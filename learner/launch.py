@@ -99,10 +99,12 @@ def _run_children(children, resolved, url, config, overrides, actors, rewards, p
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     metrics = resolved.run_dir / "metrics.jsonl"
+    shown = None
     while not stop.wait(1.0) and learner.poll() is None:
         if (dead := children.failed()) and dead != "learner":
             typer.echo(f"\n{dead} exited with an error; see {resolved.run_dir / 'logs' / (dead + '.log')}", err=True)
-        if (last := tail_metrics(metrics)) is not None:
+        if (last := tail_metrics(metrics)) is not None and last["step"] != shown:
+            shown = last["step"]
             typer.echo("\r" + progress_line(last, resolved.learner.steps), nl=False, err=True)
     typer.echo("", err=True)
     if learner.poll() is None:

@@ -79,12 +79,13 @@ def mean(rows: list[dict], key: str) -> float:
 
 
 def test_demo_reward_rises_within_the_staleness_bound(tmp_path: Path, model_dir: Path) -> None:
-    assert finish(launch(tmp_path, model_dir, "rise", "learner.steps=40")) == 0
+    assert finish(launch(tmp_path, model_dir, "rise")) == 0  # the demo's 60 steps of 16 groups x 8 responses
     rows = metrics(tmp_path, "rise")
-    assert [int(r["step"]) for r in rows] == list(range(1, 41))
+    assert [int(r["step"]) for r in rows] == list(range(1, 61))
     assert all(r["rollout/staleness_max"] <= 1 for r in rows)  # the configured bound
-    first, last = mean(rows[:8], "rollout/reward_mean"), mean(rows[-8:], "rollout/reward_mean")
-    assert last > first + 0.1, f"reward did not rise: {first:.3f} -> {last:.3f}"
+    # Each step's mean reward is over 128 responses (noise std ~0.045); a 12-step window's mean has ~0.013.
+    first, last = mean(rows[:12], "rollout/reward_mean"), mean(rows[-12:], "rollout/reward_mean")
+    assert last > first + 0.05, f"reward did not rise: {first:.3f} -> {last:.3f}"
 
 
 def test_synchronous_run_has_no_policy_mismatch(tmp_path: Path, model_dir: Path) -> None:
