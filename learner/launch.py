@@ -1,14 +1,21 @@
-"""``rl-launch``: one machine, one command. Starts the run's embedded Redis (and, as they land,
-the learner, rollout actors and reward workers as child processes) and stops them all on Ctrl-C."""
+"""``rl-launch``: one machine, one command. ``run`` starts the run's embedded Redis, then the learner,
+rollout actors and reward workers as child processes with their logs in ``runs/<name>/logs/``, shows a
+live progress line, and stops them all (and Redis) when the learner ends or on Ctrl-C. ``redis``
+starts only the embedded Redis, for launching the other processes by hand."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+if TYPE_CHECKING:
+    from common.config import RunConfig
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="asyncrl local launcher.")
 
@@ -18,18 +25,19 @@ def _group() -> None:
     """asyncrl local launcher."""
 
 
-@app.command()
-def redis(
-    config: Annotated[Path | None, typer.Argument(help="Run config (TOML).")] = None,
-    set_: Annotated[list[str] | None, typer.Option("--set", help="Override a field: section.field=value.")] = None,
-) -> None:
-    """Start the run's embedded Redis, publish the resolved config, and serve until Ctrl-C."""
+ConfigOpt = Annotated[Path | None, typer.Argument(help="Run config (TOML).")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a field: section.field=value.")]
+
+
+@contextlib.contextmanager
+def _run_redis(config: Path | None, overrides: list[str] | None) -> Iterator[tuple[RunConfig, str]]:
+    """Resolve the config, start the run's embedded Redis, publish the config; stop Redis on exit."""
     from common.cliutil import fail, load
     from common.config import write_resolved
     from common.control import ControlPlane, connect
     from common.redis_server import EmbeddedRedis, EmbeddedRedisError
 
-    resolved = load(config, set_)
+    resolved = load(config, overrides)
     write_resolved(resolved)
     try:
         server = EmbeddedRedis(resolved.run_dir / "redis").start()
@@ -37,46 +45,41 @@ def redis(
         fail(str(exc))
     try:
         ControlPlane(connect(server.url), resolved.run.name).publish_config(resolved)
-        typer.echo(
-            f"run {resolved.run.name!r}: redis at 127.0.0.1:{server.port} "
-            f"(URL with password in {server.directory / 'url'}); Ctrl-C stops it",
-            err=True,
-        )
-        _wait_for_stop_signal()
+        yield resolved, server.url
     finally:
         server.stop()
+
+
+@app.command()
+def redis(config: ConfigOpt = None, set_: SetOpt = None) -> None:
+    """Start the run's embedded Redis, publish the resolved config, and serve until Ctrl-C."""
+    with _run_redis(config, set_) as (resolved, _url):
+        url_file = resolved.run_dir / "redis" / "url"
+        typer.echo(
+            f"run {resolved.run.name!r}: redis ready (URL with password in {url_file}); Ctrl-C stops it", err=True
+        )
+        _wait_for_stop_signal()
 
 
 @app.command()
 def run(
-    config: Annotated[Path | None, typer.Argument(help="Run config (TOML).")] = None,
-    set_: Annotated[list[str] | None, typer.Option("--set", help="Override a field: section.field=value.")] = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
     actors: Annotated[int, typer.Option(help="Rollout actors to start.")] = 2,
     rewards: Annotated[int, typer.Option(help="Reward workers to start.")] = 1,
 ) -> None:
     """Start embedded Redis, the learner, rollout actors and reward workers; show progress; Ctrl-C stops all."""
-    from common.cliutil import fail, load
-    from common.config import write_resolved
-    from common.control import ControlPlane, connect
-    from common.redis_server import EmbeddedRedis, EmbeddedRedisError
     from learner.children import Children, progress_line, tail_metrics
 
-    resolved = load(config, set_)
-    write_resolved(resolved)
-    try:
-        server = EmbeddedRedis(resolved.run_dir / "redis").start()
-    except EmbeddedRedisError as exc:
-        fail(str(exc))
-    children = Children(resolved.run_dir / "logs")
     code = 1
-    try:
-        ControlPlane(connect(server.url), resolved.run.name).publish_config(resolved)
-        code = _run_children(
-            children, resolved, server.url, config, set_ or [], actors, rewards, progress_line, tail_metrics
-        )
-    finally:
-        children.stop_all()
-        server.stop()
+    with _run_redis(config, set_) as (resolved, url):
+        children = Children(resolved.run_dir / "logs")
+        try:
+            code = _run_children(
+                children, resolved, url, config, set_ or [], actors, rewards, progress_line, tail_metrics
+            )
+        finally:
+            children.stop_all()
     raise typer.Exit(code)
 
 
