@@ -28,7 +28,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np
 
 from common.channel import PullChannel
 from common.config import load_config
@@ -37,27 +36,15 @@ from common.redis_server import EmbeddedRedis, free_port
 from common.tasks import TASK_ALPHABET, get_task
 from common.weights import GroupAddress, WeightGroup, host_store, plan_buckets
 from common.wire import Heartbeat, PromptGroup, RolloutGroup, WeightManifest
+from learner.dispatcher import prompt_group
 
 RUN = "bench-rollout"
 
 
-def prompt_groups(tokenizer, n: int, samples: int, start: int) -> list[PromptGroup]:
-    task, rng = get_task("arithmetic"), random.Random(start)
-    out = []
-    for i in range(n):
-        example = task.sample(rng)
-        ids = np.array(tokenizer(example.prompt)["input_ids"], np.int32)
-        out.append(
-            PromptGroup(
-                group_id=f"g{start + i}",
-                task="arithmetic",
-                prompt=example.prompt,
-                answer=example.answer,
-                prompt_ids=ids,
-                num_samples=samples,
-            )
-        )
-    return out
+def prompt_groups(tokenizer, n: int, samples: int) -> list[PromptGroup]:
+    task, rng = get_task("arithmetic"), random.Random(0)
+    encode = lambda text: tokenizer(text)["input_ids"]  # noqa: E731
+    return [prompt_group(f"g{i}", "arithmetic", task.sample(rng), encode, samples) for i in range(n)]
 
 
 def start_actor(url: str, actor_id: str, core: str) -> subprocess.Popen:
@@ -174,7 +161,7 @@ def main() -> None:
         pull = PullChannel("rollouts", RolloutGroup, hwm=1000)
         endpoint = pull.bind("tcp://127.0.0.1:0")
         plane.beat(Heartbeat(process_id="bench-collector", kind="reward", state="ready", endpoint=endpoint), 3600)
-        plane.push_prompts(prompt_groups(tokenizer, 20_000, args.samples, 0))
+        plane.push_prompts(prompt_groups(tokenizer, 20_000, args.samples))
         figures: dict[str, object] = {}
         actors = [start_actor(redis.url, "one", "0")]
         try:

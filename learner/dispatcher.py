@@ -45,7 +45,7 @@ from common.metrics import (
     DISPATCHER_REISSUED_GROUPS,
     DISPATCHER_RELEASED_GROUPS,
 )
-from common.tasks import Task, get_task
+from common.tasks import Task, TaskExample, get_task
 from common.wire import PromptGroup
 
 log = get_logger("dispatcher")
@@ -81,6 +81,28 @@ def overdue_reason(entry: LedgerEntry, live: set[str], deadline_s: float, now: f
     if age > deadline_s:
         return f"not back {age:.1f}s after issue (deadline {deadline_s:g}s)"
     return None
+
+
+def prompt_group(
+    group_id: str,
+    task: str,
+    example: TaskExample,
+    encode: Callable[[str], list[int]],
+    num_samples: int,
+    version: int = 0,
+    issued_at: float | None = None,
+) -> PromptGroup:
+    """One prompt group for ``example``: its prompt tokenized by ``encode`` (with BOS, as vLLM expects)."""
+    return PromptGroup(
+        group_id=group_id,
+        task=task,
+        prompt=example.prompt,
+        prompt_ids=np.asarray(encode(example.prompt), dtype=np.int32),
+        answer=example.answer,
+        num_samples=num_samples,
+        issued_version=version,
+        issued_at=time.time() if issued_at is None else issued_at,
+    )
 
 
 class Dispatcher:
@@ -131,15 +153,14 @@ class Dispatcher:
             example = self.task.sample(self._rng)
             self._drawn += 1  # per draw: a failure half-way makes the next _seek rewind
             groups.append(
-                PromptGroup(
-                    group_id=self.group_id(number),
-                    task=self.task_label,
-                    prompt=example.prompt,
-                    prompt_ids=np.asarray(self.encode(example.prompt), dtype=np.int32),
-                    answer=example.answer,
-                    num_samples=self.config.rollout.num_samples,
-                    issued_version=version,
-                    issued_at=now,
+                prompt_group(
+                    self.group_id(number),
+                    self.task_label,
+                    example,
+                    self.encode,
+                    self.config.rollout.num_samples,
+                    version,
+                    now,
                 )
             )
         return groups

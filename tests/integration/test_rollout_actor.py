@@ -27,6 +27,7 @@ from common.redis_server import free_port
 from common.tasks import TASK_ALPHABET, get_task
 from common.weights import GroupAddress, WeightGroup, host_store, plan_buckets
 from common.wire import Heartbeat, PromptGroup, RolloutGroup, WeightManifest
+from learner.dispatcher import prompt_group
 from learner.tiny_model import init_model
 
 pytestmark = pytest.mark.integration
@@ -77,23 +78,12 @@ def rollouts(plane: ControlPlane) -> Iterator[PullChannel]:
 def prompt_groups(model_dir: Path, n: int, prefix: str = "g") -> list[PromptGroup]:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    encode = AutoTokenizer.from_pretrained(model_dir)
     task, rng = get_task("arithmetic"), random.Random(0)
-    groups = []
-    for i in range(n):
-        example = task.sample(rng)
-        ids = np.array(tokenizer(example.prompt)["input_ids"], np.int32)
-        groups.append(
-            PromptGroup(
-                group_id=f"{prefix}{i}",
-                task="arithmetic",
-                prompt=example.prompt,
-                answer=example.answer,
-                prompt_ids=ids,
-                num_samples=4,
-            )
-        )
-    return groups
+    return [
+        prompt_group(f"{prefix}{i}", "arithmetic", task.sample(rng), lambda s: encode(s)["input_ids"], 4)
+        for i in range(n)
+    ]
 
 
 def start_actor(url: str, actor_id: str, core: str) -> subprocess.Popen:
