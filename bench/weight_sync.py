@@ -26,7 +26,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -108,35 +107,32 @@ def asyncrl_sync(plane: ControlPlane, params: dict[str, torch.Tensor], repeats: 
 
 
 def _plain_member(port: int, rank: int, shapes: list[list[int]], repeats: int) -> None:
-    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=600))
-    group = torch.distributed.ProcessGroupGloo(store, rank, 3, timedelta(seconds=600))
+    group = WeightGroup(GroupAddress("127.0.0.1", port, epoch=99, rank=rank, world_size=3, timeout_s=600))
     total = sum(torch.Size(s).numel() for s in shapes)
     for _ in range(repeats):
-        group.broadcast([torch.empty(total)], 0).wait()
+        group.broadcast(torch.empty(total))
         for shape in shapes:
-            group.broadcast([torch.empty(shape)], 0).wait()
+            group.broadcast(torch.empty(shape))
 
 
 def raw_baselines(params: dict[str, torch.Tensor], repeats: int) -> tuple[list[float], list[float]]:
     port = free_port()
-    store = torch.distributed.TCPStore(
-        "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=600)
-    )
+    store = host_store("127.0.0.1", port, 600)
     shapes = [list(p.shape) for p in params.values()]
     ctx = mp.get_context("spawn")
     members = [ctx.Process(target=_plain_member, args=(port, r, shapes, repeats)) for r in (1, 2)]
     for proc in members:
         proc.start()
-    group = torch.distributed.ProcessGroupGloo(store, 0, 3, timedelta(seconds=600))
+    group = WeightGroup(GroupAddress("127.0.0.1", port, epoch=99, rank=0, world_size=3, timeout_s=600), store)
     flat = torch.cat([p.reshape(-1) for p in params.values()])
     flat_times, per_param_times = [], []
     for _ in range(repeats):
         start = time.perf_counter()
-        group.broadcast([flat], 0).wait()
+        group.broadcast(flat)
         flat_times.append(time.perf_counter() - start)
         start = time.perf_counter()
         for p in params.values():
-            group.broadcast([p.contiguous()], 0).wait()
+            group.broadcast(p.contiguous())
         per_param_times.append(time.perf_counter() - start)
     for proc in members:
         proc.join(60)
