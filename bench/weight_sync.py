@@ -2,9 +2,9 @@
 
 In one run, for each model size (float32 Llama checkpoints made locally):
 
-- ``asyncrl``: what the learner does each step — flat dtype buckets (``weight_sync.bucket_mb``) broadcast
-  over gloo to two running ``rl-actor`` processes, which receive them lazily into vLLM's ``reload_weights``
-  (the time includes loading: the root's next bucket waits for the actors to take it);
+- ``asyncrl``: what the learner does each step — flat dtype buckets (``--bucket-mb``) broadcast over gloo
+  to two running ``rl-actor`` processes, which load them with vLLM's ``reload_weights`` while the next
+  bucket is on the wire (the time includes loading);
 - ``raw_flat``: one ``broadcast`` of the same number of bytes to two plain processes (the floor);
 - ``per_parameter``: one ``broadcast`` per parameter to two plain processes (the per-parameter design).
 
@@ -139,7 +139,7 @@ def raw_baselines(params: dict[str, torch.Tensor], repeats: int) -> tuple[list[f
     return flat_times, per_param_times
 
 
-def measure(millions: int, repeats: int, tmp: Path) -> dict[str, float]:
+def measure(millions: int, repeats: int, tmp: Path, bucket_mb: float) -> dict[str, float]:
     folder = tmp / f"model-{millions}m"
     params = make_model(folder, millions)
     with EmbeddedRedis(tmp / f"redis-{millions}") as redis:
@@ -159,7 +159,7 @@ def measure(millions: int, repeats: int, tmp: Path) -> dict[str, float]:
         actors = start_actors(redis.url, 2)
         try:
             wait_ready(plane, 2)
-            ours = asyncrl_sync(plane, params, repeats, 256)
+            ours = asyncrl_sync(plane, params, repeats, bucket_mb)
         finally:
             for proc in actors:
                 proc.send_signal(signal.SIGTERM)
@@ -183,13 +183,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="50,200", help="model sizes in millions of parameters (50, 200)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--bucket-mb", type=float, default=64.0, help="asyncrl's bucket size (weight_sync.bucket_mb)")
     args = parser.parse_args()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for size in (int(s) for s in args.sizes.split(",")):
-            results[f"{size}M"] = measure(size, args.repeats, Path(tmp))
+            results[f"{size}M"] = measure(size, args.repeats, Path(tmp), args.bucket_mb)
             print(f"{size}M: {results[f'{size}M']}", file=sys.stderr)
-    results["setup"] = "float32, gloo over loopback, two receivers, 2 CPU cores shared by all processes"
+    results["setup"] = (
+        f"float32, gloo over loopback, two receivers, buckets of {args.bucket_mb:g} MB, "
+        "2 CPU cores shared by all processes"
+    )
     print(json.dumps(results))
 
 

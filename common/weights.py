@@ -126,11 +126,20 @@ class WeightGroup:
 
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         """Broadcast ``tensor`` from rank 0 in place; raises :class:`WeightSyncError` past the time limit."""
+        return self._wait(self._start(tensor), tensor)
+
+    def _start(self, tensor: torch.Tensor):
+        """Post an asynchronous broadcast of ``tensor`` (collectives run in the order they are posted)."""
         try:
             options = torch.distributed.BroadcastOptions()
             options.rootRank = 0
             options.timeout = timedelta(seconds=self.address.timeout_s)
-            work = self.group.broadcast([tensor], options)
+            return self.group.broadcast([tensor], options)
+        except Exception as exc:
+            raise WeightSyncError(f"broadcast failed in epoch {self.address.epoch}: {exc}") from exc
+
+    def _wait(self, work, tensor: torch.Tensor) -> torch.Tensor:
+        try:
             if not work.wait(timedelta(seconds=self.address.timeout_s)):
                 raise WeightSyncError(f"broadcast timed out after {self.address.timeout_s}s")
         except WeightSyncError:
@@ -153,20 +162,41 @@ class WeightGroup:
         return time.perf_counter() - start
 
     def send(self, buckets: Iterable[WeightBucket], params: Mapping[str, torch.Tensor]) -> int:
-        """Root: broadcast every bucket of ``params``; returns the bytes sent."""
+        """Root: broadcast every bucket of ``params``; returns the bytes sent.
+
+        Pipelined: bucket k+1 is packed while bucket k is on the wire (at most two in flight).
+        """
         sent = 0
+        in_flight = None
         for bucket in buckets:
             flat = pack_bucket(bucket, params, self.device)
-            self.broadcast(flat)
+            work = self._start(flat)
+            if in_flight is not None:
+                self._wait(*in_flight)
+            in_flight = (work, flat)
             sent += flat.numel() * flat.element_size()
+        if in_flight is not None:
+            self._wait(*in_flight)
         return sent
 
     def receive(self, buckets: Iterable[WeightBucket]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Member: receive bucket after bucket, yielding (name, tensor) as each arrives (lazy)."""
+        """Member: yield (name, tensor) bucket after bucket (lazy).
+
+        Pipelined: the receive of bucket k+1 is posted before bucket k's tensors are handed to the
+        consumer (vLLM's loader), so the transfer of the next bucket overlaps the loading of this one.
+        """
+        pending = None
         for bucket in buckets:
             flat = torch.empty(bucket.numel, dtype=torch_dtype(bucket.dtype), device=self.device)
-            self.broadcast(flat)
-            yield from unpack_bucket(bucket, flat)
+            work = self._start(flat)
+            if pending is not None:
+                yield from self._arrived(*pending)
+            pending = (bucket, work, flat)
+        if pending is not None:
+            yield from self._arrived(*pending)
+
+    def _arrived(self, bucket: WeightBucket, work, flat: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from unpack_bucket(bucket, self._wait(work, flat))
 
 
 def absent_ranks(store: torch.distributed.Store, epoch: int, world_size: int) -> list[int]:
