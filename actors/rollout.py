@@ -241,6 +241,8 @@ class RolloutActor:
         self._sender.shutdown(wait=True)
         self.push.close()
         if self.engine is not None:
+            with contextlib.suppress(Exception):  # best effort: the learner evicts a member that is gone anyway
+                await asyncio.wait_for(self.engine.leave_weight_group(), 10)
             self.engine.shutdown()
             self.engine = None
         log.info("actor stopped", actor=self.actor_id)

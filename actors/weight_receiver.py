@@ -48,7 +48,3 @@ class WeightReceiverExtension:
     def asyncrl_leave(self) -> None:
         """Drop the current group (its store connection closes with it)."""
         self._asyncrl_group = None
-
-    def asyncrl_named_parameters(self) -> dict[str, list[int]]:
-        """Names and shapes of the worker's model parameters (for checks and tests)."""
-        return {name: list(p.shape) for name, p in self.model_runner.get_model().named_parameters()}

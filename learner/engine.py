@@ -18,10 +18,8 @@ DeepSpeed is imported through :mod:`learner.dist` (its accelerator is fixed at f
 
 from __future__ import annotations
 
-import copy
 import math
 import os
-import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -39,7 +37,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 ADAM_BETAS = (0.9, 0.999)
 ADAM_EPS = 1e-8
 ZERO3_GATHER_NUMEL = 64 * 2**20  # parameters gathered per all-gather when collecting ZeRO-3 weights
-TOKENIZER_FILE_PREFIXES = ("tokenizer", "special_tokens", "vocab", "merges", "added_tokens", "chat_template")
 
 Batch = dict[str, Tensor]
 LossFn = Callable[["PolicyEngine", Batch], Tensor]
@@ -286,27 +283,6 @@ class PolicyEngine:
                 if self.rank == 0:
                     gathered.update((name, p.detach().to("cpu", dtype, copy=True)) for name, p in chunk)
         return gathered
-
-    def save_hf(self, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
-        """Write a Hugging Face folder (config, safetensors weights, the tokenizer files of the source) on rank 0.
-
-        Collective (ZeRO-3 gathers); other ranks write nothing. Weights are in ``dtype`` (default
-        ``config.model.dtype``) and config.json says so.
-        """
-        out = Path(out_dir)
-        dtype = dtype or DTYPES[self.config.model.dtype]
-        weights = self.state_dict_for_broadcast(dtype)
-        if self.rank == 0:
-            out.mkdir(parents=True, exist_ok=True)
-            self.module.save_pretrained(out, state_dict=weights, safe_serialization=True)
-            hf_config = copy.deepcopy(self.module.config)
-            hf_config.dtype = dtype
-            hf_config.save_pretrained(out)
-            for source in self.model_path.iterdir():
-                if source.is_file() and source.name.startswith(TOKENIZER_FILE_PREFIXES):
-                    shutil.copy2(source, out / source.name)
-        dist.barrier()
-        return out
 
 
 def _chunks_by_numel(items: list[tuple[str, Any]], limit: int) -> Iterator[list[tuple[str, Any]]]:

@@ -69,23 +69,23 @@ def run(
     rewards: Annotated[int, typer.Option(help="Reward workers to start.")] = 1,
 ) -> None:
     """Start embedded Redis, the learner, rollout actors and reward workers; show progress; Ctrl-C stops all."""
-    from learner.children import Children, progress_line, tail_metrics
+    from learner.children import Children
 
     code = 1
     with _run_redis(config, set_) as (resolved, url):
         children = Children(resolved.run_dir / "logs")
         try:
-            code = _run_children(
-                children, resolved, url, config, set_ or [], actors, rewards, progress_line, tail_metrics
-            )
+            code = _run_children(children, resolved, url, config, set_ or [], actors, rewards)
         finally:
             children.stop_all()
     raise typer.Exit(code)
 
 
-def _run_children(children, resolved, url, config, overrides, actors, rewards, progress_line, tail_metrics) -> int:
+def _run_children(children, resolved, url, config, overrides, actors, rewards) -> int:
     import os
     import sys
+
+    from learner.children import progress_line, tail_metrics
 
     bin_dir = Path(sys.executable).parent
     run_args = ["--redis", url, "--run", resolved.run.name]

@@ -74,6 +74,7 @@ class Learner:
         self.version = self.plane.version()
         self.metrics_path = config.run_dir / "metrics.jsonl"
         self._idle_s = 0.0
+        self._carry: list[ReplayEntry] = []  # recovered entries not yet trained, still pending in the stream
 
     def _loss_options(self) -> dict:
         """The loss's own options, plus the run's off-policy correction where the loss takes one."""
@@ -94,6 +95,8 @@ class Learner:
 
     def run(self) -> None:
         self.plane.set_version(self.version)
+        # Entries read by an earlier learner (same consumer name) and never acknowledged come first.
+        self._carry = self.reader.recover()
         log.info("learner started", run=self.config.run.name, steps=self.config.learner.steps, version=self.version)
         for _ in range(self.config.learner.steps):
             self.step()
@@ -121,21 +124,25 @@ class Learner:
         """``groups_per_step`` fresh groups; stale and duplicate ones are acknowledged and counted."""
         want = self.config.learner.groups_per_step
         floor = self.version - self.config.staleness.max_staleness
-        entries: list[ReplayEntry] = []
         dropped: list[str] = []
         stale = duplicates = 0
         waited = time.perf_counter()
-        for entry in self.reader.recover():
-            entries.append(entry)
+        entries: list[ReplayEntry] = []
+        candidates, self._carry = self._carry, []
         while len(entries) < want:
-            if time.perf_counter() - waited > self.config.learner.wait_for_batch_s:
-                raise TimeoutError(
-                    f"no full batch within {self.config.learner.wait_for_batch_s}s: "
-                    f"{len(entries)}/{want} groups; are actors and reward workers running?"
-                )
-            self.dispatcher.release(self.version)
-            self.dispatcher.reissue_overdue(self.config.learner.group_deadline_s)
-            for entry in self.reader.read(want - len(entries), block_ms=500):
+            if not candidates:
+                if time.perf_counter() - waited > self.config.learner.wait_for_batch_s:
+                    raise TimeoutError(
+                        f"no full batch within {self.config.learner.wait_for_batch_s}s: "
+                        f"{len(entries)}/{want} groups; are actors and reward workers running?"
+                    )
+                self.dispatcher.release(self.version)
+                self.dispatcher.reissue_overdue(self.config.learner.group_deadline_s)
+                candidates = self.reader.read(want - len(entries), block_ms=500)
+            for entry in candidates:
+                if len(entries) == want:
+                    self._carry.append(entry)  # recovered beyond one batch: next step's
+                    continue
                 verdict = self._admit(entry, floor, {e.group.rollout.group_id for e in entries})
                 if verdict == "ok":
                     entries.append(entry)
@@ -143,10 +150,10 @@ class Learner:
                 dropped.append(entry.entry_id)
                 stale += verdict == "stale"
                 duplicates += verdict == "duplicate"
+            candidates = []
         self._idle_s = time.perf_counter() - waited
         record.values.update({"groups/dropped_stale": stale, "groups/duplicates": duplicates})
-        # Recovered entries beyond one batch stay pending: the next step's recover() returns them.
-        return entries[:want], dropped
+        return entries, dropped
 
     def _admit(self, entry: ReplayEntry, floor: int, in_batch: set[str]) -> str:
         """``ok``, ``duplicate`` (trained before, or already in this batch: a re-issued group's two copies), or
