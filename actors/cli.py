@@ -32,7 +32,7 @@ def rollout(ctx: typer.Context, redis: RedisOpt = None, run: RunOpt = "demo", id
     from common.cliutil import redis_url
 
     url = redis_url(redis, run)
-    run_actor(_read_run_config(url, run), url, id_)
+    raise typer.Exit(run_actor(_read_run_config(url, run), url, id_))
 
 
 @app.command("show-config")

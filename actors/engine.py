@@ -94,20 +94,22 @@ class RolloutEngine:
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)
 
-    async def update_weights(self, manifest_frames: list[Any], join: dict[str, Any] | None) -> dict[str, float]:
+    async def update_weights(
+        self, manifest_frames: list[Any], join: dict[str, Any] | None, buckets: int = 1
+    ) -> dict[str, float]:
         """Pause (keep running requests), optionally (re)join the weight group, receive, load, resume.
 
         Requests in flight continue after the update with the new weights attending to the KV cache
         written by the old ones; their later tokens carry the new version (DESIGN.md, weight updates).
         """
-        timeout = self.config.weight_sync.timeout_s
         frames = [bytes(f) for f in manifest_frames]
+        join_timeout, receive_timeout = rpc_timeouts(self.config.weight_sync.timeout_s, buckets)
         await self.llm.pause_generation(mode="keep", clear_cache=False)
         try:
             figures: dict[str, float] = {}
             if join is not None:
-                (figures["self_check_s"],) = await self.llm.collective_rpc("asyncrl_join", timeout, args=(join,))
-            (received,) = await self.llm.collective_rpc("asyncrl_receive", timeout, args=(frames,))
+                (figures["self_check_s"],) = await self.llm.collective_rpc("asyncrl_join", join_timeout, args=(join,))
+            (received,) = await self.llm.collective_rpc("asyncrl_receive", receive_timeout, args=(frames,))
             figures.update(received)
             return figures
         finally:
@@ -121,6 +123,17 @@ class RolloutEngine:
         # Drop the engine now: AsyncLLM.__del__ at interpreter exit would try to shut it down again.
         self.llm = None
         gc.collect()
+
+
+def rpc_timeouts(collective_timeout_s: float, buckets: int) -> tuple[float, float]:
+    """Time limits of the join and receive RPCs into vLLM's worker, given the worker's own collective limit.
+
+    The worker gives up first, by its own collective timeouts (formation + self-check to join; one wait per
+    bucket to receive), and its WeightSyncError comes back as the RPC's error. Were the RPC to time out first,
+    vLLM's engine would later read the worker's late reply as the output of a model step and die.
+    """
+    margin = 10.0 + collective_timeout_s
+    return 2 * collective_timeout_s + margin, (buckets + 1) * collective_timeout_s + margin
 
 
 def _append(response: _Response, completion: Any, stamp: int) -> None:

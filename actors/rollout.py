@@ -56,6 +56,8 @@ class RolloutActor:
         self._syncing = False
         self._behind = False
         self._manifest_seen = threading.Event()
+        self._failed_epoch: int | None = None  # a formation we could not join: wait for the next one
+        self.engine_died = False  # vLLM's engine process is gone: the actor stops and exits with an error
         self.heartbeat = HeartbeatThread(
             self.plane, self._heartbeat, config.transport.heartbeat_s, config.transport.heartbeat_ttl_s
         )
@@ -135,6 +137,7 @@ class RolloutActor:
         except Exception as exc:
             log.error("generation failed; returning the group", group=group.group_id, error=repr(exc))
             self._running.pop(request_id, None)
+            self._stop_if_engine_died(exc)
             await asyncio.to_thread(self.plane.return_prompts, [group])
             return
         # Finished work is delivered even during shutdown: it leaves _running first, so it is not also returned.
@@ -166,11 +169,15 @@ class RolloutActor:
             await asyncio.to_thread(self._manifest_seen.wait, 1.0)
             self._manifest_seen.clear()
             current = await asyncio.to_thread(self.plane.read_manifest)
-            if current is None or current[0].version <= self.version:
+            if current is None:
                 continue
             manifest, frames = current
             if self.actor_id not in manifest.members:
                 continue  # not in this formation: the learner adds us at its next sync
+            if manifest.version <= self.version and manifest.group_epoch == self.epoch:
+                continue  # loaded already (a re-formation with the same version still needs us to join)
+            if manifest.group_epoch == self._failed_epoch:
+                continue  # that formation failed; the learner re-forms the group at its next sync
             await self._load(manifest, frames)
 
     async def _load(self, manifest: WeightManifest, frames: list) -> None:
@@ -187,10 +194,12 @@ class RolloutActor:
             }
         self._syncing = True
         try:
-            figures = await self.engine.update_weights(frames, join)
+            figures = await self.engine.update_weights(frames, join, len(manifest.buckets))
         except Exception as exc:  # WeightSyncError from the worker, or an RPC timeout
             log.error("weight update failed; waiting for the next formation", version=manifest.version, error=repr(exc))
             self.epoch = None
+            self._failed_epoch = manifest.group_epoch
+            self._stop_if_engine_died(exc)
             return
         finally:
             self._syncing = False
@@ -225,12 +234,26 @@ class RolloutActor:
 
     # ------------------------------------------------------------------ shutdown
 
+    def _stop_if_engine_died(self, exc: BaseException) -> None:
+        """vLLM's engine process died (its error is in this actor's log above): stop and exit with an error, so
+        that the unfinished groups go back to the queue and a supervisor restarts the actor."""
+        if type(exc).__name__ != "EngineDeadError" or self.engine_died:
+            return
+        self.engine_died = True
+        log.error(
+            "vLLM engine died; stopping this actor",
+            actor=self.actor_id,
+            action="see the EngineCore traceback above in this log; start the actor again",
+        )
+        self._stopping.set()
+
     async def _shutdown(self) -> None:
         self._stopping.set()
         unfinished = [group for group, _ in self._running.values()]
         for request_id, (_, task) in list(self._running.items()):
-            if self.engine is not None:
-                await self.engine.abort(request_id)
+            if self.engine is not None and not self.engine_died:
+                with contextlib.suppress(Exception):
+                    await self.engine.abort(request_id)
             task.cancel()
         if unfinished:
             self.plane.return_prompts(unfinished)
@@ -241,9 +264,11 @@ class RolloutActor:
         self._sender.shutdown(wait=True)
         self.push.close()
         if self.engine is not None:
-            with contextlib.suppress(Exception):  # best effort: the learner evicts a member that is gone anyway
-                await asyncio.wait_for(self.engine.leave_weight_group(), 10)
-            self.engine.shutdown()
+            if not self.engine_died:
+                with contextlib.suppress(Exception):  # best effort: the learner evicts a member that is gone anyway
+                    await asyncio.wait_for(self.engine.leave_weight_group(), 10)
+            with contextlib.suppress(Exception):
+                self.engine.shutdown()
             self.engine = None
         log.info("actor stopped", actor=self.actor_id)
 
@@ -273,6 +298,8 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def run_actor(config: RunConfig, redis_url: str, actor_id: str | None = None) -> None:
-    """Run one rollout actor until SIGTERM/SIGINT."""
-    asyncio.run(RolloutActor(config, redis_url, actor_id).run())
+def run_actor(config: RunConfig, redis_url: str, actor_id: str | None = None) -> int:
+    """Run one rollout actor until SIGTERM/SIGINT; the exit code (1 when its vLLM engine died)."""
+    actor = RolloutActor(config, redis_url, actor_id)
+    asyncio.run(actor.run())
+    return 1 if actor.engine_died else 0

@@ -108,6 +108,12 @@ class AlgorithmSection(Section):
     """Registered loss aggregation."""
     aggregation_options: dict[str, Any] = Field(default_factory=dict)
     """Settings of the aggregation, e.g. ``norm`` for ``seq_mean_token_sum_norm``."""
+    kl_reward: dict[str, Any] = Field(default_factory=dict)
+    """KL penalty in the token rewards (for ``gae``, ``reinforce_pp``): ``mode`` (off, fixed, adaptive), ``coef``,
+    ``target``, ``horizon``; the per-token KL is k1 = log π_old − log π_ref."""
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal (no learning signal) and take replacements so the batch stays full
+    (DAPO); the count is ``groups/zero_variance`` in metrics.jsonl."""
 
 
 class LearnerSection(Section):
@@ -135,6 +141,45 @@ class LearnerSection(Section):
     """A prompt group not back in the replay stream this long after issue is re-issued once, then counted lost."""
     wait_for_batch_s: float = Field(600.0, gt=0)
     """Longest wait for one training batch before the learner stops with an error (actors or reward workers gone)."""
+
+
+class CriticSection(Section):
+    """The value model V(s) that the ``gae`` advantage estimator needs (unused by critic-free algorithms).
+
+    A separate model with its own optimizer; unset training settings follow ``[learner]``.
+    """
+
+    path: str = ""
+    """Value-model folder written by ``ValueModel.save`` (backbone + ``value_head.safetensors``), or a causal-LM checkpoint that gets a fresh zero head; empty = ``model.path`` with a fresh zero head."""  # noqa: E501
+    lr: float = Field(1e-5, gt=0.0)
+    """Peak learning rate of the critic (warm-up, weight decay and gradient clip follow ``[learner]``)."""
+    value_clip: float = Field(0.2, ge=0.0)
+    """ε of the clipped value loss: V is kept within ±ε of the values at the start of the step (PPO2); 0 = no clipping."""  # noqa: E501
+    precision: Literal["float32", "bfloat16", "float16"] | None = None
+    """Training precision of the critic; unset = ``learner.precision``."""
+    zero_stage: Literal[0, 1, 2, 3] | None = None
+    """DeepSpeed ZeRO stage of the critic; unset = ``learner.zero_stage``."""
+    offload: bool | None = None
+    """Offload the critic's optimizer state to CPU memory; unset = ``learner.offload``."""
+    micro_batch_size: int | None = Field(None, ge=1)
+    """Sequences per critic forward/backward pass; unset = ``learner.micro_batch_size``."""
+
+
+class DataSection(Section):
+    source: Literal["rollouts", "preferences"] = "rollouts"
+    """Training data: ``rollouts`` (actors sample and reward workers score, through Redis) or ``preferences`` (offline DPO on ``path``: no Redis, no actors)."""  # noqa: E501
+    path: str = ""
+    """JSONL or Parquet file of preference pairs with text fields ``prompt``, ``chosen``, ``rejected`` (``source = "preferences"``)."""  # noqa: E501
+    epochs: int = Field(1, ge=1)
+    """Passes over the preference pairs; the run ends after these or after ``learner.steps``, whichever comes first."""
+    batch_pairs: int = Field(8, ge=1)
+    """Preference pairs per optimizer step (two sequences each; micro-batches hold whole pairs)."""
+
+    @model_validator(mode="after")
+    def _preferences_need_a_file(self) -> DataSection:
+        if self.source == "preferences" and not self.path:
+            raise ValueError('source = "preferences" needs path (a JSONL or Parquet file of preference pairs)')
+        return self
 
 
 class StalenessSection(Section):
@@ -182,6 +227,9 @@ class WeightSyncSection(Section):
     """Size of one flat broadcast bucket."""
     timeout_s: float = Field(60.0, gt=0)
     """Time limit of one collective; an actor that misses it is evicted."""
+    overlap: bool = True
+    """Send a copy of the new weights while the next step trains (needs ``staleness.max_staleness`` ≥ 1; with 0
+    the learner waits for every broadcast, since the next batch must come from the new weights)."""
 
 
 class CheckpointSection(Section):
@@ -210,6 +258,8 @@ class RunConfig(Section):
     reward: RewardSection = Field(default_factory=RewardSection)
     algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
     learner: LearnerSection = Field(default_factory=LearnerSection)
+    critic: CriticSection = Field(default_factory=CriticSection)
+    data: DataSection = Field(default_factory=DataSection)
     staleness: StalenessSection = Field(default_factory=StalenessSection)
     transport: TransportSection = Field(default_factory=TransportSection)
     weight_sync: WeightSyncSection = Field(default_factory=WeightSyncSection)
@@ -265,9 +315,12 @@ def _preset_path(name: str, relative_to: Path) -> Path:
 
 
 def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """``top`` over ``base``, tables merged key by key — except ``*_options`` tables, which belong to the variant
+    named beside them and are replaced whole (a preset that switches ``loss`` must not inherit the old loss's
+    options)."""
     merged = dict(base)
     for key, value in top.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+        if isinstance(value, dict) and isinstance(merged.get(key), dict) and not key.endswith("_options"):
             merged[key] = _deep_merge(merged[key], value)
         else:
             merged[key] = value

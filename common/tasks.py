@@ -248,11 +248,17 @@ def _read_examples(path: Path, check_alphabet: bool) -> list[TaskExample]:
     """All rows of a JSONL or Parquet file as examples; raises :class:`TaskFileError` naming the bad row."""
     if not path.is_file():
         raise TaskFileError(f"{path}: no such file")
-    rows = _parquet_rows(path) if path.suffix.lower() in (".parquet", ".pq") else _jsonl_rows(path)
+    rows = read_rows(path)
     examples = [_example(row, f"{path}:{where}", check_alphabet) for where, row in rows]
     if not examples:
         raise TaskFileError(f"{path}: no examples")
     return examples
+
+
+def read_rows(path: Path) -> list[tuple[str, Any]]:
+    """``(where, row)`` for every row of a JSONL or Parquet data file; ``where`` ("line 3", "row 3") names it in
+    errors. A file that cannot be parsed raises :class:`TaskFileError` naming the line."""
+    return _parquet_rows(path) if path.suffix.lower() in (".parquet", ".pq") else _jsonl_rows(path)
 
 
 def _jsonl_rows(path: Path) -> list[tuple[str, Any]]:

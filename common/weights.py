@@ -164,12 +164,15 @@ class WeightGroup:
     def send(self, buckets: Iterable[WeightBucket], params: Mapping[str, torch.Tensor]) -> int:
         """Root: broadcast every bucket of ``params``; returns the bytes sent.
 
-        Pipelined: bucket k+1 is packed while bucket k is on the wire (at most two in flight).
+        Pipelined: bucket k+1 is packed (lazily) while bucket k is on the wire.
         """
+        return self.send_packed(pack_bucket(bucket, params, self.device) for bucket in buckets)
+
+    def send_packed(self, flats: Iterable[torch.Tensor]) -> int:
+        """Root: broadcast buckets already packed by :func:`pack_bucket` (at most two in flight); returns bytes."""
         sent = 0
         in_flight = None
-        for bucket in buckets:
-            flat = pack_bucket(bucket, params, self.device)
+        for flat in flats:
             work = self._start(flat)
             if in_flight is not None:
                 self._wait(*in_flight)

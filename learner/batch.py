@@ -42,9 +42,13 @@ class TrainBatch:
         }
 
 
-def collate(groups: Sequence[ScoredGroup], pad_id: int) -> TrainBatch:
-    """Pad every response of every group into one batch (see the module docstring for the alignment)."""
-    rows = [(g, i) for g in groups for i in range(g.rollout.num_samples)]
+def collate(
+    groups: Sequence[ScoredGroup], pad_id: int, rows: Sequence[tuple[ScoredGroup, int]] | None = None
+) -> TrainBatch:
+    """Pad responses into one batch (see the module docstring for the alignment): every response of every group,
+    or the ``(group, response index)`` ``rows`` given, in that order."""
+    if rows is None:
+        rows = [(g, i) for g in groups for i in range(g.rollout.num_samples)]
     width = max(len(g.rollout.prompt_ids) + int(g.rollout.lengths[i]) for g, i in rows)
     shape = (len(rows), width)
     input_ids = np.full(shape, pad_id, np.int64)
@@ -72,3 +76,16 @@ def collate(groups: Sequence[ScoredGroup], pad_id: int) -> TrainBatch:
         rewards=torch.tensor([float(g.rewards[i]) for g, i in rows], dtype=torch.float32),
         group_ids=torch.tensor([group_index[id(g)] for g, _ in rows], dtype=torch.int64),
     )
+
+
+def preference_rows(groups: Sequence[ScoredGroup]) -> list[tuple[ScoredGroup, int]]:
+    """Online DPO pairs: from each group its best then its worst scored response (Guo et al. 2024, "Direct Language
+    Model Alignment from Online AI Feedback", with the reward as the judge); a group whose rewards are all equal
+    prefers nothing and gives no pair. Rows come out as chosen, rejected, chosen, rejected, …"""
+    rows: list[tuple[ScoredGroup, int]] = []
+    for group in groups:
+        rewards = np.asarray(group.rewards, dtype=np.float64)
+        best, worst = int(rewards.argmax()), int(rewards.argmin())
+        if rewards[best] > rewards[worst]:
+            rows += [(group, best), (group, worst)]
+    return rows

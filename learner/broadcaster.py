@@ -7,12 +7,18 @@ the actors that never announced themselves for the epoch are evicted (left out o
 ``EVICT_SYNCS`` formations) and the run goes on — nobody waits on a hung actor for longer than
 the timeout, and a failed sync is never announced as done: the version is only bumped after a
 broadcast that every member completed.
+
+Overlap: :meth:`Broadcaster.start` copies the weights into flat buckets and publishes the manifest on
+the caller's thread (a memcpy of the model), then hands the transfer to a background thread and
+returns a future, so the learner computes its next step while the copy is on the wire. One transfer
+at a time: ``start`` waits for the previous one before it touches the group.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -20,7 +26,15 @@ from common.config import RunConfig
 from common.control import ControlPlane
 from common.logs import get_logger
 from common.redis_server import free_port
-from common.weights import GroupAddress, WeightGroup, WeightSyncError, absent_ranks, host_store, plan_buckets
+from common.weights import (
+    GroupAddress,
+    WeightGroup,
+    WeightSyncError,
+    absent_ranks,
+    host_store,
+    pack_bucket,
+    plan_buckets,
+)
 from common.wire import WeightManifest
 
 log = get_logger("broadcaster")
@@ -40,16 +54,35 @@ class Broadcaster:
         self.members: list[str] = []
         self.group: WeightGroup | None = None
         self.evicted: dict[str, int] = {}  # actor id -> syncs left out
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync")
+        self._pending: Future[dict[str, float]] | None = None
 
     def live_actors(self) -> list[str]:
         live, _ = self.plane.processes()
         return sorted(h.process_id for h in live if h.kind == "actor" and h.state not in _JOINABLE)
 
+    def has_newcomers(self) -> bool:
+        """A live actor that is neither in the current group nor evicted: it holds no recent weights yet."""
+        return any(a not in self.members and a not in self.evicted for a in self.live_actors())
+
     def sync(self, version: int, params: Mapping[str, torch.Tensor]) -> dict[str, float]:
-        """Publish ``version`` and broadcast ``params`` to every member; returns figures for metrics."""
+        """Publish ``version`` and broadcast ``params`` to every member; blocks; returns figures for metrics."""
+        return self.start(version, params).result()
+
+    def start(self, version: int, params: Mapping[str, torch.Tensor]) -> Future[dict[str, float]]:
+        """Snapshot ``params``, publish ``version``'s manifest, and send in the background.
+
+        When this returns, ``params`` may change (the next optimizer step): the buckets are copies. The
+        future's result is the figures of the transfer; it never raises — a failed transfer evicts the
+        actors that did not come and reports ``failed = 1``.
+        """
+        if self._pending is not None:
+            self._pending.result()
         start = time.perf_counter()
         self._update_membership()
         buckets = plan_buckets(params, int(self.config.weight_sync.bucket_mb * 2**20))
+        device = "cuda" if self.backend == "nccl" else "cpu"
+        flats = [pack_bucket(bucket, params, device) for bucket in buckets] if self.members else []
         manifest = WeightManifest(
             version=version,
             store_host=self.host,
@@ -61,9 +94,20 @@ class Broadcaster:
         )
         self.plane.publish_manifest(manifest)
         figures = {"members": float(len(self.members)), "bytes": 0.0, "self_check_s": 0.0}
+        figures["snapshot_s"] = time.perf_counter() - start
+        self._pending = self._pool.submit(self._transfer, flats, figures, start)
+        return self._pending
+
+    def close(self) -> None:
+        """Wait for the transfer in flight, then stop the background thread."""
+        if self._pending is not None:
+            self._pending.result()
+        self._pool.shutdown(wait=True)
+
+    def _transfer(self, flats: list[torch.Tensor], figures: dict[str, float], start: float) -> dict[str, float]:
         if self.members:
             try:
-                figures.update(self._send(buckets, params))
+                figures.update(self._send(flats))
             except WeightSyncError as exc:
                 self._evict_absent(exc)
                 figures["failed"] = 1.0
@@ -80,7 +124,7 @@ class Broadcaster:
             if members:
                 log.info("weight group re-formed", epoch=self.epoch, members=",".join(members))
 
-    def _send(self, buckets, params) -> dict[str, float]:
+    def _send(self, flats: list[torch.Tensor]) -> dict[str, float]:
         figures = {}
         if self.group is None:
             address = GroupAddress(
@@ -95,7 +139,7 @@ class Broadcaster:
             self.group = WeightGroup(address, self.store)
             figures["self_check_s"] = self.group.self_check()
             log.info("weight group self-check passed", epoch=self.epoch, seconds=round(figures["self_check_s"], 4))
-        figures["bytes"] = float(self.group.send(buckets, params))
+        figures["bytes"] = float(self.group.send_packed(flats))
         return figures
 
     def _evict_absent(self, exc: WeightSyncError) -> None:

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 from common.logs import get_logger
@@ -45,9 +46,10 @@ class Children:
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s  # one deadline for all: a stuck child does not delay the others
         for name, proc in self.procs.items():
             try:
-                proc.wait(timeout_s)
+                proc.wait(max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
                 log.warning("did not stop on SIGTERM; killing", process=name, pid=proc.pid)
             with contextlib.suppress(ProcessLookupError):

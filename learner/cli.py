@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+if TYPE_CHECKING:
+    from common.config import RunConfig
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="asyncrl learner: owns the run.")
 
@@ -99,11 +102,15 @@ def train(
     set_: SetOpt = None,
     redis: Annotated[str | None, typer.Option(help="Redis URL (default: transport.redis_url, else embedded).")] = None,
 ) -> None:
-    """Run the learner: admit prompts, train on scored groups, broadcast weights, until learner.steps."""
+    """Run the learner: admit prompts, train on scored groups, broadcast weights, until learner.steps.
+    With data.source = "preferences": offline DPO on the file data.path (no Redis, no actors)."""
     from common.cliutil import load
     from common.redis_server import EmbeddedRedis
 
     resolved = load(config, set_)
+    if resolved.data.source == "preferences":
+        _train_offline(resolved)
+        return
     url = redis or resolved.transport.redis_url
     server = None if url else EmbeddedRedis(resolved.run_dir / "redis").start()
     try:
@@ -113,6 +120,43 @@ def train(
     finally:
         if server is not None:
             server.stop()
+
+
+def _train_offline(resolved: RunConfig) -> None:
+    """Offline DPO on the preference file; a bad file or loss option exits with the reason, not a traceback."""
+    from common.cliutil import fail
+    from common.config import ConfigError
+    from learner.dpo import OfflineDPOTrainer
+    from learner.preferences import PreferenceFileError
+
+    try:
+        trainer = OfflineDPOTrainer(resolved)
+    except (PreferenceFileError, ConfigError) as exc:
+        fail(str(exc))
+    trainer.run()
+
+
+@app.command("make-preferences")
+def make_preferences(
+    out: Annotated[Path, typer.Option("--out", help="JSONL file to write (prompt, chosen, rejected).")],
+    config: ConfigArg = None,
+    set_: SetOpt = None,
+    pairs: Annotated[int, typer.Option("--pairs", min=1, help="Preference pairs to write.")] = 256,
+) -> None:
+    """Write synthetic preference pairs from the config's task: chosen = the right answer, rejected = a wrong one
+    (for tests and demos of offline DPO; seeded by run.seed). Train on them with --set data.path=OUT."""
+    from common.cliutil import fail, load
+    from common.tasks import get_task
+    from learner.preferences import write_synthetic_preferences
+
+    # data.path = OUT, so a preferences config (which requires data.path) validates before the file exists.
+    resolved = load(config, [*(set_ or []), f"data.path={json.dumps(str(out))}"])
+    try:
+        task = get_task(resolved.task.name, **resolved.task.options)
+        path = write_synthetic_preferences(task, out, pairs, resolved.run.seed)
+    except ValueError as exc:
+        fail(str(exc))
+    typer.echo(f"wrote {pairs} pairs of task {resolved.task.name!r} to {path}", err=True)
 
 
 def main() -> None:

@@ -60,6 +60,27 @@ def sequence_logprobs(
     Shapes: ``input_ids``, ``attention_mask`` ``[B, T]`` → ``[B, T]`` float32. Differentiable unless called under
     ``torch.no_grad``.
     """
+    logits, valid = _next_token_logits(model, input_ids, attention_mask, temperature)
+    return _pick(logits, input_ids, valid)
+
+
+def sequence_logprobs_and_entropy(
+    model: Callable[..., Any], input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """:func:`sequence_logprobs` and, at the same positions, the entropy −Σ_v p_v log p_v of the distribution each
+    token was drawn from (:func:`learner.algorithms.entropy.token_entropy`; 0 where the log-prob is 0). One forward."""
+    from learner.algorithms.entropy import token_entropy
+
+    logits, valid = _next_token_logits(model, input_ids, attention_mask, temperature)
+    entropy = torch.where(valid, token_entropy(logits), torch.zeros_like(valid, dtype=torch.float32))
+    return _pick(logits, input_ids, valid), torch.cat([entropy.new_zeros(entropy.shape[0], 1), entropy], dim=1)
+
+
+def _next_token_logits(
+    model: Callable[..., Any], input_ids: Tensor, attention_mask: Tensor, temperature: float
+) -> tuple[Tensor, Tensor]:
+    """float32 logits ``[B, T-1, V]`` at positions ``0..T-2`` (each predicts the next token), divided by τ, and the
+    ``[B, T-1]`` mask of positions where both the token and the one it predicts are real."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     mask = attention_mask.bool()
@@ -68,8 +89,12 @@ def sequence_logprobs(
     logits = out.logits[:, :-1].float()
     if temperature != 1.0:
         logits = logits / temperature
+    return logits, mask[:, 1:] & mask[:, :-1]
+
+
+def _pick(logits: Tensor, input_ids: Tensor, valid: Tensor) -> Tensor:
+    """``[B, T]`` log-prob of each token (index 0 and invalid positions 0) from :func:`_next_token_logits`."""
     picked = logits.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    valid = mask[:, 1:] & mask[:, :-1]
     # where(), not a product: a padded row's logits may be NaN, and NaN * 0 is NaN.
     picked = torch.where(valid, picked, torch.zeros_like(picked))
     return torch.cat([picked.new_zeros(picked.shape[0], 1), picked], dim=1)
@@ -211,6 +236,13 @@ class PolicyEngine:
     def token_logprobs(self, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0) -> Tensor:
         """``[B, T]`` log π_θ(x_t | x_<t), differentiable; see :func:`sequence_logprobs` for the alignment."""
         return sequence_logprobs(self.engine, input_ids.to(self.device), attention_mask.to(self.device), temperature)
+
+    def token_logprobs_and_entropy(
+        self, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0
+    ) -> tuple[Tensor, Tensor]:
+        """``[B, T]`` log π_θ and the policy's entropy at each token, both differentiable (entropy bonus)."""
+        ids, mask = input_ids.to(self.device), attention_mask.to(self.device)
+        return sequence_logprobs_and_entropy(self.engine, ids, mask, temperature)
 
     @torch.no_grad()
     def token_logprobs_no_grad(self, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0) -> Tensor:

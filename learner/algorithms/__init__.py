@@ -8,16 +8,21 @@ then runs, for every step::
     loss = build_loss(name, options)                 # micro-batch: LossInput -> LossOutput
     aggregate = build_aggregation(name, options)     # (per_token_loss, mask, GlobalCounts) -> scalar
 
-Built-ins: advantages ``grpo``, ``dr_grpo``, ``rloo``, ``batch_mean``; loss ``ppo_clip``; aggregations
-``token_mean``, ``seq_mean_token_sum``, ``seq_mean_token_mean``, ``seq_mean_token_sum_norm``; KL
-estimators ``k1``, ``k2``, ``k3``. A config may also name a user's function by import path
-``package.module:function``; its ``settings`` annotation is its settings model.
+Built-ins: advantages ``grpo``, ``dr_grpo``, ``rloo``, ``batch_mean``, ``gae``, ``reinforce_pp`` (every
+one with ``normalize``); losses ``ppo_clip``, ``gspo``, ``dpo``; aggregations ``token_mean``,
+``seq_mean_token_sum``, ``seq_mean_token_mean``, ``seq_mean_token_sum_norm``; KL estimators ``k1``,
+``k2``, ``k3``. A config may also name a user's function by import path ``package.module:function``;
+its ``settings`` annotation is its settings model. Outside the registries: :class:`KLController` (the
+KL-in-reward coefficient, fixed or adaptive) and :func:`token_entropy` (for the entropy bonus).
 """
 
 from __future__ import annotations
 
-from learner.algorithms import advantages, aggregations, kl, losses
-from learner.algorithms.losses import OffPolicySettings, importance_weights
+from learner.algorithms import advantages, aggregations, entropy, kl, losses
+from learner.algorithms.advantages import AdvantageSettings
+from learner.algorithms.entropy import token_entropy
+from learner.algorithms.kl import KLController, KLRewardSettings
+from learner.algorithms.losses import OffPolicySettings, PolicyGradientSettings, importance_weights
 from learner.algorithms.registries import (
     ADVANTAGES,
     AGGREGATIONS,
@@ -40,6 +45,7 @@ from learner.algorithms.registries import (
     settings_type,
 )
 from learner.algorithms.types import (
+    REQUIREMENTS,
     AdvantageInput,
     AdvantageOutput,
     GlobalCounts,
@@ -54,12 +60,17 @@ __all__ = [
     "ALL_REGISTRIES",
     "KL_ESTIMATORS",
     "LOSSES",
+    "REQUIREMENTS",
     "AdvantageInput",
     "AdvantageOutput",
+    "AdvantageSettings",
     "GlobalCounts",
+    "KLController",
+    "KLRewardSettings",
     "LossInput",
     "LossOutput",
     "OffPolicySettings",
+    "PolicyGradientSettings",
     "Settings",
     "advantage_settings",
     "advantages",
@@ -69,6 +80,7 @@ __all__ = [
     "build_aggregation",
     "build_kl_estimator",
     "build_loss",
+    "entropy",
     "importance_weights",
     "kl",
     "kl_settings",
@@ -80,4 +92,5 @@ __all__ = [
     "register_loss",
     "settings_tag",
     "settings_type",
+    "token_entropy",
 ]

@@ -10,10 +10,14 @@ J. Schulman, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.htm
   (Shao et al. 2024, eq. 4).
 
 The functions are elementwise; the caller masks padding. Gradients flow into ``logprobs`` only.
+
+:class:`KLController` holds the coefficient of a KL penalty in the REWARD (``AdvantageInput.kl_coef``
+for ``gae`` and ``reinforce_pp``), fixed or adapted towards a target KL (Ziegler et al. 2019).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import Field
@@ -56,6 +60,50 @@ def k3(logprobs: Tensor, ref_logprobs: Tensor, settings: K3Settings) -> Tensor:
     """k3 = (r − 1) − log r, with log r clamped to [−clamp, clamp]."""
     log_r = (ref_logprobs.detach() - logprobs).clamp(-settings.clamp, settings.clamp)
     return log_r.exp() - 1.0 - log_r
+
+
+class KLRewardSettings(Settings):
+    """The coefficient of the KL penalty in the token rewards, fixed or adaptive (no registry tag: one
+    controller, not a family of variants)."""
+
+    mode: Literal["off", "fixed", "adaptive"] = "off"
+    """``off``: coefficient 0; ``fixed``: always ``coef``; ``adaptive``: starts at ``coef`` and follows
+    :meth:`KLController.update`."""
+    coef: float = Field(0.001, ge=0.0)
+    """The (initial) coefficient β (verl's ``kl_ctrl.kl_coef`` default)."""
+    target: float = Field(0.1, gt=0.0)
+    """The KL the adaptive controller steers to, in the unit of the observed KL the caller passes
+    (verl: the batch mean of the per-token KL, target 0.1; Ziegler et al. sum over the sequence, 6 nats)."""
+    horizon: float = Field(10_000.0, gt=0.0)
+    """Samples over which a relative error moves β by its own size: K_β = n / horizon (verl, and
+    OpenAI's lm-human-preferences: 10000)."""
+
+
+class KLController:
+    """The current KL-in-reward coefficient ``coef`` and its update.
+
+    adaptive (Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences", §2.2; as
+    verl's and OpenRLHF's ``AdaptiveKLController``): e = clip(KL / target − 1, −0.2, 0.2);
+    β ← β · (1 + e · n / horizon), with n the samples (sequences) the KL was observed on.
+    ``coef`` restores a saved coefficient when a run resumes.
+    """
+
+    def __init__(self, settings: KLRewardSettings, coef: float | None = None) -> None:
+        self.settings = settings
+        self._coef = 0.0 if settings.mode == "off" else settings.coef if coef is None else float(coef)
+
+    @property
+    def coef(self) -> float:
+        return self._coef
+
+    def update(self, observed_kl: float, n_steps: int) -> float:
+        """Adapt β to the KL just observed on ``n_steps`` samples (only in ``adaptive`` mode); the new β."""
+        if not math.isfinite(observed_kl) or n_steps < 0:
+            raise ValueError(f"KLController.update: observed KL {observed_kl}, {n_steps} samples")
+        if self.settings.mode == "adaptive":
+            error = min(max(observed_kl / self.settings.target - 1.0, -0.2), 0.2)
+            self._coef *= 1.0 + error * n_steps / self.settings.horizon
+        return self._coef
 
 
 def kl_estimate(name: str, logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:

@@ -1,4 +1,5 @@
-"""Policy losses, and the off-policy correction that every on-policy loss shares.
+"""Policy losses (``ppo_clip``, ``gspo``, and the preference loss ``dpo``), and the off-policy correction
+that every on-policy loss shares.
 
 Three policies (DESIGN.md "Policy versions, staleness and importance ratios"): behaviour μ (vLLM's
 log-probs of the sampled tokens), proximal π_old (recomputed by the learner at the start of the step)
@@ -13,7 +14,8 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from torch import Tensor
 
 from learner.algorithms.kl import kl_estimate
@@ -45,20 +47,22 @@ class OffPolicySettings(BaseModel):
         return self.correction != "none"
 
 
-class PPOClipSettings(Settings):
-    name: Literal["ppo_clip"] = "ppo_clip"
-    clip_low: float = Field(0.2, ge=0.0, lt=1.0)
-    """ε_low: the ratio is clipped below at 1 − ε_low."""
-    clip_high: float = Field(0.2, ge=0.0)
-    """ε_high: the ratio is clipped above at 1 + ε_high (DAPO's clip-higher sets 0.28)."""
-    dual_clip: float | None = Field(None, gt=1.0)
-    """c of dual-clip PPO (Ye et al. 2020): for A < 0 the loss is at most −A·c; None disables it."""
+class PolicyGradientSettings(Settings):
+    """What the clipped policy-gradient losses (``ppo_clip``, ``gspo``) share: the off-policy correction,
+    a KL term to the reference and an entropy bonus. No tag: a base, not a variant."""
+
     off_policy: OffPolicySettings = OffPolicySettings()
     """Correction by π_old/μ."""
     kl_coef: float = Field(0.0, ge=0.0)
     """Weight of the per-token KL(π_θ ‖ π_ref) term; used only when reference log-probs are given."""
     kl_estimator: str = "k3"
     """Registered KL estimator (or import path) for that term."""
+    entropy_coef: float = Field(0.0, ge=0.0)
+    """Weight of the entropy bonus: loss_t −= entropy_coef · H_t; used only when ``LossInput.entropy`` is given."""
+
+    def requires(self) -> frozenset[str]:
+        needs = {"ref_logprobs"} if self.kl_coef > 0 else set()
+        return frozenset(needs | ({"entropy"} if self.entropy_coef > 0 else set()))
 
     @field_validator("kl_estimator")
     @classmethod
@@ -68,15 +72,54 @@ class PPOClipSettings(Settings):
         return name
 
 
+class PPOClipSettings(PolicyGradientSettings):
+    name: Literal["ppo_clip"] = "ppo_clip"
+    clip_low: float = Field(0.2, ge=0.0, lt=1.0)
+    """ε_low: the ratio is clipped below at 1 − ε_low."""
+    clip_high: float = Field(0.2, ge=0.0)
+    """ε_high: the ratio is clipped above at 1 + ε_high (DAPO's clip-higher sets 0.28)."""
+    dual_clip: float | None = Field(None, gt=1.0)
+    """c of dual-clip PPO (Ye et al. 2020): for A < 0 the loss is at most −A·c; None disables it."""
+
+
+class GSPOSettings(PolicyGradientSettings):
+    name: Literal["gspo"] = "gspo"
+    clip_low: float = Field(3e-4, ge=0.0, lt=1.0)
+    """ε_low: the sequence ratio is clipped below at 1 − ε_low. GSPO clips the length-normalized ratio
+    far tighter than PPO clips token ratios: 3e-4 and 4e-4 in the paper (Zheng et al. 2025, §5.1)."""
+    clip_high: float = Field(4e-4, ge=0.0)
+    """ε_high: the sequence ratio is clipped above at 1 + ε_high."""
+
+
+class DPOSettings(Settings):
+    name: Literal["dpo"] = "dpo"
+    beta: float = Field(0.1, gt=0.0)
+    """β (τ for IPO): the strength of the implicit KL constraint to the reference."""
+    kind: Literal["sigmoid", "ipo"] = "sigmoid"
+    """``sigmoid``: DPO's logistic loss (with label smoothing: cDPO); ``ipo``: IPO's squared loss."""
+    label_smoothing: float = Field(0.0, ge=0.0, le=0.5)
+    """ε of conservative DPO (Mitchell 2023): the probability that a preference label is flipped."""
+
+    def requires(self) -> frozenset[str]:
+        return frozenset({"ref_logprobs", "pairs"})
+
+    @model_validator(mode="after")
+    def _smoothing_is_for_sigmoid(self) -> DPOSettings:
+        if self.label_smoothing > 0 and self.kind != "sigmoid":
+            raise ValueError(f"label_smoothing applies to kind 'sigmoid' only, not {self.kind!r}")
+        return self
+
+
 @register_loss("ppo_clip")
 def ppo_clip(inp: LossInput, settings: PPOClipSettings) -> LossOutput:
-    """Clipped surrogate with asymmetric ε, optional dual clip, off-policy weight and KL term.
+    """Clipped surrogate with asymmetric ε, optional dual clip, off-policy weight, KL term and entropy bonus.
 
     r = exp(log π_θ − log π_old);
     s = max(−A·r, −A·clip(r, 1 − ε_low, 1 + ε_high))          (Schulman et al. 2017, PPO, eq. 7;
                                                                 asymmetric ε: Yu et al. 2025, DAPO);
     s ← min(s, −A·c) where A < 0                               (Ye et al. 2020, dual clip);
-    loss_t = w.detach() · s + kl_coef · k(π_θ, π_ref)          (w: :func:`importance_weights`).
+    loss_t = w.detach() · s + kl_coef · k(π_θ, π_ref) − entropy_coef · H_t
+                                       (w: :func:`importance_weights`; the last two: :func:`penalties`).
     Metrics: ``loss/clip_frac`` counts tokens where the clipped branch is the larger (as verl's
     ``pg_clipfrac``), ``loss/approx_kl`` is the k3 estimate of KL(π_old ‖ π_θ).
     """
@@ -96,15 +139,113 @@ def ppo_clip(inp: LossInput, settings: PPOClipSettings) -> LossOutput:
         surrogate = torch.where(advantages < 0, bounded, surrogate)
         metrics["loss/dual_clip_frac"] = masked_mean(dual.float(), mask)
     weight, weight_metrics = importance_weights(inp, settings.off_policy)
-    loss = weight * surrogate
-    if inp.ref_logprobs is not None and settings.kl_coef > 0:
-        kl = kl_estimate(settings.kl_estimator, logprobs, zero_masked(inp.ref_logprobs, mask))
-        loss = loss + settings.kl_coef * kl
-        metrics["loss/kl_ref"] = masked_mean(kl.detach(), mask)
-    metrics |= weight_metrics
+    extra, extra_metrics = penalties(inp, logprobs, settings)
+    loss = weight * surrogate + extra
+    metrics |= extra_metrics | weight_metrics
     metrics["loss/ratio_mean"] = masked_mean(ratio.detach(), mask)
     metrics["loss/approx_kl"] = masked_mean(_k3(log_ratio.detach()), mask)
     return LossOutput(per_token_loss=zero_masked(loss, mask), metrics=metrics)
+
+
+@register_loss("gspo")
+def gspo(inp: LossInput, settings: GSPOSettings) -> LossOutput:
+    """Group Sequence Policy Optimization, token form (Zheng et al. 2025, arXiv 2507.18071, eqs. 7 and 13).
+
+    log s_i = (1/|y_i|) Σ_t (log π_θ − log π_old)   (float64; the length-normalized sequence ratio);
+    s_{i,t} = sg[s_i] · π_θ(y_t) / sg[π_θ(y_t)]    (value s_i at every token, gradient s_i · ∇log π_θ(y_t));
+    loss_t = w.detach() · max(−A·s_{i,t}, −A·clip(s_{i,t}, 1 − ε_low, 1 + ε_high))
+             + kl_coef · k(π_θ, π_ref) − entropy_coef · H_t          (w, penalties: as ``ppo_clip``).
+    With one advantage per sequence this is GSPO's sequence objective; aggregated by
+    ``seq_mean_token_mean`` (as verl's ``compute_policy_loss_gspo`` does) its gradient is the paper's
+    (1/G) Σ_i s_i A_i (1/|y_i|) Σ_t ∇log π_θ(y_t). |log s_i| is clamped to 20 (verl clamps above at 10).
+    Metrics: ``loss/clip_frac`` is per sequence (each sequence's fraction of clipped tokens, averaged over
+    sequences: with sequence advantages, the fraction of clipped sequences); ``loss/ratio_mean`` the
+    mean of s_i over sequences; ``loss/approx_kl`` the token k3 estimate of KL(π_old ‖ π_θ).
+    """
+    mask = inp.response_mask
+    logprobs = zero_masked(inp.logprobs, mask)
+    old = zero_masked(inp.old_logprobs.detach(), mask)
+    advantages = zero_masked(inp.advantages.detach(), mask)
+    token_log_ratio = logprobs.detach() - old
+    lengths = mask.sum(dim=-1, keepdim=True).clamp(min=1)
+    log_s = (token_log_ratio.to(torch.float64).sum(dim=-1, keepdim=True) / lengths).clamp(-_LOG_CLAMP, _LOG_CLAMP)
+    ratio = (log_s.to(logprobs.dtype) + (logprobs - logprobs.detach())).exp()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - settings.clip_low, 1.0 + settings.clip_high)
+    weight, weight_metrics = importance_weights(inp, settings.off_policy)
+    extra, extra_metrics = penalties(inp, logprobs, settings)
+    loss = weight * torch.maximum(unclipped, clipped) + extra
+    metrics = {"loss/clip_frac": _sequence_mean((clipped > unclipped).float(), mask)}
+    metrics |= extra_metrics | weight_metrics
+    metrics["loss/ratio_mean"] = _sequence_mean(ratio.detach(), mask)
+    metrics["loss/approx_kl"] = masked_mean(_k3(token_log_ratio), mask)
+    return LossOutput(per_token_loss=zero_masked(loss, mask), metrics=metrics)
+
+
+@register_loss("dpo")
+def dpo(inp: LossInput, settings: DPOSettings) -> LossOutput:
+    """Direct preference optimization over (chosen, rejected) row pairs (rows 2i, 2i + 1; see :class:`LossInput`).
+
+    ℓ_θ(y) = Σ_t log π_θ(y_t) over the response tokens, in float64 (for ``ipo`` the token MEAN, as TRL's
+    ``DPOTrainer``, following eric-mitchell/direct-preference-optimization#40); implicit reward
+    r(y) = β (ℓ_θ(y) − ℓ_ref(y)); h = r(chosen) − r(rejected).
+    sigmoid: l = −(1 − ε) log σ(h) − ε log σ(−h)   (Rafailov et al. 2023, eq. 7; ε: cDPO, Mitchell 2023);
+    ipo:     l = (h/β − 1/(2β))²                    (Azar et al. 2023, IPO, eq. 17, with τ = β; TRL's
+                                                    ``(logits - 1 / (2 * beta)) ** 2``, logits = h/β).
+    per_token_loss: each row of a pair carries l spread over its own tokens (l · mask / n_row), so each
+    row's token sum is l and ``seq_mean_token_sum`` (global sequence count 2P) gives exactly the mean of l
+    over the P pairs. A row with no response tokens carries nothing. No off-policy correction, KL term or
+    entropy bonus: π_old, μ and the advantages are not read. Metrics: ``dpo/chosen_reward``,
+    ``dpo/rejected_reward`` (means of r), ``dpo/reward_margin`` (mean h), ``dpo/accuracy`` (fraction h > 0),
+    ``dpo/loss`` (mean l).
+    """
+    mask = inp.response_mask
+    if inp.ref_logprobs is None:
+        raise ValueError("dpo needs the reference model's log-probs: LossInput.ref_logprobs is None")
+    if mask.shape[0] % 2:
+        raise ValueError(f"dpo reads rows as (chosen, rejected) pairs: the batch has an odd {mask.shape[0]} rows")
+    lengths = mask.sum(dim=-1).clamp(min=1)
+    policy = zero_masked(inp.logprobs.to(torch.float64), mask).sum(dim=-1)
+    reference = zero_masked(inp.ref_logprobs.detach().to(torch.float64), mask).sum(dim=-1)
+    if settings.kind == "ipo":
+        policy, reference = policy / lengths, reference / lengths
+    rewards = settings.beta * (policy - reference)  # [B]: r(y) of every row
+    h = rewards[0::2] - rewards[1::2]  # [P]
+    if settings.kind == "sigmoid":
+        eps = settings.label_smoothing
+        pair_loss = -(1.0 - eps) * F.logsigmoid(h) - eps * F.logsigmoid(-h)
+    else:
+        pair_loss = (h / settings.beta - 1.0 / (2.0 * settings.beta)).square()
+    per_row = pair_loss.repeat_interleave(2) / lengths
+    per_token = zero_masked(per_row[:, None].expand(mask.shape), mask).to(inp.logprobs.dtype)
+    chosen, rejected, h = rewards[0::2].detach(), rewards[1::2].detach(), h.detach()
+    metrics = {
+        "dpo/chosen_reward": _mean(chosen),
+        "dpo/rejected_reward": _mean(rejected),
+        "dpo/reward_margin": _mean(h),
+        "dpo/accuracy": _mean((h > 0).float()),
+        "dpo/loss": _mean(pair_loss.detach()),
+    }
+    return LossOutput(per_token_loss=per_token, metrics=metrics)
+
+
+def penalties(inp: LossInput, logprobs: Tensor, settings: PolicyGradientSettings) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token kl_coef · k(π_θ, π_ref) − entropy_coef · H [B, T] (0 where unused; ``logprobs`` already
+    masked) and their metrics: ``loss/kl_ref`` when the KL term is on, ``loss/entropy`` whenever
+    ``inp.entropy`` is given (the entropy bonus of Williams & Peng 1991, as in A3C and verl's ``entropy_coeff``)."""
+    mask = inp.response_mask
+    extra = torch.zeros_like(logprobs)
+    metrics: dict[str, Tensor] = {}
+    if inp.ref_logprobs is not None and settings.kl_coef > 0:
+        kl = kl_estimate(settings.kl_estimator, logprobs, zero_masked(inp.ref_logprobs, mask))
+        extra = extra + settings.kl_coef * kl
+        metrics["loss/kl_ref"] = masked_mean(kl.detach(), mask)
+    if inp.entropy is not None:
+        entropy = zero_masked(inp.entropy, mask)
+        metrics["loss/entropy"] = masked_mean(entropy.detach(), mask)
+        if settings.entropy_coef > 0:
+            extra = extra - settings.entropy_coef * entropy
+    return extra, metrics
 
 
 def importance_weights(inp: LossInput, settings: OffPolicySettings) -> tuple[Tensor, dict[str, Tensor]]:
@@ -138,6 +279,17 @@ def importance_weights(inp: LossInput, settings: OffPolicySettings) -> tuple[Ten
     metrics["offpolicy/weight_max"] = masked_max(raw, mask)
     metrics["offpolicy/corrected_frac"] = masked_mean(corrected.float(), mask)
     return weight, metrics
+
+
+def _sequence_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Each sequence's mean of ``x`` over its tokens [B, T], averaged over the sequences that have tokens."""
+    per_sequence = zero_masked(x, mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
+    return per_sequence.sum() / mask.any(dim=-1).sum().clamp(min=1)
+
+
+def _mean(x: Tensor) -> Tensor:
+    """Mean of a [P] tensor, 0 when empty."""
+    return x.sum() / max(x.numel(), 1)
 
 
 def _k3(log_r: Tensor) -> Tensor:

@@ -29,3 +29,22 @@ def masked_max(x: Tensor, mask: Tensor) -> Tensor:
     # No ``if mask.any()``: that would synchronise with the GPU on every call.
     largest = torch.where(mask, x, torch.full((), -torch.inf, dtype=x.dtype, device=x.device)).amax()
     return torch.where(mask.any(), largest, zero)
+
+
+WHITEN_EPS = 1e-8
+"""Added to the variance before the square root, as verl's and TRL's ``masked_whiten``."""
+
+
+def masked_whiten(x: Tensor, mask: Tensor) -> Tensor:
+    """(x − mean) / √(var + 1e-8) over the True positions of ``mask``, 0 elsewhere; ``x``'s dtype.
+
+    mean and the unbiased variance (divisor n − 1, as verl's ``masked_whiten``, which calls ``masked_var``
+    with ``unbiased=True``) are taken over every True position of the whole [B, T] tensor, in float64.
+    Unlike verl, one or zero True positions do not raise: the variance is then 0 and so is the result.
+    """
+    x64 = zero_masked(x.to(torch.float64), mask)
+    count = mask.sum()
+    mean = x64.sum() / count.clamp(min=1)
+    centred = zero_masked(x64 - mean, mask)
+    var = centred.square().sum() / (count - 1).clamp(min=1)
+    return (centred * torch.rsqrt(var + WHITEN_EPS)).to(x.dtype)

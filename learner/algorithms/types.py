@@ -11,7 +11,7 @@ Shapes, stated once for the whole package:
 Log-probabilities are of the sampled token at each position, float32 (the learner upcasts bf16).
 Every registered function takes one of these inputs plus its own :class:`Settings` and returns one of
 these outputs, so the learner loop never inspects which algorithm it runs (STYLE.md rule 5).
-Fields are appended, never reordered (issue 5 adds e.g. entropy and critic values to :class:`LossInput`).
+Fields are appended, never reordered.
 """
 
 from __future__ import annotations
@@ -34,6 +34,24 @@ class Settings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
+    def requires(self) -> frozenset[str]:
+        """The optional inputs this variant needs the learner to compute, from :data:`REQUIREMENTS`.
+
+        The learner builds a critic, a reference model, entropies or preference pairs exactly when the configured
+        variants list them — this is how it learns what an algorithm needs without looking at its name.
+        """
+        return frozenset()
+
+
+REQUIREMENTS = {
+    "values": "critic values (AdvantageInput.values): the learner trains a value model beside the policy",
+    "token_kl": "per-token KL to the reference in the reward (AdvantageInput.token_kl)",
+    "ref_logprobs": "log-probs of the frozen reference model (LossInput.ref_logprobs)",
+    "entropy": "per-token entropy of the policy (LossInput.entropy)",
+    "pairs": "rows in chosen/rejected pairs: row 2i preferred to row 2i + 1",
+}
+"""What :meth:`Settings.requires` may name, and what each means for the learner."""
+
 
 @dataclass(frozen=True, slots=True)
 class AdvantageInput:
@@ -42,7 +60,10 @@ class AdvantageInput:
     rewards [B] float32 (one scalar per sequence); group_ids [B] int64 (sequences sharing an id were
     sampled from the same prompt; ids need not be contiguous or sorted); response_mask [B, T] bool;
     token_kl [B, T] or None (per-token KL to the reference, for estimators that put KL in the reward);
-    values [B, T] or None (critic values, for GAE).
+    values [B, T] or None (critic values, for GAE: ``values[b, t]`` is V of the state before token t, so
+    it is aligned with the log-probs, and V after a response's last token is 0);
+    kl_coef: the coefficient of ``token_kl`` in the token rewards for this step, e.g. the current value of
+    a :class:`~learner.algorithms.kl.KLController`; None = the estimator's own ``settings.kl_coef``.
     """
 
     rewards: Tensor
@@ -50,6 +71,7 @@ class AdvantageInput:
     response_mask: Tensor
     token_kl: Tensor | None = None
     values: Tensor | None = None
+    kl_coef: float | None = None
 
     def __post_init__(self) -> None:
         mask = _expect_mask(self.response_mask)
@@ -57,6 +79,8 @@ class AdvantageInput:
         _expect("group_ids", self.group_ids, mask.shape[:1], torch.int64)
         _expect("token_kl", self.token_kl, mask.shape)
         _expect("values", self.values, mask.shape)
+        if self.kl_coef is not None and not self.kl_coef >= 0:
+            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +99,12 @@ class LossInput:
     old_logprobs: log π_old, the proximal policy recomputed at the start of the step (or μ itself when
     the off-policy correction is ``none``); behaviour_logprobs: log μ, shipped by vLLM with each token;
     advantages: from the estimator; response_mask: bool; ref_logprobs: log π_ref of the frozen
-    reference model, or None when no KL term is used.
+    reference model, or None when no KL term is used; entropy: the per-token entropy of π_θ carrying the
+    graph (:func:`~learner.algorithms.entropy.token_entropy`), or None when no entropy bonus is used.
+
+    Preference losses (``dpo``) read the rows in pairs: row 2i is the chosen response and row 2i + 1 the
+    rejected one for the same prompt, so B is even and a micro-batch split never separates a pair
+    (split at even row indices).
     """
 
     logprobs: Tensor
@@ -84,10 +113,11 @@ class LossInput:
     advantages: Tensor
     response_mask: Tensor
     ref_logprobs: Tensor | None = None
+    entropy: Tensor | None = None
 
     def __post_init__(self) -> None:
         mask = _expect_mask(self.response_mask)
-        for name in ("logprobs", "old_logprobs", "behaviour_logprobs", "advantages", "ref_logprobs"):
+        for name in ("logprobs", "old_logprobs", "behaviour_logprobs", "advantages", "ref_logprobs", "entropy"):
             _expect(name, getattr(self, name), mask.shape)
 
 

@@ -6,7 +6,9 @@ processes; the assertions read what a person would read: metrics.jsonl and the e
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -41,11 +43,15 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def launch(tmp_path: Path, model_dir: Path, name: str, *overrides: str) -> subprocess.Popen:
+def launch(
+    tmp_path: Path, model_dir: Path, name: str, *overrides: str, config: Path | None = None, actors: int = 2
+) -> subprocess.Popen:
     args = [
         BIN / "rl-launch",
         "run",
-        ROOT / "configs/demo.toml",
+        config or ROOT / "configs/demo.toml",
+        "--actors",
+        str(actors),
         "--set",
         f"run.root={tmp_path}",
         "--set",
@@ -121,3 +127,112 @@ def _actor_pid(log: Path) -> int:
         if "actor ready" in line:
             return int(line.split("pid=")[1].split(":")[0])
     raise AssertionError(f"no 'actor ready' line in {log}")
+
+
+def test_a_hung_actor_is_evicted_within_the_timeout_and_an_added_actor_joins(tmp_path: Path, model_dir: Path) -> None:
+    """actor-0 is frozen (SIGSTOP) while its heartbeat still counts it live, so the next broadcasts include it;
+    each gives up after ``weight_sync.timeout_s`` and evicts it. Meanwhile a third actor started by hand gets the
+    current weights and its groups are trained. Then actor-0 thaws and the run still completes."""
+    timeout_s = 6.0
+    proc = launch(
+        tmp_path,
+        model_dir,
+        "hung",
+        "learner.steps=60",
+        f"weight_sync.timeout_s={timeout_s}",
+        "transport.heartbeat_ttl_s=60",  # the frozen actor stays "live": only the broadcast timeout can catch it
+        "learner.group_deadline_s=20",
+    )
+    run_dir = tmp_path / "hung"
+    extra = None
+    frozen = None
+    try:
+        _wait_for_steps(run_dir, proc, 3)
+        frozen = _actor_pid(run_dir / "logs" / "actor-0.log")
+        os.kill(frozen, signal.SIGSTOP)
+        extra = _start_actor(run_dir, "actor-extra")
+        _wait_for(lambda: "loaded new weights" in (run_dir / "logs" / "actor-extra.log").read_text(), proc)
+        os.kill(frozen, signal.SIGCONT)
+        frozen = None
+        _wait_for(lambda: "rollout/groups_from/actor-extra" in (run_dir / "metrics.jsonl").read_text(), proc)
+        _stop_actor(extra)  # scaled down again while the run goes on
+        extra = None
+        assert finish(proc) == 0
+    finally:
+        if frozen is not None:
+            os.kill(frozen, signal.SIGCONT)
+        if extra is not None:
+            _stop_actor(extra)
+        finish(proc, 1)
+    rows = metrics(tmp_path, "hung")
+    assert [int(r["step"]) for r in rows] == list(range(1, 61))
+    failed = [r for r in rows if r.get("sync/failed")]
+    assert failed, "no broadcast noticed the frozen actor"
+    # A broadcast waits at most one timeout for the group to form and one for a transfer.
+    assert max(r["sync/seconds"] for r in rows if "sync/seconds" in r) <= 2 * timeout_s + 15
+    assert sum(r.get("rollout/groups_from/actor-extra", 0) for r in rows) > 0  # the added actor contributed
+
+
+def _wait_for_steps(run_dir: Path, proc: subprocess.Popen, steps: int) -> None:
+    metrics_file = run_dir / "metrics.jsonl"
+    _wait_for(lambda: len(metrics_file.read_text().splitlines()) >= steps, proc)
+
+
+def _wait_for(condition, proc: subprocess.Popen, timeout_s: float = 600) -> None:
+    """Poll ``condition`` (a missing file counts as not yet) while the run is alive."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(FileNotFoundError):
+            if condition():
+                return
+        assert time.monotonic() < deadline and proc.poll() is None, f"the run ended or timed out first: {condition}"
+        time.sleep(1)
+
+
+def _start_actor(run_dir: Path, actor_id: str) -> subprocess.Popen:
+    """One more rollout actor, started the way a user adds one to a live run."""
+    url = (run_dir / "redis" / "url").read_text().strip()
+    log = (run_dir / "logs" / f"{actor_id}.log").open("w")
+    return subprocess.Popen(
+        [BIN / "rl-actor", "--redis", url, "--run", run_dir.name, "--id", actor_id],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "1"},
+        start_new_session=True,  # its vLLM engine process shares the group: stopped together below
+    )
+
+
+def _stop_actor(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+PRESET_SERIES = {
+    "dapo": "groups/zero_variance",
+    "gspo": "train/loss/clip_frac",
+    "ppo": "train/critic/loss",
+    "online_dpo": "train/dpo/reward_margin",
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PRESET_SERIES))
+def test_each_on_policy_preset_trains_end_to_end(tmp_path: Path, model_dir: Path, preset: str) -> None:
+    """The preset over the demo's settings, with one real actor: every step trains with finite figures."""
+    config = tmp_path / f"{preset}.toml"
+    overlay = (ROOT / "configs" / f"{preset}.toml").read_text()
+    config.write_text(f"preset = {json.dumps(str(ROOT / 'configs/demo.toml'))}\n{overlay}")
+    overrides = ["learner.steps=4", "learner.groups_per_step=8"]
+    if preset == "dapo":  # the overlong buffer must end at the demo's generation limit
+        overrides.append('reward.functions=[{name="task"},{name="overlong",options={max_tokens=6,buffer=2}}]')
+    assert finish(launch(tmp_path, model_dir, preset, *overrides, config=config, actors=1)) == 0
+    rows = metrics(tmp_path, preset)
+    assert [int(r["step"]) for r in rows] == [1, 2, 3, 4]
+    for row in rows:
+        assert math.isfinite(row["train/loss"]) and math.isfinite(row["train/grad_norm"]), row
+        assert math.isfinite(row[PRESET_SERIES[preset]]), (preset, row)

@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,12 +20,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from common.redis_server import free_port
-from common.tasks import TASK_ALPHABET
 from learner.engine import PolicyEngine, ReferenceModel, split_micro_batches
-from learner.tiny_model import init_model
 from tests.helpers.engine_ranks import LENGTHS, fixed_batch, nll_loss, predicted_tokens, run_config
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_rank_world")]
 
 REPO = Path(__file__).resolve().parents[2]
 TIGHT = 1e-5  # same process, same maths, different summation order
@@ -35,19 +32,9 @@ RANKS_TIMEOUT_S = 300  # imports and engine start of two ranks on two shared cor
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_world() -> Iterator[None]:
-    """This pytest process is a one-rank world (engines start gloo in it); launcher variables are restored after."""
-    with pytest.MonkeyPatch.context() as patch:
-        single = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
-        for key, value in {**single, "MASTER_PORT": str(free_port()), "DS_ACCELERATOR": "cpu"}.items():
-            patch.setenv(key, value)
-        yield
-
-
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_model(tmp_path_factory.mktemp("tiny") / "model", alphabet=TASK_ALPHABET, seed=0)
+def model_dir(tiny_model_dir: Path) -> Path:
+    return tiny_model_dir
 
 
 def engine_for(model_dir: Path, zero_stage: int, micro_batch_size: int) -> PolicyEngine:

@@ -665,3 +665,25 @@ def test_settings_and_types_validate_early() -> None:
     with pytest.raises(ValueError, match="old_logprobs"):
         LossInput(torch.zeros(2, 3), torch.zeros(2, 2), torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3).bool())
     assert sorted(KL_ESTIMATORS.names()) == ["k1", "k2", "k3"] and "token_mean" in AGGREGATIONS
+
+
+def test_every_requirement_a_variant_names_is_one_the_learner_knows() -> None:
+    from learner.algorithms import REQUIREMENTS
+
+    for registry in ALL_REGISTRIES:
+        for name in registry.names():
+            settings = settings_type(registry.get(name)).model_construct()  # defaults, required fields unset
+            assert settings.requires() <= REQUIREMENTS.keys(), (registry.kind, name)
+
+
+def test_requirements_follow_the_settings() -> None:
+    from learner.algorithms import advantage_settings, loss_settings
+
+    assert advantage_settings("grpo").requires() == frozenset()
+    assert advantage_settings("gae").requires() == {"values"}
+    assert advantage_settings("gae", {"kl_coef": 0.1}).requires() == {"values", "token_kl"}
+    assert advantage_settings("reinforce_pp", {"kl_coef": 0.1}).requires() == {"token_kl"}
+    assert loss_settings("ppo_clip").requires() == frozenset()
+    assert loss_settings("ppo_clip", {"kl_coef": 0.1, "entropy_coef": 0.01}).requires() == {"ref_logprobs", "entropy"}
+    assert loss_settings("gspo", {"entropy_coef": 0.01}).requires() == {"entropy"}
+    assert loss_settings("dpo").requires() == {"ref_logprobs", "pairs"}

@@ -76,3 +76,12 @@ def test_resolved_config_round_trips_through_json(tmp_path: Path) -> None:
 def test_every_field_has_help() -> None:
     rows = field_help()
     assert rows and all(doc for _, _, doc in rows), [name for name, _, doc in rows if not doc]
+
+
+def test_a_preset_that_switches_the_loss_does_not_inherit_the_old_loss_options(tmp_path: Path) -> None:
+    base = tmp_path / "base.toml"
+    base.write_text('[algorithm]\nloss = "ppo_clip"\nloss_options = { clip_high = 0.28 }\nadvantage = "grpo"\n')
+    top = tmp_path / "top.toml"
+    top.write_text('preset = "base"\n[algorithm]\nloss = "dpo"\nloss_options = { beta = 0.2 }\n')
+    algorithm = load_config(top).algorithm
+    assert (algorithm.loss, algorithm.loss_options, algorithm.advantage) == ("dpo", {"beta": 0.2}, "grpo")

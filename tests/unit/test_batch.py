@@ -1,0 +1,37 @@
+"""Collating scored groups into training rows: all responses, or online-DPO pairs of best and worst."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from common.wire import ScoredGroup
+from learner.batch import collate, preference_rows
+from tests.helpers.rollouts import make_group
+
+
+def scored(texts: list[str], rewards: list[float]) -> ScoredGroup:
+    return ScoredGroup(rollout=make_group(texts), rewards=np.asarray(rewards, np.float32))
+
+
+def test_pairs_are_each_groups_best_then_worst_and_equal_groups_give_none() -> None:
+    a = scored(["1", "22", "333"], [0.5, 1.0, 0.0])
+    flat = scored(["1", "2"], [1.0, 1.0])
+    b = scored(["4444", "5"], [0.0, 2.0])
+    rows = preference_rows([a, flat, b])
+    assert [(g is a, g is b, i) for g, i in rows] == [
+        (True, False, 1),
+        (True, False, 2),
+        (False, True, 1),
+        (False, True, 0),
+    ]
+
+
+def test_collate_of_pairs_keeps_their_order_rewards_and_groups() -> None:
+    a = scored(["1", "22", "333"], [0.5, 1.0, 0.0])
+    b = scored(["4444", "5"], [0.0, 2.0])
+    batch = collate([a, b], pad_id=0, rows=preference_rows([a, b]))
+    assert batch.rewards.tolist() == [1.0, 0.0, 2.0, 0.0]  # chosen, rejected, chosen, rejected
+    assert batch.group_ids.tolist() == [0, 0, 1, 1]
+    assert batch.response_mask.sum(dim=1).tolist() == [2, 3, 1, 4]  # the responses' lengths
+    assert torch.equal(collate([a, b], pad_id=0).rewards, torch.tensor([0.5, 1.0, 0.0, 0.0, 2.0]))
