@@ -1,5 +1,8 @@
 """Pipelining: the same GRPO run synchronous (max_staleness = 0) and asynchronous (max_staleness = 2).
 
+The asynchronous run twice: with the weight broadcast overlapping the next step (the default) and with the
+learner waiting for each broadcast (``weight_sync.overlap = false``).
+
 Both runs use the demo config (tiny model, one-digit addition) for the same number of steps, with the
 cores split so that the comparison measures pipelining, not contention (DESIGN.md, "Measuring on a
 2-core machine"): the learner on core 0 (one torch thread), the two rollout actors and the reward
@@ -7,7 +10,9 @@ worker on core 1. Figures from each run's metrics.jsonl:
 
 - ``wall_s``: from the end of step 1 to the end of the last step (engine start-up excluded);
 - ``idle_fraction``: mean share of a step the learner spent waiting for its batch;
-- ``final_reward``: mean reward of the last 5 steps.
+- ``final_reward``: mean reward of the last 5 steps;
+- ``sync_s_mean``, ``sync_wait_s_mean``: a weight broadcast's seconds, and the seconds the learner waited for it
+  (with ``max_staleness`` ≥ 1 the broadcast overlaps the next step).
 
     python bench/pipeline.py [--steps 30]
 """
@@ -37,9 +42,10 @@ def pinned(core: int, cmd: list[str]) -> list[str]:
     return ["taskset", "-c", str(core), *cmd]
 
 
-def run(tmp: Path, model: Path, staleness: int, steps: int) -> dict[str, float]:
-    name = f"staleness-{staleness}"
+def run(tmp: Path, model: Path, staleness: int, steps: int, overlap: bool = True) -> dict[str, float]:
+    name = f"staleness-{staleness}-overlap-{int(overlap)}"
     overrides = [
+        f"weight_sync.overlap={str(overlap).lower()}",
         f"run.root={tmp}",
         f"run.name={name}",
         f"model.path={model}",
@@ -74,7 +80,15 @@ def run(tmp: Path, model: Path, staleness: int, steps: int) -> dict[str, float]:
         "final_reward": sum(r["rollout/reward_mean"] for r in rows[-5:]) / 5,
         "first_reward": sum(r["rollout/reward_mean"] for r in rows[:5]) / 5,
         "staleness_max": max(r["rollout/staleness_max"] for r in rows),
+        # A broadcast's own time, and the part of it the learner waited for (overlap hides the rest).
+        "sync_s_mean": _mean(r.get("sync/seconds") for r in rows),
+        "sync_wait_s_mean": _mean(r.get("sync/wait_s") for r in rows),
     }
+
+
+def _mean(values) -> float:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else 0.0
 
 
 def main() -> None:
@@ -99,13 +113,16 @@ def main() -> None:
             stderr=subprocess.DEVNULL,
         )
         sync = run(tmp, model, 0, args.steps)
+        serial = run(tmp, model, 2, args.steps, overlap=False)
         asynchronous = run(tmp, model, 2, args.steps)
     result = {
         "steps": args.steps,
         "cores": "learner on core 0 (1 thread); 2 actors + reward worker on core 1",
         "synchronous": {k: round(v, 3) for k, v in sync.items()},
+        "asynchronous_broadcast_after_step": {k: round(v, 3) for k, v in serial.items()},
         "asynchronous": {k: round(v, 3) for k, v in asynchronous.items()},
         "async_vs_sync_wall": round(asynchronous["wall_s"] / sync["wall_s"], 3),
+        "overlap_vs_no_overlap_wall": round(asynchronous["wall_s"] / serial["wall_s"], 3),
     }
     print(json.dumps(result))
 

@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from common.config import RunConfig, write_resolved
+from common.config import ConfigError, RunConfig, write_resolved
 from common.logs import get_logger
 from learner import dist
-from learner.algorithms import GlobalCounts, LossInput, build_aggregation, build_loss
+from learner.algorithms import GlobalCounts, LossInput, build_aggregation, build_loss, loss_settings
 from learner.engine import Batch, PolicyEngine, ReferenceModel, split_micro_batches
 from learner.preferences import EncodedPair, PreferenceFileError, collate_pairs, encode_pairs, read_preferences
 
@@ -51,6 +51,11 @@ class OfflineDPOTrainer:
         self.pairs = encode_pairs(read_preferences(config.data.path), self.tokenizer, config.model.max_model_len)
         if not self.pairs:
             raise PreferenceFileError(f"{config.data.path}: no pair fits model.max_model_len")
+        if "pairs" not in loss_settings(config.algorithm.loss, config.algorithm.loss_options).requires():
+            raise ConfigError(
+                f"data.source = 'preferences' trains on preference pairs, but algorithm.loss = "
+                f"{config.algorithm.loss!r} is not a pairwise loss; use the dpo preset (configs/dpo.toml)"
+            )
         self.loss = build_loss(config.algorithm.loss, config.algorithm.loss_options)
         self.aggregate = build_aggregation(config.algorithm.aggregation, config.algorithm.aggregation_options)
         self.engine = PolicyEngine(config, global_batch=2 * config.data.batch_pairs)

@@ -109,3 +109,15 @@ def test_the_dpo_preset_without_a_file_names_the_missing_field(tmp_path: Path) -
     result = run(str(BIN / "rl-learner"), "resolve", DPO, "--dry-run", cwd=tmp_path, check=False)
     assert result.returncode == 2
     assert 'data: Value error, source = "preferences" needs path' in result.stderr
+
+
+def test_preference_data_with_a_loss_that_is_not_pairwise_is_refused(model_dir: Path, tmp_path: Path) -> None:
+    prefs = tmp_path / "ok.jsonl"
+    prefs.write_text('{"prompt": "1+2=", "chosen": "3", "rejected": "4"}\n')
+    result = run(
+        str(BIN / "rl-learner"), "train", DPO, "--set", f"data.path={prefs}", "--set", f"model.path={model_dir}",
+        "--set", "algorithm.loss=ppo_clip", "--set", "algorithm.loss_options={}",
+        "--set", f"run.root={tmp_path / 'runs'}", cwd=tmp_path, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "'ppo_clip' is not a pairwise loss" in result.stderr
