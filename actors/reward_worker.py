@@ -53,7 +53,8 @@ from common.metrics import (
     REWARD_SCORED_GROUPS,
     REWARD_SCORING_SECONDS,
     REWARD_TIMED_OUT_CALLS,
-    serve,
+    MetricsServer,
+    start_metrics_server,
 )
 from common.replay import ReplayWriter
 from common.wire import Heartbeat, Limits, RolloutGroup, ScoredGroup, encode_blob
@@ -144,7 +145,7 @@ class RewardWorker:
         self.channel = PullChannel("rollouts", RolloutGroup, hwm=config.transport.zmq_hwm, limits=limits)
         self.calls = TimedCalls()
         self.endpoint = ""
-        self.metrics_url = ""
+        self.metrics: MetricsServer | None = None
         self._ready = False
         self._failing: set[str] = set()  # functions whose last call failed
         self._stop = threading.Event()
@@ -153,11 +154,14 @@ class RewardWorker:
 
     # -- lifecycle
     def start(self) -> str:
-        """Register, bind the PULL socket, serve metrics; returns the endpoint advertised in the heartbeat."""
+        """Register, bind the PULL socket, serve /metrics; returns the endpoint advertised in the heartbeat."""
         self.heartbeats.start()  # "starting": visible in rl-top before the socket is up
         bound = self.channel.bind(self.config.transport.zmq_endpoint, self._curve())
         self.endpoint = _advertised(bound)
-        self.metrics_url = self._serve_metrics()
+        transport = self.config.transport
+        self.metrics = start_metrics_server(
+            self.plane, self.worker_id, "reward", self.config.monitoring.metrics_port, ttl_s=transport.heartbeat_ttl_s
+        )
         self._ready = True
         self.heartbeats.beat()  # "ready", with the endpoint: actors may connect now
         log.info(
@@ -180,6 +184,8 @@ class RewardWorker:
         try:
             self.heartbeats.stop(leave=True)
         finally:
+            if self.metrics is not None:
+                self.metrics.close()
             self.channel.close()
             self.client.close()
 
@@ -296,7 +302,7 @@ class RewardWorker:
             state=self.state,
             host=socket.gethostname(),
             pid=os.getpid(),
-            metrics_url=self.metrics_url,
+            metrics_url=self.metrics.url if self.metrics is not None else "",
             endpoint=self.endpoint,
         )
 
@@ -307,19 +313,6 @@ class RewardWorker:
         if not transport.curve_client_keys:
             raise ValueError("transport.curve_client_keys must name the folder of authorised client public keys")
         return CurveServer(Path(transport.curve_server_key), Path(transport.curve_client_keys))
-
-    def _serve_metrics(self) -> str:
-        try:
-            port = serve(self.config.monitoring.metrics_port)
-        except OSError as exc:  # e.g. a fixed port taken by another worker on this machine
-            log.warning(
-                "metrics not served",
-                port=self.config.monitoring.metrics_port,
-                error=exc,
-                action="set monitoring.metrics_port = 0 to pick a free port",
-            )
-            return ""
-        return f"http://{socket.gethostname()}:{port}/metrics"
 
 
 def _advertised(endpoint: str) -> str:

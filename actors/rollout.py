@@ -31,7 +31,16 @@ from common.config import RunConfig
 from common.control import ControlPlane, connect
 from common.heartbeat import HeartbeatThread
 from common.logs import get_logger
-from common.wire import Heartbeat, PromptGroup, WeightManifest
+from common.metrics import (
+    ACTOR_GENERATED_GROUPS,
+    ACTOR_GENERATED_TOKENS,
+    ACTOR_GENERATION_SECONDS,
+    ACTOR_POLICY_VERSION,
+    ACTOR_RUNNING_GROUPS,
+    MetricsServer,
+    start_metrics_server,
+)
+from common.wire import Heartbeat, PromptGroup, RolloutGroup, WeightManifest
 
 log = get_logger("actor")
 _PEER_REFRESH_S = 2.0
@@ -44,6 +53,7 @@ class RolloutActor:
         self.plane = ControlPlane(connect(redis_url), config.run.name)
         self.version = 0  # the model folder the engine starts from is policy version 0
         self.epoch: int | None = None
+        self.restore = 0  # the learner's restore generation of the weights loaded (WeightManifest.restore)
         self.engine = None
         self.push = PushChannel("rollouts", hwm=config.transport.zmq_hwm, send_timeout_s=30)
         # A ZeroMQ socket is not thread-safe: every send goes through this one thread, in order.
@@ -58,6 +68,7 @@ class RolloutActor:
         self._manifest_seen = threading.Event()
         self._failed_epoch: int | None = None  # a formation we could not join: wait for the next one
         self.engine_died = False  # vLLM's engine process is gone: the actor stops and exits with an error
+        self.metrics: MetricsServer | None = None
         self.heartbeat = HeartbeatThread(
             self.plane, self._heartbeat, config.transport.heartbeat_s, config.transport.heartbeat_ttl_s
         )
@@ -86,11 +97,21 @@ class RolloutActor:
             tokens_per_s=self._tokens.per_second(),
             host=socket.gethostname(),
             pid=os.getpid(),
+            metrics_url=self.metrics.url if self.metrics is not None else "",
         )
+
+    def _serve_metrics(self) -> None:
+        """/metrics on ``monitoring.metrics_port`` (0 = a free one), registered in Redis for discovery."""
+        transport = self.config.transport
+        port = self.config.monitoring.metrics_port
+        self.metrics = start_metrics_server(self.plane, self.actor_id, "actor", port, ttl_s=transport.heartbeat_ttl_s)
+        ACTOR_POLICY_VERSION.set_function(lambda: self.version)
+        ACTOR_RUNNING_GROUPS.set_function(lambda: len(self._running))
 
     async def run(self) -> None:
         from actors.engine import RolloutEngine
 
+        self._serve_metrics()
         self.heartbeat.start()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -142,12 +163,21 @@ class RolloutActor:
             return
         # Finished work is delivered even during shutdown: it leaves _running first, so it is not also returned.
         self._running.pop(request_id, None)
-        self._tokens.add(int(rollout.lengths.sum()))
+        self._count(rollout)
         try:
             await self._on_sender(self.push.send, rollout)
         except ChannelBlocked as exc:
             log.warning("reward workers not keeping up; returning the group", group=group.group_id, error=exc)
             await asyncio.to_thread(self.plane.return_prompts, [group])
+
+    def _count(self, rollout: RolloutGroup) -> None:
+        """A finished group into the heartbeat's tokens/s and the Prometheus counters."""
+        tokens = int(rollout.lengths.sum())
+        self._tokens.add(tokens)
+        ACTOR_GENERATED_TOKENS.inc(tokens)
+        ACTOR_GENERATED_GROUPS.inc()
+        if "generate" in rollout.timings:
+            ACTOR_GENERATION_SECONDS.observe(rollout.timings["generate"])
 
     # ------------------------------------------------------------------ weights
 
@@ -174,8 +204,11 @@ class RolloutActor:
             manifest, frames = current
             if self.actor_id not in manifest.members:
                 continue  # not in this formation: the learner adds us at its next sync
-            if manifest.version <= self.version and manifest.group_epoch == self.epoch:
-                continue  # loaded already (a re-formation with the same version still needs us to join)
+            same_formation = (manifest.group_epoch, manifest.restore) == (self.epoch, self.restore)
+            if manifest.version <= self.version and same_formation:
+                # Loaded already. A re-formation with the same version still needs us to join, and after a resume
+                # from a checkpoint (restore bumped) the version went back: its weights replace ours even if lower.
+                continue
             if manifest.group_epoch == self._failed_epoch:
                 continue  # that formation failed; the learner re-forms the group at its next sync
             await self._load(manifest, frames)
@@ -203,10 +236,17 @@ class RolloutActor:
             return
         finally:
             self._syncing = False
+        previous = self.version  # higher than version once, after the learner resumed from a checkpoint
         self.epoch = manifest.group_epoch
         self.version = manifest.version
+        self.restore = manifest.restore
         log.info(
-            "loaded new weights", version=self.version, epoch=self.epoch, **{k: round(v, 4) for k, v in figures.items()}
+            "loaded new weights",
+            version=self.version,
+            previous=previous,
+            epoch=self.epoch,
+            restore=self.restore,
+            **{k: round(v, 4) for k, v in figures.items()},
         )
 
     # ------------------------------------------------------------------ peers
@@ -270,6 +310,8 @@ class RolloutActor:
             with contextlib.suppress(Exception):
                 self.engine.shutdown()
             self.engine = None
+        if self.metrics is not None:
+            self.metrics.close()
         log.info("actor stopped", actor=self.actor_id)
 
 

@@ -234,9 +234,13 @@ class WeightSyncSection(Section):
 
 class CheckpointSection(Section):
     every: int = Field(0, ge=0)
-    """Save every this many steps (0 = only at the end and on SIGTERM)."""
+    """Save every this many steps (0 = only at the end and on SIGTERM); a resume re-trains the steps after it."""
     keep: int = Field(2, ge=1)
     """Most recent checkpoints kept (plus the best by reward)."""
+    keep_best: bool = True
+    """Also keep the checkpoint with the highest mean reward over its steps (those since the one before)."""
+    export_hf: bool = True
+    """Write the policy into each checkpoint as a Hugging Face folder (``hf/``) that transformers and vLLM load."""
 
 
 class MonitoringSection(Section):
@@ -246,6 +250,50 @@ class MonitoringSection(Section):
     """Log level of every process."""
     samples_every: int = Field(5, ge=0)
     """Write a handful of prompts and responses to samples.jsonl every this many steps (0 = never)."""
+
+
+class HealthSection(Section):
+    """Run health (``learner/health.py``): non-finite steps are skipped, repeated ones roll the run back, and alert
+    rules watch each step's metrics. An alert's threshold of 0 turns it off."""
+
+    max_skipped_steps: int = Field(3, ge=1)
+    """Consecutive optimizer steps skipped for a non-finite loss or gradient (their update is never applied) after which the learner rolls back to the last healthy checkpoint."""  # noqa: E501
+    rollback_lr_factor: float = Field(0.5, gt=0.0, le=1.0)
+    """Each rollback multiplies the learning rate by this (cumulative: after two rollbacks at 0.5 the run trains at 0.25 × the schedule)."""  # noqa: E501
+    max_rollbacks: int = Field(3, ge=0)
+    """Rollbacks allowed in one run; when one more is due the learner stops with an error instead."""
+    kl_ref_max: float = Field(0.5, ge=0.0)
+    """Alert ``kl_ref_high`` while the per-token KL to the reference policy (``train/loss/kl_ref``, or ``train/kl_reward/kl`` with the KL in the reward) is above this."""  # noqa: E501
+    mismatch_kl_max: float = Field(0.1, ge=0.0)
+    """Alert ``mismatch_kl_high`` while KL(μ ‖ π_old) between the actors' sampling policy and the learner's (``train/offpolicy/mismatch_kl``) is above this."""  # noqa: E501
+    entropy_floor: float = Field(0.01, ge=0.0)
+    """Alert ``entropy_collapse`` while the mean token entropy (``train/loss/entropy``, nats) is below this."""
+    entropy_drop_factor: float = Field(10.0, ge=0.0)
+    """Alert ``entropy_collapse`` also while the entropy is below 1/this of its highest value in the last ``entropy_window`` steps (0 = off; else above 1)."""  # noqa: E501
+    entropy_window: int = Field(20, ge=2)
+    """Steps over which ``entropy_drop_factor`` compares."""
+    reward_flat_window: int = Field(20, ge=2)
+    """Alert ``reward_flat`` while the standard deviation of the last this many steps' mean rewards (``rollout/reward_mean``) is below ``reward_flat_epsilon``."""  # noqa: E501
+    reward_flat_epsilon: float = Field(1e-3, ge=0.0)
+    """See ``reward_flat_window``."""
+    reward_error_rate: float = Field(0.05, ge=0.0, le=1.0)
+    """Alert ``reward_errors`` while the reward service's failures (dead-lettered groups, failed calls) since the last step exceed this fraction of them plus the step's groups."""  # noqa: E501
+    stale_drop_fraction: float = Field(0.1, ge=0.0, le=1.0)
+    """Alert ``stale_drops`` while the groups a step dropped as too stale (``groups/dropped_stale``) exceed this fraction of them plus the groups it trained."""  # noqa: E501
+    starving_idle_fraction: float = Field(0.5, ge=0.0, le=1.0)
+    """Alert ``learner_starving`` while the learner's mean idle fraction (``step/idle_fraction``, time spent waiting for a batch) over the last ``starving_window`` steps is above this."""  # noqa: E501
+    starving_window: int = Field(10, ge=1)
+    """Steps averaged by ``starving_idle_fraction``."""
+    webhook_url: str = Field("", pattern=r"^(https?://\S+)?$")
+    """POST each alert transition as JSON (``alert``, ``state``, ``step``, ``value``, ``message``) to this URL from a background thread; empty = none. Failures are logged, never raised."""  # noqa: E501
+    webhook_timeout_s: float = Field(2.0, gt=0.0, le=30.0)
+    """Time limit of one webhook POST."""
+
+    @model_validator(mode="after")
+    def _drop_factor_off_or_above_one(self) -> HealthSection:
+        if 0.0 < self.entropy_drop_factor <= 1.0:
+            raise ValueError("entropy_drop_factor must be 0 (off) or above 1 (entropy fell to 1/factor of its peak)")
+        return self
 
 
 class RunConfig(Section):
@@ -265,6 +313,7 @@ class RunConfig(Section):
     weight_sync: WeightSyncSection = Field(default_factory=WeightSyncSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     monitoring: MonitoringSection = Field(default_factory=MonitoringSection)
+    health: HealthSection = Field(default_factory=HealthSection)
 
     @property
     def run_dir(self) -> Path:

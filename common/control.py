@@ -112,6 +112,25 @@ class RunKeys:
         """Set of the ids of completed groups (to tell a late duplicate of a re-issued group)."""
         return self._k("done")
 
+    def metrics_endpoint(self, process_id: str) -> str:
+        """JSON of where ``process_id`` serves ``/metrics`` (TTL, refreshed while it runs)."""
+        return self._k(f"metrics:{process_id}")
+
+    @property
+    def metrics_endpoints(self) -> str:
+        """Set of every process id that ever registered a ``/metrics`` endpoint."""
+        return self._k("metrics-endpoints")
+
+    @property
+    def summary(self) -> str:
+        """JSON of the learner's latest step (a subset of its metrics.jsonl row), for rl-top."""
+        return self._k("summary")
+
+    @property
+    def alerts(self) -> str:
+        """JSON list of the alerts the learner's health check holds active now."""
+        return self._k("alerts")
+
 
 def connect(url: str) -> redis.Redis:
     """A Redis client with sane time limits (a dead server raises instead of hanging forever).
@@ -358,3 +377,76 @@ class ControlPlane:
         for name, delta in counts.items():
             pipe.hincrby(self.keys.dispatch, name, delta)
         pipe.execute()
+
+    # -- observability: metrics endpoints, queue depths, the learner's summary, alerts
+    def register_metrics_endpoint(self, process_id: str, endpoint: Mapping[str, Any], ttl_s: float) -> None:
+        """Store where a process serves ``/metrics`` (``host``, ``port``, ``kind``, …) for ``ttl_s`` seconds."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.set(self.keys.metrics_endpoint(process_id), json.dumps(dict(endpoint)), px=int(ttl_s * 1000))
+        pipe.sadd(self.keys.metrics_endpoints, process_id)
+        pipe.execute()
+
+    def unregister_metrics_endpoint(self, process_id: str) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        pipe.delete(self.keys.metrics_endpoint(process_id))
+        pipe.srem(self.keys.metrics_endpoints, process_id)
+        pipe.execute()
+
+    def metrics_endpoints(self) -> list[dict[str, Any]]:
+        """Every live registration, sorted by process id; expired ones are dropped from the index."""
+        ids = sorted(m.decode() for m in self.client.smembers(self.keys.metrics_endpoints))
+        blobs = self.client.mget([self.keys.metrics_endpoint(i) for i in ids]) if ids else []
+        live, expired = [], []
+        for pid, blob in zip(ids, blobs, strict=True):
+            if blob is None:
+                expired.append(pid)
+                continue
+            try:
+                live.append(json.loads(blob))
+            except json.JSONDecodeError:
+                log.warning("unreadable metrics endpoint", process=pid)
+        if expired:
+            self.client.srem(self.keys.metrics_endpoints, *expired)
+        return live
+
+    def queue_depths(self) -> dict[str, int]:
+        """Groups queued (``prompts``), issued and not yet trained (``inflight``), entries in the replay stream
+        (``replay``: its length, acknowledged entries included until trimmed), read but not acknowledged
+        (``replay_pending``), dead letters, and — where Redis ≥ 7 reports the consumer group's lag — entries not yet
+        delivered to the learner (``replay_unread``). Two round trips."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.llen(self.keys.prompts)
+        pipe.hlen(self.keys.inflight)
+        pipe.xlen(self.keys.replay)
+        pipe.xlen(self.keys.dead)
+        prompts, inflight, replay, dead = (int(n) for n in pipe.execute())
+        depths = {"prompts": prompts, "inflight": inflight, "replay": replay, "replay_pending": 0, "dead_letters": dead}
+        if replay or self.client.exists(self.keys.replay):
+            groups = self.client.xinfo_groups(self.keys.replay)
+            depths["replay_pending"] = sum(int(g["pending"]) for g in groups)
+            lags = [g.get("lag") for g in groups]
+            if lags and all(isinstance(lag, int) for lag in lags):
+                depths["replay_unread"] = max(lags)
+        return depths
+
+    def publish_summary(self, summary: Mapping[str, Any]) -> None:
+        self.client.set(self.keys.summary, json.dumps(dict(summary)))
+
+    def summary(self) -> dict[str, Any] | None:
+        """The learner's latest-step summary, or None before its first step."""
+        raw = self.client.get(self.keys.summary)
+        return json.loads(raw) if raw is not None else None
+
+    def set_alerts(self, alerts: Iterable[Mapping[str, Any]]) -> None:
+        """Replace the run's active alerts. Each is a JSON object with ``name`` (str) and, by convention,
+        ``severity`` (``warning``/``critical``), ``message`` (for a person) and ``since`` (Unix time)."""
+        items = [dict(a) for a in alerts]
+        for item in items:
+            if not isinstance(item.get("name"), str) or not item["name"]:
+                raise ValueError(f"an alert needs a non-empty string 'name': {item!r}")
+        self.client.set(self.keys.alerts, json.dumps(items))
+
+    def alerts(self) -> list[dict[str, Any]]:
+        """The active alerts (empty when none, or when no health check has written any)."""
+        raw = self.client.get(self.keys.alerts)
+        return json.loads(raw) if raw is not None else []

@@ -1,61 +1,128 @@
 """``rl-top``: a live terminal view of a run, read from its Redis alone.
 
-Shows the policy version, the prompt queue, groups in flight, the replay stream (length,
-pending), dead letters, and every actor and reward worker with its state, version, throughput
-and heartbeat age. Refreshes in place on any terminal (ANSI home + clear); ``--once`` prints a
-single frame for scripts.
+Shows the policy version, the queues (prompts, groups in flight, the replay stream's length and pending
+entries, dead letters), the learner's last step (reward, KL, staleness, timings — from the summary it writes
+each step), the alerts its health check holds active, and every actor and reward worker with its state,
+version, throughput, heartbeat age and ``/metrics`` endpoint. Refreshes in place on any terminal (ANSI:
+cursor home, rewrite each line, clear the rest); ``--once`` prints one frame for scripts; ``--targets`` prints
+the run's ``/metrics`` endpoints as Prometheus file_sd JSON.
 """
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 app = typer.Typer(add_completion=False, help="Live view of an asyncrl run.")
 
+_HOME, _CLEAR_LINE, _CLEAR_BELOW = "\x1b[H", "\x1b[K", "\x1b[J"
+_HIDE_CURSOR, _SHOW_CURSOR = "\x1b[?25l", "\x1b[?25h"
 
-def snapshot(plane) -> dict:
+
+def snapshot(plane) -> dict[str, Any]:
     """Everything the view shows, read in a few round trips."""
-    client, keys = plane.client, plane.keys
     live, lost = plane.processes()
-    pending = 0
-    if client.exists(keys.replay):
-        groups = client.xinfo_groups(keys.replay)
-        pending = sum(int(g["pending"]) for g in groups)
     return {
-        "run": keys.run,
+        "run": plane.keys.run,
+        "config_found": bool(plane.client.exists(plane.keys.config)),
         "version": plane.version(),
-        "prompt_queue": plane.queue_depth(),
-        "in_flight": int(client.hlen(keys.inflight)),
-        "replay_length": int(client.xlen(keys.replay)),
-        "replay_pending": pending,
-        "dead_letters": int(client.xlen(keys.dead)),
+        "queues": plane.queue_depths(),
         "processes": live,
         "lost": lost,
+        "summary": plane.summary(),
+        "alerts": plane.alerts(),
+        "endpoints": {e["process_id"]: e for e in plane.metrics_endpoints()},
     }
 
 
-def render(snap: dict, now: float | None = None) -> str:
+def render(snap: dict[str, Any], now: float | None = None) -> str:
+    """One frame as plain text (no escape codes)."""
     now = now or time.time()
+    q = snap["queues"]
+    unread = f", unread {q['replay_unread']}" if "replay_unread" in q else ""
     lines = [
         f"asyncrl run {snap['run']!r}   policy version {snap['version']}   {time.strftime('%H:%M:%S')}",
-        f"prompts queued {snap['prompt_queue']:>6}   in flight {snap['in_flight']:>6}   "
-        f"replay {snap['replay_length']:>6} (pending {snap['replay_pending']})   dead letters {snap['dead_letters']}",
-        "",
-        f"{'process':<28} {'kind':<7} {'state':<12} {'version':>7} {'tokens/s':>10} {'age s':>6}",
+        f"queues   prompts {q['prompts']:>5}   in flight {q['inflight']:>5}   replay {q['replay']:>5} "
+        f"(pending {q['replay_pending']}{unread})   dead letters {q['dead_letters']}",
     ]
+    if not snap.get("config_found", True):
+        lines.append(f"(no config published for run {snap['run']!r} in this Redis: check --run and --redis)")
+    lines += ["", *_learner_lines(snap.get("summary"), snap.get("endpoints", {}), now)]
+    lines += ["", *_alert_lines(snap.get("alerts", []), now)]
+    lines += ["", *_process_lines(snap, now)]
+    return "\n".join(lines)
+
+
+def _learner_lines(s: dict[str, Any] | None, endpoints: dict[str, dict], now: float) -> list[str]:
+    metrics = endpoints.get("learner")
+    where = f"   metrics {metrics['host']}:{metrics['port']}" if metrics else ""
+    if not s:
+        return [f"learner  no step published yet{where}"]
+
+    def v(key: str) -> float:
+        return float(s.get(key, 0.0))
+
+    def optional(label: str, key: str, fmt: str) -> str:
+        return f"   {label} {s[key]:{fmt}}" if key in s else ""
+
+    kl = optional("kl(ref)", "train/loss/kl_ref", ".4f") or optional("kl(reward)", "train/kl_reward/kl", ".4f")
+    tokens_s = v("rollout/tokens") / v("step/seconds") if v("step/seconds") > 0 else 0.0
+    sync = f"   sync {v('sync/seconds'):.2f}s" if "sync/seconds" in s else ""
+    age = now - v("time") if "time" in s else 0.0
+    return [
+        f"learner  step {int(v('step'))}/{s.get('learner/steps', '?')}   version {int(v('version'))}   "
+        f"reward {v('rollout/reward_mean'):.3f} ± {v('rollout/reward_std'):.3f}{kl}   "
+        f"mismatch {v('train/offpolicy/mismatch_kl'):.2e}{optional('entropy', 'train/loss/entropy', '.3f')}",
+        f"         staleness max {v('rollout/staleness_max'):.0f} mean {v('rollout/staleness_mean'):.2f}   "
+        f"dropped stale {int(v('groups/dropped_stale'))}   grad norm {v('train/grad_norm'):.3f}   "
+        f"clip {v('train/loss/clip_frac'):.3f}",
+        f"         step {v('step/seconds'):.2f}s{sync}   idle {100 * v('step/idle_fraction'):.0f}%   "
+        f"trained tokens/s {tokens_s:,.0f}   last step {age:.1f}s ago{where}",
+    ]
+
+
+def _alert_lines(alerts: list[dict[str, Any]], now: float) -> list[str]:
+    if not alerts:
+        return ["alerts   none active"]
+    lines = [f"alerts   {len(alerts)} active"]
+    for a in alerts:
+        since = f" (for {now - float(a['since']):.0f}s)" if isinstance(a.get("since"), int | float) else ""
+        severity = str(a.get("severity", "warning")).upper()
+        lines.append(f"  {severity:<9} {a['name']:<24} {a.get('message', '')}{since}")
+    return lines
+
+
+def _process_lines(snap: dict[str, Any], now: float) -> list[str]:
+    lines = [f"{'process':<28} {'kind':<7} {'state':<15} {'version':>7} {'tokens/s':>10} {'age s':>6}  metrics"]
+    endpoints = snap.get("endpoints", {})
     for hb in sorted(snap["processes"], key=lambda h: (h.kind, h.process_id)):
+        e = endpoints.get(hb.process_id)
+        address = f"{e['host']}:{e['port']}" if e else "-"
         lines.append(
-            f"{hb.process_id[:28]:<28} {hb.kind:<7} {hb.state[:12]:<12} {hb.version:>7} "
-            f"{hb.tokens_per_s:>10.0f} {now - hb.sent_at:>6.1f}"
+            f"{hb.process_id[:28]:<28} {hb.kind:<7} {hb.state[:15]:<15} {hb.version:>7} "
+            f"{hb.tokens_per_s:>10.0f} {now - hb.sent_at:>6.1f}  {address}"
         )
     if not snap["processes"]:
         lines.append("(no actors or reward workers registered)")
     if snap["lost"]:
         lines += ["", f"lost (heartbeat expired): {', '.join(snap['lost'])}"]
-    return "\n".join(lines)
+    return lines
+
+
+def targets(endpoints: list[dict[str, Any]], run: str) -> list[dict[str, Any]]:
+    """Prometheus ``file_sd_configs`` entries: one target group per process, labelled with run, process, kind."""
+    return [
+        {"targets": [f"{e['host']}:{e['port']}"], "labels": {"run": run, "process": e["process_id"], "kind": e["kind"]}}
+        for e in endpoints
+    ]
+
+
+def frame_for_terminal(text: str) -> str:
+    """``text`` drawn over the previous frame: home, each line then clear-to-end-of-line, then clear below."""
+    return _HOME + "".join(f"{line}{_CLEAR_LINE}\n" for line in text.splitlines()) + _CLEAR_BELOW
 
 
 @app.command()
@@ -65,22 +132,41 @@ def main_command(
     root: Annotated[str, typer.Option(help="Runs folder, to find an embedded Redis.")] = "runs",
     interval: Annotated[float, typer.Option(help="Seconds between refreshes.")] = 1.0,
     once: Annotated[bool, typer.Option("--once", help="Print one frame and exit.")] = False,
+    as_targets: Annotated[
+        bool, typer.Option("--targets", help="Print the /metrics endpoints as Prometheus file_sd JSON and exit.")
+    ] = False,
 ) -> None:
     """Watch a run live (Ctrl-C to quit)."""
     from common.cliutil import redis_url
     from common.control import ControlPlane, connect
 
     plane = ControlPlane(connect(redis_url(redis, run, root)), run)
+    if as_targets:
+        print(json.dumps(targets(plane.metrics_endpoints(), run), indent=2))
+        return
     if once:
         print(render(snapshot(plane)))
         return
+    _watch(plane, interval)
+
+
+def _watch(plane, interval: float) -> None:
+    """Redraw every ``interval`` seconds until Ctrl-C; a Redis outage is shown, not fatal."""
+    import redis
+
+    print(_HIDE_CURSOR + "\x1b[2J", end="", flush=True)
     try:
         while True:
-            frame = render(snapshot(plane))
-            print("\x1b[H\x1b[2J" + frame, flush=True)
+            try:
+                text = render(snapshot(plane))
+            except redis.exceptions.RedisError as exc:
+                text = f"asyncrl run {plane.keys.run!r}   {time.strftime('%H:%M:%S')}\nredis unreachable: {exc}"
+            print(frame_for_terminal(text), end="", flush=True)
             time.sleep(interval)
     except KeyboardInterrupt:
         pass
+    finally:
+        print(_SHOW_CURSOR, end="", flush=True)
 
 
 def main() -> None:

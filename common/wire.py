@@ -235,9 +235,13 @@ class WeightManifest:
     group_epoch: int = 0
     """Bumped whenever the weight group is re-formed (membership changed)."""
     created_at: float = field(default_factory=_now)
+    restore: int = 0
+    """Bumped by every resume from a checkpoint: the policy went back to ``version``, so an actor that holds a higher
+    version from the discarded steps must load these weights too."""
 
     def validate(self, limits: Limits) -> None:
         _check_range("version", self.version, 0, None)
+        _check_range("restore", self.restore, 0, None)
         _check_range("store_port", self.store_port, 1, 65535)
         if self.world_size != len(self.members) + 1:
             raise WireError("world_size", f"{self.world_size} != 1 + {len(self.members)} members")

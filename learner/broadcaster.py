@@ -35,7 +35,7 @@ from common.weights import (
     pack_bucket,
     plan_buckets,
 )
-from common.wire import WeightManifest
+from common.wire import WeightManifest, WireError
 
 log = get_logger("broadcaster")
 EVICT_SYNCS = 5
@@ -50,7 +50,12 @@ class Broadcaster:
         self.port = free_port(host)
         self.store = host_store(host, self.port, config.weight_sync.timeout_s)
         self.backend = "nccl" if torch.cuda.is_available() else "gloo"
-        self.epoch = 0
+        # A restarted learner goes on from the last published manifest: a reused epoch would look to the actors
+        # like the formation they already joined (of the dead learner), so they would not join this one.
+        previous = _previous_manifest(plane)
+        self.epoch = previous.group_epoch if previous else 0
+        self.restore = previous.restore if previous else 0
+        """Restore generation stamped on every manifest (the learner bumps it when it resumes from a checkpoint)."""
         self.members: list[str] = []
         self.group: WeightGroup | None = None
         self.evicted: dict[str, int] = {}  # actor id -> syncs left out
@@ -91,6 +96,7 @@ class Broadcaster:
             members=list(self.members),
             buckets=buckets,
             group_epoch=self.epoch,
+            restore=self.restore,
         )
         self.plane.publish_manifest(manifest)
         figures = {"members": float(len(self.members)), "bytes": 0.0, "self_check_s": 0.0}
@@ -157,3 +163,13 @@ class Broadcaster:
         )
         self.group = None
         self.members = []
+
+
+def _previous_manifest(plane: ControlPlane) -> WeightManifest | None:
+    """The run's last published manifest, or None (none yet, or unreadable: then epochs start again at 1)."""
+    try:
+        current = plane.read_manifest()
+    except WireError as exc:
+        log.warning("ignored an unreadable weight manifest", field=exc.field, reason=exc.reason)
+        return None
+    return current[0] if current else None

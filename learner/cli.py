@@ -101,25 +101,48 @@ def train(
     config: ConfigArg = None,
     set_: SetOpt = None,
     redis: Annotated[str | None, typer.Option(help="Redis URL (default: transport.redis_url, else embedded).")] = None,
+    resume: Annotated[
+        str | None, typer.Option(help="Continue from a checkpoint: 'latest' or a checkpoint folder (step-<N>).")
+    ] = None,
 ) -> None:
-    """Run the learner: admit prompts, train on scored groups, broadcast weights, until learner.steps.
+    """Run the learner: admit prompts, train on scored groups, broadcast weights, until step learner.steps.
+    SIGTERM finishes the step, saves a checkpoint and exits 0.
     With data.source = "preferences": offline DPO on the file data.path (no Redis, no actors)."""
-    from common.cliutil import load
+    from common.cliutil import fail, load
     from common.redis_server import EmbeddedRedis
 
     resolved = load(config, set_)
     if resolved.data.source == "preferences":
+        if resume:
+            fail("--resume is for runs that train from rollouts; offline DPO (data.source = 'preferences') has none")
         _train_offline(resolved)
         return
+    checkpoint = _verified_checkpoint(resolved, resume) if resume else None
     url = redis or resolved.transport.redis_url
     server = None if url else EmbeddedRedis(resolved.run_dir / "redis").start()
     try:
+        from learner.checkpoint import CheckpointError
         from learner.loop import Learner
 
-        Learner(resolved, url or server.url).run()
+        try:
+            learner = Learner(resolved, url or server.url, resume=checkpoint)
+        except CheckpointError as exc:
+            fail(str(exc))
+        learner.run()
     finally:
         if server is not None:
             server.stop()
+
+
+def _verified_checkpoint(resolved: RunConfig, spec: str):
+    """The checkpoint ``--resume`` names, every file checked against its manifest; a bad one exits 2 naming the file."""
+    from common.cliutil import fail
+    from learner.checkpoint import CheckpointError, find_checkpoint, open_checkpoint
+
+    try:
+        return open_checkpoint(find_checkpoint(spec, resolved.run_dir / "checkpoints"))
+    except CheckpointError as exc:
+        fail(f"cannot resume: {exc}")
 
 
 def _train_offline(resolved: RunConfig) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -143,6 +144,11 @@ class ValueEngine:
     @property
     def micro_batch_size(self) -> int:
         return self._wrapped.micro_batch_size
+
+    @property
+    def engine(self) -> Any:
+        """The DeepSpeed engine (``save_checkpoint``/``load_checkpoint``: weights, optimizer and scheduler state)."""
+        return self._wrapped.engine
 
     @property
     def module(self) -> ValueModel:

@@ -140,6 +140,26 @@ class Dispatcher:
         log.debug("released prompt groups", count=free, version=version, first=groups[0].group_id)
         return free
 
+    def adopt(self, counts: dict[str, int], step: int) -> bool:
+        """Resume into a Redis that has no dispatcher state (it was lost or replaced): take the checkpoint's position.
+
+        ``created`` continues numbering groups (and the prompt stream) after the checkpoint's, so no id is reused;
+        ``released`` is set to the groups the ``step`` steps trained, so admission releases the next batches as a
+        fresh run at that version would. The groups the old Redis held in flight are gone with it. Returns whether
+        the state was adopted (False when Redis already has it: then Redis is authoritative).
+        """
+        if self.plane.dispatch_counts():
+            return False
+        trained = step * self.config.learner.groups_per_step
+        self.plane.add_dispatch_counts({"created": int(counts.get("created", 0)), "released": trained})
+        log.warning(
+            "Redis has no dispatcher state for this run; continuing from the checkpoint's position",
+            created=counts.get("created", 0),
+            released=trained,
+            action="none if Redis was replaced on purpose; the groups it held in flight are not re-issued",
+        )
+        return True
+
     def group_id(self, number: int) -> str:
         """The id of the run's ``number``-th group: unique within the run, across learner restarts."""
         return f"{self.config.run.name}-{number:08d}"

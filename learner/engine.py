@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM
 
 from common.config import LearnerSection, RunConfig
 from learner import dist
+from learner.health import step_is_finite
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ADAM_BETAS = (0.9, 0.999)
@@ -269,15 +270,25 @@ class PolicyEngine:
             self.engine.backward(loss * self.engine.dp_world_size, scale_wrt_gas=False)
             local_loss += loss.detach()  # a tensor: no device sync per micro-batch
         own_norm = self._grad_norm() if not hasattr(self.engine.optimizer, "_global_grad_norm") else None
-        self.engine.step()
+        total_loss = dist.all_reduce_sum(local_loss)
+        # A non-finite loss or gradient must not reach the weights (learner/health.py). DeepSpeed's ZeRO and bf16/fp16
+        # optimizers skip such a step themselves; the bare optimizer of ZeRO 0 float32 (the one without a norm of its
+        # own) would not, so skip it here: drop the gradients and leave weights, Adam state and lr schedule as they are.
+        # Loss and norm are global, so every rank decides the same.
+        if own_norm is not None and not step_is_finite(total_loss, own_norm):
+            self.engine.zero_grad()
+            applied = False
+        else:
+            self.engine.step()
+            applied = bool(self.engine.was_step_applied())
         grad_norm = own_norm if own_norm is not None else self.engine.get_global_grad_norm()
         return StepStats(
-            loss=dist.all_reduce_sum(local_loss),
+            loss=total_loss,
             grad_norm=math.nan if grad_norm is None else float(grad_norm),
             lr=lr,
             seconds=time.perf_counter() - started,
             micro_batches=len(micro_batches),
-            applied=bool(self.engine.was_step_applied()),
+            applied=applied,
         )
 
     def _grad_norm(self) -> float:

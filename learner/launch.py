@@ -67,21 +67,37 @@ def run(
     set_: SetOpt = None,
     actors: Annotated[int, typer.Option(help="Rollout actors to start.")] = 2,
     rewards: Annotated[int, typer.Option(help="Reward workers to start.")] = 1,
+    resume: Annotated[
+        str | None, typer.Option(help="Passed on to the learner: 'latest' or a checkpoint folder to continue from.")
+    ] = None,
 ) -> None:
-    """Start embedded Redis, the learner, rollout actors and reward workers; show progress; Ctrl-C stops all."""
+    """Start embedded Redis, the learner, rollout actors and reward workers; show progress; Ctrl-C stops all
+    (the learner saves a checkpoint first)."""
     from learner.children import Children
 
     code = 1
     with _run_redis(config, set_) as (resolved, url):
+        learner_args = ["--resume", str(_checkpoint_folder(resolved, resume))] if resume else []
         children = Children(resolved.run_dir / "logs")
         try:
-            code = _run_children(children, resolved, url, config, set_ or [], actors, rewards)
+            code = _run_children(children, resolved, url, config, set_ or [], actors, rewards, learner_args)
         finally:
             children.stop_all()
     raise typer.Exit(code)
 
 
-def _run_children(children, resolved, url, config, overrides, actors, rewards) -> int:
+def _checkpoint_folder(resolved: RunConfig, spec: str) -> Path:
+    """The checkpoint ``--resume`` names, found before anything starts (the learner verifies its files)."""
+    from common.cliutil import fail
+    from learner.checkpoint import CheckpointError, find_checkpoint
+
+    try:
+        return find_checkpoint(spec, resolved.run_dir / "checkpoints")
+    except CheckpointError as exc:
+        fail(f"cannot resume: {exc}")
+
+
+def _run_children(children, resolved, url, config, overrides, actors, rewards, learner_args) -> int:
     import os
     import sys
 
@@ -96,7 +112,7 @@ def _run_children(children, resolved, url, config, overrides, actors, rewards) -
         env = {"VLLM_CPU_OMP_THREADS_BIND": str(cores[i % len(cores)])}
         children.start(f"actor-{i}", [str(bin_dir / "rl-actor"), *run_args, "--id", f"actor-{i}"], env)
     learner_cmd = [str(bin_dir / "rl-learner"), "train", *([str(config)] if config else [])]
-    learner_cmd += [a for o in overrides for a in ("--set", o)] + ["--redis", url]
+    learner_cmd += [a for o in overrides for a in ("--set", o)] + ["--redis", url, *learner_args]
     learner = children.start("learner", learner_cmd)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

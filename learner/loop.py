@@ -4,16 +4,28 @@ One step, as a table of contents (:meth:`Learner.step`)::
 
     release prompt groups (admission control)  ->  collect a batch of fresh groups (drop stale ones)
     ->  advantages (whole batch)  ->  π_old (unless correction = none)  ->  optimizer step (micro-batches)
-    ->  acknowledge the groups  ->  broadcast the new weights, bump the version  ->  metrics.jsonl
+    ->  record the groups trained  ->  broadcast the new weights, bump the version  ->  metrics.jsonl
+    (every ``checkpoint.every`` steps, at the end and on SIGTERM: a checkpoint, :mod:`learner.checkpoint`)
 
 Staleness (DESIGN.md): a group whose oldest token is older than ``v − max_staleness`` is dropped and
 counted; admission control makes that rare. Replay entries are acknowledged only after the step that
-used them has been applied, so a learner crash re-reads them.
+used them has been applied — with periodic checkpoints, only once a checkpoint holds that step
+(:mod:`learner.trained`) — so a learner crash re-reads them, and a resume trains them again.
+
+Resume (``--resume``): the checkpoint's weights, optimizer, KL coefficient and RNGs come back, the groups
+trained after it are trained again, metrics.jsonl is cut back to its step (later lines move to
+``metrics.discarded.jsonl``) and continues from step N + 1, and the restored weights are sent to the actors
+under a bumped restore generation, so that actors holding weights of the discarded steps load them too.
+A group sampled by such weights stays a valid off-policy sample: its behaviour log-probs μ travel with
+it and π_old/μ corrects it like any stale one; ``rollout/tokens_ahead`` counts its tokens stamped with a
+version above the one that trains them.
 """
 
 from __future__ import annotations
 
 import json
+import signal
+import threading
 import time
 from collections import Counter
 from concurrent.futures import Future
@@ -27,6 +39,7 @@ import torch
 from common.config import RunConfig, write_resolved
 from common.control import ControlPlane, connect
 from common.logs import get_logger
+from common.metrics import set_alert
 from common.replay import ReplayEntry, ReplayReader
 from common.wire import Limits, ScoredGroup
 from learner.algorithms import (
@@ -42,13 +55,37 @@ from learner.algorithms import (
 from learner.algorithms.kl import KLController, KLRewardSettings
 from learner.batch import TrainBatch, collate, preference_rows
 from learner.broadcaster import Broadcaster
+from learner.checkpoint import (
+    Checkpoint,
+    Checkpointer,
+    RunState,
+    capture_rng,
+    complete_checkpoints,
+    config_changes,
+    config_hash,
+    count_lines,
+    flat_config,
+    open_checkpoint,
+    restore_rng,
+    set_aside_after,
+    truncate_metrics,
+)
 from learner.dispatcher import Dispatcher
 from learner.engine import PolicyEngine, ReferenceModel, split_micro_batches
+from learner.health import HealthMonitor, ProcessFacts, scale_lr_schedule
+from learner.telemetry import StepTelemetry
+from learner.trained import TrainedLog, replay_position
 
 if TYPE_CHECKING:
     from learner.critic import ValueEngine
 
 log = get_logger("learner")
+RECOVER_MAX = 100_000
+"""Most pending replay entries taken back at start (trained since the last checkpoint, or read and not trained)."""
+
+
+class StepInterrupted(Exception):
+    """SIGTERM arrived while the learner waited for a batch: the entries read so far stay pending for the next run."""
 
 
 @dataclass
@@ -62,13 +99,14 @@ class StepRecord:
 
 
 class Learner:
-    def __init__(self, config: RunConfig, redis_url: str) -> None:
+    def __init__(self, config: RunConfig, redis_url: str, resume: Checkpoint | None = None) -> None:
         from transformers import AutoTokenizer
 
         self.config = config
         self.plane = ControlPlane(connect(redis_url), config.run.name)
         write_resolved(config)
         self.plane.publish_config(config)
+        self.telemetry = StepTelemetry(self.plane, config)  # /metrics is up while DeepSpeed starts
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
         self.engine = PolicyEngine(config)
         algorithm = config.algorithm
@@ -95,6 +133,24 @@ class Learner:
         self._sync: tuple[int, Future[dict[str, float]]] | None = None  # the weight transfer in flight
         self._early_sync: dict[str, float] = {}  # figures of a transfer finished before its step's broadcast
         self._overlap = config.weight_sync.overlap and config.staleness.max_staleness >= 1
+        self.checkpointer = Checkpointer(config, self.engine, self.critic, self.tokenizer)
+        self.trained = TrainedLog(self.plane, self.reader, defer_acks=config.checkpoint.every > 0)
+        self._stop = threading.Event()  # set by SIGTERM: finish the step, save a checkpoint, exit
+        self._saved_step: int | None = None  # the step of the last checkpoint saved or resumed from
+        self._rewards: list[float] = []  # mean reward of each step since that checkpoint (ranks it for keep_best)
+        self._resumed: dict[str, float] = {}  # restore/* figures for the first metrics line after a resume
+        self._retrain: dict[str, str] = {}  # group -> entry of groups a resume trains again
+        self.health = HealthMonitor.for_run(config, checkpoints=_Rollback(self), set_alert=set_alert)
+        self._lost: set[str] = set()  # processes whose heartbeat expired, ever (ProcessFacts counts are cumulative)
+        self._dead_at_start = self.plane.queue_depths()["dead_letters"]
+        if resume is not None:
+            self._restore(resume)
+        elif complete_checkpoints(self.checkpointer.root):
+            log.warning(
+                "the run has checkpoints, but this learner starts from model.path",
+                checkpoints=self.checkpointer.root,
+                action="stop it and pass --resume latest to continue from the last checkpoint",
+            )
 
     def _loss_options(self) -> dict:
         """The loss's own options, plus the run's off-policy correction where the loss takes one."""
@@ -121,17 +177,49 @@ class Learner:
     # ------------------------------------------------------------------ the run
 
     def run(self) -> None:
+        """Train until step ``learner.steps`` (or SIGTERM), saving checkpoints on the way and at the end."""
         self.plane.set_version(self.version)
         # Entries read by an earlier learner (same consumer name) and never acknowledged come first.
-        self._carry = self.reader.recover()
+        self._carry = self.reader.recover(count=RECOVER_MAX)
+        if self._retrain:
+            recovered = {e.group.rollout.group_id for e in self._carry}
+            self.trained.forget_missing(g for g in self._retrain if g not in recovered)
+        if self._resumed:
+            self._resend_weights()
         log.info("learner started", run=self.config.run.name, steps=self.config.learner.steps, version=self.version)
+        previous = self._stop_on_sigterm()
         try:
-            for _ in range(self.config.learner.steps):
-                self.step()
+            every = self.config.checkpoint.every
+            while self.version < self.config.learner.steps and not self._stop.is_set():
+                try:
+                    self.step()
+                except StepInterrupted:
+                    break
+                if every and self.version % every == 0:
+                    self.save_checkpoint("every")
             self.finish_sync()
+            self.save_checkpoint("sigterm" if self._stop.is_set() else "end")
         finally:
             self.broadcaster.close()
-        log.info("learner finished", run=self.config.run.name, version=self.version)
+            self.health.close()
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+        log.info("learner finished", run=self.config.run.name, version=self.version, stopped=self._stop.is_set())
+
+    def _stop_on_sigterm(self) -> signal.Handlers | None:
+        """SIGTERM sets :attr:`_stop`: the step in progress finishes (a wait for a batch ends at once), a checkpoint
+        is saved and :meth:`run` returns. Returns the handler it replaced (None off the main thread: no handler)."""
+        if threading.current_thread() is not threading.main_thread():
+            return None
+
+        def handler(signum: int, frame: object) -> None:
+            log.info(
+                "SIGTERM: stopping after the step in progress (a wait for a batch ends now), then saving a checkpoint",
+                step=self.version + 1,
+            )
+            self._stop.set()
+
+        return signal.signal(signal.SIGTERM, handler)
 
     def step(self) -> StepRecord:
         record = StepRecord()
@@ -140,14 +228,28 @@ class Learner:
         entries, dropped = self.collect_batch(record)
         batch = self._collate([e.group for e in entries])
         record.add("train", self.train(batch))
-        self.reader.ack([e.entry_id for e in entries] + dropped)
+        self.trained.record(self.version + 1, entries, dropped)  # acknowledged now, or once a checkpoint holds it
         self.dispatcher.complete([e.group.rollout.group_id for e in entries])
         record.add("sync", self.broadcast())
         record.add("rollout", self._rollout_figures(entries, batch))
         record.values["step/seconds"] = time.perf_counter() - started
         record.values["step/idle_fraction"] = self._idle_s / max(record.values["step/seconds"], 1e-9)
+        if self._resumed:
+            record.add("restore", self._resumed)
+            self._resumed = {}
+        self._rewards.append(record.values["rollout/reward_mean"])
+        record.add("health", self.health.observe(self.version, record.values, self._process_facts()))
         self._write(record)
+        self.telemetry.publish(record.values)
+        self.plane.set_alerts(self.health.active_alerts())
+        self.health.roll_back_if_due()  # after the row: a rollback cuts metrics.jsonl back to its checkpoint
         return record
+
+    def _process_facts(self) -> ProcessFacts:
+        _, lost = self.plane.processes()
+        self._lost.update(lost)
+        dead = self.plane.queue_depths()["dead_letters"] - self._dead_at_start
+        return ProcessFacts(actors_lost=len(self._lost), reward_errors=max(0, dead))
 
     # ------------------------------------------------------------------ batch
 
@@ -172,6 +274,9 @@ class Learner:
         candidates, self._carry = self._carry, []
         while len(entries) < want:
             if not candidates:
+                if self._stop.is_set():
+                    self.reader.ack(dropped)  # decided (discarded or duplicate); the admitted stay pending
+                    raise StepInterrupted
                 if time.perf_counter() - waited > self.config.learner.wait_for_batch_s:
                     raise TimeoutError(
                         f"no full batch within {self.config.learner.wait_for_batch_s}s: "
@@ -234,6 +339,7 @@ class Learner:
         metrics: dict[str, list[float]] = {}
         stats = self.engine.train_step(self._micro_batches(tensors), self._loss_fn(counts, metrics, temperature))
         figures |= {"loss": stats.loss, "grad_norm": stats.grad_norm, "lr": stats.lr, "seconds": stats.seconds}
+        figures["applied"] = float(stats.applied)  # False: a non-finite step was skipped (learner/health.py)
         if self.critic is not None and advantage.returns is not None:
             tensors["returns"] = advantage.returns.float()
             figures |= self._train_critic(tensors, counts, metrics)
@@ -366,6 +472,72 @@ class Learner:
         self.plane.set_version(version)
         return figures | {"version": float(version), "wait_s": time.perf_counter() - waited}
 
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, reason: str) -> Path | None:
+        """Save ``step-<N>``, then acknowledge the replay entries it holds. None when no step was trained since the
+        last checkpoint (or since this learner started: a learner that trained nothing has nothing of its own)."""
+        if not self._rewards or self._saved_step == self.version or not self.health.healthy:
+            return None  # nothing new, or non-finite steps pending (their weights may be the cause)
+        state = RunState(
+            step=self.version,
+            version=self.version,
+            kl_coef=self.kl_control.coef,
+            rng=capture_rng(),
+            config_hash=config_hash(self.config),
+            config=flat_config(self.config),
+            dispatch=self.plane.dispatch_counts(),
+            replay=replay_position(self.reader),
+            metrics_lines=count_lines(self.metrics_path),
+            reward_mean=sum(self._rewards) / len(self._rewards) if self._rewards else None,
+            restore=self.broadcaster.restore,
+            reason=reason,
+        )
+        path = self.checkpointer.save(state)
+        self.trained.commit(self.version)
+        self._saved_step, self._rewards = self.version, []
+        return path
+
+    def _restore(self, checkpoint: Checkpoint) -> None:
+        """Go back to ``checkpoint``: engines, KL coefficient, RNGs and step from it; in Redis, the groups trained
+        after it become untrained (:meth:`TrainedLog.rewind`); metrics.jsonl is cut back to its step."""
+        started = time.perf_counter()
+        state = self.checkpointer.load(checkpoint)
+        if state.config_hash != config_hash(self.config):
+            changes = "; ".join(config_changes(state.config, self.config)) or "(fields renamed or added)"
+            log.warning("resuming with other training settings than the checkpoint's", changes=changes)
+        self.version = state.version
+        self.kl_control = KLController(self.kl_control.settings, state.kl_coef)
+        self.dispatcher.adopt(state.dispatch, state.step)
+        rewind = self.trained.rewind(state.step)
+        kept, moved = truncate_metrics(self.metrics_path, state.step)
+        set_aside_after(self.checkpointer.root, state.step)
+        self.broadcaster.restore += 1  # actors holding weights of the discarded steps load the restored ones
+        restore_rng(state.rng)
+        self._saved_step, self._retrain = state.step, rewind.retrain
+        self._resumed = {
+            "from_step": float(state.step),
+            "retrained": float(len(rewind.retrain)),
+            "lost": float(len(rewind.lost)),
+            "seconds": time.perf_counter() - started,
+        }
+        log.info(
+            "resumed from checkpoint",
+            path=checkpoint.path,
+            step=state.step,
+            bytes=checkpoint.bytes,
+            retrain=len(rewind.retrain),
+            lost=len(rewind.lost),
+            acknowledged=rewind.committed,
+            metrics_kept=kept,
+            metrics_discarded=moved,
+            seconds=round(self._resumed["seconds"], 3),
+        )
+
+    def _resend_weights(self) -> None:
+        """After a resume, actors hold weights of the discarded steps (or none): send them the restored ones now."""
+        self._sync = (self.version, self.broadcaster.start(self.version, self.engine.state_dict_for_broadcast()))
+
     def _rollout_figures(self, entries: list[ReplayEntry], batch: TrainBatch) -> dict[str, float]:
         staleness = (self.version - 1 - batch.versions[batch.response_mask]).float()
         generate = [e.group.rollout.timings.get("generate", 0.0) for e in entries]
@@ -374,6 +546,7 @@ class Learner:
         by_actor = Counter(e.group.rollout.actor_id or "unknown" for e in entries)
         return {
             **{f"groups_from/{actor}": float(n) for actor, n in sorted(by_actor.items())},
+            "tokens_ahead": float((staleness[staleness < 0]).numel()),  # sampled by weights a resume discarded
             "reward_mean": float(rewards.mean()),  # over every response sampled, also when only pairs are trained
             "reward_std": float(rewards.std(ddof=1)) if rewards.size > 1 else 0.0,
             "staleness_max": float(staleness.max()) if tokens else 0.0,
@@ -397,3 +570,25 @@ class Learner:
             sync_s=round(v.get("sync/seconds", 0.0), 3),
             step_s=round(v["step/seconds"], 2),
         )
+
+
+class _Rollback:
+    """:class:`learner.health.Checkpoints` over a :class:`Learner`: a rollback is a resume from an older checkpoint
+    (the same :meth:`Learner._restore`, so later checkpoints are set aside and the actors reload), then a lower lr."""
+
+    def __init__(self, learner: Learner) -> None:
+        self.learner = learner
+
+    def restore_latest_healthy(self, before_step: int) -> int:
+        root = self.learner.checkpointer.root
+        older = [(step, path) for step, path in complete_checkpoints(root) if step < before_step]
+        if not older:
+            raise LookupError(f"no checkpoint before step {before_step} in {root}")
+        self.learner.finish_sync()  # the transfer in flight carries weights the restore discards
+        self.learner._restore(open_checkpoint(older[-1][1]))
+        self.learner._resend_weights()
+        return older[-1][0]
+
+    def set_lr_factor(self, factor: float) -> None:
+        scheduler = self.learner.engine.engine.lr_scheduler
+        scale_lr_schedule(scheduler, [self.learner.config.learner.lr], factor)

@@ -1,0 +1,149 @@
+"""The learner's telemetry: each step's metrics.jsonl row into Prometheus series and a summary in Redis.
+
+The learner loop needs two lines::
+
+    self.telemetry = StepTelemetry(self.plane, config)   # serves /metrics, registers it in Redis
+    self.telemetry.publish(record.values)                 # after the row is written
+
+``publish`` updates the ``asyncrl_learner_*`` series (see ``common/metrics.py``), samples the queue depths and the
+process registry (a few Redis round trips per step), and writes a compact summary of the step to
+``asyncrl:<run>:summary`` for ``rl-top``. Telemetry never stops training: a Redis error here is logged and the
+step goes on (the loop's own Redis calls fail loudly anyway when Redis is really gone).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from common import metrics as m
+from common.config import RunConfig
+from common.control import ControlPlane
+from common.logs import get_logger
+
+log = get_logger("telemetry")
+
+# metrics.jsonl key -> (gauge, labels). Keys a step did not compute leave their series absent.
+GAUGES: dict[str, tuple[Any, dict[str, str]]] = {
+    "rollout/reward_mean": (m.LEARNER_REWARD, {"statistic": "mean"}),
+    "rollout/reward_std": (m.LEARNER_REWARD, {"statistic": "std"}),
+    "train/loss/kl_ref": (m.LEARNER_KL, {"kl": "reference"}),
+    "train/offpolicy/mismatch_kl": (m.LEARNER_KL, {"kl": "mismatch"}),
+    "train/kl_reward/kl": (m.LEARNER_KL, {"kl": "reward"}),
+    "train/loss/approx_kl": (m.LEARNER_KL, {"kl": "update"}),
+    "train/loss/entropy": (m.LEARNER_ENTROPY, {"statistic": "mean"}),
+    "train/loss/clip_frac": (m.LEARNER_CLIPPED_RATIO, {"clip": "ppo"}),
+    "train/loss/dual_clip_frac": (m.LEARNER_CLIPPED_RATIO, {"clip": "dual"}),
+    "train/grad_norm": (m.LEARNER_GRAD_NORM, {"model": "policy"}),
+    "train/critic/grad_norm": (m.LEARNER_GRAD_NORM, {"model": "critic"}),
+    "train/loss": (m.LEARNER_LOSS, {"model": "policy"}),
+    "train/critic/loss": (m.LEARNER_LOSS, {"model": "critic"}),
+    "rollout/staleness_max": (m.LEARNER_STALENESS, {"statistic": "max"}),
+    "rollout/staleness_mean": (m.LEARNER_STALENESS, {"statistic": "mean"}),
+    "step/idle_fraction": (m.LEARNER_IDLE_RATIO, {}),
+    "version": (m.LEARNER_POLICY_VERSION, {}),
+}
+DROPPED = {"groups/dropped_stale": "stale", "groups/duplicates": "duplicate", "groups/zero_variance": "zero_variance"}
+SUMMARY_KEYS = (
+    "step",
+    "version",
+    "time",
+    "rollout/reward_mean",
+    "rollout/reward_std",
+    "rollout/staleness_max",
+    "rollout/staleness_mean",
+    "rollout/tokens",
+    "train/loss",
+    "train/grad_norm",
+    "train/loss/clip_frac",
+    "train/loss/entropy",
+    "train/loss/kl_ref",
+    "train/kl_reward/kl",
+    "train/offpolicy/mismatch_kl",
+    "step/seconds",
+    "step/idle_fraction",
+    "sync/seconds",
+    "groups/dropped_stale",
+)
+"""The row's keys copied into the Redis summary (the metrics.jsonl names, so a person reads one vocabulary)."""
+
+
+def learner_process_id() -> str:
+    """``learner`` on rank 0, ``learner-rank<N>`` on the others (every rank serves its own /metrics)."""
+    rank = int(os.environ.get("RANK", "0"))
+    return "learner" if rank == 0 else f"learner-rank{rank}"
+
+
+class StepTelemetry:
+    """Serves the learner's ``/metrics`` from construction on; :meth:`publish` feeds it one step's row."""
+
+    def __init__(self, plane: ControlPlane, config: RunConfig, process_id: str | None = None) -> None:
+        self.plane = plane
+        self.config = config
+        self.process_id = process_id or learner_process_id()
+        self.publishes_summary = self.process_id == "learner"
+        self.server = m.start_metrics_server(
+            plane,
+            self.process_id,
+            "learner",
+            config.monitoring.metrics_port,
+            ttl_s=config.transport.heartbeat_ttl_s,
+        )
+        atexit.register(self.close)
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def publish(self, values: Mapping[str, float]) -> None:
+        """Update every series from one metrics.jsonl row; sample queues and processes; write the summary."""
+        self._update_series(values)
+        if not self.publishes_summary:
+            return
+        import redis
+
+        try:
+            queues = self._sample_queues()
+            self.plane.publish_summary(self.summary(values, queues))
+        except redis.exceptions.RedisError as exc:
+            log.warning("could not publish step telemetry; training goes on", step=values.get("step"), error=exc)
+
+    def _update_series(self, values: Mapping[str, float]) -> None:
+        for key, (gauge, labels) in GAUGES.items():
+            if key in values:
+                (gauge.labels(**labels) if labels else gauge).set(float(values[key]))
+        m.LEARNER_STEPS.inc()
+        m.LEARNER_LAST_STEP.set(float(values.get("time", time.time())))
+        m.LEARNER_TRAINED_TOKENS.inc(max(float(values.get("rollout/tokens", 0.0)), 0.0))
+        m.LEARNER_TRAINED_GROUPS.inc(sum(v for k, v in values.items() if k.startswith("rollout/groups_from/")))
+        for key, reason in DROPPED.items():
+            m.LEARNER_DROPPED_GROUPS.labels(reason=reason).inc(max(float(values.get(key, 0.0)), 0.0))
+        if "step/seconds" in values:
+            m.LEARNER_STEP_SECONDS.observe(float(values["step/seconds"]))
+        if "sync/seconds" in values:  # only steps whose broadcast (or an overlapped one) finished report it
+            m.LEARNER_WEIGHT_SYNC_SECONDS.observe(float(values["sync/seconds"]))
+
+    def _sample_queues(self) -> dict[str, int]:
+        queues = self.plane.queue_depths()
+        for name, depth in queues.items():
+            m.LEARNER_QUEUE_DEPTH.labels(queue=name).set(depth)
+        live, lost = self.plane.processes()
+        for kind in ("actor", "reward"):
+            m.LEARNER_LIVE_PROCESSES.labels(kind=kind).set(sum(h.kind == kind for h in live))
+        m.LEARNER_LOST_PROCESSES.set(len(lost))
+        return queues
+
+    def summary(self, values: Mapping[str, float], queues: Mapping[str, int]) -> dict[str, Any]:
+        """The compact step summary rl-top reads: the row's main figures, the queues, the run's length."""
+        out: dict[str, Any] = {k: float(values[k]) for k in SUMMARY_KEYS if k in values}
+        out["learner/steps"] = self.config.learner.steps
+        out["learner/metrics_url"] = self.server.url
+        out.update({f"queue/{name}": depth for name, depth in queues.items()})
+        return out
+
+    def close(self) -> None:
+        """Leave discovery and stop serving (idempotent; also run at interpreter exit)."""
+        self.server.close()

@@ -1,0 +1,156 @@
+"""A learner killed mid-run resumes from its last checkpoint and the run loses nothing: real processes, started one by
+one as a person would on a cluster (`rl-launch redis`, `rl-actor reward`, `rl-actor`, `rl-learner train`).
+
+The learner is killed with SIGKILL between two checkpoints, restarted with ``--resume latest``, stopped with SIGTERM
+(it finishes the step, saves and exits 0), and resumed once more to the end. Then the run is audited from what it
+left: metrics.jsonl has steps 1..12 once each, and Redis shows every issued group trained exactly once in the
+surviving history, or accounted for (dropped by a rule, still in flight, or lost after its re-issue).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from common.control import ControlPlane, connect
+from learner.checkpoint import complete_checkpoints
+from tests.e2e.test_system import BIN, ROOT, model_dir  # noqa: F401 - model_dir is a fixture
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+RUN, STEPS, EVERY = "resume", 12, 3
+
+
+class Processes:
+    """The processes this test started, each the leader of its own session; stopped by PID (and its session)."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, cmd: list, env: dict[str, str] | None = None) -> subprocess.Popen:
+        log = (self.log_dir / f"{name}.log").open("w")
+        proc = subprocess.Popen(
+            [str(c) for c in cmd],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "DS_ACCELERATOR": "cpu", **(env or {})},
+            start_new_session=True,  # its own children (vLLM's engine) share its session: ended with it
+        )
+        self.procs[name] = proc
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.log_dir / f"{name}.log").read_text()
+
+    def stop(self, name: str, sig: int = signal.SIGTERM, timeout_s: float = 90) -> int:
+        proc = self.procs[name]
+        if proc.poll() is None:
+            proc.send_signal(sig)
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # stragglers in the session this child led
+        return proc.returncode
+
+    def stop_all(self) -> None:
+        for name in reversed(list(self.procs)):  # learner and actors first, Redis last
+            self.stop(name, signal.SIGINT if name == "redis" else signal.SIGTERM)
+
+
+def _wait(condition, what: str, proc: subprocess.Popen | None = None, timeout_s: float = 600, poll_s: float = 0.05):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(FileNotFoundError):
+            if value := condition():
+                return value
+        assert proc is None or proc.poll() is None, f"{what}: the process exited first ({proc.returncode})"
+        assert time.monotonic() < deadline, f"{what}: timed out"
+        time.sleep(poll_s)
+
+
+def _steps(run_dir: Path) -> list[int]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [int(json.loads(line)["step"]) for line in lines if line.endswith("}")]
+
+
+def test_a_killed_learner_resumes_and_every_group_is_trained_once(tmp_path: Path, model_dir: Path) -> None:  # noqa: F811
+    run_dir = tmp_path / RUN
+    overrides = [f"run.root={tmp_path}", f"run.name={RUN}", f"model.path={model_dir}"]
+    overrides += [f"learner.steps={STEPS}", f"checkpoint.every={EVERY}", "learner.group_deadline_s=60"]
+    sets = [arg for override in overrides for arg in ("--set", override)]
+    config = ROOT / "configs/demo.toml"
+    procs = Processes(tmp_path / "logs")
+    try:
+        procs.start("redis", [BIN / "rl-launch", "redis", config, *sets])
+        url = _wait(lambda: (run_dir / "redis" / "url").read_text().strip(), "redis", procs.procs["redis"])
+        run_args = ["--redis", url, "--run", RUN]
+        procs.start("reward", [BIN / "rl-actor", "reward", *run_args, "--id", "reward-0"])
+        procs.start("actor-0", [BIN / "rl-actor", *run_args, "--id", "actor-0"], {"VLLM_CPU_OMP_THREADS_BIND": "1"})
+        train = [BIN / "rl-learner", "train", config, *sets, "--redis", url]
+
+        # 1. SIGKILL between two checkpoints (after step 7 or 8, or later if the polling misses those)
+        first = procs.start("learner-1", train)
+        _wait(lambda: len(steps := _steps(run_dir)) >= 7 and steps[-1] % EVERY, "steps 7-8", first)
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        plane = ControlPlane(connect(url), RUN)
+        killed_at = _steps(run_dir)[-1]
+        saved = complete_checkpoints(run_dir / "checkpoints")[-1][0]
+        trained_before = _trained(plane)
+        to_retrain = {group for group, step in trained_before.items() if step > saved}
+        assert saved < killed_at < STEPS and to_retrain, (saved, killed_at)
+
+        # 2. resume; SIGTERM a few steps later: the step finishes, a checkpoint of it is saved, exit 0
+        second = procs.start("learner-2", [*train, "--resume", "latest"])
+        _wait(lambda: len(_steps(run_dir)) >= killed_at + 1, "a step after the resume", second)
+        assert procs.stop("learner-2") == 0, procs.log("learner-2")[-3000:]
+        stopped_at = _steps(run_dir)[-1]
+        assert complete_checkpoints(run_dir / "checkpoints")[-1][0] == stopped_at
+
+        # 3. resume to the end
+        third = procs.start("learner-3", [*train, "--resume", "latest"])
+        assert third.wait(900) == 0, procs.log("learner-3")[-3000:]
+
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))  # no gap, no duplicate
+        resumed = rows[saved]  # the first line after the first resume
+        assert resumed["restore/from_step"] == saved and resumed["restore/retrained"] == len(to_retrain)
+        _audit(plane, trained_expected=STEPS * 16, retrained=to_retrain)
+        assert "restore=1" in procs.log("actor-0")  # the actor loaded the restored weights
+    finally:
+        procs.stop_all()
+
+
+def _trained(plane: ControlPlane) -> dict[str, int]:
+    raw = plane.client.hgetall(f"asyncrl:{RUN}:trained")
+    return {group.decode(): int(step) for group, step in raw.items()}
+
+
+def _audit(plane: ControlPlane, trained_expected: int, retrained: set[str]) -> None:
+    """Every issued group trained once in the surviving history, or accounted for; none trained twice."""
+    trained = _trained(plane)
+    per_step = Counter(trained.values())
+    assert per_step == dict.fromkeys(range(1, STEPS + 1), trained_expected // STEPS), per_step  # twice = one short
+    assert len(trained) == trained_expected
+    assert retrained <= set(trained)  # trained again after the kill, not lost
+    done = {g.decode() for g in plane.client.smembers(plane.keys.done)}
+    counts = plane.dispatch_counts()
+    assert set(trained) <= done
+    assert len(done - set(trained)) == counts.get("discarded", 0) + counts.get("restore_lost", 0)
+    assert counts.get("restore_retrained", 0) == len(retrained)
+    issued = {f"{RUN}-{n:08d}" for n in range(counts["created"])}
+    in_flight = {g.decode() for g in plane.client.hkeys(plane.keys.inflight)}
+    assert len(issued - done - in_flight) == counts.get("lost", 0)  # lost after a re-issue, counted

@@ -1,0 +1,120 @@
+"""``rl-top`` against a real redis-server: the frame it renders, ``--once``, ``--targets`` and the live refresh."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from common.config import load_config
+from common.control import ControlPlane
+from common.replay import ReplayReader, ReplayWriter
+from common.top import render, snapshot
+from common.wire import Heartbeat, PromptGroup, ScoredGroup
+from tests.helpers.rollouts import make_group
+
+pytestmark = pytest.mark.integration
+BIN = Path(sys.executable).parent
+
+
+def rl_top(url: str, run: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [BIN / "rl-top", "--redis", url, "--run", run, *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def populate(redis_client, run: str) -> ControlPlane:
+    """A run as rl-top finds it mid-flight: config, two processes, queued prompts, replay entries (one pending)."""
+    plane = ControlPlane(redis_client, run)
+    plane.publish_config(load_config(None, [f"run.name={run}"]))
+    plane.set_version(5)
+    plane.beat(Heartbeat(process_id="actor-0", kind="actor", state="generating", version=5, tokens_per_s=2100), 30)
+    plane.beat(Heartbeat(process_id="reward-0", kind="reward", state="ready"), 30)
+    plane.register_metrics_endpoint(
+        "actor-0", {"process_id": "actor-0", "kind": "actor", "host": "h", "port": 9101}, 30
+    )
+    prompts = [
+        PromptGroup(group_id=f"g{i}", task="t", prompt="1+1=", prompt_ids=np.zeros(4, np.int32)) for i in range(4)
+    ]
+    plane.push_prompts(prompts)
+    reader = ReplayReader(redis_client, plane.keys)
+    scored = [ScoredGroup(rollout=make_group(["2"]), rewards=np.ones(1, np.float32), scorer_id="r") for _ in range(3)]
+    ReplayWriter(redis_client, plane.keys).add(scored)
+    assert len(reader.read(1, block_ms=100)) == 1  # read, not acknowledged: pending
+    return plane
+
+
+def test_frame_before_the_learner_published_anything(redis_server, redis_client) -> None:
+    populate(redis_client, "early")
+    done = rl_top(redis_server.url, "early", "--once")
+    assert done.returncode == 0, done.stderr
+    text = done.stdout
+    assert "asyncrl run 'early'   policy version 5" in text
+    assert re.search(r"prompts\s+4\s+in flight\s+0\s+replay\s+3 \(pending 1\)", text), text
+    assert "learner  no step published yet" in text and "alerts   none active" in text
+    assert re.search(r"actor-0\s+actor\s+generating\s+5\s+2100\s+[\d.]+\s+h:9101", text), text
+    assert re.search(r"reward-0\s+reward\s+ready\s+0\s+0\s+[\d.]+\s+-", text), text
+
+
+def test_frame_with_the_learner_summary_and_alerts(redis_client) -> None:
+    plane = populate(redis_client, "mid")
+    plane.publish_summary(
+        {
+            "step": 9.0,
+            "version": 9.0,
+            "time": time.time(),
+            "learner/steps": 30,
+            "rollout/reward_mean": 0.625,
+            "rollout/reward_std": 0.48,
+            "train/offpolicy/mismatch_kl": 3e-6,
+            "rollout/staleness_max": 1.0,
+            "step/seconds": 1.5,
+            "learner/metrics_url": "http://h:9000/metrics",
+        }
+    )
+    plane.register_metrics_endpoint(
+        "learner", {"process_id": "learner", "kind": "learner", "host": "h", "port": 9000}, 30
+    )
+    plane.set_alerts([{"name": "replay_starving", "message": "idle 80% of each step", "since": time.time() - 5}])
+    text = render(snapshot(plane))
+    assert "learner  step 9/30   version 9   reward 0.625 ± 0.480   mismatch 3.00e-06" in text
+    assert "staleness max 1" in text and "metrics h:9000" in text
+    assert re.search(r"WARNING\s+replay_starving\s+idle 80% of each step \(for [56]s\)", text), text
+
+
+def test_unknown_run_and_targets(redis_server, redis_client) -> None:
+    done = rl_top(redis_server.url, "nothing", "--once")
+    assert done.returncode == 0, done.stderr
+    assert "no config published for run 'nothing'" in done.stdout
+    populate(redis_client, "sd")
+    done = rl_top(redis_server.url, "sd", "--targets")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == [
+        {"targets": ["h:9101"], "labels": {"run": "sd", "process": "actor-0", "kind": "actor"}}
+    ]
+
+
+def test_live_view_redraws_in_place_until_ctrl_c(redis_server, redis_client) -> None:
+    populate(redis_client, "live")
+    proc = subprocess.Popen(
+        [BIN / "rl-top", "--redis", redis_server.url, "--run", "live", "--interval", "0.2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        time.sleep(3)  # a couple of seconds of start-up, then several frames
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+    assert out.count("\x1b[H") >= 2, "expected several frames drawn from the top-left corner"
+    assert "\x1b[K" in out and out.endswith("\x1b[?25h")  # lines cleared in place; cursor shown again
+    assert out.count("actor-0") >= 2
