@@ -179,11 +179,7 @@ class Learner:
     def run(self) -> None:
         """Train until step ``learner.steps`` (or SIGTERM), saving checkpoints on the way and at the end."""
         self.plane.set_version(self.version)
-        # Entries read by an earlier learner (same consumer name) and never acknowledged come first.
-        self._carry = self.reader.recover(count=RECOVER_MAX)
-        if self._retrain:
-            recovered = {e.group.rollout.group_id for e in self._carry}
-            self.trained.forget_missing(g for g in self._retrain if g not in recovered)
+        self._recover_pending()
         if self._resumed:
             self._resend_weights()
         log.info("learner started", run=self.config.run.name, steps=self.config.learner.steps, version=self.version)
@@ -534,6 +530,14 @@ class Learner:
             seconds=round(self._resumed["seconds"], 3),
         )
 
+    def _recover_pending(self) -> None:
+        """Entries this consumer read and never acknowledged come first: an earlier learner's (same consumer name),
+        or, after a restore, the groups it trains again (XREADGROUP ``>`` would never return them)."""
+        self._carry = self.reader.recover(count=RECOVER_MAX)
+        if self._retrain:
+            recovered = {e.group.rollout.group_id for e in self._carry}
+            self.trained.forget_missing(g for g in self._retrain if g not in recovered)
+
     def _resend_weights(self) -> None:
         """After a resume, actors hold weights of the discarded steps (or none): send them the restored ones now."""
         self._sync = (self.version, self.broadcaster.start(self.version, self.engine.state_dict_for_broadcast()))
@@ -586,6 +590,7 @@ class _Rollback:
             raise LookupError(f"no checkpoint before step {before_step} in {root}")
         self.learner.finish_sync()  # the transfer in flight carries weights the restore discards
         self.learner._restore(open_checkpoint(older[-1][1]))
+        self.learner._recover_pending()
         self.learner._resend_weights()
         return older[-1][0]
 

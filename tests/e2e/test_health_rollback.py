@@ -25,7 +25,7 @@ def test_non_finite_steps_are_skipped_then_rolled_back_and_the_run_continues(
     proc = launch(
         tmp_path,
         model_dir,
-        "nan",
+        "nonfinite",
         "learner.steps=10",
         "checkpoint.every=2",
         "health.max_skipped_steps=2",
@@ -35,13 +35,16 @@ def test_non_finite_steps_are_skipped_then_rolled_back_and_the_run_continues(
         actors=1,
     )
     assert finish(proc) == 0
-    rows = metrics(tmp_path, "nan")
+    rows = metrics(tmp_path, "nonfinite")
     assert [int(r["step"]) for r in rows] == list(range(1, 11))  # the rolled-back steps were cut and redone
-    discarded = [json.loads(line) for line in (tmp_path / "nan" / "metrics.discarded.jsonl").read_text().splitlines()]
-    assert [int(r["step"]) for r in discarded] == [5, 6]
-    assert all(r["train/applied"] == 0.0 and not math.isfinite(r["train/loss"]) for r in discarded)
+    discarded_file = tmp_path / "nonfinite" / "metrics.discarded.jsonl"
+    discarded = [json.loads(line) for line in discarded_file.read_text().splitlines()]
+    # Step 5 began from the weights saved at step 4, so those are suspect too: the rollback goes to step 2.
+    assert [int(r["step"]) for r in discarded] == [3, 4, 5, 6]
+    assert [r["train/applied"] for r in discarded] == [1.0, 1.0, 0.0, 0.0]
+    assert not any(math.isfinite(r["train/loss"]) for r in discarded[2:])
     assert all(r["train/applied"] == 1.0 for r in rows)
-    assert [r["train/lr"] for r in rows[4:]] == pytest.approx([lr * 0.5] * 6)  # after the rollback: lr halved
-    log = (tmp_path / "nan" / "logs" / "learner.log").read_text()
+    assert [r["train/lr"] for r in rows[2:]] == pytest.approx([lr * 0.5] * 8)  # after the rollback: lr halved
+    log = (tmp_path / "nonfinite" / "logs" / "learner.log").read_text()
     assert "alert firing alert=non_finite" in log
-    assert "rolled back to the checkpoint of step 4" in log
+    assert "rolled back to the checkpoint of step 2" in log
