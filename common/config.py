@@ -135,6 +135,8 @@ class LearnerSection(Section):
     """DeepSpeed ZeRO stage."""
     precision: Literal["float32", "bfloat16", "float16"] = "float32"
     """Training precision."""
+    reference_precision: Literal["float32", "bfloat16", "float16"] | None = None
+    """Precision of the frozen reference model (KL terms, DPO); unset = ``precision``. bfloat16 halves its memory."""
     offload: bool = False
     """Offload optimizer state to CPU memory (ZeRO 1-3; no effect on CPU-only machines)."""
     group_deadline_s: float = Field(300.0, gt=0)

@@ -33,7 +33,7 @@ from common.config import ConfigError, RunConfig, write_resolved
 from common.logs import get_logger
 from learner import dist
 from learner.algorithms import GlobalCounts, LossInput, build_aggregation, build_loss, loss_settings
-from learner.engine import Batch, PolicyEngine, ReferenceModel, split_micro_batches
+from learner.engine import Batch, PolicyEngine, ReferenceModel, reference_precision, split_micro_batches
 from learner.preferences import EncodedPair, PreferenceFileError, collate_pairs, encode_pairs, read_preferences
 
 log = get_logger("dpo")
@@ -59,7 +59,7 @@ class OfflineDPOTrainer:
         self.loss = build_loss(config.algorithm.loss, config.algorithm.loss_options)
         self.aggregate = build_aggregation(config.algorithm.aggregation, config.algorithm.aggregation_options)
         self.engine = PolicyEngine(config, global_batch=2 * config.data.batch_pairs)
-        self.reference = ReferenceModel(config.model.path, config.learner.precision, str(self.engine.device))
+        self.reference = ReferenceModel(config.model.path, reference_precision(config), str(self.engine.device))
         # Micro-batches of whole pairs: an even number of rows, at least one pair.
         self.micro_rows = 2 * max(1, self.engine.micro_batch_size // 2)
         self.rank, self.world = dist.rank(), dist.world_size()

@@ -364,6 +364,11 @@ class ReferenceModel:
         return sequence_logprobs(self.model, input_ids.to(self.device), attention_mask.to(self.device), temperature)
 
 
+def reference_precision(config: RunConfig) -> str:
+    """The reference model's dtype name: ``learner.reference_precision``, else the training precision."""
+    return config.learner.reference_precision or config.learner.precision
+
+
 def _default_device() -> str:
     if dist.configure_accelerator() == "cpu":
         return "cpu"

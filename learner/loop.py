@@ -71,7 +71,7 @@ from learner.checkpoint import (
     truncate_metrics,
 )
 from learner.dispatcher import Dispatcher
-from learner.engine import PolicyEngine, ReferenceModel, split_micro_batches
+from learner.engine import PolicyEngine, ReferenceModel, reference_precision, split_micro_batches
 from learner.health import HealthMonitor, ProcessFacts, scale_lr_schedule
 from learner.telemetry import StepTelemetry
 from learner.trained import TrainedLog, replay_position
@@ -165,7 +165,7 @@ class Learner:
     def _reference(self) -> ReferenceModel | None:
         if not self.needs & {"ref_logprobs", "token_kl"}:
             return None
-        return ReferenceModel(self.config.model.path, self.config.learner.precision, str(self.engine.device))
+        return ReferenceModel(self.config.model.path, reference_precision(self.config), str(self.engine.device))
 
     def _critic(self) -> ValueEngine | None:
         if "values" not in self.needs:

@@ -85,3 +85,11 @@ def test_a_preset_that_switches_the_loss_does_not_inherit_the_old_loss_options(t
     top.write_text('preset = "base"\n[algorithm]\nloss = "dpo"\nloss_options = { beta = 0.2 }\n')
     algorithm = load_config(top).algorithm
     assert (algorithm.loss, algorithm.loss_options, algorithm.advantage) == ("dpo", {"beta": 0.2}, "grpo")
+
+
+def test_the_reference_model_precision_defaults_to_the_training_precision() -> None:
+    from learner.engine import reference_precision
+
+    assert reference_precision(load_config(None, ["learner.precision=bfloat16"])) == "bfloat16"
+    both = ["learner.precision=bfloat16", "learner.reference_precision=float32"]
+    assert reference_precision(load_config(None, both)) == "float32"
