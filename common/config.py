@@ -384,6 +384,8 @@ def _parse_override(item: str) -> tuple[str, Any]:
     key = key.strip()
     if not sep or not key:
         raise ConfigError(f"override {item!r} is not of the form section.field=value")
+    if raw.strip().lstrip("+-") in ("nan", "inf"):
+        return key, raw.strip()  # a name such as run.name=nan, not a float: no field takes NaN or infinity
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:

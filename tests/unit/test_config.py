@@ -93,3 +93,8 @@ def test_the_reference_model_precision_defaults_to_the_training_precision() -> N
     assert reference_precision(load_config(None, ["learner.precision=bfloat16"])) == "bfloat16"
     both = ["learner.precision=bfloat16", "learner.reference_precision=float32"]
     assert reference_precision(load_config(None, both)) == "float32"
+
+
+def test_an_override_of_nan_or_inf_is_a_name_not_a_float() -> None:
+    assert load_config(None, ["run.name=nan"]).run.name == "nan"
+    assert load_config(None, ["run.name=inf"]).run.name == "inf"
