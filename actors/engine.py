@@ -95,7 +95,11 @@ class RolloutEngine:
         await self.llm.abort(request_id)
 
     async def update_weights(
-        self, manifest_frames: list[Any], join: dict[str, Any] | None, buckets: int = 1
+        self,
+        manifest_frames: list[Any],
+        join: dict[str, Any] | None,
+        buckets: int = 1,
+        on_loaded: Callable[[], None] | None = None,
     ) -> dict[str, float]:
         """Pause (keep running requests), optionally (re)join the weight group, receive, load, resume.
 
@@ -111,6 +115,8 @@ class RolloutEngine:
                 (figures["self_check_s"],) = await self.llm.collective_rpc("asyncrl_join", join_timeout, args=(join,))
             (received,) = await self.llm.collective_rpc("asyncrl_receive", receive_timeout, args=(frames,))
             figures.update(received)
+            if on_loaded is not None:
+                on_loaded()  # before resuming: every token sampled from now on is stamped with the new version
             return figures
         finally:
             await self.llm.resume_generation()

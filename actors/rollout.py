@@ -226,8 +226,13 @@ class RolloutActor:
                 "backend": "nccl" if _has_cuda() else "gloo",
             }
         self._syncing = True
+        previous = self.version  # higher than version once, after the learner resumed from a checkpoint
+
+        def loaded() -> None:  # called before generation resumes, so no new token carries the old version
+            self.version = manifest.version
+
         try:
-            figures = await self.engine.update_weights(frames, join, len(manifest.buckets))
+            figures = await self.engine.update_weights(frames, join, len(manifest.buckets), loaded)
         except Exception as exc:  # WeightSyncError from the worker, or an RPC timeout
             log.error("weight update failed; waiting for the next formation", version=manifest.version, error=repr(exc))
             self.epoch = None
@@ -236,9 +241,7 @@ class RolloutActor:
             return
         finally:
             self._syncing = False
-        previous = self.version  # higher than version once, after the learner resumed from a checkpoint
         self.epoch = manifest.group_epoch
-        self.version = manifest.version
         self.restore = manifest.restore
         log.info(
             "loaded new weights",
