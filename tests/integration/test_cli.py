@@ -82,8 +82,9 @@ def test_launch_serves_redis_until_interrupted_and_top_shows_the_run(tmp_path: P
         deadline = time.monotonic() + 60
         while not url_file.exists() and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.1)
-        time.sleep(0.5)  # the config is published right after the URL file is written
         plane = ControlPlane(connect(url_file.read_text().strip()), "live")
+        while not plane.client.exists(plane.keys.config) and time.monotonic() < deadline:  # published just after
+            time.sleep(0.1)
         assert plane.read_config().run.name == "live"
         plane.beat(Heartbeat(process_id="actor-x", kind="actor", state="generating", tokens_per_s=321), ttl_s=30)
         screen = run(str(BIN / "rl-top"), "--run", "live", "--root", str(tmp_path), "--once").stdout
@@ -92,9 +93,13 @@ def test_launch_serves_redis_until_interrupted_and_top_shows_the_run(tmp_path: P
         assert proc.wait(30) == 0
         assert not url_file.with_name("server.lock").exists() or _unlocked(url_file.with_name("server.lock"))
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        if proc.poll() is None:  # a failed assertion: stop it as a user would, so it stops its redis-server too
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def _unlocked(lock: Path) -> bool:
