@@ -70,10 +70,6 @@ class Broadcaster:
         """A live actor that is neither in the current group nor evicted: it holds no recent weights yet."""
         return any(a not in self.members and a not in self.evicted for a in self.live_actors())
 
-    def sync(self, version: int, params: Mapping[str, torch.Tensor]) -> dict[str, float]:
-        """Publish ``version`` and broadcast ``params`` to every member; blocks; returns figures for metrics."""
-        return self.start(version, params).result()
-
     def start(self, version: int, params: Mapping[str, torch.Tensor]) -> Future[dict[str, float]]:
         """Snapshot ``params``, publish ``version``'s manifest, and send in the background.
 

@@ -234,17 +234,18 @@ class Learner:
             record.add("restore", self._resumed)
             self._resumed = {}
         self._rewards.append(record.values["rollout/reward_mean"])
-        record.add("health", self.health.observe(self.version, record.values, self._process_facts()))
+        queues, processes = self.plane.queue_depths(), self.plane.processes()  # once a step, for health and metrics
+        record.add("health", self.health.observe(self.version, record.values, self._process_facts(queues, processes)))
         self._write(record)
-        self.telemetry.publish(record.values)
+        self.telemetry.publish(record.values, queues, processes)
         self.plane.set_alerts(self.health.active_alerts())
         self.health.roll_back_if_due()  # after the row: a rollback cuts metrics.jsonl back to its checkpoint
         return record
 
-    def _process_facts(self) -> ProcessFacts:
-        _, lost = self.plane.processes()
+    def _process_facts(self, queues: dict[str, int], processes: tuple) -> ProcessFacts:
+        _, lost = processes
         self._lost.update(lost)
-        dead = self.plane.queue_depths()["dead_letters"] - self._dead_at_start
+        dead = queues["dead_letters"] - self._dead_at_start
         return ProcessFacts(actors_lost=len(self._lost), reward_errors=max(0, dead))
 
     # ------------------------------------------------------------------ batch

@@ -98,15 +98,16 @@ class StepTelemetry:
     def url(self) -> str:
         return self.server.url
 
-    def publish(self, values: Mapping[str, float]) -> None:
-        """Update every series from one metrics.jsonl row; sample queues and processes; write the summary."""
+    def publish(self, values: Mapping[str, float], queues: Mapping[str, int] | None = None, processes=None) -> None:
+        """Update every series from one metrics.jsonl row and write the summary; ``queues`` (``queue_depths()``) and
+        ``processes`` (``processes()``) are read from Redis unless the caller sampled them already this step."""
         self._update_series(values)
         if not self.publishes_summary:
             return
         import redis
 
         try:
-            queues = self._sample_queues()
+            queues = self._sample_queues(queues, processes)
             self.plane.publish_summary(self.summary(values, queues))
         except redis.exceptions.RedisError as exc:
             log.warning("could not publish step telemetry; training goes on", step=values.get("step"), error=exc)
@@ -126,11 +127,11 @@ class StepTelemetry:
         if "sync/seconds" in values:  # only steps whose broadcast (or an overlapped one) finished report it
             m.LEARNER_WEIGHT_SYNC_SECONDS.observe(float(values["sync/seconds"]))
 
-    def _sample_queues(self) -> dict[str, int]:
-        queues = self.plane.queue_depths()
+    def _sample_queues(self, queues: Mapping[str, int] | None, processes) -> Mapping[str, int]:
+        queues = self.plane.queue_depths() if queues is None else queues
         for name, depth in queues.items():
             m.LEARNER_QUEUE_DEPTH.labels(queue=name).set(depth)
-        live, lost = self.plane.processes()
+        live, lost = self.plane.processes() if processes is None else processes
         for kind in ("actor", "reward"):
             m.LEARNER_LIVE_PROCESSES.labels(kind=kind).set(sum(h.kind == kind for h in live))
         m.LEARNER_LOST_PROCESSES.set(len(lost))
