@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from actors.rewards import RewardError, check_functions, combine, score
+from actors.rewards import RewardError, bind_functions, combine, score
 from common.channel import CurveServer, PullChannel
 from common.config import RewardFunction, RunConfig
 from common.control import ControlPlane, connect, dead_letter
@@ -50,6 +50,7 @@ from common.logs import get_logger
 from common.metrics import (
     REWARD_DEAD_LETTERED_GROUPS,
     REWARD_FAILED_CALLS,
+    REWARD_REFUSED_GROUPS,
     REWARD_SCORED_GROUPS,
     REWARD_SCORING_SECONDS,
     REWARD_TIMED_OUT_CALLS,
@@ -57,6 +58,7 @@ from common.metrics import (
     start_metrics_server,
 )
 from common.replay import ReplayWriter
+from common.tasks import task_label
 from common.wire import Heartbeat, Limits, RolloutGroup, ScoredGroup, encode_blob
 
 log = get_logger("reward")
@@ -135,7 +137,9 @@ class RewardWorker:
     """
 
     def __init__(self, config: RunConfig, redis_url: str, worker_id: str) -> None:
-        check_functions(config.reward.functions)  # an unknown function fails here, not on every group
+        self.task = task_label(config.task)
+        # Resolved now, from the config: an unknown function or verifier fails here, not on every group.
+        self.functions = bind_functions(config.reward.functions, self.task)
         self.config = config
         self.worker_id = worker_id
         self.client = connect(redis_url)
@@ -148,6 +152,7 @@ class RewardWorker:
         self.metrics: MetricsServer | None = None
         self._ready = False
         self._failing: set[str] = set()  # functions whose last call failed
+        self._refused: dict[str, int] = {}  # groups refused so far, by reason (logged at 1, 10, 100, ...)
         self._stop = threading.Event()
         transport = config.transport
         self.heartbeats = HeartbeatThread(self.plane, self.heartbeat, transport.heartbeat_s, transport.heartbeat_ttl_s)
@@ -169,7 +174,8 @@ class RewardWorker:
             worker=self.worker_id,
             run=self.config.run.name,
             endpoint=self.endpoint,
-            functions=",".join(f"{f.name}*{f.weight:g}" for f in self.config.reward.functions),
+            task=self.task,
+            functions=",".join(f"{f.name}*{f.weight:g}" for f in self.functions),
             timeout_s=self.config.reward.timeout_s,
             retries=self.config.reward.retries,
         )
@@ -224,9 +230,12 @@ class RewardWorker:
 
     def _score(self, group: RolloutGroup) -> ScoredGroup | None:
         """The scored group, or None when it was dead-lettered; re-raises :class:`WorkerStalled`."""
+        if group.task != self.task:
+            self._refuse(group, "task", f"task {group.task[:80]!r} is not this run's task {self.task!r}")
+            return None
         started = time.perf_counter()
         try:
-            rewards, details = combine(group, self.config.reward.functions, call=self._call)
+            rewards, details = combine(group, self.functions, call=self._call)
         except RewardError as exc:
             self._dead_letter(group, exc)
             if isinstance(exc, WorkerStalled):
@@ -281,6 +290,22 @@ class RewardWorker:
             self.heartbeats.beat()
         except redis.exceptions.RedisError as exc:  # the heartbeat thread publishes it at its next beat
             log.warning("could not publish the new state now", worker=self.worker_id, error=exc)
+
+    def _refuse(self, group: RolloutGroup, reason: str, detail: str) -> None:
+        """Dead-letter a group that is not this run's to score; count it; log the 1st, 10th, 100th, … of a reason."""
+        dead_letter(self.client, self.plane.keys, "reward:refused", detail, encode_blob(group))
+        REWARD_REFUSED_GROUPS.labels(reason).inc()
+        count = self._refused[reason] = self._refused.get(reason, 0) + 1
+        if count == 10 ** (len(str(count)) - 1):
+            log.warning(
+                "refused a rollout group without scoring it",
+                group=group.group_id[:80],
+                actor=group.actor_id[:80],
+                reason=detail,
+                refused=count,
+                action="a peer that is not one of this run's actors may be sending to this worker: "
+                "bind beyond loopback only with CURVE keys (transport.curve_*)",
+            )
 
     def _dead_letter(self, group: RolloutGroup, exc: RewardError) -> None:
         dead_letter(self.client, self.plane.keys, "reward", str(exc), encode_blob(group))

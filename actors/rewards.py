@@ -134,6 +134,23 @@ def check_functions(functions: Sequence[RewardFunction]) -> None:
         raise ValueError("reward.functions is empty: configure at least one reward function")
     for function in functions:
         get_reward(function.name)
+        if function.name == "task" and "verifier" in function.options:
+            get_verifier(str(function.options["verifier"]))
+
+
+def bind_functions(functions: Sequence[RewardFunction], task: str) -> list[RewardFunction]:
+    """The configured functions, with the ``task`` function's verifier fixed from the config, all resolved now.
+
+    ``task`` is the run's task label (:func:`common.tasks.task_label`). A ``task`` function without a ``verifier``
+    option gets ``task`` as its verifier, so the verifier is chosen by the config once, at start — never by the
+    ``task`` field of a group that arrived on a socket (a hostile peer would name an import path there).
+    """
+    bound = [
+        f.model_copy(update={"options": {"verifier": task, **f.options}}) if f.name == "task" else f
+        for f in functions
+    ]
+    check_functions(bound)
+    return bound
 
 
 # --------------------------------------------------------------------------- built-in rule rewards
@@ -141,12 +158,15 @@ def check_functions(functions: Sequence[RewardFunction]) -> None:
 
 @register_reward("task")
 def task_reward(group: RolloutGroup, options: dict[str, Any]) -> list[float]:
-    """The rule verifier registered under ``group.task`` (or ``options["verifier"]``) on each response.
+    """The rule verifier named by ``options["verifier"]`` on each response.
 
-    ``options["verifier"]`` names the verifier when the task name is not one (e.g. prompts from a
-    ``file`` task whose answers are arithmetic). A malformed ``group.answer`` raises (a data bug).
+    The verifier comes from the config (:func:`bind_functions` sets it to the run's task label unless the config
+    names one, e.g. ``"math"`` for a ``file`` task), never from ``group.task``. A malformed ``group.answer`` raises
+    (a data bug).
     """
-    verify = get_verifier(options.get("verifier", group.task))
+    if not options.get("verifier"):
+        raise ValueError("task needs options.verifier (bind_functions sets it from the run's task)")
+    verify = get_verifier(str(options["verifier"]))
     return [verify(text, group.answer) for text in group.texts]
 
 

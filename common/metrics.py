@@ -51,6 +51,11 @@ REWARD_DEAD_LETTERED_GROUPS = Counter(
     "Rollout groups a reward worker could not score, moved to the dead-letter stream, by reward function.",
     ["function"],
 )
+REWARD_REFUSED_GROUPS = Counter(
+    "asyncrl_reward_refused_groups_total",
+    "Rollout groups a reward worker refused without scoring (moved to the dead-letter stream), by reason.",
+    ["reason"],
+)
 REWARD_FAILED_CALLS = Counter(
     "asyncrl_reward_failed_calls_total",
     "Reward-function calls that raised or returned unusable scores (timeouts are counted apart).",

@@ -38,9 +38,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from common.registry import Registry
+
+if TYPE_CHECKING:
+    from common.config import TaskSection
 
 TASK_ALPHABET = '0123456789abcdefghijklmnopqrstuvwxyz+-*/=()<>:,{}[]" \n'
 """Every character a prompt or answer may contain, in a fixed order (a tokenizer's id order)."""
@@ -118,6 +121,18 @@ def get_task(name: str, **options: Any) -> Task:
     except TypeError as e:
         raise ValueError(f"task {name!r}: bad options {sorted(options)}: {e}") from None
     return cls(**options)
+
+
+def task_label(section: TaskSection) -> str:
+    """The task name the run's prompt groups carry, which is also the verifier that scores them.
+
+    A built-in task's own name; for ``file``, ``task.options["verifier"]`` (default ``"file"``), since a file holds
+    prompts of any kind. Reward workers take this from the config and only compare it with a group's ``task``:
+    a name that arrives on the wire never selects (or imports) anything.
+    """
+    if section.name != "file":
+        return section.name
+    return str(section.options.get("verifier", "file"))
 
 
 def _check_range(task: str, option: str, value: int, low: int, high: int) -> None:

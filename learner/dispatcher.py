@@ -45,7 +45,7 @@ from common.metrics import (
     DISPATCHER_REISSUED_GROUPS,
     DISPATCHER_RELEASED_GROUPS,
 )
-from common.tasks import Task, TaskExample, get_task
+from common.tasks import Task, TaskExample, get_task, task_label
 from common.wire import PromptGroup
 
 log = get_logger("dispatcher")
@@ -54,20 +54,19 @@ MAX_ATTEMPTS = 2
 
 
 def prompt_source(section: TaskSection) -> tuple[Task, str]:
-    """The run's task and the name its groups carry (the verifier the reward worker will use).
+    """The run's task and the name its groups carry (:func:`common.tasks.task_label`: its verifier).
 
-    For ``file`` the path comes from ``task.path`` and the name from ``task.options["verifier"]``
-    (default ``"file"``), which is not a constructor option of the task.
+    For ``file`` the path comes from ``task.path``; ``task.options["verifier"]`` is not a constructor option.
     """
     options = dict(section.options)
     if section.name != "file":
-        return get_task(section.name, **options), section.name
-    label = str(options.pop("verifier", "file"))
+        return get_task(section.name, **options), task_label(section)
+    options.pop("verifier", None)
     if section.path:
         options["path"] = section.path
     if not options.get("path"):
         raise ValueError("task 'file' needs a data file: set task.path to a JSONL or Parquet file")
-    return get_task("file", **options), label
+    return get_task("file", **options), task_label(section)
 
 
 def overdue_reason(entry: LedgerEntry, live: set[str], deadline_s: float, now: float) -> str | None:

@@ -237,3 +237,35 @@ def test_an_unknown_run_or_reward_function_exits_2_with_the_reason(redis_server,
     assert result.returncode == 2 and "unknown reward function 'tsak'" in result.stderr
     assert "Traceback" not in result.stderr
     assert ControlPlane(redis_client, "typo").processes() == ([], [])
+
+
+def test_a_task_name_from_the_wire_never_selects_or_imports_anything(redis_server, redis_client, tmp_path) -> None:
+    """Issue 15: ``task`` used to be resolved as an import path, so one PUSH of ``task="os:system"`` ran a shell
+    command in the worker. Now the verifier comes from the config; a group of another task is refused and counted."""
+    run = "hostile-task"
+    publish(redis_client, run)
+    marker = tmp_path / "pwned"
+    names = ["os:system", "subprocess:getoutput", "builtins:exec", "countdown", "actors.verifiers:verify_arithmetic"]
+    hostile = [make_group([f"touch {marker}"], task=name, group_id=f"h-{i}") for i, name in enumerate(names)]
+    log = tmp_path / f"{run}.log"
+    with reward_worker(redis_server, redis_client, tmp_path, run) as (proc, endpoint):
+        push = sender(endpoint)
+        try:
+            for group in hostile:
+                push.send(group)
+            push.send(make_group(["19"], group_id="g-real"))
+            entries = read_replay(redis_client, run, 1)
+        finally:
+            push.close()
+        assert [e.group.rollout.group_id for e in entries] == ["g-real"]  # refused ones were never written
+        assert entries[0].group.rewards.tolist() == [1.0]  # the real group still scored by the config's verifier
+        wait_for(lambda: redis_client.xlen(RunKeys(run).dead) == len(names), proc, log, "every refusal")
+        for (_, fields), name in zip(redis_client.xrange(RunKeys(run).dead), names, strict=True):
+            assert fields[b"source"] == b"reward:refused"
+            assert f"task {name!r} is not this run's task 'arithmetic'" in fields[b"reason"].decode()
+            assert decode_blob(Decoder(RolloutGroup), fields[b"payload"]).group_id.startswith("h-")  # nothing lost
+        assert metric(heartbeat(redis_client, run, "rw-1"), "asyncrl_reward_refused_groups_total") == len(names)
+        assert not marker.exists()
+        assert proc.poll() is None  # alive and serving
+        stop(proc, log)
+    assert log.read_text().count("refused a rollout group without scoring it") == 1  # the 1st of 5; next at the 10th

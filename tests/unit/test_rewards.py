@@ -12,6 +12,7 @@ from actors import rewards
 from actors.reward_worker import CallTimedOut, TimedCalls, WorkerStalled
 from actors.rewards import (
     RewardError,
+    bind_functions,
     check_functions,
     combine,
     get_reward,
@@ -44,16 +45,28 @@ def test_the_built_ins_are_registered() -> None:
     assert {"task", "format", "overlong", "code_tests", "reward_model"} <= set(reward_names())
 
 
-def test_task_applies_the_verifier_of_the_groups_task() -> None:
+def test_task_applies_the_verifier_the_config_binds() -> None:
     group = make_group(["19", "20", "19\nbecause 12+7 is 19", "", "１９", "9" * 500])
-    assert score(fn("task"), group) == [1.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    [task] = bind_functions([fn("task")], "arithmetic")
+    assert task.options == {"verifier": "arithmetic"}
+    assert score(task, group) == [1.0, 0.0, 1.0, 0.0, 0.0, 0.0]
 
 
 def test_task_can_name_the_verifier_for_a_file_task() -> None:
     group = make_group(["olleh", "hello"], task="file", prompt="rev:hello=", answer="olleh")
-    assert score(fn("task", verifier="reverse"), group) == [1.0, 0.0]
+    [task] = bind_functions([fn("task", verifier="reverse")], "file")  # the config's own choice wins
+    assert score(task, group) == [1.0, 0.0]
     with pytest.raises(ValueError, match="unknown verifier 'file'"):
-        score(fn("task"), group)
+        bind_functions([fn("task")], "file")  # at start, not on every group
+
+
+def test_the_groups_own_task_name_selects_nothing() -> None:
+    """Issue 15: ``group.task`` arrives on a socket; it once chose the verifier, import paths included."""
+    hostile = make_group(["id"], task="os:system")
+    with pytest.raises(ValueError, match=r"needs options\.verifier"):
+        score(fn("task"), hostile)  # unbound: refuses rather than fall back to the group's name
+    [task] = bind_functions([fn("task")], "arithmetic")
+    assert score(task, hostile) == [0.0]  # scored by the config's verifier; "os:system" never resolved
 
 
 def test_format_needs_a_stop_and_a_non_empty_first_line() -> None:
@@ -168,7 +181,7 @@ def test_reward_model_without_a_path_says_so() -> None:
 
 def test_combine_sums_with_weights_and_keeps_raw_scores() -> None:
     group = make_group(["19", "20", "19"], finish_reasons=["stop", "stop", "length"], lengths=[2, 9, 12])
-    functions = [fn("task"), fn("format", 0.5), fn("overlong", 2.0, max_tokens=12, buffer=4)]
+    functions = [fn("task", verifier="arithmetic"), fn("format", 0.5), fn("overlong", 2.0, max_tokens=12, buffer=4)]
     rewards_, details = combine(group, functions)
     # task [1, 0, 1]; format [1, 1, 0]; overlong: 2 → 0, 9 → (8 - 9)/4 = -0.25, 12 → (8 - 12)/4 = -1
     # reward = task + 0.5 * format + 2 * overlong = [1.5, 0.5 - 0.5, 1 - 2]
