@@ -49,6 +49,7 @@ _PEER_REFRESH_S = 2.0
 class RolloutActor:
     def __init__(self, config: RunConfig, redis_url: str, actor_id: str | None = None) -> None:
         self.config = config
+        self.redis_url = redis_url  # the weight group's rendezvous is in the run's Redis (common/rendezvous.py)
         self.actor_id = actor_id or f"actor-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
         self.plane = ControlPlane(connect(redis_url), config.run.name)
         self.version = 0  # the model folder the engine starts from is policy version 0
@@ -217,8 +218,8 @@ class RolloutActor:
         join = None
         if manifest.group_epoch != self.epoch:
             join = {
-                "host": manifest.store_host,
-                "port": manifest.store_port,
+                "redis_url": self.redis_url,
+                "run": self.config.run.name,
                 "epoch": manifest.group_epoch,
                 "rank": manifest.members.index(self.actor_id) + 1,
                 "world_size": manifest.world_size,

@@ -50,5 +50,7 @@ class WeightReceiverExtension:
         }
 
     def asyncrl_leave(self) -> None:
-        """Drop the current group (its store connection closes with it)."""
+        """Drop the current group and close its store connection."""
+        if self._asyncrl_group is not None:
+            self._asyncrl_group.close()
         self._asyncrl_group = None

@@ -32,9 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.channel import PullChannel
 from common.config import load_config
 from common.control import ControlPlane, connect
-from common.redis_server import EmbeddedRedis, free_port
+from common.redis_server import EmbeddedRedis
+from common.rendezvous import RedisStore
 from common.tasks import TASK_ALPHABET, get_task
-from common.weights import GroupAddress, WeightGroup, host_store, plan_buckets
+from common.weights import GroupAddress, WeightGroup, plan_buckets
 from common.wire import Heartbeat, PromptGroup, RolloutGroup, WeightManifest
 from learner.dispatcher import prompt_group
 
@@ -98,12 +99,9 @@ def weight_sync(plane: ControlPlane, pull: PullChannel, model_dir: Path, actor_i
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     params = {name: (p.detach() + 0.01).contiguous() for name, p in model.named_parameters()}
     buckets = plan_buckets(params, 64 * 2**20)
-    port = free_port()
-    store = host_store("127.0.0.1", port)
+    store = RedisStore(plane.client, RUN, 120)
     manifest = WeightManifest(
         version=1,
-        store_host="127.0.0.1",
-        store_port=port,
         world_size=2,
         members=[actor_id],
         buckets=buckets,
@@ -111,7 +109,7 @@ def weight_sync(plane: ControlPlane, pull: PullChannel, model_dir: Path, actor_i
     )
     start = time.perf_counter()
     plane.publish_manifest(manifest)
-    root = WeightGroup(GroupAddress("127.0.0.1", port, epoch=1, rank=0, world_size=2, timeout_s=120), store)
+    root = WeightGroup(GroupAddress("", RUN, epoch=1, rank=0, world_size=2, timeout_s=120), store)
     root.self_check()
     root.send(buckets, params)
     sent = time.perf_counter() - start

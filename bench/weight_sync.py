@@ -34,8 +34,9 @@ import torch
 
 from common.config import load_config
 from common.control import ControlPlane, connect
-from common.redis_server import EmbeddedRedis, free_port
-from common.weights import GroupAddress, WeightGroup, host_store, plan_buckets
+from common.redis_server import EmbeddedRedis
+from common.rendezvous import RedisStore
+from common.weights import GroupAddress, WeightGroup, plan_buckets
 from common.wire import WeightManifest
 
 RUN = "bench-weights"
@@ -78,8 +79,7 @@ def wait_ready(plane: ControlPlane, n: int, timeout_s: float = 600) -> None:
 
 
 def asyncrl_sync(plane: ControlPlane, params: dict[str, torch.Tensor], repeats: int, bucket_mb: float) -> list[float]:
-    port = free_port()
-    store = host_store("127.0.0.1", port, 600)
+    store = RedisStore(plane.client, RUN, 600)
     buckets = plan_buckets(params, int(bucket_mb * 2**20))
     group = None
     times = []
@@ -87,8 +87,6 @@ def asyncrl_sync(plane: ControlPlane, params: dict[str, torch.Tensor], repeats: 
         plane.publish_manifest(
             WeightManifest(
                 version=version,
-                store_host="127.0.0.1",
-                store_port=port,
                 world_size=3,
                 members=["a0", "a1"],
                 buckets=buckets,
@@ -96,7 +94,7 @@ def asyncrl_sync(plane: ControlPlane, params: dict[str, torch.Tensor], repeats: 
             )
         )
         if group is None:
-            group = WeightGroup(GroupAddress("127.0.0.1", port, 1, 0, 3, 600), store)
+            group = WeightGroup(GroupAddress("", RUN, 1, 0, 3, 600), store)
             group.self_check()
         start = time.perf_counter()
         group.send(buckets, params)
@@ -106,8 +104,8 @@ def asyncrl_sync(plane: ControlPlane, params: dict[str, torch.Tensor], repeats: 
     return times
 
 
-def _plain_member(port: int, rank: int, shapes: list[list[int]], repeats: int) -> None:
-    group = WeightGroup(GroupAddress("127.0.0.1", port, epoch=99, rank=rank, world_size=3, timeout_s=600))
+def _plain_member(url: str, rank: int, shapes: list[list[int]], repeats: int) -> None:
+    group = WeightGroup(GroupAddress(url, RUN, epoch=99, rank=rank, world_size=3, timeout_s=600))
     total = sum(torch.Size(s).numel() for s in shapes)
     for _ in range(repeats):
         group.broadcast(torch.empty(total))
@@ -115,15 +113,14 @@ def _plain_member(port: int, rank: int, shapes: list[list[int]], repeats: int) -
             group.broadcast(torch.empty(shape))
 
 
-def raw_baselines(params: dict[str, torch.Tensor], repeats: int) -> tuple[list[float], list[float]]:
-    port = free_port()
-    store = host_store("127.0.0.1", port, 600)
+def raw_baselines(url: str, params: dict[str, torch.Tensor], repeats: int) -> tuple[list[float], list[float]]:
+    store = RedisStore(connect(url), RUN, 600)
     shapes = [list(p.shape) for p in params.values()]
     ctx = mp.get_context("spawn")
-    members = [ctx.Process(target=_plain_member, args=(port, r, shapes, repeats)) for r in (1, 2)]
+    members = [ctx.Process(target=_plain_member, args=(url, r, shapes, repeats)) for r in (1, 2)]
     for proc in members:
         proc.start()
-    group = WeightGroup(GroupAddress("127.0.0.1", port, epoch=99, rank=0, world_size=3, timeout_s=600), store)
+    group = WeightGroup(GroupAddress("", RUN, epoch=99, rank=0, world_size=3, timeout_s=600), store)
     flat = torch.cat([p.reshape(-1) for p in params.values()])
     flat_times, per_param_times = [], []
     for _ in range(repeats):
@@ -165,7 +162,7 @@ def measure(millions: int, repeats: int, tmp: Path, bucket_mb: float) -> dict[st
                 proc.send_signal(signal.SIGTERM)
             for proc in actors:
                 proc.wait(120)
-    flat, per_param = raw_baselines(params, repeats)
+        flat, per_param = raw_baselines(redis.url, params, repeats)
     seconds = {
         k: statistics.median(v) for k, v in (("asyncrl", ours), ("raw_flat", flat), ("per_parameter", per_param))
     }

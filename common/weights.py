@@ -1,8 +1,9 @@
 """Moving weights from the learner to every actor: flat dtype buckets over one torch.distributed group.
 
-The learner (rank 0) and each actor's vLLM worker (ranks 1..N) form a group through a TCPStore
-that the learner hosts. A group is formed once per *epoch* (a membership); its store keys live
-under ``asyncrl/<epoch>/`` so that a re-formed group never reads a stale key. Weights go as a
+The learner (rank 0) and each actor's vLLM worker (ranks 1..N) form a group through a store in the
+run's Redis (:class:`common.rendezvous.RedisStore`: only a holder of the run's Redis password can join
+or write). A group is formed once per *epoch* (a membership); its store keys live under
+``asyncrl/<epoch>/`` so that a re-formed group never reads a stale key. Weights go as a
 few large broadcasts — parameters of one dtype packed back to back into buckets of at most
 ``bucket_bytes`` — rather than one call per parameter, the known bottleneck of per-parameter
 designs. Gloo on CPUs, NCCL on GPUs: the same code.
@@ -22,6 +23,7 @@ from datetime import timedelta
 
 import torch
 
+from common.rendezvous import RedisStore
 from common.wire import WeightBucket
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -80,20 +82,14 @@ def unpack_bucket(bucket: WeightBucket, flat: torch.Tensor) -> Iterator[tuple[st
 class GroupAddress:
     """Where and as whom to join one formation of the weight group."""
 
-    host: str
-    port: int
+    redis_url: str
+    """The run's Redis, where the rendezvous store lives (its password admits the member)."""
+    run: str
     epoch: int
     rank: int
     world_size: int
     timeout_s: float = 60.0
     backend: str = "gloo"
-
-
-def host_store(host: str, port: int, timeout_s: float = 60.0) -> torch.distributed.TCPStore:
-    """The learner's TCPStore; ``wait_for_workers=False`` so it serves while actors come and go."""
-    return torch.distributed.TCPStore(
-        host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
-    )
 
 
 class WeightGroup:
@@ -102,20 +98,25 @@ class WeightGroup:
     def __init__(self, address: GroupAddress, store: torch.distributed.Store | None = None) -> None:
         self.address = address
         timeout = timedelta(seconds=address.timeout_s)
+        self._own_store = store is None
         if store is None:
-            store = torch.distributed.TCPStore(address.host, address.port, is_master=False, timeout=timeout)
+            store = RedisStore.connect(address.redis_url, address.run, address.timeout_s)
         self._store = store  # keep the connection alive as long as the group
-        prefixed = torch.distributed.PrefixStore(f"asyncrl/{address.epoch}/", store)
-        self.store = prefixed
+        self.store = torch.distributed.PrefixStore(f"asyncrl/{address.epoch}/", store)
         self.device = "cuda" if address.backend == "nccl" else "cpu"
-        if address.rank > 0:
-            # Say "I came" before the rendezvous: if it times out, the root knows whom to evict.
-            prefixed.set(f"joined/{address.rank}", "1")
-        self.group = self._make_group(prefixed, timeout)
+        self.group = None
+        try:
+            self.group = self._make_group(self.store, timeout)
+        except BaseException:
+            self.close()
+            raise
 
     def _make_group(self, store, timeout: timedelta):
         a = self.address
         try:
+            if a.rank > 0:
+                # Say "I came" before the rendezvous: if it times out, the root knows whom to evict.
+                store.set(f"joined/{a.rank}", "1")
             if a.backend == "nccl":
                 options = torch.distributed.ProcessGroupNCCL.Options()
                 options._timeout = timeout
@@ -123,6 +124,12 @@ class WeightGroup:
             return torch.distributed.ProcessGroupGloo(store, a.rank, a.world_size, timeout)
         except Exception as exc:
             raise WeightSyncError(f"could not form weight group epoch {a.epoch} as rank {a.rank}: {exc}") from exc
+
+    def close(self) -> None:
+        """Drop the process group and close the store connection this group opened (a member's)."""
+        self.group = None
+        if self._own_store and isinstance(self._store, RedisStore):
+            self._store.close()
 
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         """Broadcast ``tensor`` from rank 0 in place; raises :class:`WeightSyncError` past the time limit."""

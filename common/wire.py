@@ -32,7 +32,8 @@ import ml_dtypes
 import msgpack
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2: the weight manifest no longer names a TCPStore (the rendezvous moved into the run's Redis)."""
 _ARRAY_EXT = 1
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 2**20
 
@@ -222,12 +223,11 @@ class WeightBucket:
 @message("manifest")
 @dataclass(frozen=True, kw_only=True)
 class WeightManifest:
-    """Announces policy ``version``: where to rendezvous and how the buckets that follow are laid out."""
+    """Announces policy ``version``: who forms the group (rendezvous in the run's Redis) and how the buckets that
+    follow are laid out."""
 
     TAG: ClassVar[str]
     version: int
-    store_host: str
-    store_port: int
     world_size: int
     members: list[str] = field(default_factory=list)
     """Actor ids in rank order; rank 0 is the learner."""
@@ -242,7 +242,6 @@ class WeightManifest:
     def validate(self, limits: Limits) -> None:
         _check_range("version", self.version, 0, None)
         _check_range("restore", self.restore, 0, None)
-        _check_range("store_port", self.store_port, 1, 65535)
         if self.world_size != len(self.members) + 1:
             raise WireError("world_size", f"{self.world_size} != 1 + {len(self.members)} members")
         for i, bucket in enumerate(self.buckets):

@@ -25,13 +25,12 @@ import torch
 from common.config import RunConfig
 from common.control import ControlPlane
 from common.logs import get_logger
-from common.redis_server import free_port
+from common.rendezvous import RedisStore
 from common.weights import (
     GroupAddress,
     WeightGroup,
     WeightSyncError,
     absent_ranks,
-    host_store,
     pack_bucket,
     plan_buckets,
 )
@@ -43,18 +42,19 @@ _JOINABLE = ("starting", "draining")
 
 
 class Broadcaster:
-    def __init__(self, config: RunConfig, plane: ControlPlane, host: str = "127.0.0.1") -> None:
+    def __init__(self, config: RunConfig, plane: ControlPlane) -> None:
         self.config = config
         self.plane = plane
-        self.host = host
-        self.port = free_port(host)
-        self.store = host_store(host, self.port, config.weight_sync.timeout_s)
+        # The rendezvous lives in the run's Redis: nothing listens for it, and only the run's processes can join.
+        self.store = RedisStore(plane.client, config.run.name, config.weight_sync.timeout_s)
         self.backend = "nccl" if torch.cuda.is_available() else "gloo"
         # A restarted learner goes on from the last published manifest: a reused epoch would look to the actors
         # like the formation they already joined (of the dead learner), so they would not join this one.
         previous = _previous_manifest(plane)
         self.epoch = previous.group_epoch if previous else 0
         self.restore = previous.restore if previous else 0
+        self.newest_version = previous.version if previous else 0
+        """The version of the last manifest a previous learner of this run published (actors may hold it)."""
         """Restore generation stamped on every manifest (the learner bumps it when it resumes from a checkpoint)."""
         self.members: list[str] = []
         self.group: WeightGroup | None = None
@@ -86,8 +86,6 @@ class Broadcaster:
         flats = [pack_bucket(bucket, params, device) for bucket in buckets] if self.members else []
         manifest = WeightManifest(
             version=version,
-            store_host=self.host,
-            store_port=self.port,
             world_size=len(self.members) + 1,
             members=list(self.members),
             buckets=buckets,
@@ -130,8 +128,8 @@ class Broadcaster:
         figures = {}
         if self.group is None:
             address = GroupAddress(
-                self.host,
-                self.port,
+                "",  # rank 0 uses self.store, the learner's own connection
+                self.config.run.name,
                 self.epoch,
                 0,
                 len(self.members) + 1,

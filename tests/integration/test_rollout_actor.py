@@ -23,9 +23,9 @@ import torch
 from common.channel import PullChannel
 from common.config import load_config
 from common.control import ControlPlane
-from common.redis_server import free_port
+from common.rendezvous import RedisStore
 from common.tasks import TASK_ALPHABET, get_task
-from common.weights import GroupAddress, WeightGroup, host_store, plan_buckets
+from common.weights import GroupAddress, WeightGroup, plan_buckets
 from common.wire import Heartbeat, PromptGroup, RolloutGroup, WeightManifest
 from learner.dispatcher import prompt_group
 from learner.tiny_model import init_model
@@ -142,20 +142,17 @@ def test_weights_broadcast_mid_request_match_a_transformers_forward(redis_server
         new = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         params = perturbed(new)
         buckets = plan_buckets(params, bucket_bytes=256 * 1024)
-        port = free_port()
-        store = host_store("127.0.0.1", port)
+        store = RedisStore(plane.client, plane.keys.run, 120)
         plane.publish_manifest(
             WeightManifest(
                 version=1,
-                store_host="127.0.0.1",
-                store_port=port,
                 world_size=2,
                 members=["a1"],
                 buckets=buckets,
                 group_epoch=1,
             )
         )
-        root = WeightGroup(GroupAddress("127.0.0.1", port, epoch=1, rank=0, world_size=2, timeout_s=120), store)
+        root = WeightGroup(GroupAddress("", plane.keys.run, epoch=1, rank=0, world_size=2, timeout_s=120), store)
         root.self_check()
         root.send(buckets, params)
         plane.set_version(1)

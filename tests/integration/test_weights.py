@@ -1,14 +1,16 @@
-"""The weight group on real gloo: flat buckets reach every member intact; nobody waits forever."""
+"""The weight group on real gloo with its rendezvous in a real Redis: flat buckets reach every member intact,
+nobody waits forever, and a client without the run's Redis password can neither join nor write."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 
 import pytest
+import redis
 import torch
 
-from common.redis_server import free_port
-from common.weights import GroupAddress, WeightGroup, WeightSyncError, host_store, plan_buckets, unpack_bucket
+from common.rendezvous import RedisStore, rendezvous_prefix
+from common.weights import GroupAddress, WeightGroup, WeightSyncError, plan_buckets, unpack_bucket
 
 pytestmark = pytest.mark.integration
 
@@ -23,25 +25,24 @@ def make_params() -> dict[str, torch.Tensor]:
     }
 
 
-def member(port: int, rank: int, world: int, buckets, out: mp.Queue) -> None:
-    group = WeightGroup(GroupAddress("127.0.0.1", port, epoch=1, rank=rank, world_size=world, timeout_s=30))
+def member(url: str, rank: int, world: int, buckets, out: mp.Queue) -> None:
+    group = WeightGroup(GroupAddress(url, "wg", epoch=1, rank=rank, world_size=world, timeout_s=30))
     group.self_check()
     out.put({name: tensor.clone() for name, tensor in group.receive(buckets)})
 
 
-def test_buckets_reach_every_member_intact() -> None:
+def test_buckets_reach_every_member_intact(redis_server, redis_client) -> None:
     params = make_params()
     buckets = plan_buckets(params, bucket_bytes=4 * 16 * 60)  # small: several buckets per dtype
     assert len(buckets) >= 3 and {b.dtype for b in buckets} == {"float32", "bfloat16"}
-    port = free_port()
-    store = host_store("127.0.0.1", port)
+    store = RedisStore(redis_client, "wg", timeout_s=30)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    members = [ctx.Process(target=member, args=(port, r, 3, buckets, out)) for r in (1, 2)]
+    members = [ctx.Process(target=member, args=(redis_server.url, r, 3, buckets, out)) for r in (1, 2)]
     for proc in members:
         proc.start()
     try:
-        root = WeightGroup(GroupAddress("127.0.0.1", port, epoch=1, rank=0, world_size=3, timeout_s=30), store)
+        root = WeightGroup(GroupAddress("", "wg", epoch=1, rank=0, world_size=3, timeout_s=30), store)
         assert root.self_check() >= 0
         assert root.send(buckets, params) == sum(t.numel() * t.element_size() for t in params.values())
         for _ in members:
@@ -64,9 +65,53 @@ def test_unpack_gives_views_in_the_right_shapes() -> None:
     assert {n: t.shape for n, t in unpack_bucket(bucket, flat)} == {n: params[n].shape for n in bucket.names}
 
 
-def test_a_missing_member_times_out_instead_of_hanging() -> None:
-    port = free_port()
-    store = host_store("127.0.0.1", port, timeout_s=5)
+def test_a_missing_member_times_out_instead_of_hanging(redis_client) -> None:
+    store = RedisStore(redis_client, "wg", timeout_s=5)
     with pytest.raises(WeightSyncError):  # raises after the 2 s limit; a hang would trip pytest's timeout
-        root = WeightGroup(GroupAddress("127.0.0.1", port, epoch=7, rank=0, world_size=2, timeout_s=2), store)
+        root = WeightGroup(GroupAddress("", "wg", epoch=7, rank=0, world_size=2, timeout_s=2), store)
         root.self_check()
+
+
+def test_the_store_behaves_as_torch_expects(redis_client) -> None:
+    store = RedisStore(redis_client, "wg", timeout_s=1)
+    store.set("a", b"1")
+    assert store.get("a") == b"1" and store.check(["a"]) and not store.check(["a", "b"])
+    assert store.add("n", 2) == 2 and store.add("n", 3) == 5
+    assert store.compare_set("c", "", "x") == b"x"  # absent + expected empty: set
+    assert store.compare_set("c", "y", "z") == b"x"  # wrong expectation: the current value, unchanged
+    assert store.compare_set("c", "x", "z") == b"z"
+    assert store.num_keys() == 3 and store.delete_key("a") and not store.delete_key("a")
+    with pytest.raises(TimeoutError, match="not set within"):
+        store.get("never")
+    assert 0 < redis_client.ttl(rendezvous_prefix("wg") + "n") <= 3600  # formations leave nothing forever
+
+
+def test_a_client_without_the_runs_password_cannot_join_or_write(redis_server, redis_client) -> None:
+    """Issue 15: the TCPStore listened on every interface and took keys from anyone. The rendezvous is now in the
+    run's Redis: a rogue without the password is refused, and nothing of the group is listening for it."""
+    host_port = redis_server.url.rsplit("@", 1)[1]
+    for rogue_url in (f"redis://{host_port}", f"redis://:wrong-password@{host_port}"):
+        rogue = RedisStore.connect(rogue_url, "wg", timeout_s=2)
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            rogue.set("asyncrl/1/joined/1", "1")
+        with pytest.raises(WeightSyncError, match="could not form weight group"):
+            WeightGroup(GroupAddress(rogue_url, "wg", epoch=1, rank=1, world_size=2, timeout_s=2))
+    assert not list(redis_client.scan_iter(match=rendezvous_prefix("wg") + "*"))  # nothing was written
+    # The run's own member, with the password, forms the group with the root as before.
+    store = RedisStore(redis_client, "wg", timeout_s=30)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    params = make_params()
+    buckets = plan_buckets(params, 1 << 20)
+    proc = ctx.Process(target=member, args=(redis_server.url, 1, 2, buckets, out))
+    proc.start()
+    try:
+        root = WeightGroup(GroupAddress("", "wg", epoch=1, rank=0, world_size=2, timeout_s=30), store)
+        root.self_check()
+        root.send(buckets, params)
+        assert torch.equal(out.get(timeout=60)["head.weight"], params["head.weight"])
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    assert proc.exitcode == 0

@@ -57,7 +57,7 @@ def roundtrip(msg, limits: Limits | None = None):
 def manifest() -> WeightManifest:
     bucket = WeightBucket(dtype="float32", numel=10, names=["a", "b"], shapes=[[2, 3], [4]], offsets=[0, 6])
     return WeightManifest(
-        version=3, store_host="127.0.0.1", store_port=29500, world_size=3, members=["x", "y"], buckets=[bucket]
+        version=3, world_size=3, members=["x", "y"], buckets=[bucket]
     )
 
 
