@@ -46,7 +46,7 @@ from common.channel import CurveServer, PullChannel
 from common.config import RewardFunction, RunConfig
 from common.control import ControlPlane, connect, dead_letter
 from common.heartbeat import HeartbeatThread
-from common.logs import get_logger
+from common.logs import get_logger, worth_logging
 from common.metrics import (
     REWARD_DEAD_LETTERED_GROUPS,
     REWARD_FAILED_CALLS,
@@ -57,6 +57,7 @@ from common.metrics import (
     MetricsServer,
     start_metrics_server,
 )
+from common.provenance import issue_mismatch
 from common.replay import ReplayWriter
 from common.tasks import task_label
 from common.wire import Heartbeat, Limits, RolloutGroup, ScoredGroup, encode_blob
@@ -230,8 +231,9 @@ class RewardWorker:
 
     def _score(self, group: RolloutGroup) -> ScoredGroup | None:
         """The scored group, or None when it was dead-lettered; re-raises :class:`WorkerStalled`."""
-        if group.task != self.task:
-            self._refuse(group, "task", f"task {group.task[:80]!r} is not this run's task {self.task!r}")
+        refusal = self._refusal(group)
+        if refusal is not None:
+            self._refuse(group, *refusal)
             return None
         started = time.perf_counter()
         try:
@@ -291,12 +293,27 @@ class RewardWorker:
         except redis.exceptions.RedisError as exc:  # the heartbeat thread publishes it at its next beat
             log.warning("could not publish the new state now", worker=self.worker_id, error=exc)
 
+    def _refusal(self, group: RolloutGroup) -> tuple[str, str] | None:
+        """(reason, detail) when ``group`` is not this run's to score (``common/provenance.py``), else None.
+
+        A group of another task is refused before anything else: its ``task`` is only ever compared, never used.
+        The id of a group already trained (or discarded) is let through: it is a re-issued group's late twin,
+        which the learner counts as a duplicate.
+        """
+        if group.task != self.task:
+            return "task", f"task {group.task[:80]!r} is not this run's task {self.task!r}"
+        issued = self.plane.load_group(group.group_id)
+        if issued is None and self.plane.was_completed(group.group_id):
+            return None
+        mismatch = issue_mismatch(issued, group, self.config.rollout.max_new_tokens)
+        return ("issue_record", mismatch) if mismatch is not None else None
+
     def _refuse(self, group: RolloutGroup, reason: str, detail: str) -> None:
         """Dead-letter a group that is not this run's to score; count it; log the 1st, 10th, 100th, … of a reason."""
         dead_letter(self.client, self.plane.keys, "reward:refused", detail, encode_blob(group))
         REWARD_REFUSED_GROUPS.labels(reason).inc()
         count = self._refused[reason] = self._refused.get(reason, 0) + 1
-        if count == 10 ** (len(str(count)) - 1):
+        if worth_logging(count):
             log.warning(
                 "refused a rollout group without scoring it",
                 group=group.group_id[:80],

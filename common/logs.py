@@ -66,3 +66,9 @@ def configure(level: str | None = None, stream: Any = None) -> None:
 def get_logger(component: str) -> KVLogger:
     """The logger of one component, named ``asyncrl.<component>``."""
     return KVLogger(logging.getLogger(f"asyncrl.{component}"))
+
+
+def worth_logging(count: int) -> bool:
+    """Whether the ``count``-th occurrence of something repeated is logged: the 1st, 10th, 100th, … (with the count
+    in the line), so a flood of hostile messages cannot flood the log while each kind is still seen at once."""
+    return count > 0 and count == 10 ** (len(str(count)) - 1)

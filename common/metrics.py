@@ -112,7 +112,7 @@ LEARNER_TRAINED_TOKENS = Counter("asyncrl_learner_trained_tokens_total", "Respon
 LEARNER_TRAINED_GROUPS = Counter("asyncrl_learner_trained_groups_total", "Scored groups the learner trained on.")
 LEARNER_DROPPED_GROUPS = Counter(
     "asyncrl_learner_dropped_groups_total",
-    "Scored groups the learner acknowledged without training, by reason (stale, duplicate, zero_variance).",
+    "Scored groups the learner acknowledged without training, by reason (stale, duplicate, zero_variance, refused).",
     ["reason"],
 )
 LEARNER_STEP_SECONDS = Histogram(

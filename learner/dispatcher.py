@@ -266,6 +266,10 @@ class Dispatcher:
         )
 
     # -- completion and duplicates
+    def issued(self, group_id: str) -> PromptGroup | None:
+        """The issue record of ``group_id`` while it is in flight (released, neither completed nor lost), else None."""
+        return self.plane.load_group(group_id)
+
     def is_known(self, group_id: str) -> bool:
         """Whether ``group_id`` is in flight: released by this run, neither completed nor lost."""
         return self.plane.has_group(group_id)

@@ -331,9 +331,8 @@ class RewardErrors(Rule):
     def check(self, row: Row, facts: ProcessFacts) -> Check | None:
         new = max(0, facts.reward_errors - self.last)  # a trimmed dead-letter stream can count down
         self.last = facts.reward_errors
-        consumed = self.groups_per_step + sum(
-            _value(row, key) or 0.0 for key in ("groups/dropped_stale", "groups/duplicates", "groups/zero_variance")
-        )
+        dropped = ("groups/dropped_stale", "groups/duplicates", "groups/zero_variance", "groups/refused")
+        consumed = self.groups_per_step + sum(_value(row, key) or 0.0 for key in dropped)
         fraction = new / (new + consumed)
         if fraction <= self.rate:
             return Check(False, fraction, f"reward failures {fraction:.1%} of groups")

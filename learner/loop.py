@@ -37,11 +37,12 @@ import numpy as np
 import torch
 
 from common.config import RunConfig, write_resolved
-from common.control import ControlPlane, connect
-from common.logs import get_logger
+from common.control import ControlPlane, connect, dead_letter
+from common.logs import get_logger, worth_logging
 from common.metrics import set_alert
+from common.provenance import issue_mismatch
 from common.replay import ReplayEntry, ReplayReader
-from common.wire import Limits, ScoredGroup
+from common.wire import Limits, ScoredGroup, encode_blob
 from learner.algorithms import (
     AdvantageInput,
     GlobalCounts,
@@ -127,6 +128,9 @@ class Learner:
         self.dispatcher = Dispatcher(config, self.plane, lambda text: self.tokenizer(text)["input_ids"])
         self.broadcaster = Broadcaster(config, self.plane)
         self.version = self.plane.version()
+        # The newest version any actor can hold (a resume goes back, actors may still hold the discarded ones):
+        # a token stamped above it was not sampled by this run's weights (common/provenance.py).
+        self._newest_version = max(self.version, self.broadcaster.newest_version)
         self.metrics_path = config.run_dir / "metrics.jsonl"
         self._idle_s = 0.0
         self._carry: list[ReplayEntry] = []  # recovered entries not yet trained, still pending in the stream
@@ -141,6 +145,7 @@ class Learner:
         self._resumed: dict[str, float] = {}  # restore/* figures for the first metrics line after a resume
         self._retrain: dict[str, str] = {}  # group -> entry of groups a resume trains again
         self.health = HealthMonitor.for_run(config, checkpoints=_Rollback(self), set_alert=set_alert)
+        self._refused = 0  # groups refused by provenance since this learner started
         self._lost: set[str] = set()  # processes whose heartbeat expired, ever (ProcessFacts counts are cumulative)
         self._dead_at_start = self.plane.queue_depths()["dead_letters"]
         if resume is not None:
@@ -265,7 +270,7 @@ class Learner:
         want = self.config.learner.groups_per_step
         floor = self.version - self.config.staleness.max_staleness
         dropped: list[str] = []
-        stale = duplicates = zero_variance = 0
+        stale = duplicates = zero_variance = refused = 0
         waited = time.perf_counter()
         entries: list[ReplayEntry] = []
         candidates, self._carry = self._carry, []
@@ -294,22 +299,39 @@ class Learner:
                 dropped.append(entry.entry_id)
                 stale += verdict == "stale"
                 duplicates += verdict == "duplicate"
+                refused += verdict == "refused"
                 zero_variance += verdict == "zero_variance"
             candidates = []
         self._idle_s = time.perf_counter() - waited
         record.values.update(
-            {"groups/dropped_stale": stale, "groups/duplicates": duplicates, "groups/zero_variance": zero_variance}
+            {
+                "groups/dropped_stale": stale,
+                "groups/duplicates": duplicates,
+                "groups/zero_variance": zero_variance,
+                "groups/refused": refused,
+            }
         )
         return entries, dropped
 
     def _admit(self, entry: ReplayEntry, floor: int, in_batch: set[str]) -> str:
-        """``ok``, ``duplicate`` (trained before, or already in this batch: a re-issued group's two copies), ``stale``
-        (a token older than the staleness bound), or ``zero_variance`` (equal rewards, with dynamic sampling on).
-        Stale and zero-variance groups are discarded, so that admission releases replacements."""
+        """``ok``, ``duplicate`` (trained before, or already in this batch: a re-issued group's two copies),
+        ``refused`` (it does not match what was issued under its id: dead-lettered, the id stays in flight),
+        ``stale`` (a token older than the staleness bound), or ``zero_variance`` (equal rewards, with dynamic
+        sampling on). Stale and zero-variance groups are discarded, so that admission releases replacements."""
         group_id = entry.group.rollout.group_id
         if group_id in in_batch or self.dispatcher.was_completed(group_id):
             self.dispatcher.note_duplicate(group_id)
             return "duplicate"
+        if group_id not in self._retrain:  # a group trained again after a resume was checked when first trained
+            reason = issue_mismatch(
+                self.dispatcher.issued(group_id),
+                entry.group.rollout,
+                self.config.rollout.max_new_tokens,
+                self._newest_version,
+            )
+            if reason is not None:
+                self._refuse(entry, reason)
+                return "refused"
         if int(entry.group.rollout.versions.min(initial=self.version)) < floor:
             self.dispatcher.discard([group_id])
             return "stale"
@@ -317,6 +339,23 @@ class Learner:
             self.dispatcher.discard([group_id])  # DAPO's dynamic sampling: no signal; admission releases another
             return "zero_variance"
         return "ok"
+
+    def _refuse(self, entry: ReplayEntry, reason: str) -> None:
+        """Dead-letter a group that does not answer what was issued under its id; log the 1st, 10th, 100th, …"""
+        rollout = entry.group.rollout
+        dead_letter(self.plane.client, self.plane.keys, "learner:refused", reason, encode_blob(entry.group))
+        self._refused += 1
+        if worth_logging(self._refused):
+            log.warning(
+                "refused a scored group that does not match its issue record",
+                group=rollout.group_id[:80],
+                actor=rollout.actor_id[:80],
+                scorer=entry.group.scorer_id[:80],
+                reason=reason,
+                refused=self._refused,
+                action=f"a peer that is not one of this run's actors may be sending to the reward workers; "
+                f"inspect with XRANGE {self.plane.keys.dead} - +; bind beyond loopback only with CURVE keys",
+            )
 
     # ------------------------------------------------------------------ training
 
@@ -438,6 +477,7 @@ class Learner:
         figures = self._early_sync | self.finish_sync()
         self._early_sync = {}
         self.version += 1
+        self._newest_version = max(self._newest_version, self.version)
         if self.version % self.config.weight_sync.sync_every:
             return figures | {"skipped": 1.0}
         params = self.engine.state_dict_for_broadcast()

@@ -46,7 +46,12 @@ GAUGES: dict[str, tuple[Any, dict[str, str]]] = {
     "step/idle_fraction": (m.LEARNER_IDLE_RATIO, {}),
     "version": (m.LEARNER_POLICY_VERSION, {}),
 }
-DROPPED = {"groups/dropped_stale": "stale", "groups/duplicates": "duplicate", "groups/zero_variance": "zero_variance"}
+DROPPED = {
+    "groups/dropped_stale": "stale",
+    "groups/duplicates": "duplicate",
+    "groups/zero_variance": "zero_variance",
+    "groups/refused": "refused",
+}
 SUMMARY_KEYS = (
     "step",
     "version",

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from common.wire import RolloutGroup
+from common.control import ControlPlane
+from common.wire import PromptGroup, RolloutGroup
 
 
 def make_group(
@@ -40,3 +41,22 @@ def make_group(
         finish_reasons=list(finish_reasons or ["stop"] * len(texts)),
         actor_id="test-actor",
     )
+
+
+def issue(plane: ControlPlane, *groups: RolloutGroup) -> None:
+    """Store each group's issue record as the learner's dispatcher does when it releases a prompt group: reward
+    workers and the learner accept only groups that answer a record in flight (``common/provenance.py``)."""
+    records = [
+        PromptGroup(
+            group_id=g.group_id,
+            task=g.task,
+            prompt=g.prompt,
+            prompt_ids=g.prompt_ids,
+            answer=g.answer,
+            num_samples=g.num_samples,
+            issued_version=g.issued_version,
+        )
+        for g in groups
+    ]
+    plane.record_issued(records)
+    plane.save_groups(records, {})

@@ -19,7 +19,7 @@ from common.config import load_config
 from common.control import ControlPlane, RunKeys
 from common.replay import ReplayEntry, ReplayReader
 from common.wire import Decoder, Heartbeat, RolloutGroup, decode_blob
-from tests.helpers.rollouts import make_group
+from tests.helpers.rollouts import issue, make_group
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -120,6 +120,7 @@ def test_scores_right_and_wrong_answers_and_survives_malformed_messages(redis_se
         try:
             push.socket.send_multipart([b"\x93garbage"])  # a malformed header
             push.socket.send_multipart([b"\x01", b"\x02"])  # not msgpack at all
+            issue(ControlPlane(redis_client, run), right_and_wrong, other)
             push.send(right_and_wrong)
             push.send(other)
             entries = read_replay(redis_client, run, 2)
@@ -154,11 +155,15 @@ def test_a_timing_out_function_is_retried_then_dead_lettered_while_others_are_sc
     with reward_worker(redis_server, redis_client, tmp_path, run) as (proc, endpoint):
         push = sender(endpoint)
         try:
-            push.send(make_group(["19", "18"], group_id="stall-1"))
+            group = make_group(["19", "18"], group_id="stall-1")
+            issue(ControlPlane(redis_client, run), group)
+            push.send(group)
             dead = wait_for(lambda: redis_client.xrange(RunKeys(run).dead), proc, log, "a dead letter")
             # Nothing else was called since: the last call of the stalling function failed.
             assert heartbeat(redis_client, run, "rw-1").state == "degraded"
-            push.send(make_group(["19", "18"], group_id="ok-1"))
+            group = make_group(["19", "18"], group_id="ok-1")
+            issue(ControlPlane(redis_client, run), group)
+            push.send(group)
             entries = read_replay(redis_client, run, 1)
         finally:
             push.close()
@@ -188,7 +193,9 @@ def test_sigterm_finishes_the_group_in_hand_and_leaves_the_registry(redis_server
     with reward_worker(redis_server, redis_client, tmp_path, run) as (proc, endpoint):
         push = sender(endpoint)
         try:
-            push.send(make_group(["19"], group_id="slow-1"))
+            group = make_group(["19"], group_id="slow-1")
+            issue(ControlPlane(redis_client, run), group)
+            push.send(group)
             wait_for(lambda: calls.exists() and calls.read_text(), proc, log, "the call to begin")
             stop(proc, log)  # while the group is being scored
         finally:
@@ -208,7 +215,9 @@ def test_a_worker_whose_calls_keep_hanging_dead_letters_the_group_and_exits_1(
     with reward_worker(redis_server, redis_client, tmp_path, run) as (proc, endpoint):
         push = sender(endpoint)
         try:
-            push.send(make_group(["19"], group_id="hang-1"))
+            group = make_group(["19"], group_id="hang-1")
+            issue(ControlPlane(redis_client, run), group)
+            push.send(group)
             # MAX_ABANDONED_CALLS (8) threads sleep on; the 9th attempt is refused instead of started.
             assert proc.wait(30) == 1, log.read_text()
         finally:
@@ -251,9 +260,11 @@ def test_a_task_name_from_the_wire_never_selects_or_imports_anything(redis_serve
     with reward_worker(redis_server, redis_client, tmp_path, run) as (proc, endpoint):
         push = sender(endpoint)
         try:
+            real = make_group(["19"], group_id="g-real")
+            issue(ControlPlane(redis_client, run), real, *hostile)  # even under ids in flight: the task decides
             for group in hostile:
                 push.send(group)
-            push.send(make_group(["19"], group_id="g-real"))
+            push.send(real)
             entries = read_replay(redis_client, run, 1)
         finally:
             push.close()
@@ -269,3 +280,41 @@ def test_a_task_name_from_the_wire_never_selects_or_imports_anything(redis_serve
         assert proc.poll() is None  # alive and serving
         stop(proc, log)
     assert log.read_text().count("refused a rollout group without scoring it") == 1  # the 1st of 5; next at the 10th
+
+
+def test_only_groups_that_answer_an_issue_record_in_flight_are_scored(redis_server, redis_client, tmp_path) -> None:
+    """Issue 15: a forged group never reaches a reward function (with code_tests: the sandbox). A late twin of a
+    group already trained is still scored: the learner counts it as a duplicate, as before."""
+    run = "issued-only"
+    publish(redis_client, run, "rollout.max_new_tokens=8")
+    plane = ControlPlane(redis_client, run)
+    real, done = make_group(["19", "18"], group_id="g-real"), make_group(["19", "1"], group_id="g-done")
+    issue(plane, real, done)
+    plane.retire_groups(["g-done"], completed=True)  # trained already; its re-issued twin may still arrive
+    forged = {
+        "never issued": make_group(["19", "19"], group_id="g-never"),
+        "its prompt differs": make_group(["7", "7"], prompt="3+4=", answer="7", group_id="g-real"),
+        "its answer differs": make_group(["18", "18"], answer="18", group_id="g-real"),
+        "a response has 9 tokens": make_group(["19", "123456789"], group_id="g-real"),
+        "it has 3 responses": make_group(["19", "19", "19"], group_id="g-real"),
+    }
+    log = tmp_path / f"{run}.log"
+    with reward_worker(redis_server, redis_client, tmp_path, run) as (proc, endpoint):
+        push = sender(endpoint)
+        try:
+            for group in forged.values():
+                push.send(group)
+            push.send(real)
+            push.send(done)
+            entries = read_replay(redis_client, run, 2)
+        finally:
+            push.close()
+        assert sorted(e.group.rollout.group_id for e in entries) == ["g-done", "g-real"]
+        assert {e.group.rollout.group_id: e.group.rewards.tolist() for e in entries}["g-real"] == [1.0, 0.0]
+        wait_for(lambda: redis_client.xlen(RunKeys(run).dead) == len(forged), proc, log, "every refusal")
+        reasons = [fields[b"reason"].decode() for _, fields in redis_client.xrange(RunKeys(run).dead)]
+        for expected, reason in zip(forged, reasons, strict=True):
+            assert expected in reason
+        assert metric(heartbeat(redis_client, run, "rw-1"), "asyncrl_reward_refused_groups_total") == len(forged)
+        assert plane.has_group("g-real")  # the real group behind the hijacked id is still in flight
+        stop(proc, log)

@@ -1,0 +1,160 @@
+"""Issue 15, attacked as in the report: a peer that reaches a reward worker's socket sends forged rollouts into a live
+run (real processes: `rl-launch redis`, `rl-actor reward`, `rl-actor`, `rl-learner train`).
+
+The forger strikes while the learner waits for its first batch; the actor starts after, so the real groups behind
+the ids it hijacks come back later than the forgeries. It sends a group whose ``task`` is an import path (that once
+ran a shell command in the reward worker), a group under an id the run never issued, a hijacked live id with its
+own prompt, and — as a forger who somehow read the live group's issue record — the right prompt with 12 KB
+responses, with a token version from the future, and with the wrong number of responses; and, as a reward worker
+that checked nothing would, three of them straight into the replay stream. Each is refused with its reason and
+dead-lettered, nothing is trained on them, and the run then trains every real group exactly once (the hijacked
+ids included) and completes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from common.channel import PushChannel
+from common.control import ControlPlane, connect
+from common.replay import ReplayWriter
+from common.wire import Decoder, PromptGroup, RolloutGroup, ScoredGroup, decode_blob
+from tests.e2e.test_resume import Processes, _steps, _wait
+from tests.e2e.test_system import BIN, ROOT, model_dir  # noqa: F401 - model_dir is a fixture
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+RUN, STEPS, GROUPS = "forged", 8, 16
+
+
+def honest(issued: PromptGroup, lengths: list[int], versions: int = 0) -> RolloutGroup:
+    """A rollout shaped as an actor would send it for ``issued`` (zeros for tokens: any in-vocabulary id would do)."""
+    total = sum(lengths)
+    return RolloutGroup(
+        group_id=issued.group_id,
+        task=issued.task,
+        prompt=issued.prompt,
+        prompt_ids=issued.prompt_ids,
+        answer=issued.answer,
+        token_ids=np.zeros(total, np.int32),
+        logprobs=np.full(total, -1.0, np.float32),
+        versions=np.full(total, versions, np.int32),
+        lengths=np.asarray(lengths, np.int32),
+        texts=["1"] * len(lengths),
+        finish_reasons=["stop"] * len(lengths),
+        actor_id="forger",
+        issued_version=issued.issued_version,
+    )
+
+
+def queued_ids(plane: ControlPlane, count: int) -> list[str]:
+    """``count`` released ids nobody has taken yet (no actor runs yet: their real groups come after any forgery)."""
+    ledger = plane.ledger()
+    return sorted(g for g, e in ledger.items() if not e.actor)[:count]
+
+
+def forgeries(plane: ControlPlane) -> list[tuple[str, str, RolloutGroup]]:
+    """(where it is sent, the reason expected in the dead-letter stream, the forged group).
+
+    ``socket``: to the reward worker's PULL socket, as any peer that reaches it can; ``replay``: straight into the
+    replay stream, as a reward worker that checked nothing would write it (the learner trusts no worker either).
+    """
+    hijacked, long, future, few = (plane.load_group(g) for g in queued_ids(plane, 4))
+    stranger = dataclasses.replace(
+        honest(hijacked, [1] * 8), prompt="9+9=", prompt_ids=hijacked.prompt_ids[::-1].copy(), answer="1"
+    )
+    never = honest(dataclasses.replace(hijacked, group_id=f"{RUN}-99999999"), [1] * 8)
+    oversized = honest(long, [1600] * 8)  # 12.8k tokens
+    return [
+        ("socket", "the newest published is", honest(future, [1] * 8, versions=10**6)),  # only the learner knows
+        ("socket", "task 'os:system' is not this run's task", dataclasses.replace(never, task="os:system")),
+        ("socket", "not in flight: never issued by this run", never),
+        ("socket", "its prompt differs from the one issued", stranger),
+        ("socket", "a response has 1600 tokens; rollout.max_new_tokens is 6", oversized),
+        ("socket", "it has 2 responses; 8 were asked for", honest(few, [1, 1])),
+        ("replay", "not in flight: never issued by this run", never),
+        ("replay", "its prompt differs from the one issued", stranger),
+        ("replay", "a response has 1600 tokens; rollout.max_new_tokens is 6", oversized),
+    ]
+
+
+def test_forged_groups_are_refused_and_every_real_group_is_trained_once(tmp_path: Path, model_dir: Path) -> None:  # noqa: F811
+    run_dir = tmp_path / RUN
+    overrides = [f"run.root={tmp_path}", f"run.name={RUN}", f"model.path={model_dir}", f"learner.steps={STEPS}"]
+    sets = [arg for override in overrides for arg in ("--set", override)]
+    config = ROOT / "configs/demo.toml"
+    procs = Processes(tmp_path / "logs")
+    try:
+        procs.start("redis", [BIN / "rl-launch", "redis", config, *sets])
+        url = _wait(lambda: (run_dir / "redis" / "url").read_text().strip(), "redis", procs.procs["redis"])
+        run_args = ["--redis", url, "--run", RUN]
+        procs.start("reward", [BIN / "rl-actor", "reward", *run_args, "--id", "reward-0"])
+        learner = procs.start("learner", [BIN / "rl-learner", "train", config, *sets, "--redis", url])
+        plane = ControlPlane(connect(url), RUN)
+        _wait(lambda: len(queued_ids(plane, 4)) == 4, "the first prompt groups released", learner)
+        live, _ = plane.processes()
+        [endpoint] = [h.endpoint for h in live if h.kind == "reward"]
+        sent = forgeries(plane)
+        push = PushChannel("rollouts", send_timeout_s=10)
+        push.connect(endpoint)
+        try:
+            for _, _, group in (f for f in sent if f[0] == "socket"):
+                push.send(group)
+            rigged = [ScoredGroup(rollout=g, rewards=np.ones(8, np.float32)) for w, _, g in sent if w == "replay"]
+            ReplayWriter(plane.client, plane.keys).add(rigged)
+            # the socket closes with linger 0: wait until every forgery was refused by the worker or the learner
+            _wait(lambda: plane.client.xlen(plane.keys.dead) >= len(sent), "every refusal", learner)
+        finally:
+            push.close()
+        assert not (run_dir / "metrics.jsonl").exists()  # no step trained on them
+        procs.start("actor-0", [BIN / "rl-actor", *run_args, "--id", "actor-0"], {"VLLM_CPU_OMP_THREADS_BIND": "1"})
+        assert learner.wait(900) == 0, procs.log("learner")[-3000:]
+        assert procs.procs["reward"].poll() is None  # the worker lived through all of it
+        _check_refusals(plane, sent)
+        _audit(plane, hijacked={g.group_id for _, _, g in sent} - {f"{RUN}-99999999"})
+    finally:
+        procs.stop_all()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))
+    assert sum(r["groups/refused"] for r in rows) == 4  # the future version from the socket, and the replay three
+    assert "refused a scored group that does not match its issue record" in procs.log("learner")
+    assert "refused a rollout group without scoring it" in procs.log("reward")
+
+
+def _check_refusals(plane: ControlPlane, sent: list[tuple[str, str, RolloutGroup]]) -> None:
+    """Each forgery is in the dead-letter stream once, refused where expected, with its reason and whole payload;
+    nothing else is there (no real group)."""
+    expected = Counter(
+        ("learner:refused" if where == "replay" or "newest" in reason else "reward:refused", reason)
+        for where, reason, _ in sent
+    )
+    found: Counter = Counter()
+    for _, fields in plane.client.xrange(plane.keys.dead):
+        source, reason = fields[b"source"].decode(), fields[b"reason"].decode()
+        matches = [key for key in expected if key[0] == source and key[1] in reason]
+        assert len(matches) == 1, (source, reason)
+        found[matches[0]] += 1
+        if source == "reward:refused":
+            group = decode_blob(Decoder(RolloutGroup), fields[b"payload"])
+        else:
+            group = decode_blob(Decoder(ScoredGroup), fields[b"payload"]).rollout
+        assert group.actor_id == "forger"
+    assert found == expected
+
+
+def _audit(plane: ControlPlane, hijacked: set[str]) -> None:
+    """Each step trained GROUPS real groups; every issued group is trained once, discarded, lost or in flight."""
+    trained = {g.decode(): int(s) for g, s in plane.client.hgetall(f"asyncrl:{RUN}:trained").items()}
+    assert Counter(trained.values()) == dict.fromkeys(range(1, STEPS + 1), GROUPS)
+    counts = plane.dispatch_counts()
+    done = {g.decode() for g in plane.client.smembers(plane.keys.done)}
+    in_flight = {g.decode() for g in plane.client.hkeys(plane.keys.inflight)}
+    issued = {f"{RUN}-{n:08d}" for n in range(counts["created"])}
+    assert set(trained) <= done and len(done - set(trained)) == counts.get("discarded", 0)
+    assert len(issued - done - in_flight) == counts.get("lost", 0) == 0  # no real group lost to a forgery
+    assert hijacked <= set(trained) | in_flight  # the real groups behind hijacked ids were not pushed out
