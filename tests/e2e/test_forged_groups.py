@@ -25,7 +25,7 @@ from common.channel import PushChannel
 from common.control import ControlPlane, connect
 from common.replay import ReplayWriter
 from common.wire import Decoder, PromptGroup, RolloutGroup, ScoredGroup, decode_blob
-from tests.e2e.test_resume import Processes, _steps, _wait
+from tests.e2e.test_resume import Processes, _wait
 from tests.e2e.test_system import BIN, ROOT, model_dir  # noqa: F401 - model_dir is a fixture
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -90,10 +90,8 @@ def test_forged_groups_are_refused_and_every_real_group_is_trained_once(tmp_path
     config = ROOT / "configs/demo.toml"
     procs = Processes(tmp_path / "logs")
     try:
-        procs.start("redis", [BIN / "rl-launch", "redis", config, *sets])
-        url = _wait(lambda: (run_dir / "redis" / "url").read_text().strip(), "redis", procs.procs["redis"])
-        run_args = ["--redis", url, "--run", RUN]
-        procs.start("reward", [BIN / "rl-actor", "reward", *run_args, "--id", "reward-0"])
+        run_args = procs.start_run(config, sets, run_dir)
+        url = run_args[1]
         learner = procs.start("learner", [BIN / "rl-learner", "train", config, *sets, "--redis", url])
         plane = ControlPlane(connect(url), RUN)
         _wait(lambda: len(queued_ids(plane, 4)) == 4, "the first prompt groups released", learner)

@@ -49,6 +49,14 @@ class Processes:
         self.procs[name] = proc
         return proc
 
+    def start_run(self, config: Path, sets: list[str], run_dir: Path) -> list[str]:
+        """``rl-launch redis`` for the run, then a reward worker (``reward-0``); returns ``--redis URL --run NAME``."""
+        self.start("redis", [BIN / "rl-launch", "redis", config, *sets])
+        url = _wait(lambda: (run_dir / "redis" / "url").read_text().strip(), "redis", self.procs["redis"])
+        run_args = ["--redis", url, "--run", run_dir.name]
+        self.start("reward", [BIN / "rl-actor", "reward", *run_args, "--id", "reward-0"])
+        return run_args
+
     def log(self, name: str) -> str:
         return (self.log_dir / f"{name}.log").read_text()
 
@@ -94,10 +102,8 @@ def test_a_killed_learner_resumes_and_every_group_is_trained_once(tmp_path: Path
     config = ROOT / "configs/demo.toml"
     procs = Processes(tmp_path / "logs")
     try:
-        procs.start("redis", [BIN / "rl-launch", "redis", config, *sets])
-        url = _wait(lambda: (run_dir / "redis" / "url").read_text().strip(), "redis", procs.procs["redis"])
-        run_args = ["--redis", url, "--run", RUN]
-        procs.start("reward", [BIN / "rl-actor", "reward", *run_args, "--id", "reward-0"])
+        run_args = procs.start_run(config, sets, run_dir)
+        url = run_args[1]
         procs.start("actor-0", [BIN / "rl-actor", *run_args, "--id", "actor-0"], {"VLLM_CPU_OMP_THREADS_BIND": "1"})
         train = [BIN / "rl-learner", "train", config, *sets, "--redis", url]
 
