@@ -76,11 +76,13 @@ def _read_run_config(url: str, run: str):
 
     from common.cliutil import fail
     from common.config import ConfigError
-    from common.control import ControlPlane, RunNotFoundError, connect
+    from common.control import ControlPlane
+    from common.keys import connect
     from common.logs import configure
+    from common.run_record import RunNotFoundError
 
     try:
-        config = ControlPlane(connect(url), run).read_config()
+        config = ControlPlane(connect(url), run).run.read_config()
     except (RunNotFoundError, ConfigError) as exc:
         fail(str(exc))
     except redis_lib.exceptions.ConnectionError as exc:

@@ -44,8 +44,9 @@ import numpy as np
 from actors.rewards import RewardError, bind_functions, combine, score
 from common.channel import CurveServer, PullChannel
 from common.config import RewardFunction, RunConfig
-from common.control import ControlPlane, connect, dead_letter
+from common.control import ControlPlane
 from common.heartbeat import HeartbeatThread
+from common.keys import connect, dead_letter
 from common.logs import get_logger, worth_logging
 from common.metrics import (
     REWARD_DEAD_LETTERED_GROUPS,
@@ -302,8 +303,8 @@ class RewardWorker:
         """
         if group.task != self.task:
             return "task", f"task {group.task[:80]!r} is not this run's task {self.task!r}"
-        issued = self.plane.load_group(group.group_id)
-        if issued is None and self.plane.was_completed(group.group_id):
+        issued = self.plane.prompts.load_group(group.group_id)
+        if issued is None and self.plane.prompts.was_completed(group.group_id):
             return None
         mismatch = issue_mismatch(issued, group, self.config.rollout.max_new_tokens)
         return ("issue_record", mismatch) if mismatch is not None else None

@@ -28,8 +28,9 @@ import uuid
 
 from common.channel import ChannelBlocked, PushChannel
 from common.config import RunConfig
-from common.control import ControlPlane, connect
+from common.control import ControlPlane
 from common.heartbeat import HeartbeatThread
+from common.keys import connect
 from common.logs import get_logger
 from common.metrics import (
     ACTOR_GENERATED_GROUPS,
@@ -40,6 +41,7 @@ from common.metrics import (
     MetricsServer,
     start_metrics_server,
 )
+from common.staleness import StalenessBound
 from common.wire import Heartbeat, PromptGroup, RolloutGroup, WeightManifest
 
 log = get_logger("actor")
@@ -50,6 +52,7 @@ class RolloutActor:
     def __init__(self, config: RunConfig, redis_url: str, actor_id: str | None = None) -> None:
         self.config = config
         self.redis_url = redis_url  # the weight group's rendezvous is in the run's Redis (common/rendezvous.py)
+        self.bound = StalenessBound.of(config)
         self.actor_id = actor_id or f"actor-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
         self.plane = ControlPlane(connect(redis_url), config.run.name)
         self.version = 0  # the model folder the engine starts from is policy version 0
@@ -131,7 +134,7 @@ class RolloutActor:
 
     def _in_sync(self) -> bool:
         """Generate only with weights the learner can still use (avoid producing groups it would drop)."""
-        self._behind = self.version < self.plane.version() - self.config.staleness.max_staleness
+        self._behind = not self.bound.may_generate(self.version, self.plane.run.version())
         return not self._behind
 
     async def _work_loop(self) -> None:
@@ -140,10 +143,10 @@ class RolloutActor:
             if len(self._running) >= limit or not self._peers or not await asyncio.to_thread(self._in_sync):
                 await self._sleep(0.05)
                 continue
-            group = await asyncio.to_thread(self.plane.take_prompt, self.actor_id, 0.5)
+            group = await asyncio.to_thread(self.plane.prompts.take_prompt, self.actor_id, 0.5)
             if group is None or self._stopping.is_set():
                 if group is not None:
-                    await asyncio.to_thread(self.plane.return_prompts, [group])
+                    await asyncio.to_thread(self.plane.prompts.return_prompts, [group])
                 continue
             request_id = f"{group.group_id}-{uuid.uuid4().hex[:6]}"
             task = asyncio.create_task(self._generate(group, request_id))
@@ -160,7 +163,7 @@ class RolloutActor:
             log.error("generation failed; returning the group", group=group.group_id, error=repr(exc))
             self._running.pop(request_id, None)
             self._stop_if_engine_died(exc)
-            await asyncio.to_thread(self.plane.return_prompts, [group])
+            await asyncio.to_thread(self.plane.prompts.return_prompts, [group])
             return
         # Finished work is delivered even during shutdown: it leaves _running first, so it is not also returned.
         self._running.pop(request_id, None)
@@ -169,7 +172,7 @@ class RolloutActor:
             await self._on_sender(self.push.send, rollout)
         except ChannelBlocked as exc:
             log.warning("reward workers not keeping up; returning the group", group=group.group_id, error=exc)
-            await asyncio.to_thread(self.plane.return_prompts, [group])
+            await asyncio.to_thread(self.plane.prompts.return_prompts, [group])
 
     def _count(self, rollout: RolloutGroup) -> None:
         """A finished group into the heartbeat's tokens/s and the Prometheus counters."""
@@ -199,7 +202,7 @@ class RolloutActor:
         while not self._stopping.is_set():
             await asyncio.to_thread(self._manifest_seen.wait, 1.0)
             self._manifest_seen.clear()
-            current = await asyncio.to_thread(self.plane.read_manifest)
+            current = await asyncio.to_thread(self.plane.run.read_manifest)
             if current is None:
                 continue
             manifest, frames = current
@@ -257,7 +260,7 @@ class RolloutActor:
 
     async def _peers_loop(self) -> None:
         while not self._stopping.is_set():
-            live, _ = await asyncio.to_thread(self.plane.processes)
+            live, _ = await asyncio.to_thread(self.plane.registry.processes)
             endpoints = {h.endpoint for h in live if h.kind == "reward" and h.endpoint}
             for endpoint in endpoints - self._peers:
                 await self._on_sender(self.push.connect, endpoint)
@@ -300,7 +303,7 @@ class RolloutActor:
                     await self.engine.abort(request_id)
             task.cancel()
         if unfinished:
-            self.plane.return_prompts(unfinished)
+            self.plane.prompts.return_prompts(unfinished)
             log.info("returned unfinished groups to the queue", count=len(unfinished))
         if self._tasks:  # let finished groups finish sending before the socket closes
             await asyncio.wait(self._tasks, timeout=self.push.socket.sndtimeo / 1000 + 5)

@@ -65,7 +65,7 @@ def run_bridge(redis_url: str, endpoint_queue: mp.Queue) -> None:
     import numpy as np
 
     from common.channel import PullChannel
-    from common.control import RunKeys, connect
+    from common.keys import RunKeys, connect
     from common.replay import ReplayWriter
     from common.wire import RolloutGroup, ScoredGroup
 
@@ -83,7 +83,7 @@ def run_bridge(redis_url: str, endpoint_queue: mp.Queue) -> None:
 
 def consume(redis_url: str, seconds: float) -> dict[str, float]:
     """Read, decode and acknowledge for ``seconds`` after the first entry arrives."""
-    from common.control import RunKeys, connect
+    from common.keys import RunKeys, connect
     from common.replay import ReplayReader
 
     reader = ReplayReader(connect(redis_url), RunKeys("bench"))
@@ -119,7 +119,7 @@ def measure_pipeline(redis_url: str, seconds: float, samples: int, tokens: int) 
 
 
 def measure_raw_xadd(redis_url: str, seconds: float, blob: bytes, payload: int) -> dict[str, float]:
-    from common.control import connect
+    from common.keys import connect
 
     client = connect(redis_url)
     key = "asyncrl:bench:raw"

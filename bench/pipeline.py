@@ -31,7 +31,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.config import load_config
-from common.control import ControlPlane, connect
+from common.control import ControlPlane
+from common.keys import connect
 from common.redis_server import EmbeddedRedis
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,7 +55,7 @@ def run(tmp: Path, model: Path, staleness: int, steps: int, overlap: bool = True
     ]
     config = load_config(ROOT / "configs/demo.toml", overrides)
     with EmbeddedRedis(tmp / name / "redis") as redis:
-        ControlPlane(connect(redis.url), name).publish_config(config)
+        ControlPlane(connect(redis.url), name).run.publish_config(config)
         common = ["--redis", redis.url, "--run", name]
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "1", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
         quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "env": env}

@@ -31,13 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.channel import PullChannel
 from common.config import load_config
-from common.control import ControlPlane, connect
+from common.control import ControlPlane
+from common.keys import connect
 from common.redis_server import EmbeddedRedis
 from common.rendezvous import RedisStore
-from common.tasks import TASK_ALPHABET, get_task
+from common.tasks import TASK_ALPHABET, get_task, prompt_group
 from common.weights import GroupAddress, WeightGroup, plan_buckets
 from common.wire import Heartbeat, PromptGroup, RolloutGroup, WeightManifest
-from learner.dispatcher import prompt_group
 
 RUN = "bench-rollout"
 
@@ -108,12 +108,12 @@ def weight_sync(plane: ControlPlane, pull: PullChannel, model_dir: Path, actor_i
         group_epoch=1,
     )
     start = time.perf_counter()
-    plane.publish_manifest(manifest)
+    plane.run.publish_manifest(manifest)
     root = WeightGroup(GroupAddress("", RUN, epoch=1, rank=0, world_size=2, timeout_s=120), store)
     root.self_check()
     root.send(buckets, params)
     sent = time.perf_counter() - start
-    plane.set_version(1)
+    plane.run.set_version(1)
     while True:
         group = pull.recv(timeout_s=120)
         if group is None:
@@ -135,13 +135,13 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from learner.tiny_model import init_model
+    from common.tiny_model import init_model
 
     with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis") as redis:
         model_dir = init_model(Path(tmp) / "model", alphabet=TASK_ALPHABET, seed=0)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         plane = ControlPlane(connect(redis.url), RUN)
-        plane.publish_config(
+        plane.run.publish_config(
             load_config(
                 None,
                 [
@@ -158,8 +158,9 @@ def main() -> None:
         )
         pull = PullChannel("rollouts", RolloutGroup, hwm=1000)
         endpoint = pull.bind("tcp://127.0.0.1:0")
-        plane.beat(Heartbeat(process_id="bench-collector", kind="reward", state="ready", endpoint=endpoint), 3600)
-        plane.push_prompts(prompt_groups(tokenizer, 20_000, args.samples))
+        collector = Heartbeat(process_id="bench-collector", kind="reward", state="ready", endpoint=endpoint)
+        plane.registry.beat(collector, 3600)
+        plane.prompts.push_prompts(prompt_groups(tokenizer, 20_000, args.samples))
         figures: dict[str, object] = {}
         actors = [start_actor(redis.url, "one", "0")]
         try:

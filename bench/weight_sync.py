@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from common.config import load_config
-from common.control import ControlPlane, connect
+from common.control import ControlPlane
+from common.keys import connect
 from common.redis_server import EmbeddedRedis
 from common.rendezvous import RedisStore
 from common.weights import GroupAddress, WeightGroup, plan_buckets
@@ -47,7 +48,7 @@ def make_model(folder: Path, millions: int) -> dict[str, torch.Tensor]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from common.tasks import TASK_ALPHABET
-    from learner.tiny_model import init_model
+    from common.tiny_model import init_model
 
     hidden, layers, intermediate = SHAPES[millions]
     init_model(folder, alphabet=TASK_ALPHABET, hidden=hidden, layers=layers, heads=8, intermediate=intermediate)
@@ -71,7 +72,7 @@ def start_actors(url: str, n: int) -> list[subprocess.Popen]:
 def wait_ready(plane: ControlPlane, n: int, timeout_s: float = 600) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        live, _ = plane.processes()
+        live, _ = plane.registry.processes()
         if sum(h.kind == "actor" and h.state not in ("starting",) for h in live) >= n:
             return
         time.sleep(1)
@@ -84,7 +85,7 @@ def asyncrl_sync(plane: ControlPlane, params: dict[str, torch.Tensor], repeats: 
     group = None
     times = []
     for version in range(1, repeats + 2):
-        plane.publish_manifest(
+        plane.run.publish_manifest(
             WeightManifest(
                 version=version,
                 world_size=3,
@@ -141,7 +142,7 @@ def measure(millions: int, repeats: int, tmp: Path, bucket_mb: float) -> dict[st
     params = make_model(folder, millions)
     with EmbeddedRedis(tmp / f"redis-{millions}") as redis:
         plane = ControlPlane(connect(redis.url), RUN)
-        plane.publish_config(
+        plane.run.publish_config(
             load_config(
                 None,
                 [

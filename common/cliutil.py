@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from common.logs import configure
 
@@ -15,14 +16,23 @@ def fail(message: str, code: int = 2) -> NoReturn:
     raise SystemExit(code)
 
 
-def load(config_path: Path | None, overrides: list[str] | None):
-    """The validated run config, or a clear exit naming the bad field."""
+def load(config_path: Path | None, overrides: list[str] | None, check: Callable[[Any], None] | None = None):
+    """The validated run config, or a clear exit (2) naming the bad field.
+
+    ``check`` validates further what the command will use (e.g. the learner's algorithm options against its
+    registries); a ``ValueError`` it raises exits the same way, before anything starts.
+    """
     from common.config import ConfigError, load_config
 
     try:
         config = load_config(config_path, overrides or [])
     except ConfigError as exc:
         fail(str(exc))
+    if check is not None:
+        try:
+            check(config)
+        except ValueError as exc:  # ConfigError, or a registry's unknown name
+            fail(f"invalid config: {exc}")
     configure(config.monitoring.log_level)
     return config
 

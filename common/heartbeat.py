@@ -38,7 +38,7 @@ class HeartbeatThread:
         """Send one heartbeat now (e.g. right after a state change)."""
         heartbeat = self.make()
         self._process_id = heartbeat.process_id
-        self.plane.beat(heartbeat, self.ttl_s)
+        self.plane.registry.beat(heartbeat, self.ttl_s)
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
@@ -53,6 +53,6 @@ class HeartbeatThread:
             self._thread.join(self.period_s + 5)
         if leave and self._process_id:
             try:
-                self.plane.leave(self._process_id)
+                self.plane.registry.leave(self._process_id)
             except Exception as exc:
                 log.warning("could not leave the registry; the heartbeat will expire", error=exc)

@@ -266,7 +266,7 @@ class MetricsServer:
         return self.endpoint.port
 
     def register(self) -> MetricsServer:
-        self.plane.register_metrics_endpoint(self.endpoint.process_id, self.endpoint.as_dict(), self.ttl_s)
+        self.plane.registry.register_metrics_endpoint(self.endpoint.process_id, self.endpoint.as_dict(), self.ttl_s)
         if not self._refresher.is_alive() and not self._stop.is_set():
             self._refresher.start()
         return self
@@ -274,7 +274,8 @@ class MetricsServer:
     def _refresh(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
             try:
-                self.plane.register_metrics_endpoint(self.endpoint.process_id, self.endpoint.as_dict(), self.ttl_s)
+                endpoint = self.endpoint
+                self.plane.registry.register_metrics_endpoint(endpoint.process_id, endpoint.as_dict(), self.ttl_s)
             except Exception as exc:  # keep serving through a Redis blip; the TTL decides discovery
                 log.warning("metrics registration failed; retrying", process=self.endpoint.process_id, error=exc)
 
@@ -284,7 +285,7 @@ class MetricsServer:
             return
         self._stop.set()
         try:
-            self.plane.unregister_metrics_endpoint(self.endpoint.process_id)
+            self.plane.registry.unregister_metrics_endpoint(self.endpoint.process_id)
         except Exception as exc:
             log.info("metrics endpoint not unregistered (Redis unreachable); it expires by itself", error=exc)
         self._server.shutdown()

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from common.control import RunKeys, dead_letter
+from common.keys import RunKeys, dead_letter
 from common.logs import get_logger
 from common.metrics import REPLAY_DEAD_LETTERS, REPLAY_ENTRIES_ADDED, REPLAY_ENTRIES_READ
 from common.wire import Decoder, Limits, ScoredGroup, WireError, decode_blob, encode_blob

@@ -34,13 +34,17 @@ import copy
 import inspect
 import json
 import random
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import numpy as np
+
 from common.registry import Registry
+from common.wire import PromptGroup
 
 if TYPE_CHECKING:
     from common.config import TaskSection
@@ -95,6 +99,28 @@ class Task(ABC):
         return path
 
 
+def prompt_group(
+    group_id: str,
+    task: str,
+    example: TaskExample,
+    encode: Callable[[str], list[int]],
+    num_samples: int,
+    version: int = 0,
+    issued_at: float | None = None,
+) -> PromptGroup:
+    """One prompt group for ``example``: its prompt tokenized by ``encode`` (with BOS, as vLLM expects)."""
+    return PromptGroup(
+        group_id=group_id,
+        task=task,
+        prompt=example.prompt,
+        prompt_ids=np.asarray(encode(example.prompt), dtype=np.int32),
+        answer=example.answer,
+        num_samples=num_samples,
+        issued_version=version,
+        issued_at=time.time() if issued_at is None else issued_at,
+    )
+
+
 # --------------------------------------------------------------------------- registry
 
 TASKS: Registry[type[Task]] = Registry("task")
@@ -115,12 +141,18 @@ def register_task(name: str) -> Callable[[type[Task]], type[Task]]:
 
 def get_task(name: str, **options: Any) -> Task:
     """Build the task registered as ``name`` with ``options`` (its constructor's keyword arguments)."""
+    return check_task_options(name, options)(**options)
+
+
+def check_task_options(name: str, options: dict[str, Any]) -> type[Task]:
+    """The task class registered as ``name``, once ``options`` are known to fit its constructor (``ValueError``
+    names them otherwise); nothing is built, so no data file is read."""
     cls = TASKS.get(name)
     try:
         inspect.signature(cls).bind(**options)
     except TypeError as e:
         raise ValueError(f"task {name!r}: bad options {sorted(options)}: {e}") from None
-    return cls(**options)
+    return cls
 
 
 def task_label(section: TaskSection) -> str:

@@ -24,17 +24,17 @@ _HIDE_CURSOR, _SHOW_CURSOR = "\x1b[?25l", "\x1b[?25h"
 
 def snapshot(plane) -> dict[str, Any]:
     """Everything the view shows, read in a few round trips."""
-    live, lost = plane.processes()
+    live, lost = plane.registry.processes()
     return {
         "run": plane.keys.run,
         "config_found": bool(plane.client.exists(plane.keys.config)),
-        "version": plane.version(),
+        "version": plane.run.version(),
         "queues": plane.queue_depths(),
         "processes": live,
         "lost": lost,
-        "summary": plane.summary(),
-        "alerts": plane.alerts(),
-        "endpoints": {e["process_id"]: e for e in plane.metrics_endpoints()},
+        "summary": plane.run.summary(),
+        "alerts": plane.run.alerts(),
+        "endpoints": {e["process_id"]: e for e in plane.registry.metrics_endpoints()},
     }
 
 
@@ -138,11 +138,12 @@ def main_command(
 ) -> None:
     """Watch a run live (Ctrl-C to quit)."""
     from common.cliutil import redis_url
-    from common.control import ControlPlane, connect
+    from common.control import ControlPlane
+    from common.keys import connect
 
     plane = ControlPlane(connect(redis_url(redis, run, root)), run)
     if as_targets:
-        print(json.dumps(targets(plane.metrics_endpoints(), run), indent=2))
+        print(json.dumps(targets(plane.registry.metrics_endpoints(), run), indent=2))
         return
     if once:
         print(render(snapshot(plane)))

@@ -8,16 +8,25 @@ the actors that never announced themselves for the epoch are evicted (left out o
 the timeout, and a failed sync is never announced as done: the version is only bumped after a
 broadcast that every member completed.
 
-Overlap: :meth:`Broadcaster.start` copies the weights into flat buckets and publishes the manifest on
-the caller's thread (a memcpy of the model), then hands the transfer to a background thread and
-returns a future, so the learner computes its next step while the copy is on the wire. One transfer
-at a time: ``start`` waits for the previous one before it touches the group.
+The broadcaster is the only owner of the transfer in flight and of the version the actors are told:
+
+- :meth:`Broadcaster.publish` is a step's broadcast. It copies the weights into flat buckets and publishes the
+  manifest on the caller's thread (a memcpy of the model), then hands the transfer to a background thread. With
+  overlap (``weight_sync.overlap`` and ``max_staleness`` ≥ 1) it returns at once and the learner computes its next
+  step while the copy is on the wire; the transfer is finished at the start of the next broadcast. Synchronous
+  (``max_staleness = 0``: the next batch must come from these weights) it waits.
+- :meth:`Broadcaster.finish` waits for the transfer in flight, then publishes its version (the ``version`` key the
+  actors generate against): a failed sync is never announced as done.
+- :meth:`Broadcaster.welcome` re-sends the current weights when an actor joins while the learner waits for data,
+  and :meth:`Broadcaster.resend` after a resume.
+
+One transfer at a time: a new one waits for the previous one before it touches the group.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -60,25 +69,69 @@ class Broadcaster:
         self.group: WeightGroup | None = None
         self.evicted: dict[str, int] = {}  # actor id -> syncs left out
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync")
-        self._pending: Future[dict[str, float]] | None = None
+        self.overlap = config.weight_sync.overlap and config.staleness.max_staleness >= 1
+        self._in_flight: tuple[int, Future[dict[str, float]]] | None = None  # (version, its transfer)
+        self._early: dict[str, float] = {}  # figures of a transfer finished before its step's broadcast
 
     def live_actors(self) -> list[str]:
-        live, _ = self.plane.processes()
+        live, _ = self.plane.registry.processes()
         return sorted(h.process_id for h in live if h.kind == "actor" and h.state not in _JOINABLE)
 
     def has_newcomers(self) -> bool:
         """A live actor that is neither in the current group nor evicted: it holds no recent weights yet."""
         return any(a not in self.members and a not in self.evicted for a in self.live_actors())
 
-    def start(self, version: int, params: Mapping[str, torch.Tensor]) -> Future[dict[str, float]]:
+    def publish(self, version: int, params: Callable[[], Mapping[str, torch.Tensor]]) -> dict[str, float]:
+        """A step's broadcast of ``version``; returns the figures of the transfer that finished during this call.
+
+        With overlap the figures are of the previous version's transfer (``version`` says which) and ``wait_s``
+        is the time spent waiting for it — the part of the broadcast that overlap did not hide. Every
+        ``weight_sync.sync_every``-th version is sent; the others report ``skipped``.
+        """
+        figures = self._early | self.finish()
+        self._early = {}
+        if version % self.config.weight_sync.sync_every:
+            return figures | {"skipped": 1.0}
+        self._start(version, params())
+        return figures if self.overlap else self.finish()
+
+    def welcome(self, version: int, params: Callable[[], Mapping[str, torch.Tensor]]) -> None:
+        """An actor that joins while the learner waits for a batch gets ``version`` now rather than after the next
+        step: it generates nothing until it holds weights within the staleness bound, and the next step may be
+        waiting for exactly its groups. Nothing happens at version 0 (every actor starts from it) or while a
+        transfer is still on the wire."""
+        if version == 0 or (self._in_flight is not None and not self._in_flight[1].done()):
+            return
+        if not self.has_newcomers():
+            return
+        self._early = self.finish()
+        log.info("re-sending the current weights to actors that joined", version=version)
+        self._start(version, params())
+
+    def resend(self, version: int, params: Callable[[], Mapping[str, torch.Tensor]]) -> None:
+        """Send ``version`` now (after a resume, actors hold weights of the discarded steps, or none)."""
+        self._start(version, params())
+
+    def finish(self) -> dict[str, float]:
+        """Wait for the transfer in flight, if any, then publish its version as the actors' current one."""
+        if self._in_flight is None:
+            return {}
+        version, pending = self._in_flight
+        waited = time.perf_counter()
+        figures = pending.result()
+        self._in_flight = None
+        self.plane.run.set_version(version)
+        return figures | {"version": float(version), "wait_s": time.perf_counter() - waited}
+
+    def _start(self, version: int, params: Mapping[str, torch.Tensor]) -> None:
         """Snapshot ``params``, publish ``version``'s manifest, and send in the background.
 
         When this returns, ``params`` may change (the next optimizer step): the buckets are copies. The
-        future's result is the figures of the transfer; it never raises — a failed transfer evicts the
-        actors that did not come and reports ``failed = 1``.
+        transfer's result is its figures; it never raises — a failed transfer evicts the actors that did
+        not come and reports ``failed = 1``.
         """
-        if self._pending is not None:
-            self._pending.result()
+        if self._in_flight is not None:
+            self._in_flight[1].result()
         start = time.perf_counter()
         self._update_membership()
         buckets = plan_buckets(params, int(self.config.weight_sync.bucket_mb * 2**20))
@@ -92,16 +145,15 @@ class Broadcaster:
             group_epoch=self.epoch,
             restore=self.restore,
         )
-        self.plane.publish_manifest(manifest)
+        self.plane.run.publish_manifest(manifest)
         figures = {"members": float(len(self.members)), "bytes": 0.0, "self_check_s": 0.0}
         figures["snapshot_s"] = time.perf_counter() - start
-        self._pending = self._pool.submit(self._transfer, flats, figures, start)
-        return self._pending
+        self._in_flight = (version, self._pool.submit(self._transfer, flats, figures, start))
 
     def close(self) -> None:
-        """Wait for the transfer in flight, then stop the background thread."""
-        if self._pending is not None:
-            self._pending.result()
+        """Wait for the transfer in flight, then stop the background thread (its version is not published)."""
+        if self._in_flight is not None:
+            self._in_flight[1].result()
         self._pool.shutdown(wait=True)
 
     def _transfer(self, flats: list[torch.Tensor], figures: dict[str, float], start: float) -> dict[str, float]:
@@ -162,7 +214,7 @@ class Broadcaster:
 def _previous_manifest(plane: ControlPlane) -> WeightManifest | None:
     """The run's last published manifest, or None (none yet, or unreadable: then epochs start again at 1)."""
     try:
-        current = plane.read_manifest()
+        current = plane.run.read_manifest()
     except WireError as exc:
         log.warning("ignored an unreadable weight manifest", field=exc.field, reason=exc.reason)
         return None

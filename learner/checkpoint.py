@@ -6,7 +6,7 @@ One checkpoint is the folder ``runs/<name>/checkpoints/step-<N>/``::
     policy/ds/     DeepSpeed checkpoint of the policy: weights, optimizer and scheduler state (``save_checkpoint``)
     critic/ds/     the same for the critic, when the run trains one
     hf/            the policy as a Hugging Face folder (safetensors, config, tokenizer), loadable as is
-    state.json     :class:`RunState`: step and policy version, KL coefficient, RNG states, config hash, and the
+    state.json     :class:`SavedState`: step and policy version, KL coefficient, RNG states, config hash, and the
                    dispatcher and replay positions at save time
     manifest.json  sha256 and size of every other file
 
@@ -78,7 +78,7 @@ class CheckpointError(RuntimeError):
 
 
 @dataclass
-class RunState:
+class SavedState:
     """Everything of the learner's state that is neither in DeepSpeed's checkpoint nor in Redis (``state.json``)."""
 
     step: int
@@ -112,7 +112,7 @@ class RunState:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
 
     @classmethod
-    def from_file(cls, path: Path) -> RunState:
+    def from_file(cls, path: Path) -> SavedState:
         try:
             data = json.loads(path.read_text())
             known = {f.name for f in fields(cls)}
@@ -226,7 +226,7 @@ class Checkpoint:
     """A checkpoint folder whose every file matched its manifest when it was opened (:func:`open_checkpoint`)."""
 
     path: Path
-    state: RunState
+    state: SavedState
     files: dict[str, dict[str, Any]]
 
     @property
@@ -250,7 +250,7 @@ def open_checkpoint(path: Path) -> Checkpoint:
             log.warning("ignored a file that the checkpoint's manifest does not list", file=extra)
     if STATE not in entries:
         raise CheckpointError(f"{path / STATE} is not in {manifest}; resume from another checkpoint")
-    return Checkpoint(path, RunState.from_file(path / STATE), entries)
+    return Checkpoint(path, SavedState.from_file(path / STATE), entries)
 
 
 def _verify_file(path: Path, meta: dict[str, Any]) -> None:
@@ -307,7 +307,7 @@ class Checkpointer:
         self.tokenizer = tokenizer
         self.root = config.run_dir / "checkpoints"
 
-    def save(self, state: RunState) -> Path:
+    def save(self, state: SavedState) -> Path:
         """Write ``state`` and the engines to ``step-<N>`` (temporary folder, manifest, rename), then prune."""
         started = time.perf_counter()
         final, tmp = self.root / f"step-{state.step}", self.root / f".tmp-step-{state.step}"
@@ -331,7 +331,7 @@ class Checkpointer:
         dist.barrier()
         return final
 
-    def _log_saved(self, state: RunState, path: Path, entries: dict[str, dict[str, Any]], seconds: float) -> None:
+    def _log_saved(self, state: SavedState, path: Path, entries: dict[str, dict[str, Any]], seconds: float) -> None:
         parts: dict[str, int] = {}
         for name, meta in entries.items():
             part = name.split("/", 1)[0] if "/" in name else "state"
@@ -346,7 +346,7 @@ class Checkpointer:
             seconds=round(seconds, 3),
         )
 
-    def load(self, checkpoint: Checkpoint) -> RunState:
+    def load(self, checkpoint: Checkpoint) -> SavedState:
         """Load the engines' weights, optimizer and scheduler state from a verified checkpoint; its run state."""
         state = checkpoint.state
         if state.has_critic != (self.critic is not None):

@@ -27,17 +27,19 @@ def resolve(
     """Validate a config, write runs/<name>/config.json and (with --redis) publish it for actors."""
     from common.cliutil import load
     from common.config import write_resolved
+    from learner.update import check_config
 
-    resolved = load(config, set_)
+    resolved = load(config, set_, check=check_config)
     print(resolved.to_json())
     if dry_run:
         return
     path = write_resolved(resolved)
     typer.echo(f"wrote {path}", err=True)
     if redis:
-        from common.control import ControlPlane, connect
+        from common.control import ControlPlane
+        from common.keys import connect
 
-        ControlPlane(connect(redis), resolved.run.name).publish_config(resolved)
+        ControlPlane(connect(redis), resolved.run.name).run.publish_config(resolved)
         typer.echo(f"published to {redis.split('@')[-1]} as run {resolved.run.name!r}", err=True)
 
 
@@ -77,9 +79,10 @@ def init_model_command(
 
     from common.cliutil import load
     from common.tasks import TASK_ALPHABET, get_task
-    from learner.tiny_model import init_model, model_fingerprint, warm_start
+    from common.tiny_model import init_model, model_fingerprint, warm_start
+    from learner.update import check_config
 
-    resolved = load(config, set_)
+    resolved = load(config, set_, check=check_config)
     out = Path(resolved.model.path)
     if (out / "config.json").exists() and not force:
         typer.echo(f"{out} exists; keeping it (--force to overwrite)", err=True)
@@ -110,8 +113,9 @@ def train(
     With data.source = "preferences": offline DPO on the file data.path (no Redis, no actors)."""
     from common.cliutil import fail, load
     from common.redis_server import EmbeddedRedis
+    from learner.update import check_config
 
-    resolved = load(config, set_)
+    resolved = load(config, set_, check=check_config)
     if resolved.data.source == "preferences":
         if resume:
             fail("--resume is for runs that train from rollouts; offline DPO (data.source = 'preferences') has none")
@@ -171,9 +175,10 @@ def make_preferences(
     from common.cliutil import fail, load
     from common.tasks import get_task
     from learner.preferences import write_synthetic_preferences
+    from learner.update import check_config
 
     # data.path = OUT, so a preferences config (which requires data.path) validates before the file exists.
-    resolved = load(config, [*(set_ or []), f"data.path={json.dumps(str(out))}"])
+    resolved = load(config, [*(set_ or []), f"data.path={json.dumps(str(out))}"], check=check_config)
     try:
         task = get_task(resolved.task.name, **resolved.task.options)
         path = write_synthetic_preferences(task, out, pairs, resolved.run.seed)

@@ -1,8 +1,7 @@
 """Prompt admission for the learner: releases prompt groups under the staleness bound, re-issues lost ones.
 
-Admission control (the AReaL rule, DESIGN.md "Policy versions, staleness and importance ratios")::
+Admission control (:class:`common.staleness.StalenessBound`, the one staleness rule of a run)::
 
-    capacity(v)    = (max_staleness + v + 1) × groups_per_step
     released_total = distinct groups ever released − groups counted lost − groups discarded
     release(v)     releases max(0, capacity(v) − released_total) new groups
 
@@ -34,10 +33,8 @@ import random
 import time
 from collections.abc import Callable, Iterable
 
-import numpy as np
-
 from common.config import RunConfig, TaskSection
-from common.control import ControlPlane, LedgerEntry
+from common.control import ControlPlane
 from common.logs import get_logger
 from common.metrics import (
     DISPATCHER_DUPLICATE_GROUPS,
@@ -45,7 +42,9 @@ from common.metrics import (
     DISPATCHER_REISSUED_GROUPS,
     DISPATCHER_RELEASED_GROUPS,
 )
-from common.tasks import Task, TaskExample, get_task, task_label
+from common.prompt_ledger import LedgerEntry
+from common.staleness import StalenessBound
+from common.tasks import Task, check_task_options, get_task, prompt_group, task_label
 from common.wire import PromptGroup
 
 log = get_logger("dispatcher")
@@ -54,19 +53,27 @@ MAX_ATTEMPTS = 2
 
 
 def prompt_source(section: TaskSection) -> tuple[Task, str]:
-    """The run's task and the name its groups carry (:func:`common.tasks.task_label`: its verifier).
+    """The run's task and the name its groups carry (:func:`common.tasks.task_label`: its verifier)."""
+    return get_task(section.name, **task_options(section)), task_label(section)
 
-    For ``file`` the path comes from ``task.path``; ``task.options["verifier"]`` is not a constructor option.
-    """
+
+def check_task(section: TaskSection) -> None:
+    """Whether ``task.name`` is registered and takes ``task.options``, without building it (no file is read)."""
+    check_task_options(section.name, task_options(section))
+
+
+def task_options(section: TaskSection) -> dict:
+    """The task constructor's options: ``task.options``, and for ``file`` the path from ``task.path``
+    (``task.options["verifier"]`` names the verifier, not a constructor option)."""
     options = dict(section.options)
     if section.name != "file":
-        return get_task(section.name, **options), task_label(section)
+        return options
     options.pop("verifier", None)
     if section.path:
         options["path"] = section.path
     if not options.get("path"):
         raise ValueError("task 'file' needs a data file: set task.path to a JSONL or Parquet file")
-    return get_task("file", **options), task_label(section)
+    return options
 
 
 def overdue_reason(entry: LedgerEntry, live: set[str], deadline_s: float, now: float) -> str | None:
@@ -82,28 +89,6 @@ def overdue_reason(entry: LedgerEntry, live: set[str], deadline_s: float, now: f
     return None
 
 
-def prompt_group(
-    group_id: str,
-    task: str,
-    example: TaskExample,
-    encode: Callable[[str], list[int]],
-    num_samples: int,
-    version: int = 0,
-    issued_at: float | None = None,
-) -> PromptGroup:
-    """One prompt group for ``example``: its prompt tokenized by ``encode`` (with BOS, as vLLM expects)."""
-    return PromptGroup(
-        group_id=group_id,
-        task=task,
-        prompt=example.prompt,
-        prompt_ids=np.asarray(encode(example.prompt), dtype=np.int32),
-        answer=example.answer,
-        num_samples=num_samples,
-        issued_version=version,
-        issued_at=time.time() if issued_at is None else issued_at,
-    )
-
-
 class Dispatcher:
     """Releases prompt groups into the run's prompt queue under admission control and tracks them.
 
@@ -114,6 +99,7 @@ class Dispatcher:
         self.config = config
         self.plane = plane
         self.encode = encode
+        self.bound = StalenessBound.of(config)
         self.task, self.task_label = prompt_source(config.task)
         self._rng = random.Random(config.run.seed)
         self._drawn = 0  # examples drawn from the task so far (its position in the prompt stream)
@@ -121,20 +107,20 @@ class Dispatcher:
     # -- admission
     def capacity(self, version: int) -> int:
         """How many groups may have been released (and not lost or discarded) at ``version``."""
-        return (self.config.staleness.max_staleness + version + 1) * self.config.learner.groups_per_step
+        return self.bound.capacity(version)
 
     def release(self, version: int) -> int:
         """Release as many new groups as admission allows at policy ``version``; returns how many."""
         if version < 0:
             raise ValueError(f"version must be >= 0, got {version}")
-        counts = self.plane.dispatch_counts()
+        counts = self.plane.prompts.dispatch_counts()
         free = self.capacity(version) - counts.get("released", 0)
         if free <= 0:
             return 0
         groups = self._new_groups(counts.get("created", 0), free, version)
-        self.plane.record_issued(groups)
-        self.plane.save_groups(groups, {"created": free, "released": free})  # the commit point
-        self.plane.push_prompts(groups)
+        self.plane.prompts.record_issued(groups)
+        self.plane.prompts.save_groups(groups, {"created": free, "released": free})  # the commit point
+        self.plane.prompts.push_prompts(groups)
         DISPATCHER_RELEASED_GROUPS.inc(free)
         log.debug("released prompt groups", count=free, version=version, first=groups[0].group_id)
         return free
@@ -147,10 +133,10 @@ class Dispatcher:
         fresh run at that version would. The groups the old Redis held in flight are gone with it. Returns whether
         the state was adopted (False when Redis already has it: then Redis is authoritative).
         """
-        if self.plane.dispatch_counts():
+        if self.plane.prompts.dispatch_counts():
             return False
         trained = step * self.config.learner.groups_per_step
-        self.plane.add_dispatch_counts({"created": int(counts.get("created", 0)), "released": trained})
+        self.plane.prompts.add_dispatch_counts({"created": int(counts.get("created", 0)), "released": trained})
         log.warning(
             "Redis has no dispatcher state for this run; continuing from the checkpoint's position",
             created=counts.get("created", 0),
@@ -205,15 +191,16 @@ class Dispatcher:
         next :meth:`release` replaces it). Returns (re-issued, lost).
         """
         now = time.time() if now is None else now
-        live = {heartbeat.process_id for heartbeat in self.plane.processes()[0]}
+        live = {heartbeat.process_id for heartbeat in self.plane.registry.processes()[0]}
         reissued, lost = 0, []
         # newest first: each re-issue goes to the front, so the oldest group ends up taken first
-        newest_first = sorted(self.plane.ledger().items(), key=lambda kv: (kv[1].issued_at, kv[0]), reverse=True)
+        ledger = self.plane.prompts.ledger().items()
+        newest_first = sorted(ledger, key=lambda kv: (kv[1].issued_at, kv[0]), reverse=True)
         for group_id, entry in newest_first:
             reason = overdue_reason(entry, live, deadline_s, now)
             if reason is None:
                 continue
-            group = self.plane.load_group(group_id)
+            group = self.plane.prompts.load_group(group_id)
             if group is None:
                 self._drop_unknown(group_id, entry)
             elif entry.attempts >= MAX_ATTEMPTS:
@@ -226,9 +213,9 @@ class Dispatcher:
 
     def _reissue(self, group: PromptGroup, entry: LedgerEntry, reason: str, now: float) -> None:
         fresh = dataclasses.replace(group, issued_at=now)
-        self.plane.replace_issued(fresh, LedgerEntry(now, entry.version, "", entry.attempts + 1))
-        self.plane.return_prompts([fresh])  # front of the queue: taken next
-        self.plane.add_dispatch_counts({"reissued": 1})
+        self.plane.prompts.replace_issued(fresh, LedgerEntry(now, entry.version, "", entry.attempts + 1))
+        self.plane.prompts.return_prompts([fresh])  # front of the queue: taken next
+        self.plane.prompts.add_dispatch_counts({"reissued": 1})
         DISPATCHER_REISSUED_GROUPS.inc()
         log.warning(
             "re-issued a prompt group",
@@ -243,7 +230,7 @@ class Dispatcher:
         if not lost:
             return
         # released -= n: admission releases a replacement for each lost group
-        self.plane.retire_groups([g for g, _, _ in lost], {"released": -len(lost), "lost": len(lost)})
+        self.plane.prompts.retire_groups([g for g, _, _ in lost], {"released": -len(lost), "lost": len(lost)})
         DISPATCHER_LOST_GROUPS.inc(len(lost))
         for group_id, entry, reason in lost:
             log.warning(
@@ -257,7 +244,7 @@ class Dispatcher:
 
     def _drop_unknown(self, group_id: str, entry: LedgerEntry) -> None:
         """A ledger entry without a payload: not (or no longer) the dispatcher's, e.g. left by a crash."""
-        self.plane.retire_groups([group_id])
+        self.plane.prompts.retire_groups([group_id])
         log.warning(
             "dropped an overdue ledger entry with no stored prompt group",
             group=group_id,
@@ -268,22 +255,22 @@ class Dispatcher:
     # -- completion and duplicates
     def issued(self, group_id: str) -> PromptGroup | None:
         """The issue record of ``group_id`` while it is in flight (released, neither completed nor lost), else None."""
-        return self.plane.load_group(group_id)
+        return self.plane.prompts.load_group(group_id)
 
     def is_known(self, group_id: str) -> bool:
         """Whether ``group_id`` is in flight: released by this run, neither completed nor lost."""
-        return self.plane.has_group(group_id)
+        return self.plane.prompts.has_group(group_id)
 
     def was_completed(self, group_id: str) -> bool:
         """Whether ``group_id`` was completed before (a second arrival is a re-issued group's twin)."""
-        return self.plane.was_completed(group_id)
+        return self.plane.prompts.was_completed(group_id)
 
     def complete(self, group_ids: Iterable[str]) -> int:
         """Mark groups trained: remove their ledger entries, payloads and queued copies, remember them as done.
 
         Admission is unchanged (completed groups keep counting). Returns how many were in flight.
         """
-        return self.plane.retire_groups(group_ids, completed=True)
+        return self.plane.prompts.retire_groups(group_ids, completed=True)
 
     def discard(self, group_ids: Iterable[str]) -> int:
         """Give up on groups that arrived but will not be trained (too stale, or filtered out).
@@ -292,26 +279,26 @@ class Dispatcher:
         replacements are released: with ``max_staleness = 0`` a batch could otherwise never fill again.
         Returns how many were in flight.
         """
-        known = [g for g in dict.fromkeys(group_ids) if self.plane.has_group(g)]
-        self.plane.retire_groups(known, {"released": -len(known), "discarded": len(known)}, completed=True)
+        known = [g for g in dict.fromkeys(group_ids) if self.plane.prompts.has_group(g)]
+        self.plane.prompts.retire_groups(known, {"released": -len(known), "discarded": len(known)}, completed=True)
         return len(known)
 
     def note_duplicate(self, group_id: str = "") -> None:
         """Count a group the learner dropped because it already trained that id."""
-        self.plane.add_dispatch_counts({"duplicates": 1})
+        self.plane.prompts.add_dispatch_counts({"duplicates": 1})
         DISPATCHER_DUPLICATE_GROUPS.inc()
         log.info("dropped a duplicate of a completed prompt group", group=group_id)
 
     def stats(self) -> dict[str, int]:
         """Counters for logs and monitors (all persisted in Redis, so they survive a learner restart)."""
-        counts = self.plane.dispatch_counts()
+        counts = self.plane.prompts.dispatch_counts()
         return {
             "released_total": counts.get("released", 0),
-            "in_flight": self.plane.ledger_size(),
-            "queued": self.plane.queue_depth(),
+            "in_flight": self.plane.prompts.ledger_size(),
+            "queued": self.plane.prompts.queue_depth(),
             "reissued_total": counts.get("reissued", 0),
             "lost_total": counts.get("lost", 0),
-            "completed_total": self.plane.completed_count(),
+            "completed_total": self.plane.prompts.completed_count(),
             "duplicates_total": counts.get("duplicates", 0),
             "discarded_total": counts.get("discarded", 0),
             "created_total": counts.get("created", 0),

@@ -32,9 +32,10 @@ from torch import Tensor
 from common.config import ConfigError, RunConfig, write_resolved
 from common.logs import get_logger
 from learner import dist
-from learner.algorithms import GlobalCounts, LossInput, build_aggregation, build_loss, loss_settings
+from learner.algorithms import GlobalCounts, LossInput
 from learner.engine import Batch, PolicyEngine, ReferenceModel, reference_precision, split_micro_batches
 from learner.preferences import EncodedPair, PreferenceFileError, collate_pairs, encode_pairs, read_preferences
+from learner.update import assemble
 
 log = get_logger("dpo")
 
@@ -51,13 +52,12 @@ class OfflineDPOTrainer:
         self.pairs = encode_pairs(read_preferences(config.data.path), self.tokenizer, config.model.max_model_len)
         if not self.pairs:
             raise PreferenceFileError(f"{config.data.path}: no pair fits model.max_model_len")
-        if "pairs" not in loss_settings(config.algorithm.loss, config.algorithm.loss_options).requires():
+        self.algorithm = assemble(config)  # the same registries and checks as the online learner
+        if "pairs" not in self.algorithm.needs:
             raise ConfigError(
                 f"data.source = 'preferences' trains on preference pairs, but algorithm.loss = "
                 f"{config.algorithm.loss!r} is not a pairwise loss; use the dpo preset (configs/dpo.toml)"
             )
-        self.loss = build_loss(config.algorithm.loss, config.algorithm.loss_options)
-        self.aggregate = build_aggregation(config.algorithm.aggregation, config.algorithm.aggregation_options)
         self.engine = PolicyEngine(config, global_batch=2 * config.data.batch_pairs)
         self.reference = ReferenceModel(config.model.path, reference_precision(config), str(self.engine.device))
         # Micro-batches of whole pairs: an even number of rows, at least one pair.
@@ -123,7 +123,7 @@ class OfflineDPOTrainer:
         def loss_fn(engine: PolicyEngine, micro_batch: Batch) -> Tensor:
             logprobs = engine.token_logprobs(micro_batch["input_ids"], micro_batch["attention_mask"])
             current = logprobs.detach()
-            out = self.loss(
+            out = self.algorithm.loss(
                 LossInput(
                     logprobs=logprobs,
                     old_logprobs=current,
@@ -136,7 +136,7 @@ class OfflineDPOTrainer:
             rows = len(micro_batch["input_ids"])  # metrics are micro-batch means: weight them by rows
             for name, value in out.metrics.items():
                 sums[name] = sums.get(name, 0.0) + float(value) * rows
-            return self.aggregate(out.per_token_loss, micro_batch["response_mask"], counts)
+            return self.algorithm.aggregate(out.per_token_loss, micro_batch["response_mask"], counts)
 
         stats = self.engine.train_step(split_micro_batches(tensors, self.micro_rows), loss_fn)
         rows = dist.all_reduce_sum(len(tensors["input_ids"]))

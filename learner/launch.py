@@ -34,17 +34,19 @@ def _run_redis(config: Path | None, overrides: list[str] | None) -> Iterator[tup
     """Resolve the config, start the run's embedded Redis, publish the config; stop Redis on exit."""
     from common.cliutil import fail, load
     from common.config import write_resolved
-    from common.control import ControlPlane, connect
+    from common.control import ControlPlane
+    from common.keys import connect
     from common.redis_server import EmbeddedRedis, EmbeddedRedisError
+    from learner.update import check_config
 
-    resolved = load(config, overrides)
+    resolved = load(config, overrides, check=check_config)
     write_resolved(resolved)
     try:
         server = EmbeddedRedis(resolved.run_dir / "redis").start()
     except EmbeddedRedisError as exc:
         fail(str(exc))
     try:
-        ControlPlane(connect(server.url), resolved.run.name).publish_config(resolved)
+        ControlPlane(connect(server.url), resolved.run.name).run.publish_config(resolved)
         yield resolved, server.url
     finally:
         server.stop()

@@ -113,7 +113,7 @@ class StepTelemetry:
 
         try:
             queues = self._sample_queues(queues, processes)
-            self.plane.publish_summary(self.summary(values, queues))
+            self.plane.run.publish_summary(self.summary(values, queues))
         except redis.exceptions.RedisError as exc:
             log.warning("could not publish step telemetry; training goes on", step=values.get("step"), error=exc)
 
@@ -136,7 +136,7 @@ class StepTelemetry:
         queues = self.plane.queue_depths() if queues is None else queues
         for name, depth in queues.items():
             m.LEARNER_QUEUE_DEPTH.labels(queue=name).set(depth)
-        live, lost = self.plane.processes() if processes is None else processes
+        live, lost = self.plane.registry.processes() if processes is None else processes
         for kind in ("actor", "reward"):
             m.LEARNER_LIVE_PROCESSES.labels(kind=kind).set(sum(h.kind == kind for h in live))
         m.LEARNER_LOST_PROCESSES.set(len(lost))

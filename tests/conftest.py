@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from common.control import connect
+from common.keys import connect
 from common.redis_server import EmbeddedRedis
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")

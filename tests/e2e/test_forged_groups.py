@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 
 from common.channel import PushChannel
-from common.control import ControlPlane, connect
+from common.control import ControlPlane
+from common.keys import connect
 from common.replay import ReplayWriter
 from common.wire import Decoder, PromptGroup, RolloutGroup, ScoredGroup, decode_blob
 from tests.e2e.test_resume import Processes, _wait
@@ -54,7 +55,7 @@ def honest(issued: PromptGroup, lengths: list[int], versions: int = 0) -> Rollou
 
 def queued_ids(plane: ControlPlane, count: int) -> list[str]:
     """``count`` released ids nobody has taken yet (no actor runs yet: their real groups come after any forgery)."""
-    ledger = plane.ledger()
+    ledger = plane.prompts.ledger()
     return sorted(g for g, e in ledger.items() if not e.actor)[:count]
 
 
@@ -64,7 +65,7 @@ def forgeries(plane: ControlPlane) -> list[tuple[str, str, RolloutGroup]]:
     ``socket``: to the reward worker's PULL socket, as any peer that reaches it can; ``replay``: straight into the
     replay stream, as a reward worker that checked nothing would write it (the learner trusts no worker either).
     """
-    hijacked, long, future, few = (plane.load_group(g) for g in queued_ids(plane, 4))
+    hijacked, long, future, few = (plane.prompts.load_group(g) for g in queued_ids(plane, 4))
     stranger = dataclasses.replace(
         honest(hijacked, [1] * 8), prompt="9+9=", prompt_ids=hijacked.prompt_ids[::-1].copy(), answer="1"
     )
@@ -95,7 +96,7 @@ def test_forged_groups_are_refused_and_every_real_group_is_trained_once(tmp_path
         learner = procs.start("learner", [BIN / "rl-learner", "train", config, *sets, "--redis", url])
         plane = ControlPlane(connect(url), RUN)
         _wait(lambda: len(queued_ids(plane, 4)) == 4, "the first prompt groups released", learner)
-        live, _ = plane.processes()
+        live, _ = plane.registry.processes()
         [endpoint] = [h.endpoint for h in live if h.kind == "reward"]
         sent = forgeries(plane)
         push = PushChannel("rollouts", send_timeout_s=10)
@@ -149,7 +150,7 @@ def _audit(plane: ControlPlane, hijacked: set[str]) -> None:
     """Each step trained GROUPS real groups; every issued group is trained once, discarded, lost or in flight."""
     trained = {g.decode(): int(s) for g, s in plane.client.hgetall(f"asyncrl:{RUN}:trained").items()}
     assert Counter(trained.values()) == dict.fromkeys(range(1, STEPS + 1), GROUPS)
-    counts = plane.dispatch_counts()
+    counts = plane.prompts.dispatch_counts()
     done = {g.decode() for g in plane.client.smembers(plane.keys.done)}
     in_flight = {g.decode() for g in plane.client.hkeys(plane.keys.inflight)}
     issued = {f"{RUN}-{n:08d}" for n in range(counts["created"])}

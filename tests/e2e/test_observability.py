@@ -20,7 +20,8 @@ from typing import TypeVar
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.control import ControlPlane, connect
+from common.control import ControlPlane
+from common.keys import connect
 from tests.e2e.test_system import finish
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -130,11 +131,11 @@ def check_metrics_endpoints(plane: ControlPlane, proc: subprocess.Popen) -> None
     wanted = {"learner", "actor-0", "actor-1", "reward-0"}
 
     def endpoints() -> dict[str, dict] | None:
-        found = {e["process_id"]: e for e in plane.metrics_endpoints()}
+        found = {e["process_id"]: e for e in plane.registry.metrics_endpoints()}
         return found if wanted <= set(found) else None
 
     found = wait_for("every process registered its /metrics", endpoints, proc, timeout_s=60)
-    heartbeats = {h.process_id: h for h in plane.processes()[0]}
+    heartbeats = {h.process_id: h for h in plane.registry.processes()[0]}
     totals: dict[str, float] = {}
     for process_id in sorted(wanted):
         endpoint = found[process_id]

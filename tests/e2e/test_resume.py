@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from common.control import ControlPlane, connect
+from common.control import ControlPlane
+from common.keys import connect
 from learner.checkpoint import complete_checkpoints
 from tests.e2e.test_system import BIN, ROOT, model_dir  # noqa: F401 - model_dir is a fixture
 
@@ -153,7 +154,7 @@ def _audit(plane: ControlPlane, trained_expected: int, retrained: set[str]) -> N
     assert len(trained) == trained_expected
     assert retrained <= set(trained)  # trained again after the kill, not lost
     done = {g.decode() for g in plane.client.smembers(plane.keys.done)}
-    counts = plane.dispatch_counts()
+    counts = plane.prompts.dispatch_counts()
     assert set(trained) <= done
     assert len(done - set(trained)) == counts.get("discarded", 0) + counts.get("restore_lost", 0)
     assert counts.get("restore_retrained", 0) == len(retrained)

@@ -58,5 +58,5 @@ def issue(plane: ControlPlane, *groups: RolloutGroup) -> None:
         )
         for g in groups
     ]
-    plane.record_issued(records)
-    plane.save_groups(records, {})
+    plane.prompts.record_issued(records)
+    plane.prompts.save_groups(records, {})

@@ -9,7 +9,7 @@ import pytest
 
 from common.redis_server import free_port
 from common.tasks import TASK_ALPHABET
-from learner.tiny_model import init_model
+from common.tiny_model import init_model
 
 
 @pytest.fixture(scope="module")

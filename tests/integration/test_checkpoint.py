@@ -22,7 +22,7 @@ from common.replay import ReplayReader
 from learner.checkpoint import (
     Checkpointer,
     CheckpointError,
-    RunState,
+    SavedState,
     capture_rng,
     find_checkpoint,
     open_checkpoint,
@@ -69,7 +69,7 @@ def draws() -> tuple[float, float, list[float]]:
 
 def save(engine: PolicyEngine, config: RunConfig, step: int, reward: float | None = None) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(config.model.path)
-    state = RunState(step=step, version=step, kl_coef=0.25, rng=capture_rng(), reward_mean=reward)
+    state = SavedState(step=step, version=step, kl_coef=0.25, rng=capture_rng(), reward_mean=reward)
     return Checkpointer(config, engine, tokenizer=tokenizer).save(state)
 
 
@@ -107,7 +107,7 @@ def test_the_critic_is_saved_and_loaded_beside_the_policy(tmp_path: Path, tiny_m
     config = run_config(tmp_path, tiny_model_dir, export_hf=False)
     policy, critic = new_engine(config), ValueEngine(config, global_batch=len(LENGTHS))
     torch.nn.init.normal_(critic.module.head.weight)  # not the fresh zero head, so a load is visible
-    state = RunState(step=1, version=1, rng=capture_rng())
+    state = SavedState(step=1, version=1, rng=capture_rng())
     path = Checkpointer(config, policy, critic).save(state)
     assert any(name.startswith("critic/ds/") for name in open_checkpoint(path).files)
 
@@ -252,7 +252,7 @@ def test_a_resume_trains_again_what_the_checkpoint_does_not_hold(redis_client) -
     rewind = log.rewind(3)
     assert sorted(rewind.retrain) == ["g4-0", "g4-1", "g5-0", "g5-1"] and rewind.lost == []
     assert _pending(redis_client, plane) == 4  # still pending: the next learner reads them again
-    assert not any(plane.was_completed(g) for g in rewind.retrain)  # so they are not taken for duplicates
+    assert not any(plane.prompts.was_completed(g) for g in rewind.retrain)  # so they are not taken for duplicates
     assert sorted(set(log.trained_steps().values())) == [1, 2, 3]
 
 
@@ -265,9 +265,9 @@ def test_a_crash_between_save_and_commit_acknowledges_what_the_checkpoint_holds(
 
 def test_resuming_an_older_checkpoint_counts_the_later_groups_lost_and_replaces_them(redis_client) -> None:
     log, plane = _trained_run(redis_client, steps=5)
-    plane.add_dispatch_counts({"released": 10})
+    plane.prompts.add_dispatch_counts({"released": 10})
     log.commit(5)
     rewind = log.rewind(3)
     assert rewind.retrain == {} and sorted(rewind.lost) == ["g4-0", "g4-1", "g5-0", "g5-1"]
-    counts = plane.dispatch_counts()
+    counts = plane.prompts.dispatch_counts()
     assert (counts["restore_lost"], counts["released"]) == (4, 6)  # admission releases 4 replacements

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from common.control import ControlPlane, connect
+from common.control import ControlPlane
+from common.keys import connect
 from common.wire import Heartbeat
 
 pytestmark = pytest.mark.integration
@@ -66,6 +67,17 @@ def test_invalid_override_exits_with_the_field_named(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+def test_an_option_typo_exits_2_before_anything_starts(tmp_path: Path) -> None:
+    """Issue 14: ``loss_options={clip_hgh=0.3}`` passed ``resolve`` and failed in ``train`` after DeepSpeed started."""
+    typo = ["--set", "algorithm.loss_options={clip_hgh=0.3}", "--set", f"run.root={tmp_path}"]
+    for command in (["resolve", "--dry-run"], ["train"]):
+        result = run(str(BIN / "rl-learner"), *command, *typo, check=False)
+        assert result.returncode == 2, result.stderr
+        assert "policy loss 'ppo_clip': unknown option(s) 'clip_hgh'; allowed: " in result.stderr
+        assert "Traceback" not in result.stderr
+    assert not (tmp_path / "demo").exists()  # train wrote nothing and started no Redis
+
+
 def test_actor_on_an_unknown_run_says_what_to_do(redis_server) -> None:
     result = run(str(BIN / "rl-actor"), "show-config", "--redis", redis_server.url, "--run", "nope", check=False)
     assert result.returncode == 2 and "start `rl-learner` for it first" in result.stderr
@@ -85,8 +97,9 @@ def test_launch_serves_redis_until_interrupted_and_top_shows_the_run(tmp_path: P
         plane = ControlPlane(connect(url_file.read_text().strip()), "live")
         while not plane.client.exists(plane.keys.config) and time.monotonic() < deadline:  # published just after
             time.sleep(0.1)
-        assert plane.read_config().run.name == "live"
-        plane.beat(Heartbeat(process_id="actor-x", kind="actor", state="generating", tokens_per_s=321), ttl_s=30)
+        assert plane.run.read_config().run.name == "live"
+        actor = Heartbeat(process_id="actor-x", kind="actor", state="generating", tokens_per_s=321)
+        plane.registry.beat(actor, ttl_s=30)
         screen = run(str(BIN / "rl-top"), "--run", "live", "--root", str(tmp_path), "--once").stdout
         assert "actor-x" in screen and "generating" in screen and "321" in screen
         proc.send_signal(signal.SIGINT)
@@ -118,4 +131,5 @@ def _unlocked(lock: Path) -> bool:
 def test_readme_config_reference_is_current() -> None:
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     table = run(str(BIN / "rl-learner"), "fields", "--markdown").stdout.strip()
-    assert table in readme, "README's config reference is stale: paste `rl-learner fields --markdown`"
+    between = readme.split("<!-- config-reference:", 1)[1].split("\n", 1)[1].split("<!-- /config-reference -->")[0]
+    assert between.strip() == table, "README's config reference is stale: paste `rl-learner fields --markdown`"

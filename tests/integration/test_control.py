@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 
 from common.config import load_config
-from common.control import ControlPlane, RunNotFoundError, connect
+from common.control import ControlPlane
+from common.keys import connect
 from common.redis_server import EmbeddedRedis, EmbeddedRedisError
+from common.run_record import RunNotFoundError
 from common.wire import Heartbeat, PromptGroup
 
 pytestmark = pytest.mark.integration
@@ -25,58 +27,58 @@ def prompt(i: int) -> PromptGroup:
 
 def test_resolved_config_round_trips_through_redis(redis_client) -> None:
     config = load_config(None, ["run.name=exp", "learner.lr=0.25", "rollout.num_samples=3"])
-    ControlPlane(redis_client, "exp").publish_config(config)
-    assert ControlPlane(redis_client, "exp").read_config() == config
+    ControlPlane(redis_client, "exp").run.publish_config(config)
+    assert ControlPlane(redis_client, "exp").run.read_config() == config
     with pytest.raises(RunNotFoundError, match="no run 'other'"):
-        ControlPlane(redis_client, "other").read_config()
+        ControlPlane(redis_client, "other").run.read_config()
 
 
 def test_every_key_lives_under_the_run_namespace(redis_client) -> None:
     plane = ControlPlane(redis_client, "ns")
-    plane.publish_config(load_config())
-    plane.set_version(3)
-    plane.beat(Heartbeat(process_id="a1", kind="actor", state="ready"), ttl_s=5)
-    plane.record_issued([prompt(0)])
-    plane.push_prompts([prompt(0)])
+    plane.run.publish_config(load_config())
+    plane.run.set_version(3)
+    plane.registry.beat(Heartbeat(process_id="a1", kind="actor", state="ready"), ttl_s=5)
+    plane.prompts.record_issued([prompt(0)])
+    plane.prompts.push_prompts([prompt(0)])
     keys = sorted(k.decode() for k in redis_client.keys("*"))
     assert keys and all(k.startswith("asyncrl:ns:") for k in keys), keys
 
 
 def test_heartbeat_expiry_marks_a_process_lost(redis_client) -> None:
     plane = ControlPlane(redis_client, "r")
-    plane.beat(Heartbeat(process_id="alive", kind="actor", state="ready", tokens_per_s=9.0), ttl_s=30)
-    plane.beat(Heartbeat(process_id="doomed", kind="reward", state="ready"), ttl_s=0.2)
-    plane.beat(Heartbeat(process_id="polite", kind="actor", state="ready"), ttl_s=30)
-    plane.leave("polite")
+    plane.registry.beat(Heartbeat(process_id="alive", kind="actor", state="ready", tokens_per_s=9.0), ttl_s=30)
+    plane.registry.beat(Heartbeat(process_id="doomed", kind="reward", state="ready"), ttl_s=0.2)
+    plane.registry.beat(Heartbeat(process_id="polite", kind="actor", state="ready"), ttl_s=30)
+    plane.registry.leave("polite")
     time.sleep(0.4)
-    live, lost = plane.processes()
+    live, lost = plane.registry.processes()
     assert [h.process_id for h in live] == ["alive"] and live[0].tokens_per_s == 9.0
     assert lost == ["doomed"]
-    plane.forget(lost)
-    assert plane.processes()[1] == []
+    plane.registry.forget(lost)
+    assert plane.registry.processes()[1] == []
 
 
 def test_prompt_queue_is_fifo_and_returned_groups_go_first(redis_client) -> None:
     plane = ControlPlane(redis_client, "r")
     groups = [prompt(i) for i in range(3)]
-    plane.record_issued(groups)
-    plane.push_prompts(groups)
-    first = plane.take_prompt("actor-a", timeout_s=1)
-    assert first.group_id == "g0" and plane.ledger()["g0"].actor == "actor-a"
-    plane.return_prompts([first])
-    assert plane.ledger()["g0"].actor == ""
-    assert [plane.take_prompt("actor-b").group_id for _ in range(3)] == ["g0", "g1", "g2"]
-    assert plane.take_prompt("actor-b", timeout_s=0.1) is None
-    plane.complete(["g0", "g1"])
-    assert list(plane.ledger()) == ["g2"]
+    plane.prompts.record_issued(groups)
+    plane.prompts.push_prompts(groups)
+    first = plane.prompts.take_prompt("actor-a", timeout_s=1)
+    assert first.group_id == "g0" and plane.prompts.ledger()["g0"].actor == "actor-a"
+    plane.prompts.return_prompts([first])
+    assert plane.prompts.ledger()["g0"].actor == ""
+    assert [plane.prompts.take_prompt("actor-b").group_id for _ in range(3)] == ["g0", "g1", "g2"]
+    assert plane.prompts.take_prompt("actor-b", timeout_s=0.1) is None
+    plane.prompts.complete(["g0", "g1"])
+    assert list(plane.prompts.ledger()) == ["g2"]
 
 
 def test_a_malformed_prompt_is_dead_lettered_not_fatal(redis_client) -> None:
     plane = ControlPlane(redis_client, "r")
     redis_client.lpush(plane.keys.prompts, b"garbage")
-    plane.push_prompts([prompt(1)])
-    assert plane.take_prompt("a", timeout_s=1) is None  # the garbage, moved aside
-    assert plane.take_prompt("a", timeout_s=1).group_id == "g1"
+    plane.prompts.push_prompts([prompt(1)])
+    assert plane.prompts.take_prompt("a", timeout_s=1) is None  # the garbage, moved aside
+    assert plane.prompts.take_prompt("a", timeout_s=1).group_id == "g1"
     assert redis_client.xlen(plane.keys.dead) == 1
 
 

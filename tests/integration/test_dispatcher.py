@@ -16,7 +16,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from common.config import RunConfig, load_config
-from common.control import ControlPlane, connect
+from common.control import ControlPlane
+from common.keys import connect
 from common.wire import Decoder, Heartbeat, PromptGroup, decode_blob
 from learner.dispatcher import Dispatcher
 
@@ -47,13 +48,13 @@ def make_dispatcher(client, config: RunConfig) -> Dispatcher:
 
 
 def actor(plane: ControlPlane, process_id: str, ttl_s: float = 30.0) -> None:
-    plane.beat(Heartbeat(process_id=process_id, kind="actor", state="generating"), ttl_s=ttl_s)
+    plane.registry.beat(Heartbeat(process_id=process_id, kind="actor", state="generating"), ttl_s=ttl_s)
 
 
 def drain(plane: ControlPlane, holder: str = "drainer") -> list[PromptGroup]:
     """Take every queued group, in the order actors would get them."""
     groups = []
-    while (group := plane.take_prompt(holder, timeout_s=0.05)) is not None:
+    while (group := plane.prompts.take_prompt(holder, timeout_s=0.05)) is not None:
         groups.append(group)
     return groups
 
@@ -107,7 +108,7 @@ def test_max_staleness_2_releases_three_steps_ahead(redis_client) -> None:
 def test_completing_groups_frees_no_admission(redis_client) -> None:
     d = make_dispatcher(redis_client, make_config(max_staleness=0, groups_per_step=4))
     assert d.release(0) == 4  # capacity(0) = 4
-    trained = [d.plane.take_prompt("a1", timeout_s=1).group_id for _ in range(2)]
+    trained = [d.plane.prompts.take_prompt("a1", timeout_s=1).group_id for _ in range(2)]
     assert all(d.is_known(g) for g in trained)
     assert d.complete(trained) == 2
     # admission counts released groups (still 4 ≤ 4), not in-flight ones (2): nothing more at v=0
@@ -115,7 +116,7 @@ def test_completing_groups_frees_no_admission(redis_client) -> None:
     stats = d.stats()
     assert (stats["released_total"], stats["in_flight"], stats["completed_total"]) == (4, 2, 2)
     assert not d.is_known(trained[0]) and d.was_completed(trained[0])
-    assert d.plane.load_group(trained[0]) is None  # payload gone with the ledger entry
+    assert d.plane.prompts.load_group(trained[0]) is None  # payload gone with the ledger entry
     assert d.complete(trained) == 0  # completing again changes nothing
 
 
@@ -125,19 +126,19 @@ def test_a_group_held_by_a_dead_actor_is_reissued_to_the_front(redis_client) -> 
     actor(d.plane, "doomed", ttl_s=0.3)
     actor(d.plane, "alive")
     d.release(0)
-    held = d.plane.take_prompt("doomed", timeout_s=1)
-    other = d.plane.take_prompt("alive", timeout_s=1)
-    first_issue = d.plane.ledger()[held.group_id].issued_at
+    held = d.plane.prompts.take_prompt("doomed", timeout_s=1)
+    other = d.plane.prompts.take_prompt("alive", timeout_s=1)
+    first_issue = d.plane.prompts.ledger()[held.group_id].issued_at
     assert d.reissue_overdue(deadline_s=60) == (0, 0)  # both holders alive, well within the deadline
     time.sleep(0.5)  # doomed's heartbeat expires
     assert d.reissue_overdue(deadline_s=60) == (1, 0)
-    entry = d.plane.ledger()[held.group_id]
+    entry = d.plane.prompts.ledger()[held.group_id]
     assert entry.attempts == 2 and entry.actor == "" and entry.issued_at > first_issue
-    assert d.plane.ledger()[other.group_id].attempts == 1  # a live holder's group is left alone
-    again = d.plane.take_prompt("alive", timeout_s=1)  # front of the queue, before the two never taken
+    assert d.plane.prompts.ledger()[other.group_id].attempts == 1  # a live holder's group is left alone
+    again = d.plane.prompts.take_prompt("alive", timeout_s=1)  # front of the queue, before the two never taken
     assert (again.group_id, again.prompt, again.answer) == (held.group_id, held.prompt, held.answer)
     assert np.array_equal(again.prompt_ids, held.prompt_ids)
-    assert d.plane.ledger()[held.group_id].actor == "alive" and d.plane.queue_depth() == 2
+    assert d.plane.prompts.ledger()[held.group_id].actor == "alive" and d.plane.prompts.queue_depth() == 2
     assert d.stats()["reissued_total"] == 1
     assert metric("asyncrl_dispatcher_reissued_groups_total") - reissued_before == 1
 
@@ -148,13 +149,13 @@ def test_a_group_overdue_twice_is_lost_and_replaced(redis_client) -> None:
     actor(d.plane, "slow")
     assert d.release(0) == 4
     t0 = time.time()
-    held = d.plane.take_prompt("slow", timeout_s=1)
+    held = d.plane.prompts.take_prompt("slow", timeout_s=1)
     assert d.reissue_overdue(deadline_s=10, now=t0 + 5) == (0, 0)
     # past the deadline: the held group and the three queued ones are re-issued — the queued ones are
     # moved to the front, not duplicated, so the queue holds 4 (not 3 + 4)
     assert d.reissue_overdue(deadline_s=10, now=t0 + 11) == (4, 0)
     assert queued_ids(d.plane) == [d.group_id(n) for n in range(4)]  # oldest (then lowest id) first
-    assert {e.attempts for e in d.plane.ledger().values()} == {2}
+    assert {e.attempts for e in d.plane.prompts.ledger().values()} == {2}
     assert d.reissue_overdue(deadline_s=10, now=t0 + 15) == (0, 0)  # the deadline restarts at re-issue
     # overdue again → lost: ledger entries, payloads and queued copies removed; admission no longer counts them
     assert d.reissue_overdue(deadline_s=10, now=t0 + 22) == (0, 4)
@@ -164,7 +165,7 @@ def test_a_group_overdue_twice_is_lost_and_replaced(redis_client) -> None:
     assert not d.is_known(held.group_id) and not d.was_completed(held.group_id)
     # capacity(0) = 4, released_total = 4 − 4 lost = 0 → 4 replacements with new ids
     assert d.release(0) == 4
-    assert sorted(d.plane.ledger()) == [d.group_id(n) for n in range(4, 8)]
+    assert sorted(d.plane.prompts.ledger()) == [d.group_id(n) for n in range(4, 8)]
 
 
 def test_a_reissued_group_completed_by_its_first_holder_is_a_known_duplicate(redis_client) -> None:
@@ -173,12 +174,12 @@ def test_a_reissued_group_completed_by_its_first_holder_is_a_known_duplicate(red
     actor(d.plane, "slow")
     d.release(0)  # capacity(0) = (0 + 0 + 1) × 2 = 2
     t0 = time.time()
-    held = d.plane.take_prompt("slow", timeout_s=1)
+    held = d.plane.prompts.take_prompt("slow", timeout_s=1)
     assert d.reissue_overdue(deadline_s=10, now=t0 + 11) == (2, 0)
-    assert d.plane.queue_depth() == 2
+    assert d.plane.prompts.queue_depth() == 2
     # the slow holder delivers after all: the learner trains it; its re-issued copy leaves the queue unused
     assert d.is_known(held.group_id) and d.complete([held.group_id]) == 1
-    assert d.plane.queue_depth() == 1
+    assert d.plane.prompts.queue_depth() == 1
     # had an actor taken the copy, it arrives later: the learner sees it was completed and drops it
     assert not d.is_known(held.group_id) and d.was_completed(held.group_id)
     d.note_duplicate(held.group_id)
@@ -191,7 +192,7 @@ def test_payloads_survive_a_learner_restart(redis_server, redis_client) -> None:
     first = make_dispatcher(redis_client, config)
     actor(first.plane, "doomed", ttl_s=0.3)
     assert first.release(0) == 4  # capacity(0) = (1 + 0 + 1) × 2 = 4
-    held = first.plane.take_prompt("doomed", timeout_s=1)
+    held = first.plane.prompts.take_prompt("doomed", timeout_s=1)
     del first  # the learner process ends; only Redis remembers
 
     restarted = connect(redis_server.url)
@@ -218,13 +219,13 @@ def test_group_ids_are_unique_within_a_run(redis_client) -> None:
     d = make_dispatcher(redis_client, make_config(max_staleness=1, groups_per_step=3))
     seen: list[str] = []
     d.release(0)
-    seen += d.plane.ledger()
+    seen += d.plane.prompts.ledger()
     t0 = time.time()
     d.reissue_overdue(deadline_s=1, now=t0 + 2)
     assert d.reissue_overdue(deadline_s=1, now=t0 + 4) == (0, 6)  # all lost: their ids must not come back
     for version in range(4):
         d.release(version)
-        seen += [g for g in d.plane.ledger() if g not in seen]
+        seen += [g for g in d.plane.prompts.ledger() if g not in seen]
     created = d.stats()["created_total"]
     assert created == len(seen) == len(set(seen)) == 6 + (1 + 3 + 1) * 3
     assert all(re.fullmatch(rf"{RUN}-\d{{8}}", g) for g in seen)
@@ -272,7 +273,7 @@ def test_a_failed_release_leaves_the_prompt_stream_in_step(redis_client) -> None
     d = Dispatcher(config, ControlPlane(redis_client, RUN), flaky)
     with pytest.raises(RuntimeError, match="hiccup"):
         d.release(0)  # two examples drawn, nothing committed
-    assert d.stats()["released_total"] == 0 and d.plane.ledger() == {} and d.plane.queue_depth() == 0
+    assert d.stats()["released_total"] == 0 and d.plane.prompts.ledger() == {} and d.plane.prompts.queue_depth() == 0
     assert d.release(0) == 4
     reference = make_dispatcher(redis_client, make_config(max_staleness=0, groups_per_step=4, run="reference"))
     reference.release(0)
@@ -282,7 +283,7 @@ def test_a_failed_release_leaves_the_prompt_stream_in_step(redis_client) -> None
 def test_a_discarded_group_is_replaced_and_its_twin_is_a_duplicate(redis_client) -> None:
     d = make_dispatcher(redis_client, make_config(max_staleness=0, groups_per_step=2))
     assert d.release(0) == 2  # capacity(0) = (0 + 0 + 1) × 2 = 2
-    stale = d.plane.take_prompt("a1", timeout_s=1).group_id
+    stale = d.plane.prompts.take_prompt("a1", timeout_s=1).group_id
     # the learner drops it (too stale): without a replacement, step 0 could never get its 2 groups
     assert d.discard([stale, stale]) == 1 and d.discard([stale]) == 0
     assert d.was_completed(stale) and not d.is_known(stale)

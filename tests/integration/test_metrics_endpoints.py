@@ -48,7 +48,7 @@ def test_a_served_registry_parses_as_prometheus_text_and_is_registered(redis_cli
     plane = ControlPlane(redis_client, "exp")
     server = start_metrics_server(plane, "actor-7", "actor", 0, ttl_s=5, registry=registry)
     try:
-        [endpoint] = plane.metrics_endpoints()
+        [endpoint] = plane.registry.metrics_endpoints()
         assert endpoint["process_id"] == "actor-7" and endpoint["kind"] == "actor"
         assert endpoint["port"] == server.port and server.url == f"http://{endpoint['host']}:{server.port}/metrics"
         families = scrape(server.port)
@@ -59,7 +59,7 @@ def test_a_served_registry_parses_as_prometheus_text_and_is_registered(redis_cli
         assert value(families, "asyncrl_test_step_seconds_count") == 1
     finally:
         server.close()
-    assert plane.metrics_endpoints() == []  # a clean exit leaves discovery at once
+    assert plane.registry.metrics_endpoints() == []  # a clean exit leaves discovery at once
     with pytest.raises(urllib.error.URLError):
         scrape(server.port)
 
@@ -69,12 +69,13 @@ def test_registration_is_refreshed_while_serving_and_expires_without(redis_clien
     server = start_metrics_server(plane, "learner", "learner", 0, ttl_s=0.6, registry=CollectorRegistry())
     try:
         time.sleep(1.5)  # beyond the TTL: the refresher keeps it
-        assert [e["process_id"] for e in plane.metrics_endpoints()] == ["learner"]
+        assert [e["process_id"] for e in plane.registry.metrics_endpoints()] == ["learner"]
     finally:
         server.close()
-    plane.register_metrics_endpoint("gone", {"process_id": "gone", "kind": "actor", "host": "h", "port": 1}, 0.2)
+    gone = {"process_id": "gone", "kind": "actor", "host": "h", "port": 1}
+    plane.registry.register_metrics_endpoint("gone", gone, 0.2)
     time.sleep(0.4)  # a process killed with -9 stops refreshing: its key expires and the index forgets it
-    assert plane.metrics_endpoints() == []
+    assert plane.registry.metrics_endpoints() == []
     assert not redis_client.smembers(plane.keys.metrics_endpoints)
 
 
@@ -85,7 +86,7 @@ def test_a_taken_fixed_port_falls_back_to_a_free_one(redis_client) -> None:
     second = start_metrics_server(plane, "reward-1", "reward", port, registry=CollectorRegistry())
     try:
         assert first.port == port and second.port not in (0, port)
-        assert {e["process_id"]: e["port"] for e in plane.metrics_endpoints()} == {
+        assert {e["process_id"]: e["port"] for e in plane.registry.metrics_endpoints()} == {
             "reward-0": port,
             "reward-1": second.port,
         }
@@ -123,18 +124,18 @@ def row(step: int) -> dict[str, float]:
 def test_learner_telemetry_updates_series_queues_and_the_summary(redis_client) -> None:
     config = load_config(None, ["run.name=tele", "learner.steps=30", "transport.heartbeat_ttl_s=5"])
     plane = ControlPlane(redis_client, "tele")
-    plane.push_prompts(
+    plane.prompts.push_prompts(
         [PromptGroup(group_id=f"g{i}", task="t", prompt="1+1=", prompt_ids=np.zeros(4, np.int32)) for i in range(2)]
     )
     ReplayReader(redis_client, plane.keys)  # creates the consumer group, as the learner does
     ReplayWriter(redis_client, plane.keys).add(
         [ScoredGroup(rollout=make_group(["2"]), rewards=np.ones(1, np.float32), scorer_id="r") for _ in range(3)]
     )
-    plane.beat(Heartbeat(process_id="actor-0", kind="actor", state="generating"), ttl_s=5)
-    plane.beat(Heartbeat(process_id="reward-0", kind="reward", state="ready"), ttl_s=5)
+    plane.registry.beat(Heartbeat(process_id="actor-0", kind="actor", state="generating"), ttl_s=5)
+    plane.registry.beat(Heartbeat(process_id="reward-0", kind="reward", state="ready"), ttl_s=5)
     telemetry = StepTelemetry(plane, config)
     try:
-        [endpoint] = plane.metrics_endpoints()
+        [endpoint] = plane.registry.metrics_endpoints()
         assert endpoint["process_id"] == "learner" and endpoint["port"] == telemetry.server.port
         before = scrape(telemetry.server.port)
         steps0 = value(before, "asyncrl_learner_steps_total") or 0.0
@@ -158,19 +159,19 @@ def test_learner_telemetry_updates_series_queues_and_the_summary(redis_client) -
     assert value(after, "asyncrl_learner_weight_sync_seconds_count") >= 1
     assert value(after, "asyncrl_process_info", run="tele", process="learner", kind="learner") == 1
     assert value(after, "asyncrl_process_resident_memory_bytes") > 10 * 2**20
-    summary = plane.summary()
+    summary = plane.run.summary()
     assert summary["step"] == 7 and summary["learner/steps"] == 30 and summary["rollout/reward_mean"] == 0.375
     assert summary["queue/prompts"] == 2 and summary["queue/replay"] == 3 and summary["queue/replay_pending"] == 0
     assert "rollout/groups_from/actor-0" not in summary  # compact: the main figures only
-    assert plane.metrics_endpoints() == []
+    assert plane.registry.metrics_endpoints() == []
 
 
 def test_alerts_round_trip_and_need_a_name(redis_client) -> None:
     plane = ControlPlane(redis_client, "alerts")
-    assert plane.alerts() == [] and plane.summary() is None
-    plane.set_alerts([{"name": "kl_high", "severity": "critical", "message": "KL 0.2", "since": 1.0}])
-    assert plane.alerts() == [{"name": "kl_high", "severity": "critical", "message": "KL 0.2", "since": 1.0}]
+    assert plane.run.alerts() == [] and plane.run.summary() is None
+    plane.run.set_alerts([{"name": "kl_high", "severity": "critical", "message": "KL 0.2", "since": 1.0}])
+    assert plane.run.alerts() == [{"name": "kl_high", "severity": "critical", "message": "KL 0.2", "since": 1.0}]
     with pytest.raises(ValueError, match="name"):
-        plane.set_alerts([{"severity": "warning"}])
-    plane.set_alerts([])
-    assert plane.alerts() == []
+        plane.run.set_alerts([{"severity": "warning"}])
+    plane.run.set_alerts([])
+    assert plane.run.alerts() == []

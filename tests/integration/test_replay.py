@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from common import synthetic
-from common.control import RunKeys, connect
+from common.keys import RunKeys, connect
 from common.redis_server import EmbeddedRedis
 from common.replay import ReplayReader, ReplayWriter
 
@@ -22,7 +22,7 @@ KEYS = RunKeys("test")
 READ_AND_HANG = textwrap.dedent(
     """
     import sys, time
-    from common.control import RunKeys, connect
+    from common.keys import RunKeys, connect
     from common.replay import ReplayReader
     reader = ReplayReader(connect(sys.argv[1]), RunKeys("test"), consumer="doomed")
     entries = reader.read(count=int(sys.argv[2]), block_ms=5000)

@@ -16,7 +16,8 @@ import pytest
 
 from common.channel import PushChannel
 from common.config import load_config
-from common.control import ControlPlane, RunKeys
+from common.control import ControlPlane
+from common.keys import RunKeys
 from common.replay import ReplayEntry, ReplayReader
 from common.wire import Decoder, Heartbeat, RolloutGroup, decode_blob
 from tests.helpers.rollouts import issue, make_group
@@ -32,7 +33,7 @@ def publish(redis_client, run: str, *overrides: str) -> None:
     config = load_config(
         None, [f"run.name={run}", "transport.heartbeat_s=0.2", "transport.heartbeat_ttl_s=5", *overrides]
     )
-    ControlPlane(redis_client, run).publish_config(config)
+    ControlPlane(redis_client, run).run.publish_config(config)
 
 
 def start(url: str, run: str, worker_id: str, log: Path) -> subprocess.Popen:
@@ -63,7 +64,7 @@ def reward_worker(redis_server, redis_client, tmp_path: Path, run: str) -> Itera
 
 
 def heartbeat(redis_client, run: str, worker_id: str, state: str | None = None) -> Heartbeat | None:
-    live, _lost = ControlPlane(redis_client, run).processes()
+    live, _lost = ControlPlane(redis_client, run).registry.processes()
     found = [b for b in live if b.process_id == worker_id and (state is None or b.state == state)]
     return found[0] if found else None
 
@@ -201,7 +202,7 @@ def test_sigterm_finishes_the_group_in_hand_and_leaves_the_registry(redis_server
         finally:
             push.close()
     assert [e.group.rollout.group_id for e in read_replay(redis_client, run, 1)] == ["slow-1"]
-    assert ControlPlane(redis_client, run).processes() == ([], [])  # left, not merely expired
+    assert ControlPlane(redis_client, run).registry.processes() == ([], [])  # left, not merely expired
     assert "reward worker stopped" in log.read_text()
 
 
@@ -224,7 +225,7 @@ def test_a_worker_whose_calls_keep_hanging_dead_letters_the_group_and_exits_1(
             push.close()
     [(_, fields)] = redis_client.xrange(RunKeys(run).dead)
     assert b"8 abandoned calls are still running" in fields[b"reason"]
-    assert ControlPlane(redis_client, run).processes() == ([], [])
+    assert ControlPlane(redis_client, run).registry.processes() == ([], [])
     assert "reward worker stalled" in log.read_text()
 
 
@@ -245,7 +246,7 @@ def test_an_unknown_run_or_reward_function_exits_2_with_the_reason(redis_server,
     )
     assert result.returncode == 2 and "unknown reward function 'tsak'" in result.stderr
     assert "Traceback" not in result.stderr
-    assert ControlPlane(redis_client, "typo").processes() == ([], [])
+    assert ControlPlane(redis_client, "typo").registry.processes() == ([], [])
 
 
 def test_a_task_name_from_the_wire_never_selects_or_imports_anything(redis_server, redis_client, tmp_path) -> None:
@@ -290,7 +291,7 @@ def test_only_groups_that_answer_an_issue_record_in_flight_are_scored(redis_serv
     plane = ControlPlane(redis_client, run)
     real, done = make_group(["19", "18"], group_id="g-real"), make_group(["19", "1"], group_id="g-done")
     issue(plane, real, done)
-    plane.retire_groups(["g-done"], completed=True)  # trained already; its re-issued twin may still arrive
+    plane.prompts.retire_groups(["g-done"], completed=True)  # trained already; its re-issued twin may still arrive
     forged = {
         "never issued": make_group(["19", "19"], group_id="g-never"),
         "its prompt differs": make_group(["7", "7"], prompt="3+4=", answer="7", group_id="g-real"),
@@ -316,5 +317,5 @@ def test_only_groups_that_answer_an_issue_record_in_flight_are_scored(redis_serv
         for expected, reason in zip(forged, reasons, strict=True):
             assert expected in reason
         assert metric(heartbeat(redis_client, run, "rw-1"), "asyncrl_reward_refused_groups_total") == len(forged)
-        assert plane.has_group("g-real")  # the real group behind the hijacked id is still in flight
+        assert plane.prompts.has_group("g-real")  # the real group behind the hijacked id is still in flight
         stop(proc, log)

@@ -24,11 +24,10 @@ from common.channel import PullChannel
 from common.config import load_config
 from common.control import ControlPlane
 from common.rendezvous import RedisStore
-from common.tasks import TASK_ALPHABET, get_task
+from common.tasks import TASK_ALPHABET, get_task, prompt_group
+from common.tiny_model import init_model
 from common.weights import GroupAddress, WeightGroup, plan_buckets
 from common.wire import Heartbeat, PromptGroup, RolloutGroup, WeightManifest
-from learner.dispatcher import prompt_group
-from learner.tiny_model import init_model
 
 pytestmark = pytest.mark.integration
 RUN = "actors"
@@ -61,7 +60,7 @@ def plane(redis_client, model_dir: Path) -> ControlPlane:
             "weight_sync.timeout_s=120",
         ],
     )
-    plane.publish_config(config)
+    plane.run.publish_config(config)
     return plane
 
 
@@ -70,7 +69,7 @@ def rollouts(plane: ControlPlane) -> Iterator[PullChannel]:
     """A PULL socket registered as a reward worker, so actors push their groups here."""
     pull = PullChannel("rollouts", RolloutGroup)
     endpoint = pull.bind("tcp://127.0.0.1:0")
-    plane.beat(Heartbeat(process_id="collector", kind="reward", state="ready", endpoint=endpoint), ttl_s=3600)
+    plane.registry.beat(Heartbeat(process_id="collector", kind="reward", state="ready", endpoint=endpoint), ttl_s=3600)
     yield pull
     pull.close()
 
@@ -133,8 +132,8 @@ def test_weights_broadcast_mid_request_match_a_transformers_forward(redis_server
     from transformers import AutoModelForCausalLM
 
     groups = prompt_groups(model_dir, 3000)  # more than the first actor can finish while the second starts
-    plane.record_issued(groups)
-    plane.push_prompts(groups)
+    plane.prompts.record_issued(groups)
+    plane.prompts.push_prompts(groups)
     actor = start_actor(redis_server.url, "a1", "0")
     try:
         before = collect(rollouts, lambda got: len(got) >= 2)  # generating: requests are in flight now
@@ -143,7 +142,7 @@ def test_weights_broadcast_mid_request_match_a_transformers_forward(redis_server
         params = perturbed(new)
         buckets = plan_buckets(params, bucket_bytes=256 * 1024)
         store = RedisStore(plane.client, plane.keys.run, 120)
-        plane.publish_manifest(
+        plane.run.publish_manifest(
             WeightManifest(
                 version=1,
                 world_size=2,
@@ -155,7 +154,7 @@ def test_weights_broadcast_mid_request_match_a_transformers_forward(redis_server
         root = WeightGroup(GroupAddress("", plane.keys.run, epoch=1, rank=0, world_size=2, timeout_s=120), store)
         root.self_check()
         root.send(buckets, params)
-        plane.set_version(1)
+        plane.run.set_version(1)
         after = collect(rollouts, lambda got: sum(all(g.versions == 1) for g in got) >= 3)
     finally:
         assert stop(actor) == 0
@@ -183,10 +182,10 @@ def test_second_actor_shares_the_work_and_sigterm_returns_unfinished_groups(
 
     def top_up(got: list[RolloutGroup]) -> None:
         """Keep the queue short but never empty, as the dispatcher does, so both actors always have work."""
-        if plane.queue_depth() < 8 and len(pushed) < len(groups):
+        if plane.prompts.queue_depth() < 8 and len(pushed) < len(groups):
             batch = groups[len(pushed) : len(pushed) + 8]
-            plane.record_issued(batch)
-            plane.push_prompts(batch)
+            plane.prompts.record_issued(batch)
+            plane.prompts.push_prompts(batch)
             pushed.extend(batch)
 
     top_up([])
@@ -197,7 +196,7 @@ def test_second_actor_shares_the_work_and_sigterm_returns_unfinished_groups(
         second = start_actor(redis_server.url, "second", "1")
         got += collect(rollouts, lambda more: top_up(more) or any(g.actor_id == "second" for g in more))
         assert stop(first) == 0  # SIGTERM mid-run: its groups in flight go back to the queue
-        assert "first" not in [h.process_id for h in plane.processes()[0]]
+        assert "first" not in [h.process_id for h in plane.registry.processes()[0]]
         got += collect(rollouts, lambda more: len({g.group_id for g in got + more}) >= len(pushed))
     finally:
         stop(first)
@@ -207,4 +206,4 @@ def test_second_actor_shares_the_work_and_sigterm_returns_unfinished_groups(
     assert sorted(set(ids)) == sorted(g.group_id for g in pushed)
     assert len(ids) == len(set(ids)), "a returned group was delivered twice"
     assert {g.actor_id for g in got} == {"first", "second"}
-    assert plane.queue_depth() == 0
+    assert plane.prompts.queue_depth() == 0

@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from learner.tiny_model import build_char_tokenizer, init_model, model_fingerprint, warm_start
+from common.tiny_model import build_char_tokenizer, init_model, model_fingerprint, warm_start
 
 # Stand-in for common.tasks.TASK_ALPHABET until that module lands.
 ALPHABET = '0123456789abcdefghijklmnopqrstuvwxyz+-*/=()<>:,{}[]" \n'

@@ -33,17 +33,18 @@ def rl_top(url: str, run: str, *args: str) -> subprocess.CompletedProcess:
 def populate(redis_client, run: str) -> ControlPlane:
     """A run as rl-top finds it mid-flight: config, two processes, queued prompts, replay entries (one pending)."""
     plane = ControlPlane(redis_client, run)
-    plane.publish_config(load_config(None, [f"run.name={run}"]))
-    plane.set_version(5)
-    plane.beat(Heartbeat(process_id="actor-0", kind="actor", state="generating", version=5, tokens_per_s=2100), 30)
-    plane.beat(Heartbeat(process_id="reward-0", kind="reward", state="ready"), 30)
-    plane.register_metrics_endpoint(
+    plane.run.publish_config(load_config(None, [f"run.name={run}"]))
+    plane.run.set_version(5)
+    actor = Heartbeat(process_id="actor-0", kind="actor", state="generating", version=5, tokens_per_s=2100)
+    plane.registry.beat(actor, 30)
+    plane.registry.beat(Heartbeat(process_id="reward-0", kind="reward", state="ready"), 30)
+    plane.registry.register_metrics_endpoint(
         "actor-0", {"process_id": "actor-0", "kind": "actor", "host": "h", "port": 9101}, 30
     )
     prompts = [
         PromptGroup(group_id=f"g{i}", task="t", prompt="1+1=", prompt_ids=np.zeros(4, np.int32)) for i in range(4)
     ]
-    plane.push_prompts(prompts)
+    plane.prompts.push_prompts(prompts)
     reader = ReplayReader(redis_client, plane.keys)
     scored = [ScoredGroup(rollout=make_group(["2"]), rewards=np.ones(1, np.float32), scorer_id="r") for _ in range(3)]
     ReplayWriter(redis_client, plane.keys).add(scored)
@@ -65,7 +66,7 @@ def test_frame_before_the_learner_published_anything(redis_server, redis_client)
 
 def test_frame_with_the_learner_summary_and_alerts(redis_client) -> None:
     plane = populate(redis_client, "mid")
-    plane.publish_summary(
+    plane.run.publish_summary(
         {
             "step": 9.0,
             "version": 9.0,
@@ -79,10 +80,10 @@ def test_frame_with_the_learner_summary_and_alerts(redis_client) -> None:
             "learner/metrics_url": "http://h:9000/metrics",
         }
     )
-    plane.register_metrics_endpoint(
+    plane.registry.register_metrics_endpoint(
         "learner", {"process_id": "learner", "kind": "learner", "host": "h", "port": 9000}, 30
     )
-    plane.set_alerts([{"name": "replay_starving", "message": "idle 80% of each step", "since": time.time() - 5}])
+    plane.run.set_alerts([{"name": "replay_starving", "message": "idle 80% of each step", "since": time.time() - 5}])
     text = render(snapshot(plane))
     assert "learner  step 9/30   version 9   reward 0.625 ± 0.480   mismatch 3.00e-06" in text
     assert "staleness max 1" in text and "metrics h:9000" in text

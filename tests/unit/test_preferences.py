@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from common.tasks import TASK_ALPHABET, get_task
+from common.tiny_model import build_char_tokenizer
 from learner.preferences import (
     EncodedPair,
     PreferenceFileError,
@@ -20,7 +21,6 @@ from learner.preferences import (
     read_preferences,
     write_synthetic_preferences,
 )
-from learner.tiny_model import build_char_tokenizer
 
 GOOD = '{"prompt": "1+2=", "chosen": "3", "rejected": "4"}'
 BOS, EOS, PAD = 1, 2, 0  # the tiny tokenizer's special ids

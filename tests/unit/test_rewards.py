@@ -132,7 +132,7 @@ def reward_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
     from common.tasks import TASK_ALPHABET
-    from learner.tiny_model import build_char_tokenizer
+    from common.tiny_model import build_char_tokenizer
 
     out = tmp_path_factory.mktemp("reward-model")
     tokenizer = build_char_tokenizer(TASK_ALPHABET, model_max_length=128)

@@ -1,0 +1,121 @@
+"""The names of a run's Redis keys, the connection every process opens, and the dead-letter stream.
+
+Every key of a run lives under ``asyncrl:<run>:`` (:class:`RunKeys`), so several runs can share one Redis and
+``redis-cli --scan --pattern 'asyncrl:<run>:*'`` shows everything of one. Anything a process cannot accept goes to
+the ``dead`` stream with its source and the reason (:func:`dead_letter`), never silently dropped.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import redis
+
+DEAD_LETTER_MAXLEN = 10_000
+
+
+@dataclass(frozen=True)
+class RunKeys:
+    """The names of every Redis key of one run."""
+
+    run: str
+
+    def _k(self, name: str) -> str:
+        return f"asyncrl:{self.run}:{name}"
+
+    @property
+    def config(self) -> str:
+        return self._k("config")
+
+    @property
+    def version(self) -> str:
+        return self._k("version")
+
+    @property
+    def manifest(self) -> str:
+        return self._k("manifest")
+
+    @property
+    def manifest_channel(self) -> str:
+        """Pub/sub channel on which a new manifest is announced (its payload is the version)."""
+        return self._k("manifest:announce")
+
+    @property
+    def processes(self) -> str:
+        return self._k("processes")
+
+    def heartbeat(self, process_id: str) -> str:
+        return self._k(f"heartbeat:{process_id}")
+
+    @property
+    def prompts(self) -> str:
+        return self._k("prompts")
+
+    @property
+    def inflight(self) -> str:
+        return self._k("inflight")
+
+    @property
+    def replay(self) -> str:
+        return self._k("replay")
+
+    @property
+    def dead(self) -> str:
+        return self._k("dead")
+
+    @property
+    def groups(self) -> str:
+        """Hash: group id → encoded :class:`PromptGroup` of every issued group not yet completed or lost."""
+        return self._k("groups")
+
+    @property
+    def dispatch(self) -> str:
+        """Hash of the dispatcher's counters (see ``learner/dispatcher.py``)."""
+        return self._k("dispatch")
+
+    @property
+    def done(self) -> str:
+        """Set of the ids of completed groups (to tell a late duplicate of a re-issued group)."""
+        return self._k("done")
+
+    def metrics_endpoint(self, process_id: str) -> str:
+        """JSON of where ``process_id`` serves ``/metrics`` (TTL, refreshed while it runs)."""
+        return self._k(f"metrics:{process_id}")
+
+    @property
+    def metrics_endpoints(self) -> str:
+        """Set of every process id that ever registered a ``/metrics`` endpoint."""
+        return self._k("metrics-endpoints")
+
+    @property
+    def summary(self) -> str:
+        """JSON of the learner's latest step (a subset of its metrics.jsonl row), for rl-top."""
+        return self._k("summary")
+
+    @property
+    def alerts(self) -> str:
+        """JSON list of the alerts the learner's health check holds active now."""
+        return self._k("alerts")
+
+
+def connect(url: str) -> redis.Redis:
+    """A Redis client with sane time limits (a dead server raises instead of hanging forever).
+
+    Replies are parsed by hiredis when it is installed (fast for the replay stream's large
+    entries), but commands are always packed by redis-py's Python serializer: it sends values
+    above 6 kB as separate buffers, where hiredis's packer copies every 100 kB group once more.
+    """
+    import redis
+    from redis.connection import Encoder, PythonRespSerializer
+
+    packer = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
+    return redis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=30, command_packer=packer)
+
+
+def dead_letter(client: redis.Redis, keys: RunKeys, source: str, reason: str, payload: bytes) -> None:
+    """Keep an unacceptable message with where it came from and why it was refused."""
+    fields = {"source": source, "reason": reason, "payload": payload, "at": f"{time.time():.3f}"}
+    client.xadd(keys.dead, fields, maxlen=DEAD_LETTER_MAXLEN, approximate=True)

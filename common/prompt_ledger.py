@@ -1,0 +1,183 @@
+"""Prompt groups in Redis: the queue actors take from, the in-flight ledger, and the dispatcher's records.
+
+Delivery semantics of the queue (a list): FIFO; ``take_prompt`` pops atomically, so each group goes to one actor.
+A group that an actor gives back (SIGTERM) goes to the *front*. A group popped by an actor that then dies is not in
+the queue any more: the in-flight ledger (issue time, actor) is what lets the dispatcher find and re-issue it.
+
+Keys (:class:`common.control.RunKeys`): ``prompts`` (the queue), ``inflight`` (ledger: group id → JSON
+:class:`LedgerEntry`), ``groups`` (the issue record of every group in flight: its encoded
+:class:`~common.wire.PromptGroup`), ``dispatch`` (the dispatcher's counters), ``done`` (ids of completed groups).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from common.keys import dead_letter
+from common.logs import get_logger
+from common.wire import Decoder, Limits, PromptGroup, WireError, decode_blob, encode_blob
+
+if TYPE_CHECKING:
+    import redis
+
+    from common.keys import RunKeys
+
+log = get_logger("control")
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    """Where one issued prompt group is: when and at which version it was issued, and by whom it is held."""
+
+    issued_at: float
+    version: int
+    actor: str = ""
+    attempts: int = 1
+
+
+class PromptLedger:
+    """Prompt queue, in-flight ledger, issue records and dispatcher counters (``plane.prompts``)."""
+
+    def __init__(self, client: redis.Redis, keys: RunKeys, limits: Limits | None = None) -> None:
+        self.client = client
+        self.keys = keys
+        self._prompt_decoder = Decoder(PromptGroup, limits)
+
+    def push_prompts(self, groups: Iterable[PromptGroup]) -> int:
+        blobs = [encode_blob(g) for g in groups]
+        return self.client.lpush(self.keys.prompts, *blobs) if blobs else self.queue_depth()
+
+    def take_prompt(self, actor: str, timeout_s: float = 1.0) -> PromptGroup | None:
+        """Pop the oldest prompt group (blocking up to ``timeout_s``) and record ``actor`` as its holder."""
+        item = self.client.brpop([self.keys.prompts], timeout=timeout_s)
+        if item is None:
+            return None
+        blob = item[1]
+        try:
+            group = decode_blob(self._prompt_decoder, blob)
+        except WireError as exc:
+            log.warning("dead-lettered a malformed prompt group", field=exc.field, reason=exc.reason)
+            dead_letter(self.client, self.keys, "prompts", str(exc), blob)
+            return None
+        self._update_ledger(group.group_id, actor=actor)
+        return group
+
+    def return_prompts(self, groups: Iterable[PromptGroup]) -> None:
+        """Give unfinished groups back; they are taken next (front of the queue)."""
+        for group in groups:
+            self.client.rpush(self.keys.prompts, encode_blob(group))
+            self._update_ledger(group.group_id, actor="")
+
+    def queue_depth(self) -> int:
+        return int(self.client.llen(self.keys.prompts))
+
+    def record_issued(self, groups: Iterable[PromptGroup]) -> None:
+        mapping = {g.group_id: json.dumps(LedgerEntry(g.issued_at, g.issued_version).__dict__) for g in groups}
+        if mapping:
+            self.client.hset(self.keys.inflight, mapping=mapping)
+
+    def _update_ledger(self, group_id: str, **changes: Any) -> None:
+        raw = self.client.hget(self.keys.inflight, group_id)
+        if raw is None:
+            return  # issued by someone who keeps no ledger (e.g. a test or a tool)
+        entry = {**json.loads(raw), **changes}
+        self.client.hset(self.keys.inflight, group_id, json.dumps(entry))
+
+    def complete(self, group_ids: Iterable[str]) -> None:
+        ids = list(group_ids)
+        if ids:
+            self.client.hdel(self.keys.inflight, *ids)
+
+    def ledger(self) -> dict[str, LedgerEntry]:
+        return {k.decode(): LedgerEntry(**json.loads(v)) for k, v in self.client.hgetall(self.keys.inflight).items()}
+
+    def ledger_size(self) -> int:
+        """Groups in the in-flight ledger (without reading them)."""
+        return int(self.client.hlen(self.keys.inflight))
+
+    def save_groups(self, groups: Iterable[PromptGroup], counts: Mapping[str, int]) -> None:
+        """Store the payloads of issued groups and add ``counts`` to the dispatcher's counters, in one transaction.
+
+        This is the dispatcher's commit point: a counter never claims a group whose payload is missing.
+        """
+        payloads = {g.group_id: encode_blob(g) for g in groups}
+        pipe = self.client.pipeline(transaction=True)
+        if payloads:
+            pipe.hset(self.keys.groups, mapping=payloads)
+        for name, delta in counts.items():
+            pipe.hincrby(self.keys.dispatch, name, delta)
+        pipe.execute()
+
+    def has_group(self, group_id: str) -> bool:
+        """Whether an issued group's payload is stored (issued, neither completed nor lost)."""
+        return bool(self.client.hexists(self.keys.groups, group_id))
+
+    def load_group(self, group_id: str) -> PromptGroup | None:
+        """The stored payload of an issued group; None when there is none (or it is unreadable: dead-lettered)."""
+        blob = self.client.hget(self.keys.groups, group_id)
+        if blob is None:
+            return None
+        try:
+            return decode_blob(self._prompt_decoder, blob)
+        except WireError as exc:
+            log.warning("dead-lettered an unreadable stored prompt group", group=group_id, field=exc.field)
+            dead_letter(self.client, self.keys, "groups", str(exc), blob)
+            return None
+
+    def replace_issued(self, group: PromptGroup, entry: LedgerEntry) -> int:
+        """Give an issued group a new payload and ledger entry, removing its old copy from the queue.
+
+        The old copy (if still queued) is removed so that re-issuing a group nobody has taken yet moves it
+        instead of duplicating it. Returns how many queued copies were removed. Queue the new copy with
+        :meth:`return_prompts` (front of the queue) afterwards.
+        """
+        old = self.client.hget(self.keys.groups, group.group_id)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hset(self.keys.groups, group.group_id, encode_blob(group))
+        pipe.hset(self.keys.inflight, group.group_id, json.dumps(entry.__dict__))
+        if old is not None:
+            pipe.lrem(self.keys.prompts, 0, old)
+        replies = pipe.execute()
+        return int(replies[2]) if old is not None else 0
+
+    def retire_groups(
+        self, group_ids: Iterable[str], counts: Mapping[str, int] | None = None, completed: bool = False
+    ) -> int:
+        """Remove groups from the ledger, the payload store and the queue in one transaction.
+
+        ``completed`` also remembers their ids as done (:meth:`was_completed`); ``counts`` are added to the
+        dispatcher's counters in the same transaction. Returns how many of them were in the ledger.
+        """
+        ids = list(group_ids)
+        if not ids:
+            return 0
+        queued = [b for b in self.client.hmget(self.keys.groups, ids) if b is not None]
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hdel(self.keys.inflight, *ids)
+        pipe.hdel(self.keys.groups, *ids)
+        for blob in queued:  # a re-issued copy nobody took yet would be wasted work
+            pipe.lrem(self.keys.prompts, 0, blob)
+        if completed:
+            pipe.sadd(self.keys.done, *ids)
+        for name, delta in (counts or {}).items():
+            pipe.hincrby(self.keys.dispatch, name, delta)
+        return int(pipe.execute()[0])
+
+    def was_completed(self, group_id: str) -> bool:
+        return bool(self.client.sismember(self.keys.done, group_id))
+
+    def completed_count(self) -> int:
+        return int(self.client.scard(self.keys.done))
+
+    def dispatch_counts(self) -> dict[str, int]:
+        """The dispatcher's counters (a missing one is 0)."""
+        return {k.decode(): int(v) for k, v in self.client.hgetall(self.keys.dispatch).items()}
+
+    def add_dispatch_counts(self, counts: Mapping[str, int]) -> None:
+        pipe = self.client.pipeline(transaction=True)
+        for name, delta in counts.items():
+            pipe.hincrby(self.keys.dispatch, name, delta)
+        pipe.execute()

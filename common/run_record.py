@@ -1,0 +1,86 @@
+"""What the learner publishes about a run in Redis, for every other process: the resolved config, the policy
+version, the weight manifest, the step summary rl-top shows, and the active alerts.
+
+Keys (:class:`common.control.RunKeys`): ``config`` (JSON), ``version``, ``manifest`` (an encoded
+:class:`~common.wire.WeightManifest`, announced on ``manifest:announce``), ``summary`` (JSON), ``alerts`` (JSON).
+A subscriber that misses an announcement re-reads the key later: it only waits longer.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from common.config import RunConfig
+from common.wire import Decoder, Limits, WeightManifest, encode_blob, unpack_frames
+
+if TYPE_CHECKING:
+    import redis
+
+    from common.keys import RunKeys
+
+
+class RunNotFoundError(LookupError):
+    """The run has no published config in this Redis."""
+
+
+class RunRecord:
+    """The run's published state (``plane.run``)."""
+
+    def __init__(self, client: redis.Redis, keys: RunKeys, limits: Limits | None = None) -> None:
+        self.client = client
+        self.keys = keys
+        self._manifest_decoder = Decoder(WeightManifest, limits)
+
+    def publish_config(self, config: RunConfig) -> None:
+        self.client.set(self.keys.config, config.to_json())
+
+    def read_config(self) -> RunConfig:
+        raw = self.client.get(self.keys.config)
+        if raw is None:
+            raise RunNotFoundError(
+                f"no run {self.keys.run!r} in this Redis: start `rl-learner` for it first, or check --run and --redis"
+            )
+        return RunConfig.from_json(raw)
+
+    def version(self) -> int:
+        return int(self.client.get(self.keys.version) or 0)
+
+    def set_version(self, version: int) -> None:
+        self.client.set(self.keys.version, version)
+
+    def publish_manifest(self, manifest: WeightManifest) -> None:
+        """Store the manifest, then announce it (subscribers re-read the key, so a missed announcement only delays)."""
+        self.client.set(self.keys.manifest, encode_blob(manifest))
+        self.client.publish(self.keys.manifest_channel, str(manifest.version))
+
+    def read_manifest(self) -> tuple[WeightManifest, list[memoryview]] | None:
+        """The current manifest and its frames (to hand on to a vLLM worker), or None before the first."""
+        blob = self.client.get(self.keys.manifest)
+        if blob is None:
+            return None
+        frames = unpack_frames(blob)
+        return self._manifest_decoder.decode(frames), frames
+
+    def publish_summary(self, summary: Mapping[str, Any]) -> None:
+        self.client.set(self.keys.summary, json.dumps(dict(summary)))
+
+    def summary(self) -> dict[str, Any] | None:
+        """The learner's latest-step summary, or None before its first step."""
+        raw = self.client.get(self.keys.summary)
+        return json.loads(raw) if raw is not None else None
+
+    def set_alerts(self, alerts: Iterable[Mapping[str, Any]]) -> None:
+        """Replace the run's active alerts. Each is a JSON object with ``name`` (str) and, by convention,
+        ``severity`` (``warning``/``critical``), ``message`` (for a person) and ``since`` (Unix time)."""
+        items = [dict(a) for a in alerts]
+        for item in items:
+            if not isinstance(item.get("name"), str) or not item["name"]:
+                raise ValueError(f"an alert needs a non-empty string 'name': {item!r}")
+        self.client.set(self.keys.alerts, json.dumps(items))
+
+    def alerts(self) -> list[dict[str, Any]]:
+        """The active alerts (empty when none, or when no health check has written any)."""
+        raw = self.client.get(self.keys.alerts)
+        return json.loads(raw) if raw is not None else []

@@ -1,0 +1,207 @@
+"""Where the learner's batches come from: admission, the replay stream, and the record of what was trained.
+
+:class:`BatchSource` owns the dispatcher (prompt admission, re-issue), the replay reader, the trained log and the
+staleness floor. One step asks it twice::
+
+    take(v)            release groups under the staleness bound; read scored groups until groups_per_step are
+                       admitted; drop (and count) duplicates, forgeries, stale and zero-variance groups
+    settle(step, …)    record which groups the step trained (acknowledged now or once a checkpoint holds them),
+                       and retire them from the ledger
+
+An arriving group is judged in this order (:meth:`BatchSource.admit`): a **duplicate** (trained before, or twice
+in this batch: a re-issued group's two copies) is acknowledged; a group that does not answer its id's issue
+record is **refused** (``common/provenance.py``: dead-lettered, its id stays in flight for the real one); a group
+with a token older than the staleness floor is **stale** and a group with equal rewards under dynamic sampling is
+**zero_variance** — both discarded, so admission releases replacements.
+
+Recovery: entries read and never acknowledged (an earlier learner's, or after a resume those its later steps
+trained) come back first (:meth:`BatchSource.recover`); entries read beyond one batch are carried to the next.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from common.config import RunConfig
+from common.control import ControlPlane
+from common.keys import dead_letter
+from common.logs import get_logger, worth_logging
+from common.provenance import issue_mismatch
+from common.replay import ReplayEntry, ReplayReader
+from common.staleness import StalenessBound
+from common.wire import Limits, ScoredGroup, encode_blob
+from learner.dispatcher import Dispatcher
+from learner.trained import Rewind, TrainedLog, replay_position
+
+log = get_logger("learner")
+RECOVER_MAX = 100_000
+"""Most pending replay entries taken back at start (trained since the last checkpoint, or read and not trained)."""
+VERDICTS = ("duplicate", "refused", "stale", "zero_variance")
+"""Why an arriving group is not trained, in the order they are judged; each is a ``groups/<verdict>`` count."""
+
+
+class StepInterrupted(Exception):
+    """SIGTERM arrived while the learner waited for a batch: the entries read so far stay pending for the next run."""
+
+
+@dataclass
+class Taken:
+    """One batch: the admitted entries, the ids of those decided against, and why."""
+
+    entries: list[ReplayEntry] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+    """Replay entry ids judged and not admitted: acknowledged with the step (or at once when interrupted)."""
+    verdicts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(VERDICTS, 0))
+    waited_s: float = 0.0
+    """Seconds spent waiting for the batch: the learner's idle time in this step."""
+
+    @property
+    def groups(self) -> list[ScoredGroup]:
+        return [entry.group for entry in self.entries]
+
+    def rewards(self) -> np.ndarray:
+        """Every response's reward, float64 (also the responses a pairwise loss does not train on)."""
+        return np.concatenate([entry.group.rewards for entry in self.entries]).astype(np.float64)
+
+    def figures(self) -> dict[str, float]:
+        """The ``groups/*`` counts of metrics.jsonl (``dropped_stale`` keeps its historical name)."""
+        names = {"duplicate": "duplicates", "stale": "dropped_stale"}
+        return {f"groups/{names.get(verdict, verdict)}": float(n) for verdict, n in self.verdicts.items()}
+
+
+class BatchSource:
+    """Admits, reads and settles the scored groups of one run (see the module docstring)."""
+
+    def __init__(self, config: RunConfig, plane: ControlPlane, tokenizer, newest_version: int) -> None:
+        self.config = config
+        self.plane = plane
+        self.bound = StalenessBound.of(config)
+        limits = Limits(int(config.transport.max_message_mb * 2**20), len(tokenizer))
+        self.reader = ReplayReader(plane.client, plane.keys, limits=limits)
+        self.dispatcher = Dispatcher(config, plane, lambda text: tokenizer(text)["input_ids"])
+        self.trained = TrainedLog(plane, self.reader, defer_acks=config.checkpoint.every > 0)
+        self.newest_version = newest_version
+        """The newest version any actor can hold; a token stamped above it was not sampled by this run's weights."""
+        self._carry: list[ReplayEntry] = []  # recovered entries not yet trained, still pending in the stream
+        self._retrain: dict[str, str] = {}  # group -> entry of groups a resume trains again
+        self._refused = 0  # groups refused by provenance since this learner started
+
+    # ------------------------------------------------------------------ one step
+
+    def take(self, version: int, stop: threading.Event, on_wait: Callable[[], None]) -> Taken:
+        """``groups_per_step`` admitted groups for the step after ``version``; ``on_wait`` runs while reading waits.
+
+        Raises :class:`StepInterrupted` when ``stop`` is set while waiting, :class:`TimeoutError` past
+        ``learner.wait_for_batch_s``.
+        """
+        self.dispatcher.release(version)
+        want = self.config.learner.groups_per_step
+        taken, started = Taken(), time.perf_counter()
+        candidates, self._carry = self._carry, []
+        while len(taken.entries) < want:
+            if not candidates:
+                self._check_waiting(taken, stop, started)
+                self.dispatcher.release(version)
+                self.dispatcher.reissue_overdue(self.config.learner.group_deadline_s)
+                on_wait()
+                candidates = self.reader.read(want - len(taken.entries), block_ms=500)
+            for entry in candidates:
+                if len(taken.entries) == want:
+                    self._carry.append(entry)  # recovered beyond one batch: next step's
+                    continue
+                verdict = self.admit(entry, version, {e.group.rollout.group_id for e in taken.entries})
+                if verdict == "ok":
+                    taken.entries.append(entry)
+                else:
+                    taken.dropped.append(entry.entry_id)
+                    taken.verdicts[verdict] += 1
+            candidates = []
+        taken.waited_s = time.perf_counter() - started
+        return taken
+
+    def _check_waiting(self, taken: Taken, stop: threading.Event, started: float) -> None:
+        if stop.is_set():
+            self.reader.ack(taken.dropped)  # decided (discarded or duplicate); the admitted stay pending
+            raise StepInterrupted
+        limit = self.config.learner.wait_for_batch_s
+        if time.perf_counter() - started > limit:
+            raise TimeoutError(
+                f"no full batch within {limit}s: {len(taken.entries)}/{self.config.learner.groups_per_step} groups; "
+                "are actors and reward workers running?"
+            )
+
+    def admit(self, entry: ReplayEntry, version: int, in_batch: set[str]) -> str:
+        """``ok`` or one of :data:`VERDICTS` for ``entry`` arriving while the learner is at ``version``."""
+        group_id = entry.group.rollout.group_id
+        if group_id in in_batch or self.dispatcher.was_completed(group_id):
+            self.dispatcher.note_duplicate(group_id)
+            return "duplicate"
+        if group_id not in self._retrain:  # a group trained again after a resume was checked when first trained
+            issued, rollout = self.dispatcher.issued(group_id), entry.group.rollout
+            reason = issue_mismatch(issued, rollout, self.config.rollout.max_new_tokens, self.newest_version)
+            if reason is not None:
+                self._refuse(entry, reason)
+                return "refused"
+        if int(entry.group.rollout.versions.min(initial=version)) < self.bound.floor(version):
+            self.dispatcher.discard([group_id])
+            return "stale"
+        if self.config.algorithm.dynamic_sampling and len(set(entry.group.rewards.tolist())) == 1:
+            self.dispatcher.discard([group_id])  # DAPO's dynamic sampling: no signal; admission releases another
+            return "zero_variance"
+        return "ok"
+
+    def _refuse(self, entry: ReplayEntry, reason: str) -> None:
+        """Dead-letter a group that does not answer what was issued under its id; log the 1st, 10th, 100th, …"""
+        rollout = entry.group.rollout
+        dead_letter(self.plane.client, self.plane.keys, "learner:refused", reason, encode_blob(entry.group))
+        self._refused += 1
+        if worth_logging(self._refused):
+            log.warning(
+                "refused a scored group that does not match its issue record",
+                group=rollout.group_id[:80],
+                actor=rollout.actor_id[:80],
+                scorer=entry.group.scorer_id[:80],
+                reason=reason,
+                refused=self._refused,
+                action=f"a peer that is not one of this run's actors may be sending to the reward workers; "
+                f"inspect with XRANGE {self.plane.keys.dead} - +; bind beyond loopback only with CURVE keys",
+            )
+
+    def settle(self, step: int, taken: Taken) -> None:
+        """``step`` trained ``taken``: record it (acknowledged now, or once a checkpoint holds it); retire the ids."""
+        self.trained.record(step, taken.entries, taken.dropped)
+        self.dispatcher.complete([e.group.rollout.group_id for e in taken.entries])
+
+    def published(self, version: int) -> None:
+        """The learner sent (or is sending) ``version``: actors may stamp tokens with it from now on."""
+        self.newest_version = max(self.newest_version, version)
+
+    # ------------------------------------------------------------------ start, checkpoints, resume
+
+    def recover(self) -> None:
+        """Entries this consumer read and never acknowledged come first: an earlier learner's (same consumer name),
+        or, after a restore, the groups it trains again (XREADGROUP ``>`` would never return them)."""
+        self._carry = self.reader.recover(count=RECOVER_MAX)
+        if self._retrain:
+            recovered = {e.group.rollout.group_id for e in self._carry}
+            self.trained.forget_missing(g for g in self._retrain if g not in recovered)
+
+    def position(self) -> dict[str, object]:
+        """What a checkpoint records of the data: the dispatcher's counters and the replay stream's position."""
+        return {"dispatch": self.plane.prompts.dispatch_counts(), "replay": replay_position(self.reader)}
+
+    def commit(self, step: int) -> int:
+        """A checkpoint of ``step`` is on disk: acknowledge the entries it covers."""
+        return self.trained.commit(step)
+
+    def rewind(self, dispatch: dict[str, int], step: int) -> Rewind:
+        """Go back to a checkpoint of ``step``: groups trained after it are trained again (or counted lost)."""
+        self.dispatcher.adopt(dispatch, step)
+        rewind = self.trained.rewind(step)
+        self._retrain = rewind.retrain
+        return rewind

@@ -1,0 +1,254 @@
+"""The policy update: the configured algorithm, assembled from the registries, and the optimizer step it drives.
+
+Built in two stages, so that a typo costs a second, not a DeepSpeed start-up:
+
+- :func:`assemble` resolves and validates every name and option of ``[algorithm]`` (and the off-policy correction
+  of ``[staleness]``) against the registries — no model needed. Every ``rl-learner`` command runs it on the
+  config it loads; a bad option exits 2 naming it and the allowed names.
+- :class:`PolicyUpdate` then starts the engines the algorithm needs (policy, and only when its variants require
+  them: a frozen reference, a critic) and runs one step::
+
+      π_old (unless correction = none)  ->  advantages over the whole batch  ->  optimizer step on micro-batches
+      ->  (with a critic) the critic's step
+
+Offline DPO (:mod:`learner.dpo`) assembles its loss and aggregation through the same :func:`assemble`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from pydantic import ValidationError
+
+from common.config import ConfigError, RunConfig
+from common.wire import ScoredGroup
+from learner.algorithms import (
+    AdvantageInput,
+    GlobalCounts,
+    LossInput,
+    advantage_settings,
+    build_advantage,
+    build_aggregation,
+    build_loss,
+    loss_settings,
+)
+from learner.algorithms.kl import KLController, KLRewardSettings
+from learner.batch import TrainBatch, collate, preference_rows
+from learner.engine import PolicyEngine, ReferenceModel, reference_precision, split_micro_batches
+
+if TYPE_CHECKING:
+    from learner.critic import ValueEngine
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """The configured algorithm with every option validated and bound; what the update computes follows ``needs``."""
+
+    advantage: Callable[[AdvantageInput], Any]
+    loss: Callable[[LossInput], Any]
+    aggregate: Callable[..., torch.Tensor]
+    kl_reward: KLRewardSettings
+    needs: frozenset[str]
+    """What the variants require computed (``Settings.requires``): ``values``, ``ref_logprobs``, ``entropy``, …"""
+
+
+def assemble(config: RunConfig) -> Algorithm:
+    """Resolve and validate ``config.algorithm`` against the registries; raises :class:`ConfigError` naming the
+    option (``algorithm.loss_options={clip_hgh=0.3}`` → "policy loss 'ppo_clip': unknown option(s) 'clip_hgh'")."""
+    algorithm = config.algorithm
+    loss_options = _loss_options(config)
+    try:
+        kl_reward = KLRewardSettings(**algorithm.kl_reward)
+    except ValidationError as exc:
+        raise ConfigError(f"algorithm.kl_reward: {_problems(exc)}") from None
+    needs = advantage_settings(algorithm.advantage, algorithm.advantage_options).requires()
+    needs |= loss_settings(algorithm.loss, loss_options).requires()
+    if kl_reward.mode != "off":
+        needs |= {"token_kl"}
+    return Algorithm(
+        advantage=build_advantage(algorithm.advantage, algorithm.advantage_options),
+        loss=build_loss(algorithm.loss, loss_options),
+        aggregate=build_aggregation(algorithm.aggregation, algorithm.aggregation_options),
+        kl_reward=kl_reward,
+        needs=frozenset(needs),
+    )
+
+
+def check_config(config: RunConfig) -> None:
+    """What every ``rl-learner`` command checks before it starts anything: the algorithm's names and options
+    (:func:`assemble`) and the task's (:func:`learner.dispatcher.check_task`). Raises ``ValueError``."""
+    from learner.dispatcher import check_task
+
+    assemble(config)
+    check_task(config.task)
+
+
+def _loss_options(config: RunConfig) -> dict[str, Any]:
+    """The loss's own options, plus the run's off-policy correction where the loss takes one."""
+    options = dict(config.algorithm.loss_options)
+    staleness = config.staleness
+    correction = {"correction": staleness.correction, "level": staleness.level, "cap": staleness.cap}
+    settings = loss_settings(config.algorithm.loss, options)
+    if "off_policy" in type(settings).model_fields and "off_policy" not in options:
+        options["off_policy"] = correction
+    return options
+
+
+def _problems(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+
+
+class PolicyUpdate:
+    """The engines an :class:`Algorithm` needs and its optimizer step on one :class:`TrainBatch`."""
+
+    def __init__(self, config: RunConfig, algorithm: Algorithm, pad_token_id: int) -> None:
+        self.config = config
+        self.algorithm = algorithm
+        self.needs = algorithm.needs
+        self.pad_token_id = pad_token_id
+        self.kl_control = KLController(algorithm.kl_reward)
+        self.engine = PolicyEngine(config)
+        self.reference = self._reference()
+        self.critic = self._critic()
+        self.temperature = config.rollout.temperature or 1.0
+
+    def _reference(self) -> ReferenceModel | None:
+        if not self.needs & {"ref_logprobs", "token_kl"}:
+            return None
+        return ReferenceModel(self.config.model.path, reference_precision(self.config), str(self.engine.device))
+
+    def _critic(self) -> ValueEngine | None:
+        if "values" not in self.needs:
+            return None
+        from learner.critic import ValueEngine
+
+        return ValueEngine(self.config)
+
+    def restore_kl_coef(self, coef: float) -> None:
+        """The KL-in-reward coefficient a checkpoint saved (the adaptive controller's state)."""
+        self.kl_control = KLController(self.kl_control.settings, coef)
+
+    def params(self) -> dict[str, torch.Tensor]:
+        """The policy's weights as the actors load them (what the broadcaster sends)."""
+        return self.engine.state_dict_for_broadcast()
+
+    # ------------------------------------------------------------------ one step
+
+    def collate(self, groups: list[ScoredGroup]) -> TrainBatch:
+        """Every response of every group, or — for a pairwise loss — each group's best and worst as a pair."""
+        rows = preference_rows(groups) if "pairs" in self.needs else None
+        if rows is not None and not rows:
+            raise RuntimeError(
+                "no group in this batch has two different rewards, so a pairwise loss has no pair to train on; "
+                "set algorithm.dynamic_sampling = true to drop such groups"
+            )
+        return collate(groups, self.pad_token_id, rows)
+
+    def train(self, batch: TrainBatch) -> dict[str, float]:
+        """One step: π_old, advantages over the whole batch, the policy update, then (with a critic) the critic's."""
+        tensors = batch.tensors()
+        tensors["old_logprobs"] = self._old_logprobs(batch)
+        if self.reference is not None:
+            tensors["ref_logprobs"] = self.reference.token_logprobs(
+                batch.input_ids, batch.attention_mask, self.temperature
+            )
+        figures: dict[str, float] = {}
+        if self.critic is not None:
+            tensors["old_values"] = self._values(batch)
+        advantage = self.algorithm.advantage(self._advantage_input(batch, tensors, figures))
+        tensors["advantages"] = advantage.advantages.float()
+        counts = GlobalCounts.of(batch.response_mask)
+        metrics: dict[str, list[float]] = {}
+        stats = self.engine.train_step(self._micro_batches(tensors), self._loss_fn(counts, metrics))
+        figures |= {"loss": stats.loss, "grad_norm": stats.grad_norm, "lr": stats.lr, "seconds": stats.seconds}
+        figures["applied"] = float(stats.applied)  # False: a non-finite step was skipped (learner/health.py)
+        if self.critic is not None and advantage.returns is not None:
+            tensors["returns"] = advantage.returns.float()
+            figures |= self._train_critic(tensors, counts, metrics)
+        figures.update({name: sum(v) / len(v) for name, v in metrics.items()})
+        return figures
+
+    def _advantage_input(self, batch: TrainBatch, tensors: dict[str, torch.Tensor], figures: dict[str, float]):
+        """The estimator's input; with a KL penalty in the reward, k1 = log π_old − log π_ref per token."""
+        token_kl = kl_coef = None
+        if "token_kl" in self.needs:
+            token_kl = (tensors["old_logprobs"] - tensors["ref_logprobs"]) * batch.response_mask
+            observed = float(token_kl.sum() / batch.response_mask.sum().clamp(min=1))
+            if self.kl_control.settings.mode != "off":
+                kl_coef = self.kl_control.coef
+                figures |= {"kl_reward/coef": kl_coef, "kl_reward/kl": observed}
+                self.kl_control.update(observed, batch.rows)
+        return AdvantageInput(
+            rewards=batch.rewards,
+            group_ids=batch.group_ids,
+            response_mask=batch.response_mask,
+            token_kl=token_kl,
+            values=tensors.get("old_values"),
+            kl_coef=kl_coef,
+        )
+
+    def _micro_batches(self, tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        size = self.engine.micro_batch_size
+        if "pairs" in self.needs:
+            size = max(2, size - size % 2)  # a pair is never split across micro-batches
+        return split_micro_batches(tensors, size)
+
+    def _loss_fn(self, counts: GlobalCounts, metrics: dict[str, list[float]]):
+        """The policy's loss of one micro-batch: its share of the batch loss (engine convention, global counts)."""
+        with_entropy, temperature = "entropy" in self.needs, self.temperature
+
+        def loss_fn(engine: PolicyEngine, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+            entropy = None
+            if with_entropy:
+                logprobs, entropy = engine.token_logprobs_and_entropy(
+                    mb["input_ids"], mb["attention_mask"], temperature
+                )
+            else:
+                logprobs = engine.token_logprobs(mb["input_ids"], mb["attention_mask"], temperature)
+            out = self.algorithm.loss(
+                LossInput(
+                    logprobs=logprobs,
+                    old_logprobs=mb["old_logprobs"],
+                    behaviour_logprobs=mb["behaviour_logprobs"],
+                    advantages=mb["advantages"],
+                    response_mask=mb["response_mask"],
+                    ref_logprobs=mb.get("ref_logprobs"),
+                    entropy=entropy,
+                )
+            )
+            for name, value in out.metrics.items():
+                metrics.setdefault(name, []).append(float(value))
+            return self.algorithm.aggregate(out.per_token_loss, mb["response_mask"], counts)
+
+        return loss_fn
+
+    def _values(self, batch: TrainBatch) -> torch.Tensor:
+        """V_old [B, T] of the critic at the start of the step (GAE's bootstrap, the value clip's centre)."""
+        parts = [
+            self.critic.values_no_grad(mb["input_ids"], mb["attention_mask"]).cpu()
+            for mb in split_micro_batches(batch.tensors(), self.critic.micro_batch_size)
+        ]
+        return torch.cat(parts) * batch.response_mask
+
+    def _train_critic(
+        self, tensors: dict[str, torch.Tensor], counts: GlobalCounts, metrics: dict[str, list[float]]
+    ) -> dict[str, float]:
+        from learner.critic import value_loss_fn
+
+        keys = ("input_ids", "attention_mask", "response_mask", "old_values", "returns")
+        micro = split_micro_batches({k: tensors[k] for k in keys}, self.critic.micro_batch_size)
+        stats = self.critic.train_step(micro, value_loss_fn(self.config.critic.value_clip, counts, metrics))
+        return {"critic/loss": stats.loss, "critic/grad_norm": stats.grad_norm, "critic/seconds": stats.seconds}
+
+    def _old_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """π_old: recomputed by the current weights at the start of the step, or μ when correction = none."""
+        if self.config.staleness.correction == "none":
+            return batch.behaviour_logprobs
+        parts = [
+            self.engine.token_logprobs_no_grad(mb["input_ids"], mb["attention_mask"], self.temperature).cpu()
+            for mb in split_micro_batches(batch.tensors(), self.engine.micro_batch_size)
+        ]
+        return torch.cat(parts) * batch.response_mask

@@ -1,0 +1,184 @@
+"""The learner's owners built alone, with a real Redis and (for the update and the run state) a DeepSpeed engine on
+the tiny model: BatchSource, the broadcaster's overlap, PolicyUpdate and RunState."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from common.config import RunConfig
+from common.control import ControlPlane
+from common.replay import ReplayWriter
+from common.wire import PromptGroup, RolloutGroup, ScoredGroup
+from learner.batch_source import BatchSource, StepInterrupted
+from learner.broadcaster import Broadcaster
+from learner.checkpoint import complete_checkpoints, open_checkpoint
+from learner.run_state import RunState
+from learner.update import PolicyUpdate, assemble
+
+pytestmark = pytest.mark.integration
+
+
+def run_config(tmp_path: Path, model_dir: Path | str = "unused", **sections: dict) -> RunConfig:
+    base = {
+        "run": {"name": "owners", "root": str(tmp_path / "runs")},
+        "model": {"path": str(model_dir)},
+        "rollout": {"num_samples": 2, "max_new_tokens": 4},
+        "learner": {"groups_per_step": 2, "micro_batch_size": 4, "lr": 1e-3},
+        "staleness": {"max_staleness": 0},
+    }
+    for name, values in sections.items():
+        base[name] = {**base.get(name, {}), **values}
+    return RunConfig.model_validate(base)
+
+
+def answer(issued: PromptGroup, rewards=(1.0, 0.0), version: int = 0, **changes) -> ScoredGroup:
+    """What an actor and a reward worker make of ``issued``: two responses of 3 and 2 tokens (ids 5..7)."""
+    lengths = [3, 2]
+    rollout = RolloutGroup(
+        group_id=issued.group_id,
+        task=issued.task,
+        prompt=issued.prompt,
+        prompt_ids=issued.prompt_ids,
+        answer=issued.answer,
+        token_ids=np.array([5, 6, 7, 6, 2], np.int32),
+        logprobs=np.full(5, -1.5, np.float32),
+        versions=np.full(5, version, np.int32),
+        lengths=np.asarray(lengths, np.int32),
+        texts=["ab", "c"],
+        finish_reasons=["stop", "stop"],
+        issued_version=issued.issued_version,
+    )
+    rollout = dataclasses.replace(rollout, **changes)
+    return ScoredGroup(rollout=rollout, rewards=np.asarray(rewards, np.float32))
+
+
+@pytest.fixture
+def tokenizer(tiny_model_dir: Path):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+# --------------------------------------------------------------------------- BatchSource
+
+
+def test_batch_source_admits_answers_and_judges_the_rest(redis_client, tmp_path, tiny_model_dir, tokenizer) -> None:
+    config = run_config(tmp_path, tiny_model_dir)
+    plane = ControlPlane(redis_client, "owners")
+    source = BatchSource(config, plane, tokenizer, newest_version=0)
+    assert source.dispatcher.release(0) == 2  # capacity (0 + 0 + 1) × 2
+    first, second = (plane.prompts.load_group(g) for g in sorted(plane.prompts.ledger()))
+    ReplayWriter(redis_client, plane.keys).add(
+        [
+            answer(first, prompt_ids=first.prompt_ids[::-1].copy()),  # a forgery under a live id
+            answer(first),
+            answer(first),  # its re-issued twin, in the same batch
+            answer(second),
+        ]
+    )
+    taken = source.take(0, threading.Event(), on_wait=lambda: None)
+    assert [e.group.rollout.group_id for e in taken.entries] == [first.group_id, second.group_id]
+    assert taken.verdicts == {"duplicate": 1, "refused": 1, "stale": 0, "zero_variance": 0}
+    assert taken.figures()["groups/refused"] == 1.0 and taken.figures()["groups/duplicates"] == 1.0
+    assert taken.rewards().tolist() == [1.0, 0.0, 1.0, 0.0]
+    [(_, dead)] = redis_client.xrange(plane.keys.dead)
+    assert dead[b"source"] == b"learner:refused" and b"prompt_ids differ" in dead[b"reason"]
+    source.settle(1, taken)
+    assert source.trained.trained_steps() == {first.group_id: 1, second.group_id: 1}
+    assert plane.prompts.ledger() == {} and source.reader.depth()["pending"] == 0  # no periodic checkpoints: acked now
+
+
+def test_batch_source_drops_stale_groups_and_stops_when_asked(redis_client, tmp_path, tiny_model_dir, tokenizer):
+    config = run_config(tmp_path, tiny_model_dir)
+    plane = ControlPlane(redis_client, "owners")
+    source = BatchSource(config, plane, tokenizer, newest_version=1)
+    source.dispatcher.release(0)
+    first = plane.prompts.load_group(min(plane.prompts.ledger()))
+    ReplayWriter(redis_client, plane.keys).add([answer(first, version=0)])
+    stop = threading.Event()
+    waits = []
+
+    def on_wait() -> None:  # the learner's chance to welcome actors; here: stop after the first read
+        waits.append(1)
+        if len(waits) == 2:
+            stop.set()
+
+    with pytest.raises(StepInterrupted):
+        source.take(1, stop, on_wait)  # at version 1 with max_staleness 0 the floor is 1: version 0 is stale
+    assert plane.prompts.dispatch_counts()["discarded"] == 1  # admission releases a replacement
+    assert source.reader.depth()["pending"] == 0  # the decided entry was acknowledged on the way out
+
+
+# --------------------------------------------------------------------------- the broadcaster's overlap
+
+
+def test_overlap_publishes_a_version_at_the_next_broadcast(redis_client, tmp_path) -> None:
+    params = {"w": torch.ones(3)}
+    plane = ControlPlane(redis_client, "owners")
+    overlapped = Broadcaster(run_config(tmp_path, staleness={"max_staleness": 1}), plane)
+    try:
+        assert overlapped.overlap and overlapped.publish(1, lambda: params) == {}  # on the wire, not yet announced
+        assert plane.run.read_manifest()[0].version == 1 and plane.run.version() == 0
+        figures = overlapped.publish(2, lambda: params)  # finishes version 1 first
+        assert figures["version"] == 1.0 and plane.run.version() == 1
+        assert overlapped.finish()["version"] == 2.0 and plane.run.version() == 2
+        assert overlapped.finish() == {}  # nothing in flight
+    finally:
+        overlapped.close()
+
+
+def test_synchronous_and_skipped_broadcasts(redis_client, tmp_path) -> None:
+    params = {"w": torch.ones(3)}
+    plane = ControlPlane(redis_client, "owners")
+    synchronous = Broadcaster(run_config(tmp_path, weight_sync={"sync_every": 2}), plane)
+    try:
+        assert not synchronous.overlap  # max_staleness 0: the next batch must come from these weights
+        assert synchronous.publish(1, lambda: params) == {"skipped": 1.0}
+        assert synchronous.publish(2, lambda: params)["version"] == 2.0 and plane.run.version() == 2
+    finally:
+        synchronous.close()
+
+
+# --------------------------------------------------------------------------- PolicyUpdate and RunState
+
+
+@pytest.mark.usefixtures("one_rank_world")
+def test_update_trains_and_run_state_saves_restores_and_rolls_back(
+    redis_client, tmp_path, tiny_model_dir, tokenizer
+) -> None:
+    config = run_config(tmp_path, tiny_model_dir, checkpoint={"every": 1, "keep": 5, "export_hf": False})
+    plane = ControlPlane(redis_client, "owners")
+    update = PolicyUpdate(config, assemble(config), tokenizer.pad_token_id)
+    broadcaster = Broadcaster(config, plane)
+    source = BatchSource(config, plane, tokenizer, newest_version=0)
+    metrics = config.run_dir / "metrics.jsonl"
+    state = RunState(config, 0, update, source, broadcaster, metrics, tokenizer)
+    source.dispatcher.release(0)
+    groups = [answer(plane.prompts.load_group(g)) for g in sorted(plane.prompts.ledger())]
+    try:
+        for step in (1, 2, 3):
+            figures = update.train(update.collate(groups))
+            assert np.isfinite(figures["loss"]) and figures["applied"] == 1.0
+            assert state.advance(reward_mean=0.5) == step
+            metrics.parent.mkdir(parents=True, exist_ok=True)
+            with metrics.open("a") as f:
+                f.write(f'{{"step": {step}}}\n')
+            assert state.save("every").name == f"step-{step}"
+            assert state.save("every") is None  # nothing new since
+        assert state.save("every", healthy=False) is None
+        state.restore(open_checkpoint(config.run_dir / "checkpoints" / "step-2"))
+        assert state.version == 2 and broadcaster.restore == 1
+        assert state.take_resumed()["from_step"] == 2.0 and state.take_resumed() == {}  # once
+        assert [s for s, _ in complete_checkpoints(config.run_dir / "checkpoints")] == [1, 2]  # step 3 set aside
+        assert metrics.read_text().count("step") == 2
+        assert state.restore_latest_healthy(before_step=2) == 1  # health's rollback: the newest before the streak
+        assert state.version == 1 and state.resumed
+        state.set_lr_factor(0.5)
+        assert update.engine.engine.optimizer.param_groups[0]["lr"] == pytest.approx(0.5e-3)
+    finally:
+        broadcaster.close()
