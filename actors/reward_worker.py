@@ -165,9 +165,8 @@ class RewardWorker:
         self.heartbeats.start()  # "starting": visible in rl-top before the socket is up
         bound = self.channel.bind(self.config.transport.zmq_endpoint, self._curve())
         self.endpoint = _advertised(bound)
-        transport = self.config.transport
         self.metrics = start_metrics_server(
-            self.plane, self.worker_id, "reward", self.config.monitoring.metrics_port, ttl_s=transport.heartbeat_ttl_s
+            self.config.run.name, self.worker_id, "reward", self.config.monitoring.metrics_port
         )
         self._ready = True
         self.heartbeats.beat()  # "ready", with the endpoint: actors may connect now

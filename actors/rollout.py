@@ -105,10 +105,9 @@ class RolloutActor:
         )
 
     def _serve_metrics(self) -> None:
-        """/metrics on ``monitoring.metrics_port`` (0 = a free one), registered in Redis for discovery."""
-        transport = self.config.transport
+        """/metrics on ``monitoring.metrics_port`` (0 = a free one); the heartbeat advertises it."""
         port = self.config.monitoring.metrics_port
-        self.metrics = start_metrics_server(self.plane, self.actor_id, "actor", port, ttl_s=transport.heartbeat_ttl_s)
+        self.metrics = start_metrics_server(self.config.run.name, self.actor_id, "actor", port)
         ACTOR_POLICY_VERSION.set_function(lambda: self.version)
         ACTOR_RUNNING_GROUPS.set_function(lambda: len(self._running))
 

@@ -81,15 +81,6 @@ class RunKeys:
         """Set of the ids of completed groups (to tell a late duplicate of a re-issued group)."""
         return self._k("done")
 
-    def metrics_endpoint(self, process_id: str) -> str:
-        """JSON of where ``process_id`` serves ``/metrics`` (TTL, refreshed while it runs)."""
-        return self._k(f"metrics:{process_id}")
-
-    @property
-    def metrics_endpoints(self) -> str:
-        """Set of every process id that ever registered a ``/metrics`` endpoint."""
-        return self._k("metrics-endpoints")
-
     @property
     def summary(self) -> str:
         """JSON of the learner's latest step (a subset of its metrics.jsonl row), for rl-top."""

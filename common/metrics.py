@@ -1,9 +1,8 @@
 """Prometheus metrics shared by every process, named ``asyncrl_<component>_<what>_<unit>``.
 
 Every series lives in the default registry. A process serves them on ``/metrics`` with
-:func:`start_metrics_server`, which also registers the endpoint in the run's Redis
-(``asyncrl:<run>:metrics:<process>``, TTL, refreshed while the process lives) so that ``rl-top --targets``
-and a Prometheus file_sd can find every process without a fixed port.
+:func:`start_metrics_server` and puts the URL in its heartbeat (``common/process_registry.py``), so that
+``rl-top --targets`` and a Prometheus file_sd can find every process without a fixed port.
 
 Learner series whose figure a step may not compute (KL to the reference, entropy, critic loss, …) carry a
 label, so they appear only once a step reported them: a missing figure is absent, never a misleading 0.
@@ -15,7 +14,6 @@ import os
 import resource
 import socket
 import threading
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -23,7 +21,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from common.logs import get_logger
 
 if TYPE_CHECKING:
-    from common.control import ControlPlane
+    pass
 
 log = get_logger("metrics")
 
@@ -211,102 +209,52 @@ def set_alert(name: str, active: bool) -> None:
     LEARNER_ALERT_ACTIVE.labels(alert=name).set(1.0 if active else 0.0)
 
 
-# ------------------------------------------------------------------ serving and registration
-
-
-@dataclass(frozen=True)
-class MetricsEndpoint:
-    """Where one process serves ``/metrics``; stored as JSON under ``asyncrl:<run>:metrics:<process_id>``."""
-
-    process_id: str
-    kind: str
-    host: str
-    port: int
-    pid: int
-
-    @property
-    def address(self) -> str:
-        """``host:port``, a Prometheus target."""
-        return f"{self.host}:{self.port}"
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.address}/metrics"
-
-    def as_dict(self) -> dict[str, str | int]:
-        """The stored form: the fields, plus ``address`` and ``url`` for readers that only want those."""
-        return {**vars(self), "address": self.address, "url": self.url}
+# ------------------------------------------------------------------ serving
 
 
 class MetricsServer:
-    """``/metrics`` of this process over HTTP, registered in the run's Redis while it runs.
+    """``/metrics`` of this process over HTTP. Discovery is the process's heartbeat, which carries :attr:`url`
+    (``common/process_registry.py``): a process killed with -9 drops out when its heartbeat expires. Use
+    :func:`start_metrics_server`."""
 
-    The registration key has a TTL of ``ttl_s`` and is refreshed every ``ttl_s / 3`` by a daemon thread, so a
-    process killed with -9 drops out of discovery by itself; :meth:`close` removes it at once. A Redis blip
-    is logged and retried at the next refresh. Use :func:`start_metrics_server`.
-    """
-
-    def __init__(
-        self, plane: ControlPlane, endpoint: MetricsEndpoint, server, thread: threading.Thread, ttl_s: float
-    ) -> None:
-        self.plane = plane
-        self.endpoint = endpoint
-        self.ttl_s = ttl_s
+    def __init__(self, server, thread: threading.Thread, host: str) -> None:
         self._server = server
         self._http_thread = thread
-        self._stop = threading.Event()
-        self._refresher = threading.Thread(target=self._refresh, name="metrics-registration", daemon=True)
-
-    @property
-    def url(self) -> str:
-        return self.endpoint.url
+        self.host = host
+        self._closed = False
 
     @property
     def port(self) -> int:
-        return self.endpoint.port
+        return int(self._server.server_port)
 
-    def register(self) -> MetricsServer:
-        self.plane.registry.register_metrics_endpoint(self.endpoint.process_id, self.endpoint.as_dict(), self.ttl_s)
-        if not self._refresher.is_alive() and not self._stop.is_set():
-            self._refresher.start()
-        return self
-
-    def _refresh(self) -> None:
-        while not self._stop.wait(self.ttl_s / 3):
-            try:
-                endpoint = self.endpoint
-                self.plane.registry.register_metrics_endpoint(endpoint.process_id, endpoint.as_dict(), self.ttl_s)
-            except Exception as exc:  # keep serving through a Redis blip; the TTL decides discovery
-                log.warning("metrics registration failed; retrying", process=self.endpoint.process_id, error=exc)
+    @property
+    def url(self) -> str:
+        """``http://host:port/metrics``, with the host others should use."""
+        return f"http://{self.host}:{self.port}/metrics"
 
     def close(self) -> None:
-        """Leave discovery and stop serving (idempotent)."""
-        if self._stop.is_set():
+        """Stop serving (idempotent)."""
+        if self._closed:
             return
-        self._stop.set()
-        try:
-            self.plane.registry.unregister_metrics_endpoint(self.endpoint.process_id)
-        except Exception as exc:
-            log.info("metrics endpoint not unregistered (Redis unreachable); it expires by itself", error=exc)
+        self._closed = True
         self._server.shutdown()
         self._server.server_close()
 
 
 def start_metrics_server(
-    plane: ControlPlane,
+    run: str,
     process_id: str,
     kind: str,
     port: int = 0,
     *,
-    ttl_s: float = 30.0,
     addr: str = "0.0.0.0",
     registry: CollectorRegistry = REGISTRY,
 ) -> MetricsServer:
-    """Serve ``/metrics`` on ``port`` (0 = a free one) and register ``host:port`` in the run's Redis.
+    """Serve ``/metrics`` on ``port`` (0 = a free one); put its :attr:`MetricsServer.url` in the heartbeat.
 
     A fixed port already taken on this machine (two workers with one ``monitoring.metrics_port``) falls back to a
-    free port, with a warning: the registration in Redis, not the configured number, is where the endpoint is.
-    The advertised host is ``ASYNCRL_ADVERTISE_HOST`` when set (e.g. a pod IP), else this machine's host name.
+    free port, with a warning: the heartbeat, not the configured number, says where the endpoint is. The advertised
+    host is ``ASYNCRL_ADVERTISE_HOST`` when set (e.g. a pod IP), else this machine's host name.
     """
     try:
         server, thread = start_http_server(port, addr, registry=registry)
@@ -315,18 +263,10 @@ def start_metrics_server(
             raise
         log.warning("metrics port taken; serving on a free one", port=port, error=exc, action="see rl-top --targets")
         server, thread = start_http_server(0, addr, registry=registry)
-    host = os.environ.get("ASYNCRL_ADVERTISE_HOST") or socket.gethostname()
-    endpoint = MetricsEndpoint(process_id, kind, host, int(server.server_port), os.getpid())
     if registry is REGISTRY:
-        PROCESS_INFO.labels(run=plane.keys.run, process=process_id, kind=kind).set(1)
-    metrics_server = MetricsServer(plane, endpoint, server, thread, ttl_s)
-    try:
-        metrics_server.register()
-    except BaseException:
-        server.shutdown()
-        server.server_close()
-        raise
-    log.info("serving metrics", process=process_id, url=endpoint.url)
+        PROCESS_INFO.labels(run=run, process=process_id, kind=kind).set(1)
+    metrics_server = MetricsServer(server, thread, os.environ.get("ASYNCRL_ADVERTISE_HOST") or socket.gethostname())
+    log.info("serving metrics", process=process_id, url=metrics_server.url)
     return metrics_server
 
 

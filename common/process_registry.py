@@ -1,15 +1,16 @@
-"""The registry of a run's processes in Redis: heartbeats with a TTL, and where each serves ``/metrics``.
+"""The registry of a run's processes in Redis: a heartbeat per process with a TTL — the one mechanism by which a
+process says it is alive, what it is, and where it serves ``/metrics``.
 
-Keys (:class:`common.control.RunKeys`): ``heartbeat:<id>`` (an encoded :class:`~common.wire.Heartbeat`, expiring
-after the TTL) and the set ``processes`` of every process ever seen — a member whose heartbeat expired died (or was
-killed) without saying goodbye; ``metrics:<id>`` and the set ``metrics-endpoints`` likewise for ``/metrics``.
+Keys (:class:`common.keys.RunKeys`): ``heartbeat:<id>`` (an encoded :class:`~common.wire.Heartbeat`, expiring
+after the TTL) and the hash ``processes`` (id → kind) of every process ever seen — an entry whose heartbeat expired
+died (or was killed) without saying goodbye, and its kind says what was lost.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from common.logs import get_logger
 from common.wire import Decoder, Heartbeat, Limits, WireError, decode_blob, encode_blob
@@ -33,63 +34,56 @@ class ProcessRegistry:
     def beat(self, heartbeat: Heartbeat, ttl_s: float) -> None:
         pipe = self.client.pipeline(transaction=False)
         pipe.set(self.keys.heartbeat(heartbeat.process_id), encode_blob(heartbeat), px=int(ttl_s * 1000))
-        pipe.sadd(self.keys.processes, heartbeat.process_id)
+        pipe.hset(self.keys.processes, heartbeat.process_id, heartbeat.kind)
         pipe.execute()
 
     def leave(self, process_id: str) -> None:
         """A clean goodbye: the process is removed from the registry at once."""
         pipe = self.client.pipeline(transaction=False)
         pipe.delete(self.keys.heartbeat(process_id))
-        pipe.srem(self.keys.processes, process_id)
+        pipe.hdel(self.keys.processes, process_id)
         pipe.execute()
 
-    def processes(self) -> tuple[list[Heartbeat], list[str]]:
-        """(live heartbeats, ids of processes whose heartbeat expired)."""
-        ids = sorted(m.decode() for m in self.client.smembers(self.keys.processes))
-        blobs = self.client.mget([self.keys.heartbeat(i) for i in ids]) if ids else []
-        live, lost = [], []
-        for pid, blob in zip(ids, blobs, strict=True):
+    def processes(self) -> tuple[list[Heartbeat], dict[str, str]]:
+        """(live heartbeats, id → kind of every process whose heartbeat expired), sorted by id."""
+        kinds = {k.decode(): v.decode() for k, v in sorted(self.client.hgetall(self.keys.processes).items())}
+        blobs = self.client.mget([self.keys.heartbeat(i) for i in kinds]) if kinds else []
+        live, lost = [], {}
+        for (pid, kind), blob in zip(kinds.items(), blobs, strict=True):
             if blob is None:
-                lost.append(pid)
+                lost[pid] = kind
                 continue
             try:
                 live.append(decode_blob(self._heartbeat_decoder, blob))
             except WireError as exc:
                 log.warning("unreadable heartbeat", process=pid, field=exc.field, reason=exc.reason)
-                lost.append(pid)
+                lost[pid] = kind
         return live, lost
 
     def forget(self, process_ids: Iterable[str]) -> None:
         ids = list(process_ids)
         if ids:
-            self.client.srem(self.keys.processes, *ids)
-
-    def register_metrics_endpoint(self, process_id: str, endpoint: Mapping[str, Any], ttl_s: float) -> None:
-        """Store where a process serves ``/metrics`` (``host``, ``port``, ``kind``, …) for ``ttl_s`` seconds."""
-        pipe = self.client.pipeline(transaction=False)
-        pipe.set(self.keys.metrics_endpoint(process_id), json.dumps(dict(endpoint)), px=int(ttl_s * 1000))
-        pipe.sadd(self.keys.metrics_endpoints, process_id)
-        pipe.execute()
-
-    def unregister_metrics_endpoint(self, process_id: str) -> None:
-        pipe = self.client.pipeline(transaction=False)
-        pipe.delete(self.keys.metrics_endpoint(process_id))
-        pipe.srem(self.keys.metrics_endpoints, process_id)
-        pipe.execute()
+            self.client.hdel(self.keys.processes, *ids)
 
     def metrics_endpoints(self) -> list[dict[str, Any]]:
-        """Every live registration, sorted by process id; expired ones are dropped from the index."""
-        ids = sorted(m.decode() for m in self.client.smembers(self.keys.metrics_endpoints))
-        blobs = self.client.mget([self.keys.metrics_endpoint(i) for i in ids]) if ids else []
-        live, expired = [], []
-        for pid, blob in zip(ids, blobs, strict=True):
-            if blob is None:
-                expired.append(pid)
-                continue
-            try:
-                live.append(json.loads(blob))
-            except json.JSONDecodeError:
-                log.warning("unreadable metrics endpoint", process=pid)
-        if expired:
-            self.client.srem(self.keys.metrics_endpoints, *expired)
-        return live
+        """Where every live process serves ``/metrics``, from its heartbeat (the one mechanism that advertises a
+        process): ``process_id``, ``kind``, ``host``, ``port``, ``pid``, ``address`` and ``url``, sorted by id."""
+        live, _ = self.processes()
+        return [endpoint for beat in live if (endpoint := metrics_endpoint(beat)) is not None]
+
+
+def metrics_endpoint(beat: Heartbeat) -> dict[str, Any] | None:
+    """Where the process of ``beat`` serves ``/metrics`` (see :meth:`ProcessRegistry.metrics_endpoints`), or None."""
+    url = urlsplit(beat.metrics_url)
+    if not (url.hostname and url.port):
+        return None
+    address = f"{url.hostname}:{url.port}"
+    return {
+        "process_id": beat.process_id,
+        "kind": beat.kind,
+        "host": url.hostname,
+        "port": url.port,
+        "pid": beat.pid,
+        "address": address,
+        "url": beat.metrics_url,
+    }

@@ -16,6 +16,8 @@ from typing import Annotated, Any
 
 import typer
 
+from common.process_registry import metrics_endpoint
+
 app = typer.Typer(add_completion=False, help="Live view of an asyncrl run.")
 
 _HOME, _CLEAR_LINE, _CLEAR_BELOW = "\x1b[H", "\x1b[K", "\x1b[J"
@@ -34,7 +36,7 @@ def snapshot(plane) -> dict[str, Any]:
         "lost": lost,
         "summary": plane.run.summary(),
         "alerts": plane.run.alerts(),
-        "endpoints": {e["process_id"]: e for e in plane.registry.metrics_endpoints()},
+        "endpoints": {beat.process_id: e for beat in live if (e := metrics_endpoint(beat)) is not None},
     }
 
 
@@ -108,7 +110,8 @@ def _process_lines(snap: dict[str, Any], now: float) -> list[str]:
     if not snap["processes"]:
         lines.append("(no actors or reward workers registered)")
     if snap["lost"]:
-        lines += ["", f"lost (heartbeat expired): {', '.join(snap['lost'])}"]
+        lost = ", ".join(f"{pid} ({kind})" for pid, kind in snap["lost"].items())
+        lines += ["", f"lost (heartbeat expired): {lost}"]
     return lines
 
 

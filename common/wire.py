@@ -33,8 +33,12 @@ from common.codec import (
     unpack_frames,
 )
 
+PROCESS_KINDS = ("actor", "reward", "learner")
+"""Who may heartbeat in a run."""
+
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
+    "PROCESS_KINDS",
     "SCHEMA_VERSION",
     "ArraySpec",
     "Decoder",
@@ -210,12 +214,12 @@ class WeightManifest:
 @message("heartbeat")
 @dataclass(frozen=True, kw_only=True)
 class Heartbeat:
-    """What an actor or reward worker says about itself every few seconds."""
+    """What a process of the run says about itself every few seconds (its liveness, and where it serves /metrics)."""
 
     TAG: ClassVar[str]
     process_id: str
     kind: str
-    """``actor`` or ``reward``."""
+    """``actor``, ``reward`` or ``learner``."""
     state: str
     """e.g. ``starting``, ``ready``, ``generating``, ``syncing``, ``draining``."""
     version: int = 0
@@ -228,8 +232,8 @@ class Heartbeat:
     """Where a reward worker's PULL socket is bound (actors PUSH rollouts to every live one)."""
 
     def validate(self, limits: Limits) -> None:
-        if self.kind not in ("actor", "reward"):
-            raise WireError("kind", f"must be 'actor' or 'reward', got {self.kind!r}")
+        if self.kind not in PROCESS_KINDS:
+            raise WireError("kind", f"must be one of {', '.join(PROCESS_KINDS)}, got {self.kind!r}")
         _check_range("tokens_per_s", self.tokens_per_s, 0, None)
 
 

@@ -42,6 +42,8 @@ class ProcessFacts:
 
     actors_lost: int = 0
     """Actors that died or were evicted."""
+    lost: tuple[str, ...] = ()
+    """Every process lost so far, as ``id (kind)``: what the lost-process alert names."""
     reward_errors: int = 0
     """Reward-service failures: dead-lettered groups and failed reward calls."""
 
@@ -218,11 +220,13 @@ class ActorLost(Rule):
         self.last = max(self.last, facts.actors_lost)
         if new <= 0:
             return Check(False, 0.0, f"no actor lost since the last step ({self.last} in all)")
+        named = f"; lost so far: {', '.join(facts.lost)}" if facts.lost else ""
         return Check(
             True,
             float(new),
-            f"{new} actor(s) lost since the last step ({facts.actors_lost} in all): their groups are re-issued; "
-            "read the actor's log, and start a replacement (rl-actor --redis URL --run NAME) if it does not come back",
+            f"{new} actor(s) lost since the last step ({facts.actors_lost} in all{named}): their groups are "
+            "re-issued; read the actor's log, and start a replacement (rl-actor --redis URL --run NAME) if it does "
+            "not come back",
         )
 
 

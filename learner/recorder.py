@@ -45,7 +45,7 @@ class Recorder:
         self.metrics_path = config.run_dir / "metrics.jsonl"
         self.telemetry = StepTelemetry(plane, config)
         self.health: HealthMonitor | None = None  # set once the run state it rolls back exists
-        self._lost: set[str] = set()  # processes whose heartbeat expired, ever (ProcessFacts counts are cumulative)
+        self._lost: dict[str, str] = {}  # id → kind of processes whose heartbeat expired, ever (facts are cumulative)
         self._dead_at_start = plane.queue_depths()["dead_letters"]
 
     def record(self, version: int, started: float, taken: Taken, batch: TrainBatch, **parts: dict) -> StepRecord:
@@ -72,7 +72,11 @@ class Recorder:
         _, lost = processes
         self._lost.update(lost)
         dead = queues["dead_letters"] - self._dead_at_start
-        return ProcessFacts(actors_lost=len(self._lost), reward_errors=max(0, dead))
+        return ProcessFacts(
+            actors_lost=sum(kind == "actor" for kind in self._lost.values()),
+            reward_errors=max(0, dead),
+            lost=tuple(f"{pid} ({kind})" for pid, kind in sorted(self._lost.items())),
+        )
 
     def _write(self, version: int, record: StepRecord) -> None:
         record.values.update({"step": float(version), "version": float(version), "time": time.time()})

@@ -1,8 +1,8 @@
 """The learner's telemetry: each step's metrics.jsonl row into Prometheus series and a summary in Redis.
 
-The learner loop needs two lines::
+The learner's recorder needs two lines::
 
-    self.telemetry = StepTelemetry(self.plane, config)   # serves /metrics, registers it in Redis
+    self.telemetry = StepTelemetry(self.plane, config)   # serves /metrics, heartbeats its URL (kind learner)
     self.telemetry.publish(record.values)                 # after the row is written
 
 ``publish`` updates the ``asyncrl_learner_*`` series (see ``common/metrics.py``), samples the queue depths and the
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import socket
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -22,7 +23,9 @@ from typing import Any
 from common import metrics as m
 from common.config import RunConfig
 from common.control import ControlPlane
+from common.heartbeat import HeartbeatThread
 from common.logs import get_logger
+from common.wire import Heartbeat
 
 log = get_logger("telemetry")
 
@@ -83,7 +86,8 @@ def learner_process_id() -> str:
 
 
 class StepTelemetry:
-    """Serves the learner's ``/metrics`` from construction on; :meth:`publish` feeds it one step's row."""
+    """Serves the learner's ``/metrics`` and heartbeats (kind ``learner``, with the URL) from construction on;
+    :meth:`publish` feeds it one step's row."""
 
     def __init__(self, plane: ControlPlane, config: RunConfig, process_id: str | None = None) -> None:
         self.plane = plane
@@ -91,13 +95,24 @@ class StepTelemetry:
         self.process_id = process_id or learner_process_id()
         self.publishes_summary = self.process_id == "learner"
         self.server = m.start_metrics_server(
-            plane,
-            self.process_id,
-            "learner",
-            config.monitoring.metrics_port,
-            ttl_s=config.transport.heartbeat_ttl_s,
+            config.run.name, self.process_id, "learner", config.monitoring.metrics_port
         )
+        self.state, self.version = "starting", 0
+        transport = config.transport
+        self.heartbeats = HeartbeatThread(plane, self.heartbeat, transport.heartbeat_s, transport.heartbeat_ttl_s)
+        self.heartbeats.start()
         atexit.register(self.close)
+
+    def heartbeat(self) -> Heartbeat:
+        return Heartbeat(
+            process_id=self.process_id,
+            kind="learner",
+            state=self.state,
+            version=self.version,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            metrics_url=self.server.url,
+        )
 
     @property
     def url(self) -> str:
@@ -107,6 +122,7 @@ class StepTelemetry:
         """Update every series from one metrics.jsonl row and write the summary; ``queues`` (``queue_depths()``) and
         ``processes`` (``processes()``) are read from Redis unless the caller sampled them already this step."""
         self._update_series(values)
+        self.state, self.version = "training", int(values.get("version", self.version))
         if not self.publishes_summary:
             return
         import redis
@@ -151,5 +167,6 @@ class StepTelemetry:
         return out
 
     def close(self) -> None:
-        """Leave discovery and stop serving (idempotent; also run at interpreter exit)."""
+        """Leave the registry and stop serving (idempotent; also run at interpreter exit)."""
+        self.heartbeats.stop(leave=True)
         self.server.close()

@@ -127,7 +127,7 @@ def test_every_process_serves_metrics_and_rl_top_shows_the_run(tmp_path: Path, m
 
 
 def check_metrics_endpoints(plane: ControlPlane, proc: subprocess.Popen) -> None:
-    """Every process is registered; its /metrics answers with the series of its kind."""
+    """Every process, the learner included, heartbeats its /metrics URL; it answers with the series of its kind."""
     wanted = {"learner", "actor-0", "actor-1", "reward-0"}
 
     def endpoints() -> dict[str, dict] | None:
@@ -146,8 +146,7 @@ def check_metrics_endpoints(plane: ControlPlane, proc: subprocess.Popen) -> None
         assert not missing, f"{process_id} ({kind}) lacks {missing}"
         info = f'asyncrl_process_info{{kind="{kind}",process="{process_id}",run="{RUN}"}}'
         assert samples.get(info) == 1.0, f"{process_id}: no {info}"
-        if kind != "learner":  # actors and reward workers also advertise it in their heartbeat
-            assert heartbeats[process_id].metrics_url == endpoint["url"]
+        assert heartbeats[process_id].metrics_url == endpoint["url"]  # the heartbeat is the one advertisement
         for name in EXPECTED[kind]:
             totals[name] = totals.get(name, 0.0) + samples[name]
     assert totals["asyncrl_actor_generated_tokens_total"] > 0

@@ -53,9 +53,9 @@ def test_heartbeat_expiry_marks_a_process_lost(redis_client) -> None:
     time.sleep(0.4)
     live, lost = plane.registry.processes()
     assert [h.process_id for h in live] == ["alive"] and live[0].tokens_per_s == 9.0
-    assert lost == ["doomed"]
+    assert lost == {"doomed": "reward"}  # the kind of what was lost is kept
     plane.registry.forget(lost)
-    assert plane.registry.processes()[1] == []
+    assert plane.registry.processes()[1] == {}
 
 
 def test_prompt_queue_is_fifo_and_returned_groups_go_first(redis_client) -> None:

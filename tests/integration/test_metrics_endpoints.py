@@ -1,4 +1,4 @@
-"""/metrics served over HTTP, registered in a real Redis, and parsed back as Prometheus text format."""
+"""/metrics served over HTTP, found through heartbeats in a real Redis, and parsed back as Prometheus text format."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def value(families: dict[str, list], sample: str, **labels: str) -> float | None
     return None
 
 
-def test_a_served_registry_parses_as_prometheus_text_and_is_registered(redis_client) -> None:
+def test_a_served_registry_parses_as_prometheus_text_and_is_found_through_the_heartbeat(redis_client) -> None:
     registry = CollectorRegistry()
     tokens = Counter("asyncrl_test_tokens_total", "Tokens.", registry=registry)
     depth = Gauge("asyncrl_test_depth_groups", "Depth.", ["queue"], registry=registry)
@@ -46,11 +46,14 @@ def test_a_served_registry_parses_as_prometheus_text_and_is_registered(redis_cli
     depth.labels(queue="prompts").set(3)
     seconds.observe(0.7)
     plane = ControlPlane(redis_client, "exp")
-    server = start_metrics_server(plane, "actor-7", "actor", 0, ttl_s=5, registry=registry)
+    server = start_metrics_server("exp", "actor-7", "actor", 0, registry=registry)
+    beat = Heartbeat(process_id="actor-7", kind="actor", state="ready", pid=7, metrics_url=server.url)
     try:
+        plane.registry.beat(beat, ttl_s=5)
         [endpoint] = plane.registry.metrics_endpoints()
-        assert endpoint["process_id"] == "actor-7" and endpoint["kind"] == "actor"
+        assert endpoint["process_id"] == "actor-7" and endpoint["kind"] == "actor" and endpoint["pid"] == 7
         assert endpoint["port"] == server.port and server.url == f"http://{endpoint['host']}:{server.port}/metrics"
+        assert endpoint["url"] == server.url and endpoint["address"] == f"{endpoint['host']}:{server.port}"
         families = scrape(server.port)
         assert value(families, "asyncrl_test_tokens_total") == 42
         assert value(families, "asyncrl_test_depth_groups", queue="prompts") == 3
@@ -59,37 +62,31 @@ def test_a_served_registry_parses_as_prometheus_text_and_is_registered(redis_cli
         assert value(families, "asyncrl_test_step_seconds_count") == 1
     finally:
         server.close()
+        plane.registry.leave("actor-7")
     assert plane.registry.metrics_endpoints() == []  # a clean exit leaves discovery at once
     with pytest.raises(urllib.error.URLError):
         scrape(server.port)
 
 
-def test_registration_is_refreshed_while_serving_and_expires_without(redis_client) -> None:
+def test_discovery_follows_heartbeats_and_forgets_an_expired_one(redis_client) -> None:
+    """One mechanism advertises a process: a process killed with -9 stops beating, and drops out by itself."""
     plane = ControlPlane(redis_client, "ttl")
-    server = start_metrics_server(plane, "learner", "learner", 0, ttl_s=0.6, registry=CollectorRegistry())
-    try:
-        time.sleep(1.5)  # beyond the TTL: the refresher keeps it
-        assert [e["process_id"] for e in plane.registry.metrics_endpoints()] == ["learner"]
-    finally:
-        server.close()
-    gone = {"process_id": "gone", "kind": "actor", "host": "h", "port": 1}
-    plane.registry.register_metrics_endpoint("gone", gone, 0.2)
-    time.sleep(0.4)  # a process killed with -9 stops refreshing: its key expires and the index forgets it
+    gone = Heartbeat(process_id="gone", kind="reward", state="ready", metrics_url="http://h:1/metrics")
+    plane.registry.beat(gone, 0.2)
+    plane.registry.beat(Heartbeat(process_id="quiet", kind="actor", state="starting"), 5)  # not serving yet
+    assert [e["process_id"] for e in plane.registry.metrics_endpoints()] == ["gone"]
+    time.sleep(0.4)
     assert plane.registry.metrics_endpoints() == []
-    assert not redis_client.smembers(plane.keys.metrics_endpoints)
+    assert plane.registry.processes()[1] == {"gone": "reward"}
 
 
-def test_a_taken_fixed_port_falls_back_to_a_free_one(redis_client) -> None:
-    plane = ControlPlane(redis_client, "ports")
+def test_a_taken_fixed_port_falls_back_to_a_free_one() -> None:
     port = free_port()
-    first = start_metrics_server(plane, "reward-0", "reward", port, registry=CollectorRegistry())
-    second = start_metrics_server(plane, "reward-1", "reward", port, registry=CollectorRegistry())
+    first = start_metrics_server("ports", "reward-0", "reward", port, registry=CollectorRegistry())
+    second = start_metrics_server("ports", "reward-1", "reward", port, registry=CollectorRegistry())
     try:
         assert first.port == port and second.port not in (0, port)
-        assert {e["process_id"]: e["port"] for e in plane.registry.metrics_endpoints()} == {
-            "reward-0": port,
-            "reward-1": second.port,
-        }
+        assert second.url.endswith(f":{second.port}/metrics")  # what its heartbeat advertises
     finally:
         first.close()
         second.close()
@@ -135,7 +132,7 @@ def test_learner_telemetry_updates_series_queues_and_the_summary(redis_client) -
     plane.registry.beat(Heartbeat(process_id="reward-0", kind="reward", state="ready"), ttl_s=5)
     telemetry = StepTelemetry(plane, config)
     try:
-        [endpoint] = plane.registry.metrics_endpoints()
+        [endpoint] = [e for e in plane.registry.metrics_endpoints() if e["kind"] == "learner"]
         assert endpoint["process_id"] == "learner" and endpoint["port"] == telemetry.server.port
         before = scrape(telemetry.server.port)
         steps0 = value(before, "asyncrl_learner_steps_total") or 0.0
@@ -163,7 +160,8 @@ def test_learner_telemetry_updates_series_queues_and_the_summary(redis_client) -
     assert summary["step"] == 7 and summary["learner/steps"] == 30 and summary["rollout/reward_mean"] == 0.375
     assert summary["queue/prompts"] == 2 and summary["queue/replay"] == 3 and summary["queue/replay_pending"] == 0
     assert "rollout/groups_from/actor-0" not in summary  # compact: the main figures only
-    assert plane.registry.metrics_endpoints() == []
+    learner = [h for h in plane.registry.processes()[0] if h.kind == "learner"]
+    assert learner == []  # closed: it left the registry
 
 
 def test_alerts_round_trip_and_need_a_name(redis_client) -> None:

@@ -202,7 +202,7 @@ def test_sigterm_finishes_the_group_in_hand_and_leaves_the_registry(redis_server
         finally:
             push.close()
     assert [e.group.rollout.group_id for e in read_replay(redis_client, run, 1)] == ["slow-1"]
-    assert ControlPlane(redis_client, run).registry.processes() == ([], [])  # left, not merely expired
+    assert ControlPlane(redis_client, run).registry.processes() == ([], {})  # left, not merely expired
     assert "reward worker stopped" in log.read_text()
 
 
@@ -225,7 +225,7 @@ def test_a_worker_whose_calls_keep_hanging_dead_letters_the_group_and_exits_1(
             push.close()
     [(_, fields)] = redis_client.xrange(RunKeys(run).dead)
     assert b"8 abandoned calls are still running" in fields[b"reason"]
-    assert ControlPlane(redis_client, run).registry.processes() == ([], [])
+    assert ControlPlane(redis_client, run).registry.processes() == ([], {})
     assert "reward worker stalled" in log.read_text()
 
 
@@ -246,7 +246,7 @@ def test_an_unknown_run_or_reward_function_exits_2_with_the_reason(redis_server,
     )
     assert result.returncode == 2 and "unknown reward function 'tsak'" in result.stderr
     assert "Traceback" not in result.stderr
-    assert ControlPlane(redis_client, "typo").registry.processes() == ([], [])
+    assert ControlPlane(redis_client, "typo").registry.processes() == ([], {})
 
 
 def test_a_task_name_from_the_wire_never_selects_or_imports_anything(redis_server, redis_client, tmp_path) -> None:

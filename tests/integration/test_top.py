@@ -35,12 +35,16 @@ def populate(redis_client, run: str) -> ControlPlane:
     plane = ControlPlane(redis_client, run)
     plane.run.publish_config(load_config(None, [f"run.name={run}"]))
     plane.run.set_version(5)
-    actor = Heartbeat(process_id="actor-0", kind="actor", state="generating", version=5, tokens_per_s=2100)
+    actor = Heartbeat(
+        process_id="actor-0",
+        kind="actor",
+        state="generating",
+        version=5,
+        tokens_per_s=2100,
+        metrics_url="http://h:9101/metrics",
+    )
     plane.registry.beat(actor, 30)
     plane.registry.beat(Heartbeat(process_id="reward-0", kind="reward", state="ready"), 30)
-    plane.registry.register_metrics_endpoint(
-        "actor-0", {"process_id": "actor-0", "kind": "actor", "host": "h", "port": 9101}, 30
-    )
     prompts = [
         PromptGroup(group_id=f"g{i}", task="t", prompt="1+1=", prompt_ids=np.zeros(4, np.int32)) for i in range(4)
     ]
@@ -80,9 +84,8 @@ def test_frame_with_the_learner_summary_and_alerts(redis_client) -> None:
             "learner/metrics_url": "http://h:9000/metrics",
         }
     )
-    plane.registry.register_metrics_endpoint(
-        "learner", {"process_id": "learner", "kind": "learner", "host": "h", "port": 9000}, 30
-    )
+    learner = Heartbeat(process_id="learner", kind="learner", state="training", metrics_url="http://h:9000/metrics")
+    plane.registry.beat(learner, 30)
     plane.run.set_alerts([{"name": "replay_starving", "message": "idle 80% of each step", "since": time.time() - 5}])
     text = render(snapshot(plane))
     assert "learner  step 9/30   version 9   reward 0.625 ± 0.480   mismatch 3.00e-06" in text

@@ -140,7 +140,7 @@ def snap(**changes) -> dict:
         "processes": [
             Heartbeat(process_id="actor-0", kind="actor", state="generating", version=4, tokens_per_s=1500.0)
         ],
-        "lost": [],
+        "lost": {},
         "summary": None,
         "alerts": [],
         "endpoints": {"actor-0": {"process_id": "actor-0", "kind": "actor", "host": "h1", "port": 9100}},
@@ -180,10 +180,10 @@ def test_render_the_learner_summary_and_alerts() -> None:
 
 
 def test_render_says_when_the_run_is_unknown_and_who_was_lost() -> None:
-    text = render(snap(config_found=False, processes=[], lost=["actor-9"]))
+    text = render(snap(config_found=False, processes=[], lost={"actor-9": "actor"}))
     assert "no config published for run 'exp'" in text
     assert "(no actors or reward workers registered)" in text
-    assert "lost (heartbeat expired): actor-9" in text
+    assert "lost (heartbeat expired): actor-9 (actor)" in text
 
 
 def test_terminal_frame_overwrites_in_place_and_targets_are_file_sd() -> None:
