@@ -38,9 +38,11 @@ class K2Settings(Settings):
 class K3Settings(Settings):
     name: Literal["k3"] = "k3"
     clamp: float = Field(20.0, gt=0.0)
-    """|log r| is clamped to this before exp: exp(89) overflows float32, and a single token the policy
-    has made nearly impossible would otherwise dominate the loss and its gradient (verl's ``low_var_kl``
-    clamps at the same 20; unlike verl, the resulting k3 itself is not clamped again)."""
+    """|log r| is clamped to this before exp: exp(89) overflows float32 (verl's ``low_var_kl`` clamps at 20)."""
+    value_clamp: float = Field(10.0, gt=0.0)
+    """The estimate itself is clamped to [−value_clamp, value_clamp], as verl's ``low_var_kl`` clamps it to
+    [−10, 10]: at log r = 19.9 a single token would otherwise contribute e^19.9 ≈ 4.4e8 to the KL term, with a
+    gradient to match. Where the clamp binds, that token's KL gradient is zero."""
 
 
 @register_kl_estimator("k1")
@@ -57,9 +59,13 @@ def k2(logprobs: Tensor, ref_logprobs: Tensor, settings: K2Settings) -> Tensor:
 
 @register_kl_estimator("k3")
 def k3(logprobs: Tensor, ref_logprobs: Tensor, settings: K3Settings) -> Tensor:
-    """k3 = (r − 1) − log r, with log r clamped to [−clamp, clamp]."""
+    """k3 = clamp((r − 1) − log r, −value_clamp, value_clamp), with log r clamped to [−clamp, clamp] first.
+
+    Both clamps as in verl's ``kl_penalty(..., "low_var_kl")`` (``verl/trainer/ppo/core_algos.py``: log r to ±20,
+    the estimate to ±10). k3 ≥ 0, so only the upper bound of the second clamp ever binds.
+    """
     log_r = (ref_logprobs.detach() - logprobs).clamp(-settings.clamp, settings.clamp)
-    return log_r.exp() - 1.0 - log_r
+    return (log_r.exp() - 1.0 - log_r).clamp(-settings.value_clamp, settings.value_clamp)
 
 
 class KLRewardSettings(Settings):

@@ -258,17 +258,31 @@ def test_kl_estimators_by_hand() -> None:
 
 def test_k3_clamps_the_log_ratio() -> None:
     # log r = 50 is clamped to 20: k3 = e^20 − 1 − 20 (finite), not e^50; log r = −50 → e^−20 − 1 + 20.
-    out = build_kl_estimator("k3")(torch.zeros(1, 2), torch.tensor([[50.0, -50.0]]))
+    unclamped = {"value_clamp": 1e30}
+    out = build_kl_estimator("k3", unclamped)(torch.zeros(1, 2), torch.tensor([[50.0, -50.0]]))
     torch.testing.assert_close(out[0], torch.tensor([math.exp(20) - 21, math.exp(-20) + 19]))
     narrower = build_kl_estimator("k3", {"clamp": 1.0})(torch.zeros(1, 1), torch.tensor([[50.0]]))
     torch.testing.assert_close(narrower[0, 0], torch.tensor(math.e - 2))
+
+
+def test_k3_clamps_its_value_as_verl_does() -> None:
+    # log r = 19.9: e^19.9 − 1 − 19.9 = 4.39e8 → 10, and no gradient through the clamped token;
+    # log r = 2: e^2 − 1 − 2 = 4.389056 (below 10: unchanged, gradient 1 − r = 1 − e^2 = −6.389056).
+    logprobs = torch.zeros(1, 2, dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[19.9, 2.0]], dtype=torch.float64)
+    out = build_kl_estimator("k3")(logprobs, ref)
+    torch.testing.assert_close(out[0], torch.tensor([10.0, math.exp(2) - 3], dtype=torch.float64))
+    out.sum().backward()
+    torch.testing.assert_close(logprobs.grad[0], torch.tensor([0.0, 1 - math.exp(2)], dtype=torch.float64))
+    wider = build_kl_estimator("k3", {"value_clamp": 1e9})(logprobs.detach(), ref)
+    assert wider[0, 0] == pytest.approx(math.exp(19.9) - 20.9)  # 4.4e8: what one token used to contribute
 
 
 @pytest.mark.parametrize("seed", range(3))
 def test_kl_estimators_match_a_loop_reference_and_k2_k3_are_non_negative(seed: int) -> None:
     gen = _generator(seed)
     logprobs, ref = -3 * torch.rand(4, 5, generator=gen, dtype=torch.float64), torch.randn(4, 5, generator=gen).double()
-    formulas = {"k1": lambda lr: -lr, "k2": lambda lr: lr * lr / 2, "k3": lambda lr: math.exp(lr) - 1 - lr}
+    formulas = {"k1": lambda lr: -lr, "k2": lambda lr: lr * lr / 2, "k3": lambda lr: min(math.exp(lr) - 1 - lr, 10)}
     for name, formula in formulas.items():
         out = build_kl_estimator(name)(logprobs, ref)
         log_r = (ref - logprobs).flatten().tolist()
