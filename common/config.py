@@ -379,7 +379,11 @@ def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 
 
 def _parse_override(item: str) -> tuple[str, Any]:
-    """``a.b=c`` → (``a.b``, value); the value is read as TOML (``3``, ``true``, ``[1,2]``) or else a string."""
+    """``a.b=c`` → (``a.b``, value); the value is read as TOML (``3``, ``true``, ``[1,2]``) or else a string.
+
+    A field whose type is a string takes the text as it is (``rollout.cpu_threads=1`` is the string ``"1"``, not
+    the integer 1); a quoted TOML string is unquoted first.
+    """
     key, sep, raw = item.partition("=")
     key = key.strip()
     if not sep or not key:
@@ -390,7 +394,22 @@ def _parse_override(item: str) -> tuple[str, Any]:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw.strip()
+    if not isinstance(value, str) and _field_type(key) is str:
+        value = raw.strip()
     return key, value
+
+
+def _field_type(key: str) -> Any:
+    """The annotation of the config field at dotted ``key`` (``rollout.cpu_threads`` → ``str``), None if unknown."""
+    model: Any = RunConfig
+    annotation: Any = None
+    for part in key.split("."):
+        fields = getattr(model, "model_fields", None)
+        if not fields or part not in fields:
+            return None
+        annotation = fields[part].annotation
+        model = annotation
+    return annotation
 
 
 def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:

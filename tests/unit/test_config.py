@@ -98,3 +98,11 @@ def test_the_reference_model_precision_defaults_to_the_training_precision() -> N
 def test_an_override_of_nan_or_inf_is_a_name_not_a_float() -> None:
     assert load_config(None, ["run.name=nan"]).run.name == "nan"
     assert load_config(None, ["run.name=inf"]).run.name == "inf"
+
+
+def test_an_override_of_a_string_field_keeps_its_text() -> None:
+    """``rollout.cpu_threads=1`` was read as the integer 1 and refused; a string field takes the text as given."""
+    config = load_config(None, ["rollout.cpu_threads=1", "run.name=2024", "model.path=007"])
+    assert config.rollout.cpu_threads == "1" and config.run.name == "2024" and config.model.path == "007"
+    assert load_config(None, ['rollout.cpu_threads="0-3"']).rollout.cpu_threads == "0-3"  # quoted: unquoted
+    assert load_config(None, ["learner.steps=7"]).learner.steps == 7  # numbers stay numbers elsewhere
