@@ -16,8 +16,6 @@ from typing import Annotated, Any
 
 import typer
 
-from common.process_registry import metrics_endpoint
-
 app = typer.Typer(add_completion=False, help="Live view of an asyncrl run.")
 
 _HOME, _CLEAR_LINE, _CLEAR_BELOW = "\x1b[H", "\x1b[K", "\x1b[J"
@@ -26,6 +24,8 @@ _HIDE_CURSOR, _SHOW_CURSOR = "\x1b[?25l", "\x1b[?25h"
 
 def snapshot(plane) -> dict[str, Any]:
     """Everything the view shows, read in a few round trips."""
+    from common.process_registry import metrics_endpoint
+
     live, lost = plane.registry.processes()
     return {
         "run": plane.keys.run,
