@@ -75,7 +75,7 @@ def _read_run_config(url: str, run: str):
     import redis as redis_lib
 
     from common.cliutil import fail
-    from common.config import ConfigError
+    from common.config import ConfigError, with_host_keys
     from common.control import ControlPlane
     from common.keys import connect
     from common.logs import configure
@@ -88,7 +88,7 @@ def _read_run_config(url: str, run: str):
     except redis_lib.exceptions.ConnectionError as exc:
         fail(f"cannot reach Redis at {url.split('@')[-1]}: {exc}")
     configure(config.monitoring.log_level)
-    return config
+    return with_host_keys(config)
 
 
 def main() -> None:

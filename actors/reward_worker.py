@@ -346,6 +346,7 @@ class RewardWorker:
             pid=os.getpid(),
             metrics_url=self.metrics.url if self.metrics is not None else "",
             endpoint=self.endpoint,
+            curve_public_key=self.channel.curve_public_key,
         )
 
     def _curve(self) -> CurveServer | None:

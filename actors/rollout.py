@@ -25,8 +25,10 @@ import socket
 import threading
 import time
 import uuid
+from pathlib import Path
+from typing import Literal
 
-from common.channel import ChannelBlocked, PushChannel
+from common.channel import ChannelBlocked, CurveClient, PushChannel
 from common.config import RunConfig
 from common.control import ControlPlane
 from common.heartbeat import HeartbeatThread
@@ -63,6 +65,7 @@ class RolloutActor:
         # A ZeroMQ socket is not thread-safe: every send goes through this one thread, in order.
         self._sender = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="push")
         self._peers: set[str] = set()
+        self._unreachable: set[str] = set()  # workers that require CURVE while this actor has no key (logged once)
         self._running: dict[str, tuple[PromptGroup, asyncio.Task]] = {}
         self._tasks: set[asyncio.Task] = set()  # every generation task, including ones still delivering
         self._tokens = _Rate()
@@ -258,17 +261,40 @@ class RolloutActor:
     # ------------------------------------------------------------------ peers
 
     async def _peers_loop(self) -> None:
+        """Connect to every live reward worker the actor can talk to (see :meth:`_curve_for`); drop the gone."""
         while not self._stopping.is_set():
             live, _ = await asyncio.to_thread(self.plane.registry.processes)
-            endpoints = {h.endpoint for h in live if h.kind == "reward" and h.endpoint}
-            for endpoint in endpoints - self._peers:
-                await self._on_sender(self.push.connect, endpoint)
-                log.info("connected to reward worker", endpoint=endpoint)
-            for endpoint in self._peers - endpoints:
+            workers = {h.endpoint: h.curve_public_key for h in live if h.kind == "reward" and h.endpoint}
+            for endpoint in workers.keys() - self._peers:
+                curve = self._curve_for(endpoint, workers[endpoint])
+                if curve is False:
+                    continue
+                await self._on_sender(self.push.connect, endpoint, curve)
+                self._peers.add(endpoint)
+                log.info("connected to reward worker", endpoint=endpoint, curve=curve is not None)
+            for endpoint in self._peers - workers.keys():
                 await self._on_sender(self.push.socket.disconnect, endpoint)
+                self._peers.discard(endpoint)
                 log.info("reward worker gone; disconnected", endpoint=endpoint)
-            self._peers = endpoints
             await self._sleep(_PEER_REFRESH_S)
+
+    def _curve_for(self, endpoint: str, server_key: str) -> CurveClient | Literal[False] | None:
+        """How to reach a worker: with CURVE when it advertises a server key (this actor needs
+        ``transport.curve_client_key`` then), in the clear when it does not; False when it cannot be reached."""
+        client_key = self.config.transport.curve_client_key
+        if server_key and client_key:
+            return CurveClient(Path(client_key), server_key.encode())
+        if not server_key:
+            return None
+        if endpoint not in self._unreachable:
+            self._unreachable.add(endpoint)
+            log.error(
+                "a reward worker requires CURVE and this actor has no client key; not sending to it",
+                endpoint=endpoint,
+                action="set transport.curve_client_key to this actor's key pair (name.key_secret), whose public key "
+                "is in the workers' transport.curve_client_keys folder",
+            )
+        return False
 
     async def _on_sender(self, fn, *args):
         """Run ``fn(*args)`` on the one thread that owns the PUSH socket."""

@@ -15,7 +15,10 @@ Delivery semantics (ZeroMQ PUSH/PULL, https://zguide.zeromq.org/docs/chapter2/):
   the receiver keeps running.
 - **Security**: CURVE encryption and authentication; required whenever a socket binds beyond
   loopback, optional on loopback. The binding side holds the server secret key and accepts only
-  the client public keys found in its authorised-keys folder.
+  the client public keys found in its authorised-keys folder (re-read when an unknown key knocks, so
+  a key dropped into the folder is accepted without a restart); every refused client is counted
+  (``asyncrl_channel_refused_clients_total``) and logged once per key. The connecting side holds its
+  client key pair and the server's public key — from a file, or as advertised in the server's heartbeat.
 """
 
 from __future__ import annotations
@@ -30,7 +33,13 @@ from urllib.parse import urlsplit
 import zmq
 
 from common.logs import get_logger
-from common.metrics import CHANNEL_RECEIVED, CHANNEL_SENT, CHANNEL_SENT_BYTES, WIRE_MALFORMED
+from common.metrics import (
+    CHANNEL_RECEIVED,
+    CHANNEL_REFUSED_CLIENTS,
+    CHANNEL_SENT,
+    CHANNEL_SENT_BYTES,
+    WIRE_MALFORMED,
+)
 from common.wire import Decoder, Limits, WireError, encode
 
 log = get_logger("channel")
@@ -54,10 +63,53 @@ class CurveServer:
 
 @dataclass(frozen=True)
 class CurveClient:
-    """CURVE for the connecting side: its own key pair and the server's public key."""
+    """CURVE for the connecting side: its own key pair, and the server's public key (a certificate file, or
+    the Z85 key itself, e.g. from the server's heartbeat)."""
 
     secret_key_file: Path
-    server_public_key_file: Path
+    server_public_key: Path | bytes
+
+    def server_key(self) -> bytes:
+        import zmq.auth
+
+        if isinstance(self.server_public_key, bytes):
+            return self.server_public_key
+        public, _ = zmq.auth.load_certificate(str(self.server_public_key))
+        return public
+
+
+class _AuthorizedKeys:
+    """The ZAP callback of a CURVE server: is a client's public key in the authorised folder? Counts refusals."""
+
+    def __init__(self, channel: str, folder: Path) -> None:
+        self.channel = channel
+        self.folder = folder
+        self.keys = self._load()
+        self.refused: set[bytes] = set()
+
+    def _load(self) -> set[bytes]:
+        import zmq.auth
+
+        if not self.folder.is_dir():
+            raise ValueError(f"authorised CURVE client keys: {self.folder} is not a folder")
+        return set(zmq.auth.load_certificates(str(self.folder)))
+
+    def callback(self, domain: str, client_key: bytes) -> bool:
+        if client_key in self.keys:
+            return True
+        self.keys = self._load()  # a key added since the start is accepted without a restart
+        if client_key in self.keys:
+            return True
+        CHANNEL_REFUSED_CLIENTS.labels(self.channel).inc()
+        if client_key not in self.refused:
+            self.refused.add(client_key)
+            log.warning(
+                "refused a CURVE client whose public key is not authorised",
+                channel=self.channel,
+                client_key=client_key.decode(),
+                action=f"if it is one of the run's processes, put its public key file into {self.folder}",
+            )
+        return False
 
 
 def create_keypair(directory: str | Path, name: str) -> tuple[Path, Path]:
@@ -67,6 +119,27 @@ def create_keypair(directory: str | Path, name: str) -> tuple[Path, Path]:
     Path(directory).mkdir(parents=True, exist_ok=True)
     public, secret = zmq.auth.create_certificates(str(directory), name)
     return Path(public), Path(secret)
+
+
+def create_run_keys(directory: str | Path) -> dict[str, str]:
+    """CURVE keys for one run in ``directory``: the reward workers' server pair, one client pair for the actors,
+    and ``authorized/`` holding that client's public key. Secret files are 0600, the folder 0700. Returns the
+    ``transport.*`` settings that use them (``--set`` them, or put them in the config)."""
+    folder = Path(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    folder.chmod(0o700)
+    _server_public, server_secret = create_keypair(folder, "server")
+    client_public, client_secret = create_keypair(folder, "client")
+    authorized = folder / "authorized"
+    authorized.mkdir(exist_ok=True)
+    (authorized / client_public.name).write_bytes(client_public.read_bytes())
+    for secret in (server_secret, client_secret):
+        secret.chmod(0o600)
+    return {
+        "transport.curve_server_key": str(server_secret),
+        "transport.curve_client_keys": str(authorized),
+        "transport.curve_client_key": str(client_secret),
+    }
 
 
 def is_loopback(endpoint: str) -> bool:
@@ -93,6 +166,9 @@ class _Channel:
         self.socket.rcvhwm = hwm
         self._authenticator: Any = None
         self.endpoint = ""
+        self.curve_public_key = ""
+        """The server public key (Z85) a CURVE-bound socket advertises to its clients; empty without CURVE."""
+        self.authorized: _AuthorizedKeys | None = None  # a CURVE server's ZAP check
 
     def bind(self, endpoint: str, curve: CurveServer | None = None) -> str:
         """Bind (``tcp://host:0`` picks a free port); returns the endpoint actually bound."""
@@ -118,22 +194,27 @@ class _Channel:
         public, secret = zmq.auth.load_certificate(str(curve.secret_key_file))
         if secret is None:
             raise ValueError(f"{curve.secret_key_file} holds no secret key")
+        self.authorized = _AuthorizedKeys(self.name, Path(curve.authorized_clients))
         self._authenticator = ThreadAuthenticator(self.context)
         self._authenticator.start()
-        self._authenticator.configure_curve(domain="*", location=str(curve.authorized_clients))
+        self._authenticator.configure_curve_callback(domain="*", credentials_provider=self.authorized)
         self.socket.curve_publickey = public
         self.socket.curve_secretkey = secret
         self.socket.curve_server = True
+        self.curve_public_key = public.decode()
 
     def connect(self, endpoint: str, curve: CurveClient | None = None) -> None:
+        """Connect; with ``curve``, this connection is encrypted and authenticated (options are read per connect,
+        so one socket may reach several servers, each with its own key)."""
         if curve is not None:
             import zmq.auth
 
             public, secret = zmq.auth.load_certificate(str(curve.secret_key_file))
-            server_public, _ = zmq.auth.load_certificate(str(curve.server_public_key_file))
+            if secret is None:
+                raise ValueError(f"{curve.secret_key_file} holds no secret key")
             self.socket.curve_publickey = public
             self.socket.curve_secretkey = secret
-            self.socket.curve_serverkey = server_public
+            self.socket.curve_serverkey = curve.server_key()
         self.socket.connect(endpoint)
         self.endpoint = endpoint
 

@@ -10,7 +10,9 @@ A config file may name a ``preset`` (a TOML file in ``configs/``) that it overla
 from __future__ import annotations
 
 import json
+import os
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -206,6 +208,9 @@ class TransportSection(Section):
     """Path of the CURVE server secret key file (required when binding beyond loopback)."""
     curve_client_keys: str = ""
     """Folder of authorised CURVE client public keys."""
+    curve_client_key: str = ""
+    """Path of a rollout actor's CURVE client secret key file (``name.key_secret``); needed to send to reward workers
+    that bind with CURVE (their public key comes from their heartbeat)."""
     max_message_mb: float = Field(64.0, gt=0)
     """Largest accepted message; bigger ones are rejected and counted."""
     replay_maxlen: int = Field(10_000, ge=10)
@@ -473,3 +478,20 @@ def write_resolved(config: RunConfig) -> Path:
     tmp.write_text(config.to_json())
     tmp.replace(out)
     return out
+
+
+HOST_KEY_ENV = {
+    "ASYNCRL_CURVE_SERVER_KEY": "curve_server_key",
+    "ASYNCRL_CURVE_CLIENT_KEYS": "curve_client_keys",
+    "ASYNCRL_CURVE_CLIENT_KEY": "curve_client_key",
+}
+"""Environment variables that set this process's CURVE key paths over the run's config (each host mounts its own)."""
+
+
+def with_host_keys(config: RunConfig, environ: Mapping[str, str] | None = None) -> RunConfig:
+    """``config`` with the CURVE key paths of this host, where :data:`HOST_KEY_ENV` variables are set."""
+    environ = os.environ if environ is None else environ
+    changes = {field: environ[var] for var, field in HOST_KEY_ENV.items() if environ.get(var)}
+    if not changes:
+        return config
+    return config.model_copy(update={"transport": config.transport.model_copy(update=changes)})

@@ -35,6 +35,11 @@ CHANNEL_SENT_BYTES = Counter("asyncrl_channel_sent_bytes_total", "Bytes sent on 
 CHANNEL_RECEIVED = Counter(
     "asyncrl_channel_received_messages_total", "Well-formed messages received on a ZeroMQ channel.", ["channel"]
 )
+CHANNEL_REFUSED_CLIENTS = Counter(
+    "asyncrl_channel_refused_clients_total",
+    "CURVE handshakes refused on a ZeroMQ channel because the client's public key is not authorised.",
+    ["channel"],
+)
 REPLAY_ENTRIES_ADDED = Counter("asyncrl_replay_entries_added_total", "Scored groups added to the replay stream.")
 REPLAY_ENTRIES_READ = Counter("asyncrl_replay_entries_read_total", "Scored groups read from the replay stream.")
 REPLAY_DEAD_LETTERS = Counter(

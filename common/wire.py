@@ -230,6 +230,8 @@ class Heartbeat:
     sent_at: float = field(default_factory=time.time)
     endpoint: str = ""
     """Where a reward worker's PULL socket is bound (actors PUSH rollouts to every live one)."""
+    curve_public_key: str = ""
+    """A reward worker's CURVE server public key (Z85) when its socket requires CURVE; actors connect with it."""
 
     def validate(self, limits: Limits) -> None:
         if self.kind not in PROCESS_KINDS:

@@ -29,9 +29,21 @@ ConfigOpt = Annotated[Path | None, typer.Argument(help="Run config (TOML).")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a field: section.field=value.")]
 
 
+CurveOpt = Annotated[
+    bool,
+    typer.Option(
+        "--curve",
+        help="Generate CURVE keys for the run in runs/<name>/keys/ (unless there) and use them on every ZeroMQ hop.",
+    ),
+]
+
+
 @contextlib.contextmanager
-def _run_redis(config: Path | None, overrides: list[str] | None) -> Iterator[tuple[RunConfig, str]]:
-    """Resolve the config, start the run's embedded Redis, publish the config; stop Redis on exit."""
+def _run_redis(
+    config: Path | None, overrides: list[str] | None, curve: bool = False
+) -> Iterator[tuple[RunConfig, str, list[str]]]:
+    """Resolve the config, start the run's embedded Redis, publish the config; stop Redis on exit. Yields the
+    config, the Redis URL and the overrides in force (with ``curve``, the generated keys' settings added)."""
     from common.cliutil import fail, load
     from common.config import write_resolved
     from common.control import ControlPlane
@@ -39,6 +51,9 @@ def _run_redis(config: Path | None, overrides: list[str] | None) -> Iterator[tup
     from common.redis_server import EmbeddedRedis, EmbeddedRedisError
     from learner.update import check_config
 
+    overrides = list(overrides or [])
+    if curve:
+        overrides += _curve_overrides(load(config, overrides, check=check_config))
     resolved = load(config, overrides, check=check_config)
     write_resolved(resolved)
     try:
@@ -47,15 +62,46 @@ def _run_redis(config: Path | None, overrides: list[str] | None) -> Iterator[tup
         fail(str(exc))
     try:
         ControlPlane(connect(server.url), resolved.run.name).run.publish_config(resolved)
-        yield resolved, server.url
+        yield resolved, server.url, overrides
     finally:
         server.stop()
 
 
+def _curve_overrides(resolved: RunConfig) -> list[str]:
+    """The run's CURVE keys (made in ``runs/<name>/keys/`` the first time) as ``--set`` overrides."""
+    import json
+
+    from common.channel import create_run_keys
+
+    folder = resolved.run_dir / "keys"
+    settings = (
+        {
+            "transport.curve_server_key": str(folder / "server.key_secret"),
+            "transport.curve_client_keys": str(folder / "authorized"),
+            "transport.curve_client_key": str(folder / "client.key_secret"),
+        }
+        if (folder / "server.key_secret").is_file()
+        else create_run_keys(folder)
+    )
+    typer.echo(f"CURVE keys of run {resolved.run.name!r} in {folder}", err=True)
+    return [f"{key}={json.dumps(value)}" for key, value in settings.items()]
+
+
 @app.command()
-def redis(config: ConfigOpt = None, set_: SetOpt = None) -> None:
+def keys(folder: Annotated[Path, typer.Argument(help="Folder for the keys (created).")]) -> None:
+    """Make CURVE keys for a run: the reward workers' server pair, a client pair for the actors, and the folder of
+    authorised client keys; prints the settings that use them. Add a client by putting its public key file into
+    the authorised folder."""
+    from common.channel import create_run_keys
+
+    for key, value in create_run_keys(folder).items():
+        print(f"--set {key}={value}")
+
+
+@app.command()
+def redis(config: ConfigOpt = None, set_: SetOpt = None, curve: CurveOpt = False) -> None:
     """Start the run's embedded Redis, publish the resolved config, and serve until Ctrl-C."""
-    with _run_redis(config, set_) as (resolved, _url):
+    with _run_redis(config, set_, curve) as (resolved, _url, _overrides):
         url_file = resolved.run_dir / "redis" / "url"
         typer.echo(
             f"run {resolved.run.name!r}: redis ready (URL with password in {url_file}); Ctrl-C stops it", err=True
@@ -72,17 +118,18 @@ def run(
     resume: Annotated[
         str | None, typer.Option(help="Passed on to the learner: 'latest' or a checkpoint folder to continue from.")
     ] = None,
+    curve: CurveOpt = False,
 ) -> None:
     """Start embedded Redis, the learner, rollout actors and reward workers; show progress; Ctrl-C stops all
     (the learner saves a checkpoint first)."""
     from learner.children import Children
 
     code = 1
-    with _run_redis(config, set_) as (resolved, url):
+    with _run_redis(config, set_, curve) as (resolved, url, overrides):
         learner_args = ["--resume", str(_checkpoint_folder(resolved, resume))] if resume else []
         children = Children(resolved.run_dir / "logs")
         try:
-            code = _run_children(children, resolved, url, config, set_ or [], actors, rewards, learner_args)
+            code = _run_children(children, resolved, url, config, overrides, actors, rewards, learner_args)
         finally:
             children.stop_all()
     raise typer.Exit(code)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -19,8 +21,10 @@ from common.channel import (
     PullChannel,
     PushChannel,
     create_keypair,
+    create_run_keys,
     is_loopback,
 )
+from common.metrics import CHANNEL_REFUSED_CLIENTS
 from common.wire import RolloutGroup, encode
 
 pytestmark = pytest.mark.integration
@@ -129,4 +133,43 @@ def test_curve_lets_only_authorised_clients_with_the_server_key_send(pull, keys)
         assert pull.recv(timeout_s=0.5) is None
     finally:
         for sender in senders:
+            sender.close()
+
+
+def test_refused_clients_are_counted_logged_once_and_a_key_added_later_is_let_in(pull, keys) -> None:
+    """Issue 12: an unauthorised client is refused, counted and logged once; dropping its public key into the
+    authorised folder lets it in without a restart. The server key may come as bytes (from a heartbeat)."""
+    endpoint = pull.bind("tcp://127.0.0.1:0", CurveServer(keys["server_sec"], keys["authorized"]))
+    refused = CHANNEL_REFUSED_CLIENTS.labels("rollouts")
+    before = refused._value.get()
+    server_key = pull.curve_public_key.encode()
+    senders = [_send_one(endpoint, CurveClient(keys["stranger_sec"], server_key), refused=True) for _ in range(2)]
+    try:
+        deadline = time.monotonic() + 10
+        while refused._value.get() < before + 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert refused._value.get() == before + 2 and len(pull.authorized.refused) == 1  # logged for one key
+        assert pull.recv(timeout_s=0.5) is None
+        shutil.copy(keys["stranger_pub"], keys["authorized"] / "stranger.key")
+        senders.append(_send_one(endpoint, CurveClient(keys["stranger_sec"], server_key)))
+        assert isinstance(pull.recv(timeout_s=10), RolloutGroup)
+    finally:
+        for sender in senders:
+            sender.close()
+
+
+def test_run_keys_are_made_private_and_usable(tmp_path: Path) -> None:
+    settings = create_run_keys(tmp_path / "keys")
+    assert oct((tmp_path / "keys").stat().st_mode & 0o777) == "0o700"
+    for key in ("transport.curve_server_key", "transport.curve_client_key"):
+        assert oct(Path(settings[key]).stat().st_mode & 0o777) == "0o600"
+    with PullChannel("rollouts", RolloutGroup) as pull:
+        secret, authorized = settings["transport.curve_server_key"], settings["transport.curve_client_keys"]
+        server = CurveServer(Path(secret), Path(authorized))
+        endpoint = pull.bind("tcp://127.0.0.1:0", server)
+        client = CurveClient(Path(settings["transport.curve_client_key"]), pull.curve_public_key.encode())
+        sender = _send_one(endpoint, client)
+        try:
+            assert isinstance(pull.recv(timeout_s=10), RolloutGroup)
+        finally:
             sender.close()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from common.config import ConfigError, RunConfig, field_help, load_config, write_resolved
+from common.config import ConfigError, RunConfig, field_help, load_config, with_host_keys, write_resolved
 
 
 def write(path: Path, text: str) -> Path:
@@ -106,3 +106,11 @@ def test_an_override_of_a_string_field_keeps_its_text() -> None:
     assert config.rollout.cpu_threads == "1" and config.run.name == "2024" and config.model.path == "007"
     assert load_config(None, ['rollout.cpu_threads="0-3"']).rollout.cpu_threads == "0-3"  # quoted: unquoted
     assert load_config(None, ["learner.steps=7"]).learner.steps == 7  # numbers stay numbers elsewhere
+
+
+def test_this_hosts_curve_key_paths_come_from_the_environment() -> None:
+    config = load_config(None, ["transport.curve_client_key=/run/keys/client.key_secret"])
+    assert with_host_keys(config, {}) is config
+    mine = with_host_keys(config, {"ASYNCRL_CURVE_CLIENT_KEY": "/mnt/secrets/actor-7.key_secret"})
+    assert mine.transport.curve_client_key == "/mnt/secrets/actor-7.key_secret"
+    assert mine.transport.curve_server_key == "" and config.transport.curve_client_key == "/run/keys/client.key_secret"
