@@ -51,9 +51,12 @@ class Processes:
         return proc
 
     def start_run(self, config: Path, sets: list[str], run_dir: Path) -> list[str]:
-        """``rl-launch redis`` for the run, then a reward worker (``reward-0``); returns ``--redis URL --run NAME``."""
+        """``rl-launch redis`` for the run, then a reward worker (``reward-0``); returns ``--redis URL --run NAME``.
+        The worker starts once the config is published (the URL file is written before it)."""
         self.start("redis", [BIN / "rl-launch", "redis", config, *sets])
         url = _wait(lambda: (run_dir / "redis" / "url").read_text().strip(), "redis", self.procs["redis"])
+        plane = ControlPlane(connect(url), run_dir.name)
+        _wait(lambda: plane.client.exists(plane.keys.config), "the published config", self.procs["redis"])
         run_args = ["--redis", url, "--run", run_dir.name]
         self.start("reward", [BIN / "rl-actor", "reward", *run_args, "--id", "reward-0"])
         return run_args
