@@ -28,7 +28,11 @@ def make_keys(folder: Path, procs: Processes) -> list[str]:
 
 
 def refused_clients(plane: ControlPlane) -> float:
-    [worker] = [h for h in plane.registry.processes()[0] if h.kind == "reward"]
+    """``asyncrl_channel_refused_clients_total`` of the reward worker (0 until it serves /metrics)."""
+    workers = [h for h in plane.registry.processes()[0] if h.kind == "reward" and h.metrics_url]
+    if not workers:
+        return 0.0
+    worker = workers[0]
     text = urllib.request.urlopen(worker.metrics_url.replace(worker.host, "127.0.0.1"), timeout=10).read().decode()
     lines = [line for line in text.splitlines() if line.startswith("asyncrl_channel_refused_clients_total")]
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
