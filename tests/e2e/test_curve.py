@@ -1,6 +1,6 @@
 """CURVE on the actor → reward-worker hop, set up as the README says (`rl-launch keys`), with real processes: the
-run trains to the end, and an actor whose key is not authorised is refused, counted and logged once — its groups
-go back to the queue and are trained by the authorised actor, none twice."""
+run trains to the end, and an actor whose key is not authorised (its own key path from ``ASYNCRL_CURVE_CLIENT_KEY``)
+is refused, counted and logged once; nothing it sends is scored, and every real group is trained once."""
 
 from __future__ import annotations
 
