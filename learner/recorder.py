@@ -94,9 +94,6 @@ class Recorder:
             step_s=round(v["step/seconds"], 2),
         )
 
-    def close(self) -> None:
-        self.telemetry.close()
-
 
 def rollout_figures(version: int, taken: Taken, batch: TrainBatch) -> dict[str, float]:
     """``rollout/*`` of the step that made ``version``: rewards, staleness (version − 1 − each token's version),
