@@ -48,6 +48,9 @@ class HeartbeatThread:
                 log.warning("heartbeat failed; retrying", process=self._process_id, error=exc)
 
     def stop(self, leave: bool = True) -> None:
+        """Stop beating and (``leave``) remove the registration at once; a second call does nothing."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(self.period_s + 5)
