@@ -159,7 +159,9 @@ def is_loopback(endpoint: str) -> bool:
 class _Channel:
     def __init__(self, kind: int, name: str, hwm: int) -> None:
         self.name = name
-        self.context = zmq.Context.instance()
+        # A context of its own: a CURVE server's ZAP handler binds inproc://zeromq.zap.01 once per context, so two
+        # servers (or one closed and the next opened quickly) must not share one.
+        self.context = zmq.Context()
         self.socket = self.context.socket(kind)
         self.socket.linger = 0
         self.socket.sndhwm = hwm
@@ -224,6 +226,7 @@ class _Channel:
         if self._authenticator is not None:
             self._authenticator.stop()
             self._authenticator = None
+        self.context.destroy(linger=0)
 
     def __enter__(self) -> _Channel:
         return self

@@ -173,3 +173,18 @@ def test_run_keys_are_made_private_and_usable(tmp_path: Path) -> None:
             assert isinstance(pull.recv(timeout_s=10), RolloutGroup)
         finally:
             sender.close()
+
+
+def test_two_curve_servers_in_one_process(keys) -> None:
+    """Each channel has its own ZeroMQ context, so each CURVE server has its own ZAP handler."""
+    with (
+        PullChannel("rollouts", RolloutGroup) as first,
+        PullChannel("rollouts", RolloutGroup) as second,
+    ):
+        for pull in (first, second):
+            endpoint = pull.bind("tcp://127.0.0.1:0", CurveServer(keys["server_sec"], keys["authorized"]))
+            sender = _send_one(endpoint, CurveClient(keys["client_sec"], keys["server_pub"]))
+            try:
+                assert isinstance(pull.recv(timeout_s=10), RolloutGroup)
+            finally:
+                sender.close()
