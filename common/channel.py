@@ -159,9 +159,7 @@ def is_loopback(endpoint: str) -> bool:
 class _Channel:
     def __init__(self, kind: int, name: str, hwm: int) -> None:
         self.name = name
-        # A context of its own: a CURVE server's ZAP handler binds inproc://zeromq.zap.01 once per context, so two
-        # servers (or one closed and the next opened quickly) must not share one.
-        self.context = zmq.Context()
+        self.context = zmq.Context.instance()
         self.socket = self.context.socket(kind)
         self.socket.linger = 0
         self.socket.sndhwm = hwm
@@ -197,6 +195,7 @@ class _Channel:
         if secret is None:
             raise ValueError(f"{curve.secret_key_file} holds no secret key")
         self.authorized = _AuthorizedKeys(self.name, Path(curve.authorized_clients))
+        self._own_context()
         self._authenticator = ThreadAuthenticator(self.context)
         self._authenticator.start()
         self._authenticator.configure_curve_callback(domain="*", credentials_provider=self.authorized)
@@ -204,6 +203,17 @@ class _Channel:
         self.socket.curve_secretkey = secret
         self.socket.curve_server = True
         self.curve_public_key = public.decode()
+
+    def _own_context(self) -> None:
+        """Move the (not yet bound) socket into a context of its own: a CURVE server's ZAP handler binds
+        ``inproc://zeromq.zap.01`` once per context, so two servers in one process (or one closed and the next
+        opened at once) must not share the process-wide context."""
+        old = self.socket
+        self.context = zmq.Context()
+        self.socket = self.context.socket(old.type)
+        for option in (zmq.LINGER, zmq.SNDHWM, zmq.RCVHWM, zmq.SNDTIMEO, zmq.RCVTIMEO, zmq.MAXMSGSIZE):
+            self.socket.setsockopt(option, old.getsockopt(option))
+        old.close(linger=0)
 
     def connect(self, endpoint: str, curve: CurveClient | None = None) -> None:
         """Connect; with ``curve``, this connection is encrypted and authenticated (options are read per connect,
@@ -226,7 +236,7 @@ class _Channel:
         if self._authenticator is not None:
             self._authenticator.stop()
             self._authenticator = None
-        self.context.destroy(linger=0)
+            self.context.destroy(linger=0)  # the server's own context (see _own_context)
 
     def __enter__(self) -> _Channel:
         return self
