@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -120,6 +121,22 @@ def transformers_logprobs(model, prompt_ids: np.ndarray, response_ids: np.ndarra
     return chosen[:, 0].numpy()
 
 
+def wait_until_generating(plane: ControlPlane, actor_id: str, timeout_s: float = 60) -> None:
+    """Until the actor's /metrics says requests are running: its groups run in waves (all of one length), and an
+    update that lands between two waves spans no response."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        beats = [h for h in plane.registry.processes()[0] if h.process_id == actor_id and h.metrics_url]
+        if beats:
+            url = beats[0].metrics_url.replace(beats[0].host, "127.0.0.1")
+            text = urllib.request.urlopen(url, timeout=5).read().decode()
+            running = [line for line in text.splitlines() if line.startswith("asyncrl_actor_running_groups ")]
+            if running and float(running[0].split()[1]) > 0:
+                return
+        time.sleep(0.005)
+    raise AssertionError(f"{actor_id} ran no request within {timeout_s} s")
+
+
 def perturbed(model) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -142,6 +159,7 @@ def test_weights_broadcast_mid_request_match_a_transformers_forward(redis_server
         params = perturbed(new)
         buckets = plan_buckets(params, bucket_bytes=256 * 1024)
         store = RedisStore(plane.client, plane.keys.run, 120)
+        wait_until_generating(plane, "a1")
         plane.run.publish_manifest(
             WeightManifest(
                 version=1,
