@@ -83,6 +83,16 @@ class Task(ABC):
         """This task with no position in its data (stateless tasks return themselves)."""
         return self
 
+    def refuse_overlong(self, encode: Callable[[str], list[int]], max_tokens: int) -> None:
+        """Raise :class:`ValueError` when a prompt this task serves is longer than ``max_tokens`` under ``encode``.
+
+        The learner calls it once, when it builds the task, with the run's tokenizer and
+        ``model.max_model_len − rollout.max_new_tokens``: a longer prompt could never get a whole response. A
+        generated task's prompts are a few dozen characters, bounded by its options, so it has nothing to check;
+        a data file checks every row (:class:`FileTask`).
+        """
+        return  # nothing to check for a generated task
+
     def write_jsonl(self, path: str | Path, n: int, seed: int) -> Path:
         """Write ``n`` examples drawn with ``random.Random(seed)`` as JSONL rows ``{"prompt", "answer"}``.
 
@@ -268,14 +278,37 @@ class FileTask(Task):
     A non-string ``answer`` (a countdown object, a number) is stored JSON-encoded. With
     ``check_alphabet`` (the default) a character outside :data:`TASK_ALPHABET` is an error, because
     the character-level tokenizer could not encode it.
+
+    A bad row refuses the whole file, with one :class:`TaskFileError` that names the file, the row and the
+    reason: not JSON, not valid UTF-8 (bytes, or a lone surrogate from a ``\\ud800`` escape, which no message
+    could carry), a missing, non-string or empty prompt, characters outside the alphabet, and — once the run's
+    tokenizer is known (:meth:`refuse_overlong`) — a prompt too long for the run to serve. Skipping bad rows
+    instead would train on a silently different data set.
     """
 
     def __init__(self, path: str | Path, check_alphabet: bool = True) -> None:
         self.path = Path(path)
         self.check_alphabet = check_alphabet
-        self.examples = _read_examples(self.path, check_alphabet)
+        located = _read_examples(self.path, check_alphabet)
+        self.examples = [example for _, example in located]
+        self._where = [where for where, _ in located]  # "path:line N" of each example, for later refusals
         self._order: list[int] = []
         self._next = 0
+
+    def refuse_overlong(self, encode: Callable[[str], list[int]], max_tokens: int) -> None:
+        """Refuse the file at the first row whose prompt is longer than ``max_tokens`` tokens under ``encode``.
+
+        Counted in tokens of the run's own tokenizer, not characters: the learner holds it when it loads the file,
+        and a character bound would be exact only for the tiny model's one-token-per-character tokenizer (BOS
+        included in the count, as in the ``prompt_ids`` an actor sends to vLLM).
+        """
+        for where, example in zip(self._where, self.examples, strict=True):
+            n = len(encode(example.prompt))
+            if n > max_tokens:
+                raise TaskFileError(
+                    f"{where}: prompt is {n} tokens; the run can serve at most {max_tokens} "
+                    "(model.max_model_len - rollout.max_new_tokens)"
+                )
 
     def sample(self, rng: random.Random) -> TaskExample:
         if self._next >= len(self._order):
@@ -291,12 +324,13 @@ class FileTask(Task):
         return task
 
 
-def _read_examples(path: Path, check_alphabet: bool) -> list[TaskExample]:
-    """All rows of a JSONL or Parquet file as examples; raises :class:`TaskFileError` naming the bad row."""
+def _read_examples(path: Path, check_alphabet: bool) -> list[tuple[str, TaskExample]]:
+    """``(where, example)`` for all rows of a JSONL or Parquet file; raises :class:`TaskFileError` naming the bad
+    row."""
     if not path.is_file():
         raise TaskFileError(f"{path}: no such file")
     rows = read_rows(path)
-    examples = [_example(row, f"{path}:{where}", check_alphabet) for where, row in rows]
+    examples = [(f"{path}:{where}", _example(row, f"{path}:{where}", check_alphabet)) for where, row in rows]
     if not examples:
         raise TaskFileError(f"{path}: no examples")
     return examples
@@ -311,8 +345,12 @@ def read_rows(path: Path) -> list[tuple[str, Any]]:
 def _jsonl_rows(path: Path) -> list[tuple[str, Any]]:
     """``(line N, parsed object)`` for every non-blank line."""
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    with path.open("rb") as f:  # decoded line by line, so that a bad byte is reported with its line
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise TaskFileError(f"{path}:line {number}: not valid UTF-8 (byte {e.start + 1}: {e.reason})") from None
             if not line.strip():
                 continue
             try:
@@ -325,10 +363,24 @@ def _jsonl_rows(path: Path) -> list[tuple[str, Any]]:
 def _parquet_rows(path: Path) -> list[tuple[str, Any]]:
     """``(row N, dict)`` for every row of a Parquet file (needs pyarrow)."""
     try:
+        import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
         raise TaskFileError(f"{path}: reading Parquet needs the 'pyarrow' package (pip install pyarrow)") from None
-    return [(f"row {number}", row) for number, row in enumerate(pq.read_table(path).to_pylist(), start=1)]
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowException) as exc:
+        raise TaskFileError(f"{path}: not a readable Parquet file ({exc})") from None
+    try:
+        rows = table.to_pylist()
+    except UnicodeDecodeError:  # a string column with bytes that are not UTF-8: find the row to name it
+        for number in range(1, table.num_rows + 1):
+            try:
+                table.slice(number - 1, 1).to_pylist()
+            except UnicodeDecodeError as e:
+                raise TaskFileError(f"{path}:row {number}: not valid UTF-8 ({e.reason})") from None
+        raise
+    return [(f"row {number}", row) for number, row in enumerate(rows, start=1)]
 
 
 def _example(row: Any, where: str, check_alphabet: bool) -> TaskExample:
@@ -340,9 +392,23 @@ def _example(row: Any, where: str, check_alphabet: bool) -> TaskExample:
             raise TaskFileError(f"{where}: missing field {field!r}")
     if not isinstance(row["prompt"], str):
         raise TaskFileError(f"{where}: field 'prompt' must be a string, got {type(row['prompt']).__name__}")
+    if not row["prompt"].strip():
+        raise TaskFileError(f"{where}: field 'prompt' is empty")
     answer = row["answer"] if isinstance(row["answer"], str) else json.dumps(row["answer"])
     example = TaskExample(row["prompt"], answer)
+    _check_utf8(where, "prompt", example.prompt)
+    _check_utf8(where, "answer", example.answer)
     bad = outside_alphabet(example.prompt + example.answer) if check_alphabet else set()
     if bad:
         raise TaskFileError(f"{where}: characters outside TASK_ALPHABET: {''.join(sorted(bad))!r}")
     return example
+
+
+def _check_utf8(where: str, field: str, text: str) -> None:
+    """Refuse a string that has no UTF-8 form: a lone surrogate, e.g. from the JSON escape ``"\\udc80"``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise TaskFileError(
+            f"{where}: field {field!r} is not valid UTF-8 (character {e.start + 1}: {e.reason})"
+        ) from None

@@ -125,12 +125,13 @@ def train(
     url = redis or resolved.transport.redis_url
     server = None if url else EmbeddedRedis(resolved.run_dir / "redis").start()
     try:
+        from common.tasks import TaskFileError
         from learner.checkpoint import CheckpointError
         from learner.loop import Learner
 
         try:
             learner = Learner(resolved, url or server.url, resume=checkpoint)
-        except CheckpointError as exc:
+        except (CheckpointError, TaskFileError) as exc:  # TaskFileError names the file and its bad row
             fail(str(exc))
         learner.run()
     finally:

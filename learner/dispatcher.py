@@ -101,6 +101,8 @@ class Dispatcher:
         self.encode = encode
         self.bound = StalenessBound.of(config)
         self.task, self.task_label = prompt_source(config.task)
+        # A data file is refused now, naming its first row too long to serve, rather than failing in vLLM later.
+        self.task.refuse_overlong(encode, config.model.max_model_len - config.rollout.max_new_tokens)
         self._rng = random.Random(config.run.seed)
         self._drawn = 0  # examples drawn from the task so far (its position in the prompt stream)
 

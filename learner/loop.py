@@ -60,11 +60,12 @@ class Learner:
         self.plane.run.publish_config(config)
         self.recorder = Recorder(config, self.plane)  # /metrics is up while DeepSpeed starts
         tokenizer = AutoTokenizer.from_pretrained(config.model.path)
-        self.update = PolicyUpdate(config, algorithm, tokenizer.pad_token_id or 0)
         self.broadcaster = Broadcaster(config, self.plane)
         version = self.plane.run.version()
         # The newest version an actor can hold: after a resume, actors may still hold the discarded steps' versions.
+        # A bad data file (common.tasks.TaskFileError) fails here, before DeepSpeed starts.
         self.batches = BatchSource(config, self.plane, tokenizer, max(version, self.broadcaster.newest_version))
+        self.update = PolicyUpdate(config, algorithm, tokenizer.pad_token_id or 0)
         self.state = RunState(
             config, version, self.update, self.batches, self.broadcaster, self.recorder.metrics_path, tokenizer
         )

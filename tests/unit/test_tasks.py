@@ -204,3 +204,50 @@ def test_get_task_rejects_unknown_names_and_options() -> None:
         get_task("nope")
     with pytest.raises(ValueError, match="task 'reverse': bad options"):
         get_task("reverse", max_digits=3)
+
+
+def test_file_task_refuses_empty_and_non_utf8_prompts_naming_the_row(tmp_path: Path) -> None:
+    """Issue 12: bad prompts are refused when the file is loaded, with the file, the row and the reason."""
+    path = tmp_path / "bad.jsonl"
+    write_rows(path, [{"prompt": "1+1=", "answer": "2"}, {"prompt": " \n", "answer": "2"}])
+    with pytest.raises(TaskFileError, match=re.escape(f"{path}:line 2: field 'prompt' is empty")):
+        FileTask(path)
+    path.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+\xff=", "answer": "4"}\n')
+    with pytest.raises(TaskFileError, match=re.escape(f"{path}:line 2: not valid UTF-8 (byte 15: invalid start byte)")):
+        FileTask(path)
+    path.write_text('{"prompt": "1+1=", "answer": "2"}\n\n{"prompt": "2+\\udc80=", "answer": "4"}\n')  # valid JSON
+    with pytest.raises(
+        TaskFileError, match=re.escape(f"{path}:line 3: field 'prompt' is not valid UTF-8 (character 3")
+    ):
+        FileTask(path, check_alphabet=False)  # refused even where the alphabet is not checked
+
+
+def test_parquet_file_task_names_a_row_that_is_not_utf8(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    raw = pa.array([b"1+1=", b"2+\xff="])
+    not_utf8 = pa.Array.from_buffers(pa.string(), len(raw), raw.buffers())  # a string column holding a bad byte
+    path = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"prompt": not_utf8, "answer": ["2", "4"]}), path)
+    with pytest.raises(TaskFileError, match=re.escape(f"{path}:row 2: not valid UTF-8")):
+        FileTask(path)
+    path.write_bytes(b"PAR1 is not enough")
+    with pytest.raises(TaskFileError, match=re.escape(f"{path}: not a readable Parquet file")):
+        FileTask(path)
+
+
+def test_file_task_refuses_a_prompt_longer_than_the_run_can_serve(tmp_path: Path) -> None:
+    path = write_rows(
+        tmp_path / "long.jsonl", [{"prompt": "1+1=", "answer": "2"}, {"prompt": "9" * 60 + "=", "answer": "9"}]
+    )
+    task = FileTask(path)
+
+    def encode(text: str) -> list[int]:  # the tiny model's tokenizer: BOS, then one token per character
+        return [1] + [4] * len(text)
+
+    task.refuse_overlong(encode, 62)  # 1 + 61 tokens: fits exactly
+    with pytest.raises(
+        TaskFileError, match=re.escape(f"{path}:line 2: prompt is 62 tokens; the run can serve at most 61")
+    ):
+        task.refuse_overlong(encode, 61)
+    get_task("arithmetic").refuse_overlong(encode, 1)  # a generated task has nothing to refuse
