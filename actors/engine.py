@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from actors.lifeline import export_actor_pid
 from common.config import RunConfig
 from common.logs import get_logger
 from common.wire import PromptGroup, RolloutGroup
@@ -59,6 +60,7 @@ class RolloutEngine:
             worker_extension_cls=EXTENSION,
             disable_log_stats=True,
         )
+        export_actor_pid()  # vLLM's processes end with this one, even on kill -9 (actors/lifeline.py)
         self.llm = AsyncLLM.from_engine_args(args)
         self._request_seed = seed * 1_000_003
 
@@ -91,6 +93,11 @@ class RolloutEngine:
                 _append(responses[completion.index], completion, stamp)
         return _rollout_group(group, responses, actor_id, {"generate": time.perf_counter() - started})
 
+    @property
+    def dead(self) -> bool:
+        """vLLM's engine process has died (whatever error the call that found out raised)."""
+        return self.llm is not None and bool(self.llm.errored)
+
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)
 
@@ -100,22 +107,24 @@ class RolloutEngine:
         join: dict[str, Any] | None,
         buckets: int = 1,
         on_loaded: Callable[[], None] | None = None,
-    ) -> dict[str, float]:
-        """Pause (keep running requests), optionally (re)join the weight group, receive, load, resume.
+    ) -> dict[str, Any]:
+        """Pause (keep running requests), optionally (re)join the weight group, receive, verify, load, resume.
 
         Requests in flight continue after the update with the new weights attending to the KV cache
         written by the old ones; their later tokens carry the new version (DESIGN.md, weight updates).
+        Weights whose digests do not match the manifest are not loaded: the result then holds ``refused`` (why),
+        ``on_loaded`` is not called, and the old weights go on serving.
         """
         frames = [bytes(f) for f in manifest_frames]
         join_timeout, receive_timeout = rpc_timeouts(self.config.weight_sync.timeout_s, buckets)
         await self.llm.pause_generation(mode="keep", clear_cache=False)
         try:
-            figures: dict[str, float] = {}
+            figures: dict[str, Any] = {}
             if join is not None:
                 (figures["self_check_s"],) = await self.llm.collective_rpc("asyncrl_join", join_timeout, args=(join,))
             (received,) = await self.llm.collective_rpc("asyncrl_receive", receive_timeout, args=(frames,))
             figures.update(received)
-            if on_loaded is not None:
+            if on_loaded is not None and "refused" not in received:
                 on_loaded()  # before resuming: every token sampled from now on is stamped with the new version
             return figures
         finally:

@@ -40,6 +40,7 @@ from common.metrics import (
     ACTOR_GENERATION_SECONDS,
     ACTOR_POLICY_VERSION,
     ACTOR_RUNNING_GROUPS,
+    ACTOR_WEIGHT_DIGEST_MISMATCHES,
     MetricsServer,
     start_metrics_server,
 )
@@ -60,6 +61,8 @@ class RolloutActor:
         self.version = 0  # the model folder the engine starts from is policy version 0
         self.epoch: int | None = None
         self.restore = 0  # the learner's restore generation of the weights loaded (WeightManifest.restore)
+        self.weights_digest = ""  # the version digest of the weights loaded ("" = the model folder's)
+        self._refused: tuple[int, int, int] | None = None  # (epoch, restore, version) of weights refused on digest
         self.engine = None
         self.push = PushChannel("rollouts", hwm=config.transport.zmq_hwm, send_timeout_s=30)
         # A ZeroMQ socket is not thread-safe: every send goes through this one thread, in order.
@@ -105,6 +108,7 @@ class RolloutActor:
             host=socket.gethostname(),
             pid=os.getpid(),
             metrics_url=self.metrics.url if self.metrics is not None else "",
+            weights_digest=self.weights_digest,
         )
 
     def _serve_metrics(self) -> None:
@@ -217,6 +221,8 @@ class RolloutActor:
                 continue
             if manifest.group_epoch == self._failed_epoch:
                 continue  # that formation failed; the learner re-forms the group at its next sync
+            if (manifest.group_epoch, manifest.restore, manifest.version) == self._refused:
+                continue  # received and refused on its digest: wait for the next version
             await self._load(manifest, frames)
 
     async def _load(self, manifest: WeightManifest, frames: list) -> None:
@@ -247,8 +253,12 @@ class RolloutActor:
             return
         finally:
             self._syncing = False
-        self.epoch = manifest.group_epoch
+        self.epoch = manifest.group_epoch  # the transfer completed: this actor is a member of the formation
+        if "refused" in figures:
+            self._refuse(manifest, figures["refused"])
+            return
         self.restore = manifest.restore
+        self.weights_digest = manifest.digest
         log.info(
             "loaded new weights",
             version=self.version,
@@ -256,6 +266,20 @@ class RolloutActor:
             epoch=self.epoch,
             restore=self.restore,
             **{k: round(v, 4) for k, v in figures.items()},
+        )
+
+    def _refuse(self, manifest: WeightManifest, reason: str) -> None:
+        """Weights that arrived whole but not as the manifest describes them: the old ones go on serving."""
+        self._refused = (manifest.group_epoch, manifest.restore, manifest.version)
+        ACTOR_WEIGHT_DIGEST_MISMATCHES.inc()
+        log.error(
+            "refused new weights: they do not match the manifest's digests; the old weights go on serving",
+            version=manifest.version,
+            serving=self.version,
+            digest=manifest.digest,
+            reason=reason,
+            action="the transfer was altered or the manifest does not describe it: check the learner's log and the "
+            "network between them; the actor takes the next version",
         )
 
     # ------------------------------------------------------------------ peers
@@ -309,7 +333,8 @@ class RolloutActor:
     def _stop_if_engine_died(self, exc: BaseException) -> None:
         """vLLM's engine process died (its error is in this actor's log above): stop and exit with an error, so
         that the unfinished groups go back to the queue and a supervisor restarts the actor."""
-        if type(exc).__name__ != "EngineDeadError" or self.engine_died:
+        dead = type(exc).__name__ == "EngineDeadError" or (self.engine is not None and self.engine.dead)
+        if not dead or self.engine_died:
             return
         self.engine_died = True
         log.error(

@@ -36,7 +36,7 @@ from common.keys import connect
 from common.redis_server import EmbeddedRedis
 from common.rendezvous import RedisStore
 from common.tasks import TASK_ALPHABET, get_task, prompt_group
-from common.weights import GroupAddress, WeightGroup, plan_buckets
+from common.weights import GroupAddress, WeightGroup, pack_sealed
 from common.wire import Heartbeat, PromptGroup, RolloutGroup, WeightManifest
 
 RUN = "bench-rollout"
@@ -98,20 +98,21 @@ def weight_sync(plane: ControlPlane, pull: PullChannel, model_dir: Path, actor_i
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     params = {name: (p.detach() + 0.01).contiguous() for name, p in model.named_parameters()}
-    buckets = plan_buckets(params, 64 * 2**20)
+    sealed = pack_sealed(params, 64 * 2**20)
     store = RedisStore(plane.client, RUN, 120)
     manifest = WeightManifest(
         version=1,
         world_size=2,
         members=[actor_id],
-        buckets=buckets,
+        buckets=sealed.buckets,
         group_epoch=1,
+        digest=sealed.digest,
     )
     start = time.perf_counter()
     plane.run.publish_manifest(manifest)
     root = WeightGroup(GroupAddress("", RUN, epoch=1, rank=0, world_size=2, timeout_s=120), store)
     root.self_check()
-    root.send(buckets, params)
+    root.send_packed(sealed.flats)
     sent = time.perf_counter() - start
     plane.run.set_version(1)
     while True:

@@ -2,9 +2,9 @@
 
 In one run, for each model size (float32 Llama checkpoints made locally):
 
-- ``asyncrl``: what the learner does each step — flat dtype buckets (``--bucket-mb``) broadcast over gloo
-  to two running ``rl-actor`` processes, which load them with vLLM's ``reload_weights`` while the next
-  bucket is on the wire (the time includes loading);
+- ``asyncrl``: what the learner does each step — flat dtype buckets (``--bucket-mb``) packed, sealed with their
+  digests and broadcast over gloo to two running ``rl-actor`` processes, which verify and load them with vLLM's
+  ``reload_weights``; ``digest`` is the learner's share of that spent hashing the buckets;
 - ``raw_flat``: one ``broadcast`` of the same number of bytes to two plain processes (the floor);
 - ``per_parameter``: one ``broadcast`` per parameter to two plain processes (the per-parameter design).
 
@@ -37,7 +37,7 @@ from common.control import ControlPlane
 from common.keys import connect
 from common.redis_server import EmbeddedRedis
 from common.rendezvous import RedisStore
-from common.weights import GroupAddress, WeightGroup, plan_buckets
+from common.weights import GroupAddress, WeightGroup, pack_sealed, seal_buckets
 from common.wire import WeightManifest
 
 RUN = "bench-weights"
@@ -79,30 +79,37 @@ def wait_ready(plane: ControlPlane, n: int, timeout_s: float = 600) -> None:
     raise RuntimeError("actors did not start")
 
 
-def asyncrl_sync(plane: ControlPlane, params: dict[str, torch.Tensor], repeats: int, bucket_mb: float) -> list[float]:
+def asyncrl_sync(
+    plane: ControlPlane, params: dict[str, torch.Tensor], repeats: int, bucket_mb: float
+) -> tuple[list[float], list[float]]:
+    """Seconds to pack, seal (digest) and send each version as the learner does, and of the digests alone."""
     store = RedisStore(plane.client, RUN, 600)
-    buckets = plan_buckets(params, int(bucket_mb * 2**20))
     group = None
-    times = []
+    times, digest_times = [], []
     for version in range(1, repeats + 2):
+        start = time.perf_counter()
+        sealed = pack_sealed(params, int(bucket_mb * 2**20))
         plane.run.publish_manifest(
             WeightManifest(
                 version=version,
                 world_size=3,
                 members=["a0", "a1"],
-                buckets=buckets,
+                buckets=sealed.buckets,
                 group_epoch=1,
+                digest=sealed.digest,
             )
         )
         if group is None:
             group = WeightGroup(GroupAddress("", RUN, 1, 0, 3, 600), store)
             group.self_check()
-        start = time.perf_counter()
-        group.send(buckets, params)
+        group.send_packed(sealed.flats)
         if version > 1:  # the first one also pays for the group formation
             times.append(time.perf_counter() - start)
+            hashed = time.perf_counter()
+            seal_buckets(sealed.buckets, sealed.flats)
+            digest_times.append(time.perf_counter() - hashed)
         time.sleep(1.5)  # let the actors resume before the next version
-    return times
+    return times, digest_times
 
 
 def _plain_member(url: str, rank: int, shapes: list[list[int]], repeats: int) -> None:
@@ -157,7 +164,7 @@ def measure(millions: int, repeats: int, tmp: Path, bucket_mb: float) -> dict[st
         actors = start_actors(redis.url, 2)
         try:
             wait_ready(plane, 2)
-            ours = asyncrl_sync(plane, params, repeats, bucket_mb)
+            ours, digests = asyncrl_sync(plane, params, repeats, bucket_mb)
         finally:
             for proc in actors:
                 proc.send_signal(signal.SIGTERM)
@@ -165,7 +172,8 @@ def measure(millions: int, repeats: int, tmp: Path, bucket_mb: float) -> dict[st
                 proc.wait(120)
         flat, per_param = raw_baselines(redis.url, params, repeats)
     seconds = {
-        k: statistics.median(v) for k, v in (("asyncrl", ours), ("raw_flat", flat), ("per_parameter", per_param))
+        k: statistics.median(v)
+        for k, v in (("asyncrl", ours), ("digest", digests), ("raw_flat", flat), ("per_parameter", per_param))
     }
     return {
         "parameters": sum(p.numel() for p in params.values()),

@@ -44,6 +44,11 @@ class RunKeys:
         return self._k("manifest:announce")
 
     @property
+    def digests(self) -> str:
+        """Hash: policy version → the digest of the weights sent as that version (``WeightManifest.digest``)."""
+        return self._k("digests")
+
+    @property
     def processes(self) -> str:
         return self._k("processes")
 

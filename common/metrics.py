@@ -106,6 +106,10 @@ ACTOR_GENERATION_SECONDS = Histogram(
     buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0),
 )
 ACTOR_POLICY_VERSION = Gauge("asyncrl_actor_policy_version", "Policy version of the weights a rollout actor holds.")
+ACTOR_WEIGHT_DIGEST_MISMATCHES = Counter(
+    "asyncrl_actor_weight_digest_mismatches_total",
+    "Weight versions a rollout actor received but refused to load: a bucket's digest did not match the manifest.",
+)
 ACTOR_RUNNING_GROUPS = Gauge("asyncrl_actor_running_groups", "Prompt groups a rollout actor is generating now.")
 
 # ------------------------------------------------------------------ learner (updated once per step)

@@ -51,9 +51,19 @@ class RunRecord:
         self.client.set(self.keys.version, version)
 
     def publish_manifest(self, manifest: WeightManifest) -> None:
-        """Store the manifest, then announce it (subscribers re-read the key, so a missed announcement only delays)."""
-        self.client.set(self.keys.manifest, encode_blob(manifest))
-        self.client.publish(self.keys.manifest_channel, str(manifest.version))
+        """Store the manifest and its version's digest, then announce it (subscribers re-read the key, so a missed
+        announcement only delays)."""
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.set(self.keys.manifest, encode_blob(manifest))
+            if manifest.digest:
+                pipe.hset(self.keys.digests, str(manifest.version), manifest.digest)
+            pipe.publish(self.keys.manifest_channel, str(manifest.version))
+            pipe.execute()
+
+    def digests(self) -> dict[int, str]:
+        """Version → the digest of the weights the learner last sent as that version (a resume re-sends some
+        versions with other weights; the newest send wins, so an actor still serving the discarded ones stands out)."""
+        return {int(v): d.decode() for v, d in self.client.hgetall(self.keys.digests).items()}
 
     def read_manifest(self) -> tuple[WeightManifest, list[memoryview]] | None:
         """The current manifest and its frames (to hand on to a vLLM worker), or None before the first."""

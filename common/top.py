@@ -3,7 +3,8 @@
 Shows the policy version, the queues (prompts, groups in flight, the replay stream's length and pending
 entries, dead letters), the learner's last step (reward, KL, staleness, timings — from the summary it writes
 each step), the alerts its health check holds active, and every actor and reward worker with its state,
-version, throughput, heartbeat age and ``/metrics`` endpoint. Refreshes in place on any terminal (ANSI:
+version, throughput, heartbeat age and ``/metrics`` endpoint — and flags an actor whose weights' digest is not
+the one the learner sent as its version. Refreshes in place on any terminal (ANSI:
 cursor home, rewrite each line, clear the rest); ``--once`` prints one frame for scripts; ``--targets`` prints
 the run's ``/metrics`` endpoints as Prometheus file_sd JSON.
 """
@@ -36,6 +37,7 @@ def snapshot(plane) -> dict[str, Any]:
         "lost": lost,
         "summary": plane.run.summary(),
         "alerts": plane.run.alerts(),
+        "digests": plane.run.digests(),
         "endpoints": {beat.process_id: e for beat in live if (e := metrics_endpoint(beat)) is not None},
     }
 
@@ -109,10 +111,26 @@ def _process_lines(snap: dict[str, Any], now: float) -> list[str]:
         )
     if not snap["processes"]:
         lines.append("(no actors or reward workers registered)")
+    if wrong := unexpected_weights(snap["processes"], snap.get("digests", {})):
+        lines += ["", "UNEXPECTED WEIGHTS (digest is not the one the learner sent for the version):"]
+        lines += [f"  {line}" for line in wrong]
     if snap["lost"]:
         lost = ", ".join(f"{pid} ({kind})" for pid, kind in snap["lost"].items())
         lines += ["", f"lost (heartbeat expired): {lost}"]
     return lines
+
+
+def unexpected_weights(processes, digests: dict[int, str]) -> list[str]:
+    """One line per actor serving a digest other than the one the learner last sent as its version.
+
+    An actor on the model folder's weights (version 0, no digest yet) or on a version whose digest is unknown (sent
+    by a learner before digests existed) is not flagged: there is nothing to compare with.
+    """
+    return [
+        f"{hb.process_id}: version {hb.version} digest {hb.weights_digest}, expected {digests[hb.version]}"
+        for hb in processes
+        if hb.kind == "actor" and hb.weights_digest and digests.get(hb.version, hb.weights_digest) != hb.weights_digest
+    ]
 
 
 def targets(endpoints: list[dict[str, Any]], run: str) -> list[dict[str, Any]]:

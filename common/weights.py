@@ -11,16 +11,24 @@ designs. Gloo on CPUs, NCCL on GPUs: the same code.
 Every collective has a time limit; a member that misses it raises :class:`WeightSyncError`
 on the survivors, who drop it at the next formation. Each formation starts with a small test
 broadcast whose checksum every member verifies (the communication self-check).
+
+The self-check proves the transport, not the weights. Every version is also *sealed*
+(:func:`seal_buckets`): the learner hashes each packed bucket, and the manifest carries the bucket
+digests and one version digest over them; a member verifies every received bucket against its digest
+(:func:`digest_mismatch`) before anything is loaded, so weights that changed on the way — or a manifest
+that does not describe them — are never served.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
+import blake3
 import torch
 
 from common.rendezvous import RedisStore
@@ -70,6 +78,62 @@ def pack_bucket(bucket: WeightBucket, params: Mapping[str, torch.Tensor], device
         source = params[name].detach()
         flat[offset : offset + source.numel()].copy_(source.reshape(-1))
     return flat
+
+
+DIGEST_BYTES = 8
+"""Digests are 64-bit BLAKE3 (16 hex characters): a check of integrity, not a signature (the manifest comes from
+the run's Redis, which only holders of its password can write)."""
+
+
+def bucket_digest(flat: torch.Tensor) -> str:
+    """64-bit BLAKE3 of a packed bucket's bytes, in hex.
+
+    BLAKE3 hashes about 4 GB/s on one CPU core (bench: ``bench/weight_sync.py``), so a bucket costs little beside
+    its transfer; a CUDA bucket is copied to the host first.
+    """
+    host = flat.detach().contiguous().cpu()
+    return blake3.blake3(memoryview(host.view(torch.uint8).numpy())).hexdigest(DIGEST_BYTES)
+
+
+def version_digest(bucket_digests: Sequence[str]) -> str:
+    """The digest of one version: BLAKE3 over its bucket digests in order (what heartbeats and the audit name)."""
+    return blake3.blake3(",".join(bucket_digests).encode()).hexdigest(DIGEST_BYTES)
+
+
+def seal_buckets(buckets: Sequence[WeightBucket], flats: Sequence[torch.Tensor]) -> tuple[list[WeightBucket], str]:
+    """``buckets`` with the digest of each packed bucket in ``flats`` filled in, and the version digest."""
+    sealed = [dataclasses.replace(b, digest=bucket_digest(f)) for b, f in zip(buckets, flats, strict=True)]
+    return sealed, version_digest([b.digest for b in sealed])
+
+
+@dataclass(frozen=True)
+class SealedWeights:
+    """One version packed for sending: bucket layouts with their digests, the packed buckets, the version digest."""
+
+    buckets: list[WeightBucket]
+    flats: list[torch.Tensor]
+    digest: str
+
+
+def pack_sealed(params: Mapping[str, torch.Tensor], bucket_bytes: int, device: str = "cpu") -> SealedWeights:
+    """Plan, pack and seal ``params``: what a manifest lists and :meth:`WeightGroup.send_packed` sends."""
+    planned = plan_buckets(params, bucket_bytes)
+    flats = [pack_bucket(bucket, params, device) for bucket in planned]
+    buckets, digest = seal_buckets(planned, flats)
+    return SealedWeights(buckets, flats, digest)
+
+
+def digest_mismatch(buckets: Sequence[WeightBucket], flats: Sequence[torch.Tensor]) -> str:
+    """Why the received ``flats`` do not match their manifest's digests, or ``""`` when every bucket matches.
+
+    A bucket without a digest is refused too: an unsealed manifest cannot be told from a forged one.
+    """
+    for i, (bucket, flat) in enumerate(zip(buckets, flats, strict=True)):
+        got = bucket_digest(flat)
+        if got != bucket.digest:
+            tensors = len(bucket.names)
+            return f"bucket {i} ({bucket.dtype}, {tensors} tensors): digest {got} != manifest {bucket.digest!r}"
+    return ""
 
 
 def unpack_bucket(bucket: WeightBucket, flat: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
@@ -189,24 +253,11 @@ class WeightGroup:
             self._wait(*in_flight)
         return sent
 
-    def receive(self, buckets: Iterable[WeightBucket]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Member: yield (name, tensor) bucket after bucket (lazy).
-
-        Pipelined: the receive of bucket k+1 is posted before bucket k's tensors are handed to the
-        consumer (vLLM's loader), so the transfer of the next bucket overlaps the loading of this one.
-        """
-        pending = None
-        for bucket in buckets:
-            flat = torch.empty(bucket.numel, dtype=torch_dtype(bucket.dtype), device=self.device)
-            work = self._start(flat)
-            if pending is not None:
-                yield from self._arrived(*pending)
-            pending = (bucket, work, flat)
-        if pending is not None:
-            yield from self._arrived(*pending)
-
-    def _arrived(self, bucket: WeightBucket, work, flat: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from unpack_bucket(bucket, self._wait(work, flat))
+    def receive_all(self, buckets: Sequence[WeightBucket]) -> list[torch.Tensor]:
+        """Member: every bucket, received whole before any is used (all receives are posted, then awaited)."""
+        flats = [torch.empty(b.numel, dtype=torch_dtype(b.dtype), device=self.device) for b in buckets]
+        works = [self._start(flat) for flat in flats]
+        return [self._wait(work, flat) for work, flat in zip(works, flats, strict=True)]
 
 
 def absent_ranks(store: torch.distributed.Store, epoch: int, world_size: int) -> list[int]:

@@ -169,8 +169,11 @@ class WeightBucket:
     names: list[str] = field(default_factory=list)
     shapes: list[list[int]] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
+    digest: str = ""
+    """64-bit BLAKE3 of the packed bucket in hex (``common/weights.py: bucket_digest``); members verify it."""
 
     def validate(self, limits: Limits) -> None:
+        _check_digest("digest", self.digest)
         if not (len(self.names) == len(self.shapes) == len(self.offsets)):
             raise WireError("names", "names, shapes and offsets differ in length")
         _check_range("numel", self.numel, 0, None)
@@ -199,8 +202,11 @@ class WeightManifest:
     restore: int = 0
     """Bumped by every resume from a checkpoint: the policy went back to ``version``, so an actor that holds a higher
     version from the discarded steps must load these weights too."""
+    digest: str = ""
+    """The version digest over the buckets' digests (``common/weights.py: version_digest``)."""
 
     def validate(self, limits: Limits) -> None:
+        _check_digest("digest", self.digest)
         _check_range("version", self.version, 0, None)
         _check_range("restore", self.restore, 0, None)
         if self.world_size != len(self.members) + 1:
@@ -232,11 +238,19 @@ class Heartbeat:
     """Where a reward worker's PULL socket is bound (actors PUSH rollouts to every live one)."""
     curve_public_key: str = ""
     """A reward worker's CURVE server public key (Z85) when its socket requires CURVE; actors connect with it."""
+    weights_digest: str = ""
+    """An actor's: the version digest of the weights it serves (``""`` before the first load)."""
 
     def validate(self, limits: Limits) -> None:
         if self.kind not in PROCESS_KINDS:
             raise WireError("kind", f"must be one of {', '.join(PROCESS_KINDS)}, got {self.kind!r}")
         _check_range("tokens_per_s", self.tokens_per_s, 0, None)
+        _check_digest("weights_digest", self.weights_digest)
+
+
+def _check_digest(name: str, value: str) -> None:
+    if value and (len(value) != 16 or any(c not in "0123456789abcdef" for c in value)):
+        raise WireError(name, f"expected 16 lowercase hex digits, got {value[:40]!r}")
 
 
 def _check_range(name: str, value: float, low: float | None, high: float | None) -> None:

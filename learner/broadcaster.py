@@ -40,7 +40,7 @@ from common.weights import (
     WeightGroup,
     WeightSyncError,
     absent_ranks,
-    pack_bucket,
+    pack_sealed,
     plan_buckets,
 )
 from common.wire import WeightManifest, WireError
@@ -134,9 +134,12 @@ class Broadcaster:
             self._in_flight[1].result()
         start = time.perf_counter()
         self._update_membership()
-        buckets = plan_buckets(params, int(self.config.weight_sync.bucket_mb * 2**20))
-        device = "cuda" if self.backend == "nccl" else "cpu"
-        flats = [pack_bucket(bucket, params, device) for bucket in buckets] if self.members else []
+        bucket_bytes = int(self.config.weight_sync.bucket_mb * 2**20)
+        if self.members:  # sealed: each member verifies every bucket before it loads any (common/weights.py)
+            sealed = pack_sealed(params, bucket_bytes, "cuda" if self.backend == "nccl" else "cpu")
+            buckets, flats, digest = sealed.buckets, sealed.flats, sealed.digest
+        else:  # nobody to send to: the layout only, nothing copied
+            buckets, flats, digest = plan_buckets(params, bucket_bytes), [], ""
         manifest = WeightManifest(
             version=version,
             world_size=len(self.members) + 1,
@@ -144,6 +147,7 @@ class Broadcaster:
             buckets=buckets,
             group_epoch=self.epoch,
             restore=self.restore,
+            digest=digest,
         )
         self.plane.run.publish_manifest(manifest)
         figures = {"members": float(len(self.members)), "bytes": 0.0, "self_check_s": 0.0}

@@ -1,8 +1,15 @@
-"""Child processes of ``rl-launch``: started with their logs in the run folder, stopped by PID, always."""
+"""Child processes of ``rl-launch``: started with their logs in the run folder, stopped by PID, always.
+
+The launcher is a *child subreaper* (``prctl(PR_SET_CHILD_SUBREAPER)``): a process that a child started and then
+lost — a vLLM engine under an actor that died, a sandboxed program that left its session — is re-parented to the
+launcher instead of to init, so :meth:`Children.stop_all` can find it, end it and reap it, whatever session or
+process group it moved to. Only processes adopted that way are touched, never one the launcher did not lead to.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import signal
@@ -11,8 +18,10 @@ import time
 from pathlib import Path
 
 from common.logs import get_logger
+from common.procs import child_pids
 
 log = get_logger("launch")
+_PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
 
 
 class Children:
@@ -22,6 +31,8 @@ class Children:
         self.log_dir = log_dir
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
+        self.subreaper = _become_subreaper()
+        self._others = set(child_pids(os.getpid()))  # started before us (the embedded Redis): never adopted strays
 
     def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         log_file = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - the child owns it
@@ -55,6 +66,28 @@ class Children:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)  # stragglers of a child that died or hung
             proc.wait()
+        self._end_adopted()
+
+    def _end_adopted(self) -> None:
+        """SIGKILL and reap every descendant that was re-parented to us (see the module docstring), until none is
+        left: one may have started another before it died."""
+        mine = {proc.pid for proc in self.procs.values()} | self._others
+        while adopted := [pid for pid in child_pids(os.getpid()) if pid not in mine]:
+            for pid in adopted:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, 0)
+            log.warning("ended processes our children left behind", pids=",".join(map(str, adopted)))
+
+
+def _become_subreaper() -> bool:
+    """Make this process the reaper of its orphaned descendants (Linux ≥ 3.4); False where that is not possible."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def tail_metrics(path: Path) -> dict | None:

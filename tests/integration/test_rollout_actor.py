@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,11 +23,13 @@ import torch
 from common.channel import PullChannel
 from common.config import load_config
 from common.control import ControlPlane
+from common.procs import child_pids, descendants
 from common.rendezvous import RedisStore
 from common.tasks import TASK_ALPHABET, get_task, prompt_group
 from common.tiny_model import init_model
-from common.weights import GroupAddress, WeightGroup, plan_buckets
+from common.weights import GroupAddress, WeightGroup, pack_sealed
 from common.wire import Heartbeat, PromptGroup, RolloutGroup, WeightManifest
+from tests.helpers.scrape import metric
 
 pytestmark = pytest.mark.integration
 RUN = "actors"
@@ -121,20 +122,28 @@ def transformers_logprobs(model, prompt_ids: np.ndarray, response_ids: np.ndarra
     return chosen[:, 0].numpy()
 
 
+def heartbeat_of(plane: ControlPlane, actor_id: str) -> Heartbeat | None:
+    return next((h for h in plane.registry.processes()[0] if h.process_id == actor_id), None)
+
+
+def wait_for(check, what: str, timeout_s: float = 120):
+    """Poll ``check()`` until it returns something truthy; that value."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := check()):
+        assert time.monotonic() < deadline, f"{what} within {timeout_s} s"
+        time.sleep(0.005)
+    return value
+
+
 def wait_until_generating(plane: ControlPlane, actor_id: str, timeout_s: float = 60) -> None:
     """Until the actor's /metrics says requests are running: its groups run in waves (all of one length), and an
     update that lands between two waves spans no response."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        beats = [h for h in plane.registry.processes()[0] if h.process_id == actor_id and h.metrics_url]
-        if beats:
-            url = beats[0].metrics_url.replace(beats[0].host, "127.0.0.1")
-            text = urllib.request.urlopen(url, timeout=5).read().decode()
-            running = [line for line in text.splitlines() if line.startswith("asyncrl_actor_running_groups ")]
-            if running and float(running[0].split()[1]) > 0:
-                return
-        time.sleep(0.005)
-    raise AssertionError(f"{actor_id} ran no request within {timeout_s} s")
+
+    def running() -> bool:
+        beat = heartbeat_of(plane, actor_id)
+        return beat is not None and bool(beat.metrics_url) and metric(beat, "asyncrl_actor_running_groups") > 0
+
+    wait_for(running, f"{actor_id} ran a request", timeout_s)
 
 
 def perturbed(model) -> dict[str, torch.Tensor]:
@@ -157,7 +166,7 @@ def test_weights_broadcast_mid_request_match_a_transformers_forward(redis_server
         original = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         new = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         params = perturbed(new)
-        buckets = plan_buckets(params, bucket_bytes=256 * 1024)
+        sealed = pack_sealed(params, bucket_bytes=256 * 1024)
         store = RedisStore(plane.client, plane.keys.run, 120)
         wait_until_generating(plane, "a1")
         plane.run.publish_manifest(
@@ -165,13 +174,14 @@ def test_weights_broadcast_mid_request_match_a_transformers_forward(redis_server
                 version=1,
                 world_size=2,
                 members=["a1"],
-                buckets=buckets,
+                buckets=sealed.buckets,
                 group_epoch=1,
+                digest=sealed.digest,
             )
         )
         root = WeightGroup(GroupAddress("", plane.keys.run, epoch=1, rank=0, world_size=2, timeout_s=120), store)
         root.self_check()
-        root.send(buckets, params)
+        root.send_packed(sealed.flats)
         plane.run.set_version(1)
         after = collect(rollouts, lambda got: sum(all(g.versions == 1) for g in got) >= 3)
     finally:
@@ -225,3 +235,118 @@ def test_second_actor_shares_the_work_and_sigterm_returns_unfinished_groups(
     assert len(ids) == len(set(ids)), "a returned group was delivered twice"
     assert {g.actor_id for g in got} == {"first", "second"}
     assert plane.prompts.queue_depth() == 0
+
+
+def publish_weights(plane: ControlPlane, version: int, sealed, flats=None, root: WeightGroup | None = None):
+    """As the learner does: the manifest of ``sealed`` as ``version`` to actor a1, then the buckets (``flats``, by
+    default the sealed ones); forms the group on the first call. Returns the group for the next version."""
+    plane.run.publish_manifest(
+        WeightManifest(
+            version=version, world_size=2, members=["a1"], buckets=sealed.buckets, group_epoch=1, digest=sealed.digest
+        )
+    )
+    if root is None:
+        store = RedisStore(plane.client, plane.keys.run, 120)
+        root = WeightGroup(GroupAddress("", plane.keys.run, epoch=1, rank=0, world_size=2, timeout_s=120), store)
+        root.self_check()
+    root.send_packed(sealed.flats if flats is None else flats)
+    plane.run.set_version(version)
+    return root
+
+
+def assert_served_by(model, groups: list[RolloutGroup]) -> None:
+    for group in groups:
+        for i in range(group.num_samples):
+            ids, logprobs, _ = group.response(i)
+            if len(ids):
+                np.testing.assert_allclose(
+                    logprobs, transformers_logprobs(model, group.prompt_ids, ids), atol=LOGPROB_TOLERANCE
+                )
+
+
+def test_weights_that_do_not_match_their_digests_are_refused_and_the_old_ones_keep_serving(
+    redis_server, plane, rollouts, model_dir
+) -> None:
+    """Issue 12: a version whose buckets changed on the way is received whole, refused before anything loads, counted
+    and alerted on; the actor goes on serving (and stamping) the old version, then loads the next good one."""
+    from transformers import AutoModelForCausalLM
+
+    groups = prompt_groups(model_dir, 3000)
+    plane.prompts.record_issued(groups)
+    plane.prompts.push_prompts(groups)
+    actor = start_actor(redis_server.url, "a1", "0")
+    try:
+        collect(rollouts, lambda got: len(got) >= 1)
+        original = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        new = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        sealed = pack_sealed(perturbed(new), bucket_bytes=256 * 1024)
+        altered = [flat.clone() for flat in sealed.flats]
+        altered[-1][0] += 1.0  # one weight changed on the way
+
+        root = publish_weights(plane, 1, sealed, altered)
+        beat = heartbeat_of(plane, "a1")
+        wait_for(lambda: metric(beat, "asyncrl_actor_weight_digest_mismatches_total") == 1, "the refusal counted")
+        refused = collect(rollouts, lambda got: len(got) >= 3)
+        assert all(int(g.versions.max()) == 0 for g in refused), "tokens were stamped with the refused version"
+        assert_served_by(original, refused[-2:])  # generated after the refusal: the old weights
+        beat = heartbeat_of(plane, "a1")
+        assert (beat.version, beat.weights_digest) == (0, "")
+
+        publish_weights(plane, 2, sealed, root=root)  # the same weights, unaltered, as the next version
+        loaded = collect(rollouts, lambda got: sum(bool(np.all(g.versions == 2)) for g in got) >= 2)
+        assert_served_by(new, [g for g in loaded if np.all(g.versions == 2)])
+        beat = wait_for(lambda: (b := heartbeat_of(plane, "a1")) and b.version == 2 and b, "a heartbeat at version 2")
+        assert beat.weights_digest == sealed.digest
+        assert metric(beat, "asyncrl_actor_weight_digest_mismatches_total") == 1
+    finally:
+        assert stop(actor) == 0
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie, dead but not yet reaped, is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def test_kill_9_of_an_actor_leaves_no_vllm_process_behind(redis_server, plane) -> None:
+    """Issue 12: vLLM's EngineCore and workers end with the actor even when it cannot run a handler."""
+    actor = start_actor(redis_server.url, "a1", "0")
+    try:
+        wait_for(lambda: (b := heartbeat_of(plane, "a1")) and b.state != "starting", "the actor's engine up", 300)
+        below = descendants(actor.pid)
+        assert below, "vLLM started no process under the actor"
+        actor.kill()
+        actor.wait()
+        deadline = time.monotonic() + 10
+        while (left := {p for p in below if alive(p)}) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not left, f"{len(left)} of the actor's {len(below)} vLLM processes outlived it by 10 s: {sorted(left)}"
+    finally:
+        if actor.poll() is None:
+            actor.kill()
+            actor.wait()
+
+
+def test_an_actor_whose_engine_dies_hands_its_groups_back_and_exits_non_zero(redis_server, plane, rollouts, model_dir):
+    """Issue 12: EngineCore killed under a generating actor: every group the actor held goes back to the queue and
+    the actor exits with status 1 instead of taking (and returning) groups in a loop."""
+    groups = prompt_groups(model_dir, 200)
+    plane.prompts.record_issued(groups)
+    plane.prompts.push_prompts(groups)
+    actor = start_actor(redis_server.url, "a1", "0")
+    try:
+        wait_until_generating(plane, "a1", timeout_s=300)
+        children = child_pids(actor.pid)
+        (engine_core,) = [c for c in children if b"EngineCore" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        os.kill(engine_core, signal.SIGKILL)
+        assert actor.wait(120) == 1
+    finally:
+        stop(actor)
+    held = [gid for gid, entry in plane.prompts.ledger().items() if entry.actor == "a1"]
+    assert held == [], f"groups the dead actor still holds: {held}"
+    delivered = set()
+    while (group := rollouts.recv(timeout_s=0.5)) is not None:
+        delivered.add(group.group_id)
+    assert len(delivered) + plane.prompts.queue_depth() >= len(groups)

@@ -28,7 +28,9 @@ def make_params() -> dict[str, torch.Tensor]:
 def member(url: str, rank: int, world: int, buckets, out: mp.Queue) -> None:
     group = WeightGroup(GroupAddress(url, "wg", epoch=1, rank=rank, world_size=world, timeout_s=30))
     group.self_check()
-    out.put({name: tensor.clone() for name, tensor in group.receive(buckets)})
+    flats = group.receive_all(buckets)
+    pairs = (pair for bucket, flat in zip(buckets, flats, strict=True) for pair in unpack_bucket(bucket, flat))
+    out.put({name: tensor.clone() for name, tensor in pairs})
 
 
 def test_buckets_reach_every_member_intact(redis_server, redis_client) -> None:

@@ -1,0 +1,42 @@
+"""Reading the process tree from ``/proc`` (Linux): who is whose parent, and which processes a process has."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+
+def parent_of(pid: int) -> int:
+    """The parent PID of ``pid`` (0 when the process is gone or ``/proc`` cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # The command name (field 2) is in parentheses and may hold spaces and ')': parse after the last ')'.
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def parents() -> dict[int, int]:
+    """PID → parent PID of every process (a process that ends while it is read is left out)."""
+    found = {}
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit() and (parent := parent_of(int(entry.name))):
+                found[int(entry.name)] = parent
+    return found
+
+
+def child_pids(pid: int) -> list[int]:
+    """The PIDs whose parent is ``pid``."""
+    return [child for child, parent in parents().items() if parent == pid]
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below ``pid``: its children, theirs, and so on."""
+    tree = parents()
+    below: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {child for child, parent in tree.items() if parent in frontier} - below
+        below |= frontier
+    return below

@@ -1,0 +1,69 @@
+"""rl-launch's children: stopped by PID, and whatever they leave behind — even in a session of its own — ended and
+reaped by the launcher, which adopts it as a child subreaper. The launcher runs as a real separate process here
+(becoming a subreaper would change the pytest process for every later test)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from common.procs import parent_of
+
+pytestmark = pytest.mark.integration
+
+LAUNCHER = """
+import sys, time
+from pathlib import Path
+from learner.children import Children
+
+children = Children(Path(sys.argv[1]))
+# A child that starts a grandchild in a session of its own (out of reach of a process-group kill), then dies.
+leaver = children.start("leaver", [sys.executable, "-c", "import subprocess; "
+    "p = subprocess.Popen(['sleep', '300'], start_new_session=True); print(p.pid, flush=True)"])
+leaver.wait()
+children.start("sleeper", ["sleep", "300"])
+print("subreaper" if children.subreaper else "no subreaper", flush=True)
+sys.stdin.readline()  # the test looks at the tree now
+children.stop_all(timeout_s=5)
+print("stopped", flush=True)
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def test_stop_all_ends_and_reaps_what_a_child_left_in_another_session(tmp_path: Path) -> None:
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    stray = 0
+    try:
+        assert launcher.stdout.readline().strip() == "subreaper"
+        stray = int((tmp_path / "leaver.log").read_text().split()[0])
+        assert alive(stray) and parent_of(stray) == launcher.pid, "the orphan was not adopted by the launcher"
+        launcher.stdin.write("\n")
+        launcher.stdin.flush()
+        assert launcher.stdout.readline().strip() == "stopped"
+        assert launcher.wait(30) == 0
+        deadline = time.monotonic() + 5
+        while alive(stray) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(stray), "the process the child left behind outlived the launcher"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        if stray and alive(stray):
+            subprocess.run(["kill", "-9", str(stray)], check=False)
