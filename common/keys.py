@@ -96,6 +96,11 @@ class RunKeys:
         """JSON list of the alerts the learner's health check holds active now."""
         return self._k("alerts")
 
+    @property
+    def audit(self) -> str:
+        """Stream of the run's audit trail (``common/audit.py``), mirrored by the learner into ``audit.jsonl``."""
+        return self._k("audit")
+
 
 def connect(url: str) -> redis.Redis:
     """A Redis client with sane time limits (a dead server raises instead of hanging forever).
@@ -112,6 +117,10 @@ def connect(url: str) -> redis.Redis:
 
 
 def dead_letter(client: redis.Redis, keys: RunKeys, source: str, reason: str, payload: bytes) -> None:
-    """Keep an unacceptable message with where it came from and why it was refused."""
+    """Keep an unacceptable message with where it came from and why it was refused; the audit trail notes the
+    refusal (source, reason and size, never the payload; rate-limited per source)."""
+    from common.audit import dead_lettered
+
     fields = {"source": source, "reason": reason, "payload": payload, "at": f"{time.time():.3f}"}
     client.xadd(keys.dead, fields, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+    dead_lettered(client, keys.run, source, reason, len(payload))

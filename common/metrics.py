@@ -190,6 +190,21 @@ LEARNER_ALERT_ACTIVE = Gauge(
 
 # ------------------------------------------------------------------ every process
 
+AUDIT_FAILURES = Counter(
+    "asyncrl_audit_failures_total",
+    "Audit-trail operations that failed (the event is lost to the trail; the process goes on), by stage: queue "
+    "(no room while Redis is away), record (an XADD to the audit stream), mirror (the learner copying the stream "
+    "into audit.jsonl).",
+    ["stage"],
+)
+AUDIT_SUPPRESSED = Counter(
+    "asyncrl_audit_suppressed_refusals_total",
+    "Refusals counted but not recorded in the audit trail (only the 1st, 10th, 100th, ... of a reason are), by event.",
+    ["event"],
+)
+AUDIT_MIRRORED = Counter(
+    "asyncrl_audit_mirrored_entries_total", "Audit-stream entries the learner appended to audit.jsonl."
+)
 PROCESS_INFO = Gauge(
     "asyncrl_process_info",
     "Always 1: which run, process and kind this endpoint belongs to.",
