@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from actors.rewards import RewardError, bind_functions, combine, score
+from common.audit import Audit
 from common.channel import CurveServer, PullChannel
 from common.config import RewardFunction, RunConfig
 from common.control import ControlPlane
@@ -146,6 +147,7 @@ class RewardWorker:
         self.worker_id = worker_id
         self.client = connect(redis_url)
         self.plane = ControlPlane(self.client, config.run.name)
+        self.audit = Audit(self.client, config.run.name, worker_id, "reward")
         self.replay = ReplayWriter(self.client, self.plane.keys, maxlen=config.transport.replay_maxlen)
         limits = Limits(max_bytes=int(config.transport.max_message_mb * 2**20))
         self.channel = PullChannel("rollouts", RolloutGroup, hwm=config.transport.zmq_hwm, limits=limits)
@@ -355,7 +357,11 @@ class RewardWorker:
             return None  # channel.bind refuses an endpoint beyond loopback without keys
         if not transport.curve_client_keys:
             raise ValueError("transport.curve_client_keys must name the folder of authorised client public keys")
-        return CurveServer(Path(transport.curve_server_key), Path(transport.curve_client_keys))
+        return CurveServer(Path(transport.curve_server_key), Path(transport.curve_client_keys), self._key_refused)
+
+    def _key_refused(self, client_key: str) -> None:
+        """A CURVE client key was refused: in the audit trail, the 1st, 10th, 100th, … refusal of each key."""
+        self.audit.refused("key.refused", client_key, channel=self.channel.name, client_key=client_key)
 
 
 def _advertised(endpoint: str) -> str:

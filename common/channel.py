@@ -17,15 +17,16 @@ Delivery semantics (ZeroMQ PUSH/PULL, https://zguide.zeromq.org/docs/chapter2/):
   loopback, optional on loopback. The binding side holds the server secret key and accepts only
   the client public keys found in its authorised-keys folder (re-read when an unknown key knocks, so
   a key dropped into the folder is accepted without a restart); every refused client is counted
-  (``asyncrl_channel_refused_clients_total``) and logged once per key. The connecting side holds its
+  (``asyncrl_channel_refused_clients_total``), logged once per key and handed to ``CurveServer.on_refused`` (the
+  reward worker's audit trail). The connecting side holds its
   client key pair and the server's public key — from a file, or as advertised in the server's heartbeat.
 """
 
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -55,10 +56,12 @@ class InsecureBindError(PermissionError):
 
 @dataclass(frozen=True)
 class CurveServer:
-    """CURVE for the binding side: its key pair and the folder of authorised client public keys."""
+    """CURVE for the binding side: its key pair and the folder of authorised client public keys; ``on_refused`` is
+    called with the Z85 public key of each refused handshake (on the ZAP thread: it must be quick and not raise)."""
 
     secret_key_file: Path
     authorized_clients: Path
+    on_refused: Callable[[str], None] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -81,9 +84,10 @@ class CurveClient:
 class _AuthorizedKeys:
     """The ZAP callback of a CURVE server: is a client's public key in the authorised folder? Counts refusals."""
 
-    def __init__(self, channel: str, folder: Path) -> None:
+    def __init__(self, channel: str, folder: Path, on_refused: Callable[[str], None] | None = None) -> None:
         self.channel = channel
         self.folder = folder
+        self.on_refused = on_refused
         self.keys = self._load()
         self.refused: set[bytes] = set()
 
@@ -101,6 +105,8 @@ class _AuthorizedKeys:
         if client_key in self.keys:
             return True
         CHANNEL_REFUSED_CLIENTS.labels(self.channel).inc()
+        if self.on_refused is not None:
+            self.on_refused(client_key.decode())
         if client_key not in self.refused:
             self.refused.add(client_key)
             log.warning(
@@ -194,7 +200,7 @@ class _Channel:
         public, secret = zmq.auth.load_certificate(str(curve.secret_key_file))
         if secret is None:
             raise ValueError(f"{curve.secret_key_file} holds no secret key")
-        self.authorized = _AuthorizedKeys(self.name, Path(curve.authorized_clients))
+        self.authorized = _AuthorizedKeys(self.name, Path(curve.authorized_clients), curve.on_refused)
         self._own_context()
         self._authenticator = ThreadAuthenticator(self.context)
         self._authenticator.start()

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from common.audit import Audit
 from common.logs import get_logger
 from common.wire import Decoder, Heartbeat, Limits, WireError, decode_blob, encode_blob
 
@@ -32,17 +33,26 @@ class ProcessRegistry:
         self._heartbeat_decoder = Decoder(Heartbeat, limits)
 
     def beat(self, heartbeat: Heartbeat, ttl_s: float) -> None:
+        """Store ``heartbeat`` for ``ttl_s``; the first beat of a process (or its first after its heartbeat expired)
+        is a ``process.joined`` in the audit trail."""
+        key = self.keys.heartbeat(heartbeat.process_id)
         pipe = self.client.pipeline(transaction=False)
-        pipe.set(self.keys.heartbeat(heartbeat.process_id), encode_blob(heartbeat), px=int(ttl_s * 1000))
+        pipe.exists(key)
+        pipe.set(key, encode_blob(heartbeat), px=int(ttl_s * 1000))
         pipe.hset(self.keys.processes, heartbeat.process_id, heartbeat.kind)
-        pipe.execute()
+        existed, _, added = pipe.execute()
+        if not existed:
+            audit = Audit(self.client, self.keys.run, heartbeat.process_id, heartbeat.kind)
+            audit.record("process.joined", version=heartbeat.version, state=heartbeat.state, rejoined=not added)
 
     def leave(self, process_id: str) -> None:
-        """A clean goodbye: the process is removed from the registry at once."""
+        """A clean goodbye: the process is removed from the registry at once (``process.left`` in the audit trail)."""
         pipe = self.client.pipeline(transaction=False)
+        pipe.hget(self.keys.processes, process_id)
         pipe.delete(self.keys.heartbeat(process_id))
         pipe.hdel(self.keys.processes, process_id)
-        pipe.execute()
+        kind, _, _ = pipe.execute()
+        Audit(self.client, self.keys.run, process_id, kind.decode() if kind else "unknown").record("process.left")
 
     def processes(self) -> tuple[list[Heartbeat], dict[str, str]]:
         """(live heartbeats, id → kind of every process whose heartbeat expired), sorted by id."""
