@@ -264,6 +264,14 @@ def _verify_file(path: Path, meta: dict[str, Any]) -> None:
         )
 
 
+def manifest_digest(folder: Path) -> dict[str, Any]:
+    """``files``, ``bytes`` and ``manifest_sha256`` of a complete checkpoint, read from its manifest: the sha256 of
+    manifest.json pins every file's content, so it is the checkpoint's digest (for the audit trail)."""
+    entries = json.loads((folder / MANIFEST).read_text())["files"]
+    total = sum(int(meta["bytes"]) for meta in entries.values())
+    return {"files": len(entries), "bytes": total, "manifest_sha256": _sha256(folder / MANIFEST)}
+
+
 def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
     """(step, folder) of every complete checkpoint under ``root`` (a ``step-<N>`` folder with a manifest), by step."""
     if not root.is_dir():

@@ -67,7 +67,14 @@ class Learner:
         self.batches = BatchSource(config, self.plane, tokenizer, max(version, self.broadcaster.newest_version))
         self.update = PolicyUpdate(config, algorithm, tokenizer.pad_token_id or 0)
         self.state = RunState(
-            config, version, self.update, self.batches, self.broadcaster, self.recorder.metrics_path, tokenizer
+            config,
+            version,
+            self.update,
+            self.batches,
+            self.broadcaster,
+            self.recorder.metrics_path,
+            tokenizer,
+            audit=self.recorder.audit,
         )
         self.health = HealthMonitor.for_run(config, checkpoints=self.state, set_alert=set_alert)
         self.recorder.health = self.health
@@ -76,6 +83,7 @@ class Learner:
             self.state.restore(resume)
         else:
             self.state.warn_if_checkpoints_ignored()
+        self.recorder.started(resume)  # run.started / run.resumed in the audit trail
 
     @property
     def version(self) -> int:
@@ -90,6 +98,7 @@ class Learner:
         self.state.resume()
         log.info("learner started", run=self.config.run.name, steps=self.config.learner.steps, version=self.version)
         previous = self._stop_on_sigterm()
+        outcome = "failed"
         try:
             every = self.config.checkpoint.every
             while self.version < self.config.learner.steps and not self._stop.is_set():
@@ -101,9 +110,11 @@ class Learner:
                     self.save_checkpoint("every")
             self.broadcaster.finish()
             self.save_checkpoint("sigterm" if self._stop.is_set() else "end")
+            outcome = "stopped" if self._stop.is_set() else "completed"
         finally:
             self.broadcaster.close()
             self.health.close()
+            self.recorder.close(self.version, outcome)  # run.finished; the learner leaves; audit.jsonl complete
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
         log.info("learner finished", run=self.config.run.name, version=self.version, stopped=self._stop.is_set())

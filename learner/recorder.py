@@ -1,25 +1,35 @@
-"""What one learner step leaves behind: a line of metrics.jsonl, the live telemetry, and the facts health judges.
+"""What the run leaves behind: a line of metrics.jsonl per step, the live telemetry, the facts health judges, and the
+audit trail.
 
 :meth:`Recorder.record` builds the step's row from what the owners returned — ``train/*`` (the update), ``sync/*``
 (the broadcaster), ``groups/*`` (the batch source), ``rollout/*`` (from the groups trained), ``step/*`` and, after
 a resume, ``restore/*`` — lets the health monitor judge it (``health/*``), appends it to metrics.jsonl, and
 publishes it to Prometheus, the Redis summary rl-top reads, and the active alerts.
+
+The learner's :attr:`Recorder.audit` records the run's start or resume, its end, and each process found lost; on
+rank 0 an :class:`~common.audit.AuditMirror` copies the run's audit stream into ``audit.jsonl`` on a daemon thread,
+and :meth:`Recorder.close` (at the end of the run, or at exit) copies what remains after the learner has left.
 """
 
 from __future__ import annotations
 
+import atexit
+import getpass
+import hashlib
 import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.audit import Audit, AuditMirror
 from common.config import RunConfig
 from common.control import ControlPlane
 from common.logs import get_logger
 from learner.alerts import ProcessFacts
 from learner.batch import TrainBatch
 from learner.batch_source import Taken
+from learner.checkpoint import Checkpoint, config_hash
 from learner.health import HealthMonitor
 from learner.telemetry import StepTelemetry
 
@@ -37,16 +47,50 @@ class StepRecord:
 
 
 class Recorder:
-    """metrics.jsonl, telemetry and health facts of one run's learner. Serves ``/metrics`` from construction on, so
-    the endpoint is up while DeepSpeed starts."""
+    """metrics.jsonl, telemetry, health facts and the audit trail of one run's learner. Serves ``/metrics`` and
+    mirrors the audit stream from construction on, so both work while DeepSpeed starts."""
 
     def __init__(self, config: RunConfig, plane: ControlPlane) -> None:
         self.plane = plane
+        self.config = config
         self.metrics_path = config.run_dir / "metrics.jsonl"
+        self.audit_path = config.run_dir / "audit.jsonl"
         self.telemetry = StepTelemetry(plane, config)
+        self.audit = Audit(plane.client, config.run.name, self.telemetry.process_id, "learner")
+        self.owns_audit = self.telemetry.publishes_summary  # rank 0
+        self.mirror = AuditMirror(plane.client, config.run.name, self.audit_path).start() if self.owns_audit else None
+        atexit.register(self.close)  # after telemetry's: runs first, so the learner's own leaving is copied too
         self.health: HealthMonitor | None = None  # set once the run state it rolls back exists
         self._lost: dict[str, str] = {}  # id → kind of processes whose heartbeat expired, ever (facts are cumulative)
+        self._lost_now: set[str] = set()  # ids whose heartbeat was expired at the last step
         self._dead_at_start = plane.queue_depths()["dead_letters"]
+
+    def started(self, resumed_from: Checkpoint | None = None) -> None:
+        """``run.started`` (or ``run.resumed``, with the checkpoint and its step) in the audit trail: the config's
+        training-settings hash (as in a checkpoint's state.json), the sha256 of config.json, the user."""
+        if not self.owns_audit:
+            return
+        config_json = self.config.run_dir / "config.json"
+        fields = {
+            "config_hash": config_hash(self.config),
+            "config_json_sha256": hashlib.sha256(config_json.read_bytes()).hexdigest() if config_json.is_file() else "",
+            "user": _user(),
+            "model": self.config.model.path,
+            "steps": self.config.learner.steps,
+        }
+        if resumed_from is None:
+            self.audit.record("run.started", **fields)
+        else:
+            self.audit.record("run.resumed", **fields, checkpoint=resumed_from.path, from_step=resumed_from.state.step)
+
+    def close(self, version: int | None = None, outcome: str = "") -> None:
+        """The run ended (``run.finished`` with ``outcome`` at ``version``, when given): leave the registry, stop
+        serving, and copy the rest of the audit stream (idempotent; also run at exit)."""
+        if version is not None and self.owns_audit:
+            self.audit.record("run.finished", outcome=outcome, version=version, steps=self.config.learner.steps)
+        self.telemetry.close()
+        if self.mirror is not None:
+            self.mirror.close()
 
     def record(self, version: int, started: float, taken: Taken, batch: TrainBatch, **parts: dict) -> StepRecord:
         """The row of step ``version``: ``parts`` are prefixed figures (``train=…, sync=…, restore=…``)."""
@@ -60,17 +104,24 @@ class Recorder:
         record.values["step/idle_fraction"] = taken.waited_s / max(record.values["step/seconds"], 1e-9)
         # sampled once a step, for health and metrics
         queues, processes = self.plane.queue_depths(), self.plane.registry.processes()
+        self._note_lost(processes[1])
         if self.health is not None:
-            record.add("health", self.health.observe(version, record.values, self._facts(queues, processes)))
+            record.add("health", self.health.observe(version, record.values, self._facts(queues)))
         self._write(version, record)
         self.telemetry.publish(record.values, queues, processes)
         if self.health is not None:
             self.plane.run.set_alerts(self.health.active_alerts())
         return record
 
-    def _facts(self, queues: dict[str, int], processes: tuple) -> ProcessFacts:
-        _, lost = processes
+    def _note_lost(self, lost: dict[str, str]) -> None:
+        """``process.lost`` in the audit trail for each process whose heartbeat expired since the last step."""
+        if self.owns_audit:
+            for process_id in sorted(lost.keys() - self._lost_now):
+                self.audit.record("process.lost", process=process_id, kind=lost[process_id])
+        self._lost_now = set(lost)
         self._lost.update(lost)
+
+    def _facts(self, queues: dict[str, int]) -> ProcessFacts:
         dead = queues["dead_letters"] - self._dead_at_start
         return ProcessFacts(
             actors_lost=sum(kind == "actor" for kind in self._lost.values()),
@@ -113,3 +164,11 @@ def rollout_figures(version: int, taken: Taken, batch: TrainBatch) -> dict[str, 
         "tokens": float(tokens),
         "generate_s_mean": sum(generate) / len(generate),
     }
+
+
+def _user() -> str:
+    """The operating-system user running the learner ("" when the system cannot say)."""
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return ""

@@ -11,6 +11,9 @@ checkpoints of it (:mod:`learner.checkpoint` writes and verifies the files):
 - for health (:class:`learner.health.Checkpoints`), :meth:`RunState.restore_latest_healthy` is a restore from the
   newest checkpoint before a non-finite streak, and :meth:`RunState.set_lr_factor` lowers the lr through the
   scheduler's public API.
+
+Each checkpoint written, verified (before a restore), restored or rolled back to is an event of the audit trail
+(``checkpoint.*``, recorded by rank 0 with the manifest's sha256 as the checkpoint's digest).
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from common.audit import Audit
 from common.config import RunConfig
 from common.logs import get_logger
+from learner import dist
 from learner.batch_source import BatchSource
 from learner.broadcaster import Broadcaster
 from learner.checkpoint import (
@@ -32,6 +37,7 @@ from learner.checkpoint import (
     config_hash,
     count_lines,
     flat_config,
+    manifest_digest,
     open_checkpoint,
     restore_rng,
     set_aside_after,
@@ -55,8 +61,10 @@ class RunState:
         broadcaster: Broadcaster,
         metrics_path: Path,
         tokenizer,
+        audit: Audit | None = None,
     ) -> None:
         self.config = config
+        self.audit = audit
         self.version = version
         self.update = update
         self.batches = batches
@@ -108,6 +116,7 @@ class RunState:
             reason=reason,
         )
         path = self.checkpointer.save(state)
+        self._audit("checkpoint.written", path, step=state.step, reason=reason, config_hash=state.config_hash)
         self.batches.commit(self.version)
         self._saved_step, self._rewards = self.version, []
         return path
@@ -125,6 +134,7 @@ class RunState:
     def restore(self, checkpoint: Checkpoint) -> None:
         """Go back to ``checkpoint`` (see the module docstring); the weights are re-sent by :meth:`resume`."""
         started = time.perf_counter()
+        self._audit("checkpoint.verified", checkpoint.path, step=checkpoint.state.step)  # by open_checkpoint
         state = self.checkpointer.load(checkpoint)
         if state.config_hash != config_hash(self.config):
             changes = "; ".join(config_changes(state.config, self.config)) or "(fields renamed or added)"
@@ -143,6 +153,8 @@ class RunState:
             "lost": float(len(rewind.lost)),
             "seconds": time.perf_counter() - started,
         }
+        figures = {"retrained": len(rewind.retrain), "lost": len(rewind.lost), "restore": self.broadcaster.restore}
+        self._audit("checkpoint.restored", checkpoint.path, step=state.step, **figures)
         log.info(
             "resumed from checkpoint",
             path=checkpoint.path,
@@ -174,7 +186,18 @@ class RunState:
         self.broadcaster.finish()  # the transfer in flight carries weights the restore discards
         self.restore(open_checkpoint(older[-1][1]))
         self.resume()
+        self._audit("checkpoint.rolled_back", older[-1][1], step=older[-1][0], non_finite_from=before_step)
         return older[-1][0]
+
+    def _audit(self, event: str, folder: Path, **fields) -> None:
+        """One ``checkpoint.*`` event about ``folder`` (rank 0), with its files, bytes and manifest sha256."""
+        if self.audit is None or dist.rank() != 0:
+            return
+        try:
+            fields |= manifest_digest(folder)
+        except (OSError, ValueError, KeyError) as exc:  # recorded without the digest rather than not at all
+            fields["digest_error"] = str(exc)
+        self.audit.record(event, path=str(folder), **fields)
 
     def set_lr_factor(self, factor: float) -> None:
         scheduler = self.update.engine.engine.lr_scheduler

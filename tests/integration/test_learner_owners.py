@@ -4,6 +4,7 @@ the tiny model: BatchSource, the broadcaster's overlap, PolicyUpdate and RunStat
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import threading
 from pathlib import Path
 
@@ -12,6 +13,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from common.audit import Audit, entry_line
+from common.audit import flush as flush_audit
 from common.config import RunConfig
 from common.control import ControlPlane
 from common.replay import ReplayWriter
@@ -157,7 +160,8 @@ def test_update_trains_and_run_state_saves_restores_and_rolls_back(
     broadcaster = Broadcaster(config, plane)
     source = BatchSource(config, plane, tokenizer, newest_version=0)
     metrics = config.run_dir / "metrics.jsonl"
-    state = RunState(config, 0, update, source, broadcaster, metrics, tokenizer)
+    audit = Audit(redis_client, "owners", "learner", "learner")
+    state = RunState(config, 0, update, source, broadcaster, metrics, tokenizer, audit=audit)
     source.dispatcher.release(0)
     groups = [answer(plane.prompts.load_group(g)) for g in sorted(plane.prompts.ledger())]
     try:
@@ -180,5 +184,12 @@ def test_update_trains_and_run_state_saves_restores_and_rolls_back(
         assert state.version == 1 and state.resumed
         state.set_lr_factor(0.5)
         assert update.engine.engine.optimizer.param_groups[0]["lr"] == pytest.approx(0.5e-3)
+        assert flush_audit(30)  # the audit trail: each checkpoint written, both restores, the rollback
+        lines = [entry_line(i.decode(), f) for i, f in redis_client.xrange(plane.keys.audit)]
+        events = [f"{line['event'].split('.')[1]} {line['step']}" for line in lines if "checkpoint." in line["event"]]
+        saved, restored = ["written 1", "written 2", "written 3"], ["verified 2", "restored 2"]
+        assert events == [*saved, *restored, "verified 1", "restored 1", "rolled_back 1"]  # the last three: rollback
+        manifest = (config.run_dir / "checkpoints" / "step-1" / "manifest.json").read_bytes()
+        assert lines[0]["manifest_sha256"] == hashlib.sha256(manifest).hexdigest() and lines[0]["files"] >= 2
     finally:
         broadcaster.close()
