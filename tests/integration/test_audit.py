@@ -1,0 +1,287 @@
+"""The audit trail (``common/audit.py``) against a real Redis: what an entry holds, that no secret gets in, that a
+Redis that is down stops nothing, that the mirror copies each entry exactly once across a restart, that refusal
+floods stay small, and that real processes (a reward worker, the registry) record what they should."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from common import audit as audit_module
+from common.audit import AUDIT_MAXLEN, MAX_REASONS, REDACTED, Audit, AuditMirror, scrub
+from common.channel import ChannelBlocked, CurveClient, PushChannel, create_keypair, create_run_keys
+from common.control import ControlPlane
+from common.keys import RunKeys, connect, dead_letter
+from common.metrics import AUDIT_FAILURES
+from common.wire import Heartbeat
+from tests.helpers.rollouts import issue, make_group
+from tests.integration.test_reward_worker import heartbeat, publish, start, stop, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def entries(client, run: str) -> list[dict]:
+    """The run's audit stream as audit.jsonl lines (once this process's writer has written what it recorded)."""
+    assert audit_module.flush(30)
+    return [audit_module.entry_line(i.decode(), f) for i, f in client.xrange(RunKeys(run).audit)]
+
+
+def jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_an_entry_says_what_happened_when_and_who_recorded_it(redis_client) -> None:
+    before = time.time()
+    Audit(redis_client, "fields", "actor-3", "actor").record("weights.loaded", version=7, digest="ab" * 32)
+    assert audit_module.flush(30)
+    [(entry_id, raw)] = redis_client.xrange(RunKeys("fields").audit)
+    fields = {k.decode(): v.decode() for k, v in raw.items()}
+    assert fields["event"] == "weights.loaded"
+    assert (fields["process"], fields["kind"]) == ("actor-3", "actor")
+    assert (fields["host"], fields["pid"]) == (socket.gethostname(), str(os.getpid()))
+    assert before - 1 <= float(fields["unix"]) <= time.time() + 1
+    assert fields["time"].endswith("Z") and fields["time"][:4].isdigit()  # ISO 8601, UTC
+    assert json.loads(fields["data"]) == {"version": 7, "digest": "ab" * 32}
+    line = audit_module.entry_line(entry_id.decode(), raw)
+    assert line["who"] == {"process": "actor-3", "kind": "actor", "host": socket.gethostname(), "pid": os.getpid()}
+    assert (line["id"], line["event"], line["version"]) == (entry_id.decode(), "weights.loaded", 7)
+
+
+def test_no_secret_reaches_the_stream(redis_server, redis_client) -> None:
+    password = redis_server.password
+    Audit(redis_client, "secrets", "learner", "learner").record(
+        "run.started",
+        url=redis_server.url,  # redis://:<password>@127.0.0.1:port
+        other="see https://alice:hunter2-long@example.org/x?token=abc123&x=1",
+        secret="s3cr3t-value",
+        key_secret="Z85secretkey",
+        auth_token="tok-123456",
+        nested={"redis_password": "pw-654321", "note": f"the password is {password}"},
+        tokens=1234,  # a count, not a secret
+        event="not the event",  # a reserved name keeps its value under event_
+    )
+    assert audit_module.flush(30)
+    raw = json.dumps(
+        [
+            [i.decode(), {k.decode(): v.decode() for k, v in f.items()}]
+            for i, f in redis_client.xrange(RunKeys("secrets").audit)
+        ]
+    )
+    for secret in (password, "hunter2-long", "abc123", "s3cr3t-value", "Z85secretkey", "tok-123456", "pw-654321"):
+        assert secret not in raw
+    [line] = entries(redis_client, "secrets")
+    assert line["url"].startswith("redis://:***@127.0.0.1:")
+    assert line["other"] == "see https://alice:***@example.org/x?token=***&x=1"
+    assert line["secret"] == line["key_secret"] == line["auth_token"] == REDACTED
+    assert line["nested"] == {"redis_password": REDACTED, "note": "the password is ***"}
+    assert line["tokens"] == 1234 and line["event"] == "run.started" and line["event_"] == "not the event"
+
+
+def test_scrub_cuts_long_text_and_keeps_plain_values() -> None:
+    assert scrub({"n": 3, "x": 0.5, "ok": True, "none": None, "p": Path("/a")}) == {
+        "n": 3,
+        "x": 0.5,
+        "ok": True,
+        "none": None,
+        "p": "/a",
+    }
+    assert len(scrub("y" * 10_000)) == audit_module.MAX_TEXT + 1
+
+
+def test_a_redis_that_is_down_does_not_stop_the_recording_process(redis_server) -> None:
+    port = redis_server.port
+    down = connect(f"redis://:{redis_server.password}@127.0.0.1:{port}/0", outage_s=1.0)
+    redis_server.stop()
+    failed = AUDIT_FAILURES.labels("record")._value.get()
+    started = time.monotonic()
+    audit = Audit(down, "down", "actor-0", "actor")
+    audit.record("process.joined", version=0)  # returns at once, does not raise
+    assert audit.refused("message.refused", "replay", source="replay:1-0") is True
+    assert time.monotonic() - started < 0.5  # the writer thread waits for Redis, not the caller
+    assert audit_module.flush(30)  # given up on once the client's outage limit passed
+    assert AUDIT_FAILURES.labels("record")._value.get() == failed + 2
+
+
+def test_the_mirror_copies_each_entry_once_across_a_restart(redis_client, tmp_path: Path) -> None:
+    path, audit = tmp_path / "run" / "audit.jsonl", Audit(redis_client, "mirror", "learner", "learner")
+    for n in range(5):
+        audit.record("process.joined", n=n)
+    assert audit_module.flush(30)
+    first = AuditMirror(redis_client, "mirror", path)
+    assert first.pump() == 5 and first.pump() == 0
+    for n in range(5, 8):
+        audit.record("process.joined", n=n)  # recorded while no mirror runs (the learner was killed)
+    with path.open("a") as f:
+        f.write('{"id": "9999999999999-0", "ev')  # the killed learner's half-written line
+    second = AuditMirror(redis_client, "mirror", path, period_s=0.05).start()
+    audit.record("process.joined", n=8)
+    second.close()  # copies what remains
+    lines = jsonl(path)
+    assert [line["n"] for line in lines] == list(range(9))  # no duplicate, no gap, the partial line gone
+    assert [line["id"] for line in lines] == [i.decode() for i, _ in redis_client.xrange(RunKeys("mirror").audit)]
+    assert oct(path.stat().st_mode & 0o777) == oct(0o644 & ~_umask())
+    third = AuditMirror(redis_client, "mirror", path)
+    assert third.last_id == lines[-1]["id"] and third.pump() == 0
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_a_mirror_copies_big_batches_and_the_stream_is_trimmed(redis_client, tmp_path: Path) -> None:
+    audit = Audit(redis_client, "batches", "learner", "learner")
+    pipe_count = AuditMirror.BATCH * 2 + 7
+    for n in range(pipe_count):
+        audit.record("process.joined", n=n)
+    path = tmp_path / "audit.jsonl"
+    assert audit_module.flush(30)
+    assert AuditMirror(redis_client, "batches", path).pump() == pipe_count
+    assert [line["n"] for line in jsonl(path)] == list(range(pipe_count))
+    info = redis_client.xinfo_stream(RunKeys("batches").audit)
+    assert info["length"] <= AUDIT_MAXLEN
+
+
+def test_refusal_floods_add_a_handful_of_entries(redis_client) -> None:
+    audit = Audit(redis_client, "flood", "reward-0", "reward")
+    recorded = [audit.refused("key.refused", "KEY-A", client_key="KEY-A") for _ in range(1000)]
+    assert sum(recorded) == 4  # the 1st, 10th, 100th and 1000th
+    counts = [line["count"] for line in entries(redis_client, "flood")]
+    assert counts == [1, 10, 100, 1000]
+    for n in range(MAX_REASONS + 50):  # a fresh key per handshake: at most MAX_REASONS of them apart
+        audit.refused("key.refused", f"fresh-{n}")
+    reasons = [line["reason"] for line in entries(redis_client, "flood")[4:]]
+    assert len(reasons) == MAX_REASONS - 1 + 2  # one entry per fresh key, then (other) at its 1st and 10th
+    assert reasons[-2:] == ["(other)", "(other)"]
+
+
+def test_dead_letters_are_refusals_without_their_payload(redis_client) -> None:
+    keys = RunKeys("dead")
+    for n in range(250):
+        dead_letter(redis_client, keys, f"replay:{n}-0", f"bad field {n}", b"PAYLOAD-MARKER" * 10)
+    dead_letter(redis_client, keys, "reward:refused", "task 'os:system' is not this run's task", b"x")
+    lines = entries(redis_client, "dead")
+    assert [(line["reason"], line["count"]) for line in lines] == [
+        ("replay", 1),
+        ("replay", 10),
+        ("replay", 100),
+        ("reward:refused", 1),
+    ]
+    assert lines[1]["source"] == "replay:9-0" and lines[1]["detail"] == "bad field 9" and lines[1]["bytes"] == 140
+    assert all(line["event"] == "message.refused" for line in lines)
+    assert "PAYLOAD-MARKER" not in json.dumps(lines)
+    assert redis_client.xlen(keys.dead) == 251  # every message is still dead-lettered
+
+
+def test_the_registry_records_joining_leaving_and_rejoining(redis_client) -> None:
+    registry = ControlPlane(redis_client, "registry").registry
+    beat = Heartbeat(process_id="actor-1", kind="actor", state="ready", version=4, host="h", pid=1)
+    registry.beat(beat, ttl_s=0.3)
+    registry.beat(beat, ttl_s=0.3)  # a later beat is no event
+    time.sleep(0.5)  # the heartbeat expires (the process was frozen, or Redis unreachable)
+    registry.beat(beat, ttl_s=5)
+    registry.leave("actor-1")
+    lines = entries(redis_client, "registry")
+    assert [(line["event"], line.get("rejoined")) for line in lines] == [
+        ("process.joined", False),
+        ("process.joined", True),
+        ("process.left", None),
+    ]
+    assert all(line["who"]["process"] == "actor-1" and line["who"]["kind"] == "actor" for line in lines)
+    assert lines[0]["version"] == 4
+
+
+def test_a_reward_worker_records_its_life_and_what_it_refused(redis_server, redis_client, tmp_path: Path) -> None:
+    """A real worker with CURVE keys: it joins, refuses a stranger's key and a forged group, and leaves."""
+    run = "worker-audit"
+    settings = create_run_keys(tmp_path / "keys")
+    _, stranger_secret = create_keypair(tmp_path / "strangers", "stranger")
+    publish(redis_client, run, *(f"{name}={json.dumps(value)}" for name, value in settings.items()))
+    log = tmp_path / "worker.log"
+    proc = start(redis_server.url, run, "rw-1", log)
+    senders: list[PushChannel] = []
+    try:
+        beat = wait_for(lambda: heartbeat(redis_client, run, "rw-1", state="ready"), proc, log, "a ready heartbeat")
+        server_key = beat.curve_public_key.encode()
+        stranger = PushChannel("rollouts", send_timeout_s=1)
+        stranger.connect(beat.endpoint, CurveClient(stranger_secret, server_key))
+        senders.append(stranger)
+        with contextlib.suppress(ChannelBlocked):
+            stranger.send(make_group(["1"], group_id="never"))
+        friend = PushChannel("rollouts", send_timeout_s=10)
+        friend.connect(beat.endpoint, CurveClient(Path(settings["transport.curve_client_key"]), server_key))
+        senders.append(friend)
+        group = make_group(["19"], group_id=f"{run}-1")
+        issue(ControlPlane(redis_client, run), group)
+        friend.send(make_group(["19"], group_id=f"{run}-1", task="os:system"))  # forged: another task
+        wait_for(
+            lambda: {"key.refused", "message.refused"} <= {e["event"] for e in entries(redis_client, run)},
+            proc,
+            log,
+            "both refusals in the audit trail",
+        )
+        stop(proc, log)
+    finally:
+        for push in senders:
+            push.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    lines = entries(redis_client, run)
+    by_event = {line["event"]: line for line in lines}
+    assert by_event["process.joined"]["who"] == {
+        "process": "rw-1",
+        "kind": "reward",
+        "host": socket.gethostname(),
+        "pid": proc.pid,
+    }
+    refused_key = by_event["key.refused"]
+    public = (tmp_path / "strangers" / "stranger.key").read_text()
+    assert refused_key["client_key"] in public and refused_key["count"] == 1 and refused_key["channel"] == "rollouts"
+    refused = by_event["message.refused"]
+    assert refused["who"]["process"] == "rw-1" and refused["source"] == "reward:refused" and refused["bytes"] > 0
+    assert lines[-1]["event"] == "process.left"
+    assert redis_server.password not in json.dumps(lines)
+
+
+def test_the_learner_records_the_run_and_mirrors_the_trail_into_its_folder(redis_client, tmp_path: Path) -> None:
+    """The learner's recorder, without DeepSpeed: run.started with the config's hashes, a lost actor once, and at
+    the end run.finished and the learner's own leaving, all in runs/<name>/audit.jsonl."""
+    from common.config import RunConfig, write_resolved
+    from learner.checkpoint import config_hash
+    from learner.recorder import Recorder
+
+    config = RunConfig.model_validate({"run": {"name": "recorded", "root": str(tmp_path)}})
+    write_resolved(config)
+    plane = ControlPlane(redis_client, "recorded")
+    recorder = Recorder(config, plane)
+    try:
+        recorder.started()
+        plane.registry.beat(Heartbeat(process_id="actor-7", kind="actor", state="ready", host="h", pid=7), ttl_s=0.2)
+        time.sleep(0.4)  # killed: its heartbeat expires
+        for _ in range(2):  # found at two steps, recorded once
+            recorder._note_lost(plane.registry.processes()[1])
+    finally:
+        recorder.close(version=3, outcome="completed")
+    lines = jsonl(config.run_dir / "audit.jsonl")
+    assert [(line["event"], line["who"]["process"]) for line in lines] == [
+        ("process.joined", "learner"),
+        ("run.started", "learner"),
+        ("process.joined", "actor-7"),
+        ("process.lost", "learner"),
+        ("run.finished", "learner"),
+        ("process.left", "learner"),
+    ]
+    started = lines[1]
+    assert started["config_hash"] == config_hash(config)
+    assert started["config_json_sha256"] == hashlib.sha256((config.run_dir / "config.json").read_bytes()).hexdigest()
+    assert (lines[3]["process"], lines[3]["kind"]) == ("actor-7", "actor")
+    assert (lines[4]["outcome"], lines[4]["version"]) == ("completed", 3)
