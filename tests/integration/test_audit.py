@@ -13,12 +13,15 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
+from redis.backoff import ConstantBackoff
+from redis.retry import Retry
 
 from common import audit as audit_module
 from common.audit import AUDIT_MAXLEN, MAX_REASONS, REDACTED, Audit, AuditMirror, scrub
 from common.channel import ChannelBlocked, CurveClient, PushChannel, create_keypair, create_run_keys
 from common.control import ControlPlane
-from common.keys import RunKeys, connect, dead_letter
+from common.keys import RunKeys, dead_letter
 from common.metrics import AUDIT_FAILURES
 from common.wire import Heartbeat
 from tests.helpers.rollouts import issue, make_group
@@ -97,7 +100,10 @@ def test_scrub_cuts_long_text_and_keeps_plain_values() -> None:
 
 def test_a_redis_that_is_down_does_not_stop_the_recording_process(redis_server) -> None:
     port = redis_server.port
-    down = connect(f"redis://:{redis_server.password}@127.0.0.1:{port}/0", outage_s=1.0)
+    # a client that retries for about a second, as every process's client waits out an outage (for longer)
+    down = redis.Redis.from_url(
+        f"redis://:{redis_server.password}@127.0.0.1:{port}/0", retry=Retry(ConstantBackoff(0.2), 5)
+    )
     redis_server.stop()
     failed = AUDIT_FAILURES.labels("record")._value.get()
     started = time.monotonic()
