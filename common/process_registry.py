@@ -33,17 +33,25 @@ class ProcessRegistry:
         self._heartbeat_decoder = Decoder(Heartbeat, limits)
 
     def beat(self, heartbeat: Heartbeat, ttl_s: float) -> None:
-        """Store ``heartbeat`` for ``ttl_s``; the first beat of a process (or its first after its heartbeat expired)
-        is a ``process.joined`` in the audit trail."""
-        key = self.keys.heartbeat(heartbeat.process_id)
+        """Store ``heartbeat`` for ``ttl_s``. A process's first beat is a ``process.joined`` in the audit trail; so is
+        its first after its heartbeat expired (``rejoined``), and the first of another process under the same id
+        (a restart within the TTL: ``replaced_pid``)."""
         pipe = self.client.pipeline(transaction=False)
-        pipe.exists(key)
-        pipe.set(key, encode_blob(heartbeat), px=int(ttl_s * 1000))
+        pipe.set(self.keys.heartbeat(heartbeat.process_id), encode_blob(heartbeat), px=int(ttl_s * 1000), get=True)
         pipe.hset(self.keys.processes, heartbeat.process_id, heartbeat.kind)
-        existed, _, added = pipe.execute()
-        if not existed:
-            audit = Audit(self.client, self.keys.run, heartbeat.process_id, heartbeat.kind)
-            audit.record("process.joined", version=heartbeat.version, state=heartbeat.state, rejoined=not added)
+        previous, added = pipe.execute()
+        before = self._readable(previous)
+        if before is not None and (before.pid, before.host) == (heartbeat.pid, heartbeat.host):
+            return
+        replaced = {"replaced_pid": before.pid} if before is not None else {}
+        audit = Audit(self.client, self.keys.run, heartbeat.process_id, heartbeat.kind)
+        audit.record("process.joined", version=heartbeat.version, state=heartbeat.state, rejoined=not added, **replaced)
+
+    def _readable(self, blob: bytes | None) -> Heartbeat | None:
+        try:
+            return decode_blob(self._heartbeat_decoder, blob) if blob is not None else None
+        except WireError:
+            return None
 
     def leave(self, process_id: str) -> None:
         """A clean goodbye: the process is removed from the registry at once (``process.left`` in the audit trail)."""

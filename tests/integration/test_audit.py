@@ -5,6 +5,7 @@ floods stay small, and that real processes (a reward worker, the registry) recor
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -194,12 +195,14 @@ def test_the_registry_records_joining_leaving_and_rejoining(redis_client) -> Non
     registry.beat(beat, ttl_s=0.3)  # a later beat is no event
     time.sleep(0.5)  # the heartbeat expires (the process was frozen, or Redis unreachable)
     registry.beat(beat, ttl_s=5)
+    registry.beat(dataclasses.replace(beat, pid=2), ttl_s=5)  # restarted under its id before the heartbeat expired
     registry.leave("actor-1")
     lines = entries(redis_client, "registry")
-    assert [(line["event"], line.get("rejoined")) for line in lines] == [
-        ("process.joined", False),
-        ("process.joined", True),
-        ("process.left", None),
+    assert [(line["event"], line.get("rejoined"), line.get("replaced_pid")) for line in lines] == [
+        ("process.joined", False, None),
+        ("process.joined", True, None),
+        ("process.joined", True, 1),
+        ("process.left", None, None),
     ]
     assert all(line["who"]["process"] == "actor-1" and line["who"]["kind"] == "actor" for line in lines)
     assert lines[0]["version"] == 4
