@@ -162,6 +162,13 @@ class _Writer:
         self._queued = self._done = 0
         self._thread: threading.Thread | None = None
 
+    def after_fork(self) -> None:
+        """In a forked child: a fresh lock and queue (the parent's thread did not come along; its lock may be held)."""
+        self._cond = threading.Condition()
+        self._items.clear()
+        self._queued = self._done = 0
+        self._thread = None
+
     def put(self, client: redis.Redis, key: str, entry: dict[str, str]) -> bool:
         """Queue one entry; False when the queue is full (Redis has been away for long)."""
         with self._cond:
@@ -208,6 +215,7 @@ def flush(timeout_s: float = 5.0) -> bool:
 
 
 atexit.register(flush, EXIT_FLUSH_S)
+os.register_at_fork(after_in_child=_WRITER.after_fork)
 
 
 def _failed(stage: str, event: str, exc: BaseException | str) -> None:
@@ -262,7 +270,7 @@ class Audit:
         if len(data) > MAX_DATA:
             data = json.dumps({"oversize_fields": sorted(fields)[:50]})
         stamp = datetime.fromtimestamp(now, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-        who = {k: str(v) for k, v in scrub(self.who, self._secrets).items()}
+        who = {k: str(v) for k, v in scrub(self.who | {"pid": os.getpid()}, self._secrets).items()}  # after a fork too
         return {"event": event, "time": stamp, "unix": f"{now:.3f}", **who, "data": data}
 
 

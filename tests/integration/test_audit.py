@@ -294,3 +294,22 @@ def test_the_learner_records_the_run_and_mirrors_the_trail_into_its_folder(redis
     assert started["config_json_sha256"] == hashlib.sha256((config.run_dir / "config.json").read_bytes()).hexdigest()
     assert (lines[3]["process"], lines[3]["kind"]) == ("actor-7", "actor")
     assert (lines[4]["outcome"], lines[4]["version"]) == ("completed", 3)
+
+
+def test_a_forked_child_records_through_a_writer_of_its_own(redis_client) -> None:
+    audit = Audit(redis_client, "fork", "actor-0", "actor")
+    audit.record("process.joined")
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's writer thread did not come along
+        ok = False
+        try:
+            audit.record("process.left")
+            ok = audit_module.flush(10)
+        finally:
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert [(line["event"], line["who"]["pid"]) for line in entries(redis_client, "fork")] == [
+        ("process.joined", os.getpid()),
+        ("process.left", pid),
+    ]
