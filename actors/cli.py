@@ -6,13 +6,14 @@ from typing import Annotated
 
 import typer
 
+from common.cliutil import RedisFileOpt, RedisOpt
+
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     help="asyncrl actors. Without a command: one rollout actor (rl-actor --redis URL --run NAME).",
 )
 
-RedisOpt = Annotated[str | None, typer.Option(help="Redis URL of the run (default: the run's embedded Redis).")]
 RunOpt = Annotated[str, typer.Option(help="Run name.")]
 
 
@@ -20,7 +21,9 @@ IdOpt = Annotated[str | None, typer.Option("--id", help="Process id in the regis
 
 
 @app.callback(invoke_without_command=True)
-def rollout(ctx: typer.Context, redis: RedisOpt = None, run: RunOpt = "demo", id_: IdOpt = None) -> None:
+def rollout(
+    ctx: typer.Context, redis: RedisOpt = None, redis_file: RedisFileOpt = None, run: RunOpt = "demo", id_: IdOpt = None
+) -> None:
     """Without a command: run one rollout actor (vLLM) for the run until SIGTERM.
 
     It needs only the run's Redis and name: the config, the current weights and the prompt
@@ -31,21 +34,22 @@ def rollout(ctx: typer.Context, redis: RedisOpt = None, run: RunOpt = "demo", id
     from actors.rollout import run_actor
     from common.cliutil import redis_url
 
-    url = redis_url(redis, run)
+    url = redis_url(redis, run, url_file=redis_file)
     raise typer.Exit(run_actor(_read_run_config(url, run), url, id_))
 
 
 @app.command("show-config")
-def show_config(redis: RedisOpt = None, run: RunOpt = "demo") -> None:
+def show_config(redis: RedisOpt = None, redis_file: RedisFileOpt = None, run: RunOpt = "demo") -> None:
     """Print the run config this process would work from, read from the run's Redis."""
     from common.cliutil import redis_url
 
-    print(_read_run_config(redis_url(redis, run), run).to_json())
+    print(_read_run_config(redis_url(redis, run, url_file=redis_file), run).to_json())
 
 
 @app.command("reward")
 def reward(
     redis: RedisOpt = None,
+    redis_file: RedisFileOpt = None,
     run: RunOpt = "demo",
     id_: IdOpt = None,
 ) -> None:
@@ -59,7 +63,7 @@ def reward(
     from common.channel import InsecureBindError
     from common.cliutil import fail, redis_url
 
-    url = redis_url(redis, run)
+    url = redis_url(redis, run, url_file=redis_file)
     config = _read_run_config(url, run)
     worker_id = id_ or f"reward-{socket.gethostname()}-{os.getpid()}"
     try:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Annotated, Any, NoReturn
+
+import typer
 
 from common.logs import configure
 
@@ -37,11 +40,71 @@ def load(config_path: Path | None, overrides: list[str] | None, check: Callable[
     return config
 
 
-def redis_url(url: str | None, run: str, root: str = "runs") -> str:
-    """``url`` if given, else the URL the run's embedded Redis wrote to ``<root>/<run>/redis/url``."""
+REDIS_URL_ENV = "ASYNCRL_REDIS_URL"
+"""Environment variable with the run's Redis URL (password included): how a launcher or a pod hands it over."""
+REDIS_URL_FILE_ENV = "ASYNCRL_REDIS_URL_FILE"
+"""Environment variable naming a file that holds the URL (e.g. a mounted Kubernetes Secret)."""
+
+
+def given_redis_url(url: str | None, url_file: Path | None) -> str | None:
+    """The Redis URL a person or launcher gave, from the first of: ``--redis``, ``--redis-url-file``,
+    ``$ASYNCRL_REDIS_URL``, ``$ASYNCRL_REDIS_URL_FILE``; None when none is.
+
+    ``--redis`` with a password works but puts the password in the process's command line, which every local
+    user can read (``ps``); the launcher never does that, and a warning says what to use instead.
+    """
     if url:
+        if _has_password(url):
+            print(
+                "warning: --redis puts the Redis password in this process's command line (ps shows it); "
+                f"use --redis-url-file FILE (mode 0600) or ${REDIS_URL_ENV} instead",
+                file=sys.stderr,
+            )
         return url
-    url_file = Path(root) / run / "redis" / "url"
-    if url_file.is_file():
-        return url_file.read_text().strip()
-    fail(f"no --redis given and no embedded Redis for run {run!r} ({url_file} is missing)")
+    if url_file is not None:
+        return _read_url_file(url_file)
+    if os.environ.get(REDIS_URL_ENV):
+        return os.environ[REDIS_URL_ENV]
+    if os.environ.get(REDIS_URL_FILE_ENV):
+        return _read_url_file(Path(os.environ[REDIS_URL_FILE_ENV]))
+    return None
+
+
+def _read_url_file(path: Path) -> str:
+    try:
+        url = path.read_text().strip()
+    except OSError as exc:
+        fail(f"cannot read the Redis URL file {path}: {exc.strerror}")
+    if not url:
+        fail(f"the Redis URL file {path} is empty")
+    return url
+
+
+def redis_url(url: str | None, run: str, root: str = "runs", url_file: Path | None = None) -> str:
+    """The run's Redis URL (:func:`given_redis_url`), else the one its embedded Redis wrote to
+    ``<root>/<run>/redis/url``."""
+    if given := given_redis_url(url, url_file):
+        return given
+    embedded = Path(root) / run / "redis" / "url"
+    if embedded.is_file():
+        return embedded.read_text().strip()
+    fail(
+        f"no Redis URL for run {run!r}: give --redis-url-file FILE or ${REDIS_URL_ENV}, or start the run's "
+        f"embedded Redis ({embedded} is missing)"
+    )
+
+
+RedisOpt = Annotated[
+    str | None,
+    typer.Option(help="Redis URL of the run. ps shows it: with a password use --redis-url-file or ASYNCRL_REDIS_URL."),
+]
+RedisFileOpt = Annotated[
+    Path | None,
+    typer.Option("--redis-url-file", help="File holding the run's Redis URL (0600; e.g. a mounted Secret)."),
+]
+
+
+def _has_password(url: str) -> bool:
+    from urllib.parse import urlsplit
+
+    return bool(urlsplit(url).password)

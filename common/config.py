@@ -16,7 +16,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from common.redact import redact
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -199,7 +201,9 @@ class StalenessSection(Section):
 
 class TransportSection(Section):
     redis_url: str = ""
-    """Redis URL; empty = start an embedded redis-server in the run folder."""
+    """Redis URL without a password (the config is written to config.json and published to every process; give a
+    password through ``--redis-url-file`` or ``$ASYNCRL_REDIS_URL``); empty = an embedded redis-server in the run
+    folder."""
     zmq_endpoint: str = "tcp://127.0.0.1:0"
     """Where reward workers bind their PULL socket for rollouts (port 0 = pick a free one)."""
     zmq_hwm: int = Field(64, ge=1)
@@ -219,6 +223,18 @@ class TransportSection(Section):
     """Seconds between heartbeats."""
     heartbeat_ttl_s: float = Field(10.0, gt=0)
     """A process whose heartbeat is older than this is considered dead."""
+
+    @field_validator("redis_url")
+    @classmethod
+    def _no_password(cls, url: str) -> str:
+        from urllib.parse import urlsplit
+
+        if url and urlsplit(url).password:
+            raise ValueError(
+                "holds a password, and the config is written to config.json and published to every process: "
+                "give the URL through --redis-url-file FILE (mode 0600) or $ASYNCRL_REDIS_URL instead"
+            )
+        return url
 
     @model_validator(mode="after")
     def _ttl_exceeds_period(self) -> TransportSection:
@@ -442,7 +458,7 @@ def _explain(exc: ValidationError) -> str:
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
             msg = f"unknown field; allowed here: {', '.join(_allowed_fields(err['loc'][:-1]))}"
-        got = "" if err["type"] == "missing" else f" (got {err.get('input')!r})"
+        got = "" if err["type"] == "missing" else f" (got {redact(repr(err.get('input')))})"
         lines.append(f"  {where}: {msg}{got}")
     return "\n".join(lines)
 

@@ -17,6 +17,8 @@ from typing import Annotated, Any
 
 import typer
 
+from common.cliutil import RedisFileOpt, RedisOpt
+
 app = typer.Typer(add_completion=False, help="Live view of an asyncrl run.")
 
 _HOME, _CLEAR_LINE, _CLEAR_BELOW = "\x1b[H", "\x1b[K", "\x1b[J"
@@ -149,7 +151,8 @@ def frame_for_terminal(text: str) -> str:
 @app.command()
 def main_command(
     run: Annotated[str, typer.Option(help="Run name.")] = "demo",
-    redis: Annotated[str | None, typer.Option(help="Redis URL (default: the run's embedded Redis).")] = None,
+    redis: RedisOpt = None,
+    redis_file: RedisFileOpt = None,
     root: Annotated[str, typer.Option(help="Runs folder, to find an embedded Redis.")] = "runs",
     interval: Annotated[float, typer.Option(help="Seconds between refreshes.")] = 1.0,
     once: Annotated[bool, typer.Option("--once", help="Print one frame and exit.")] = False,
@@ -162,7 +165,7 @@ def main_command(
     from common.control import ControlPlane
     from common.keys import connect
 
-    plane = ControlPlane(connect(redis_url(redis, run, root)), run)
+    plane = ControlPlane(connect(redis_url(redis, run, root, url_file=redis_file)), run)
     if as_targets:
         print(json.dumps(targets(plane.registry.metrics_endpoints(), run), indent=2))
         return

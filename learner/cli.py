@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from common.cliutil import RedisFileOpt, RedisOpt
+
 if TYPE_CHECKING:
     from common.config import RunConfig
 
@@ -103,7 +105,8 @@ def init_model_command(
 def train(
     config: ConfigArg = None,
     set_: SetOpt = None,
-    redis: Annotated[str | None, typer.Option(help="Redis URL (default: transport.redis_url, else embedded).")] = None,
+    redis: RedisOpt = None,
+    redis_file: RedisFileOpt = None,
     resume: Annotated[
         str | None, typer.Option(help="Continue from a checkpoint: 'latest' or a checkpoint folder (step-<N>).")
     ] = None,
@@ -111,7 +114,7 @@ def train(
     """Run the learner: admit prompts, train on scored groups, broadcast weights, until step learner.steps.
     SIGTERM finishes the step, saves a checkpoint and exits 0.
     With data.source = "preferences": offline DPO on the file data.path (no Redis, no actors)."""
-    from common.cliutil import fail, load
+    from common.cliutil import fail, given_redis_url, load
     from common.redis_server import EmbeddedRedis
     from learner.update import check_config
 
@@ -122,7 +125,7 @@ def train(
         _train_offline(resolved)
         return
     checkpoint = _verified_checkpoint(resolved, resume) if resume else None
-    url = redis or resolved.transport.redis_url
+    url = given_redis_url(redis, redis_file) or resolved.transport.redis_url  # none: an embedded Redis
     server = None if url else EmbeddedRedis(resolved.run_dir / "redis").start()
     try:
         from common.tasks import TaskFileError

@@ -125,11 +125,11 @@ def run(
     from learner.children import Children
 
     code = 1
-    with _run_redis(config, set_, curve) as (resolved, url, overrides):
+    with _run_redis(config, set_, curve) as (resolved, _url, overrides):
         learner_args = ["--resume", str(_checkpoint_folder(resolved, resume))] if resume else []
         children = Children(resolved.run_dir / "logs")
         try:
-            code = _run_children(children, resolved, url, config, overrides, actors, rewards, learner_args)
+            code = _run_children(children, resolved, config, overrides, actors, rewards, learner_args)
         finally:
             children.stop_all()
     raise typer.Exit(code)
@@ -146,14 +146,15 @@ def _checkpoint_folder(resolved: RunConfig, spec: str) -> Path:
         fail(f"cannot resume: {exc}")
 
 
-def _run_children(children, resolved, url, config, overrides, actors, rewards, learner_args) -> int:
+def _run_children(children, resolved, config, overrides, actors, rewards, learner_args) -> int:
     import os
     import sys
 
     from learner.children import progress_line, tail_metrics
 
     bin_dir = Path(sys.executable).parent
-    run_args = ["--redis", url, "--run", resolved.run.name]
+    # The URL holds the Redis password: children read it from the server's 0600 file, never from argv (ps shows argv).
+    run_args = ["--redis-url-file", str(resolved.run_dir / "redis" / "url"), "--run", resolved.run.name]
     cores = sorted(os.sched_getaffinity(0))
     for i in range(rewards):
         children.start(f"reward-{i}", [str(bin_dir / "rl-actor"), "reward", *run_args, "--id", f"reward-{i}"])
@@ -161,7 +162,7 @@ def _run_children(children, resolved, url, config, overrides, actors, rewards, l
         env = {"VLLM_CPU_OMP_THREADS_BIND": str(cores[i % len(cores)])}
         children.start(f"actor-{i}", [str(bin_dir / "rl-actor"), *run_args, "--id", f"actor-{i}"], env)
     learner_cmd = [str(bin_dir / "rl-learner"), "train", *([str(config)] if config else [])]
-    learner_cmd += [a for o in overrides for a in ("--set", o)] + ["--redis", url, *learner_args]
+    learner_cmd += [a for o in overrides for a in ("--set", o)] + [*run_args[:2], *learner_args]
     learner = children.start("learner", learner_cmd)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

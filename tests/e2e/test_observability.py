@@ -1,6 +1,8 @@
 """Observability of a live run started as a user starts it (`rl-launch run`): every process's /metrics endpoint is
 found in Redis, scraped over HTTP and parsed as Prometheus text; `rl-top` runs in a real terminal (tmux) and its
-screen shows the processes, the learner's step and the queues.
+screen shows the processes, the learner's step and the queues. And the Redis password is nowhere it should not be:
+in no command line of the run's processes (vLLM's included), on no /metrics page, in no file of the run folder but
+the two that hold it (0600).
 
 Set ``RL_TOP_SCREEN_OUT=path`` to keep the captured rl-top screen (docs/rl-top.txt was made that way).
 """
@@ -16,6 +18,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -23,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from common.control import ControlPlane
 from common.keys import connect
 from tests.e2e.test_system import finish
+from tests.helpers.secrets import files_exposing, pages_showing, processes_showing
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,18 +120,23 @@ def test_every_process_serves_metrics_and_rl_top_shows_the_run(tmp_path: Path, m
         wait_for("step 3", lambda: steps_done(run_dir) >= 3, proc)
         url = (run_dir / "redis" / "url").read_text().strip()
         plane = ControlPlane(connect(url), RUN)
-        check_metrics_endpoints(plane, proc)
+        endpoints = check_metrics_endpoints(plane, proc)
+        password = urlsplit(url).password
+        assert not processes_showing(password, proc.pid), "the Redis password is in a command line of the run"
+        assert not pages_showing(password, endpoints)
         screen = rl_top_screen(url, proc)
         assert finish(proc, 900) == 0
     finally:
         finish(proc, 1)
+    assert not files_exposing(password, run_dir)
     (tmp_path / "rl-top.txt").write_text(screen)
     if out := os.environ.get("RL_TOP_SCREEN_OUT"):
         Path(out).write_text(screen)
 
 
-def check_metrics_endpoints(plane: ControlPlane, proc: subprocess.Popen) -> None:
-    """Every process, the learner included, heartbeats its /metrics URL; it answers with the series of its kind."""
+def check_metrics_endpoints(plane: ControlPlane, proc: subprocess.Popen) -> list[str]:
+    """Every process, the learner included, heartbeats its /metrics URL; it answers with the series of its kind.
+    Returns the URLs."""
     wanted = {"learner", "actor-0", "actor-1", "reward-0"}
 
     def endpoints() -> dict[str, dict] | None:
@@ -152,6 +161,7 @@ def check_metrics_endpoints(plane: ControlPlane, proc: subprocess.Popen) -> None
     assert totals["asyncrl_actor_generated_tokens_total"] > 0
     assert totals["asyncrl_reward_scored_groups_total"] > 0
     assert totals["asyncrl_learner_steps_total"] >= 3
+    return [found[p]["url"] for p in sorted(wanted)]
 
 
 def rl_top_screen(url: str, proc: subprocess.Popen) -> str:
