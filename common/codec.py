@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import struct
 import types
 import typing
@@ -43,13 +44,30 @@ _DTYPES: dict[str, np.dtype] = {
 _DTYPE_NAMES = {dt: name for name, dt in _DTYPES.items()}
 
 
+_INDEX = re.compile(r"\[\d+\]")
+_MAX_FIELD_CHARS, _MAX_REASON_CHARS = 200, 500
+
+
 class WireError(ValueError):
-    """A message that cannot be accepted; ``field`` is the dotted path of the first bad field."""
+    """A message that cannot be accepted.
+
+    ``field`` is the dotted path of the first bad field (``texts[3]``, ``timings.generate``); ``label`` is the same
+    path without list indices and map keys (``texts[]``, ``timings{}``), so it takes only as many values as the
+    schema has paths: it is what a metric label or a logged-once set may hold, while ``field`` holds whatever key
+    a peer sent. Both and ``reason`` are clipped, so a hostile key or tag cannot make a huge log line or
+    dead-letter reason.
+    """
 
     def __init__(self, field: str, reason: str) -> None:
+        field, reason = _clip(field, _MAX_FIELD_CHARS), _clip(reason, _MAX_REASON_CHARS)
         super().__init__(f"{field}: {reason}")
         self.field = field
         self.reason = reason
+        self.label = _INDEX.sub("[]", field) if "[" in field else field
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 @dataclass(frozen=True)
@@ -60,6 +78,8 @@ class Limits:
     """Largest message (all frames together) in bytes."""
     vocab_size: int | None = None
     """When known, every token id must lie in [0, vocab_size)."""
+    max_frames: int = 64
+    """Most frames (header and arrays) in one message; no message has more than a handful."""
 
 
 @dataclass(frozen=True)
@@ -177,6 +197,8 @@ class Decoder:
         """The message in ``frames``; raises :class:`WireError` for anything unacceptable."""
         if not frames:
             raise WireError("frames", "empty message")
+        if len(frames) > self.limits.max_frames:
+            raise WireError("frames", f"more than {self.limits.max_frames} frames")
         buffers = [_buffer(f) for f in frames]
         size = sum(b.nbytes for b in buffers)
         if size > self.limits.max_bytes:
@@ -290,7 +312,11 @@ def _dict_checker(item: _Check) -> _Check:
     def check(v: Any, path: str, ctx: _Ctx) -> dict:
         if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
             raise WireError(path, "expected a map with string keys")
-        return {k: item(x, f"{path}.{k}", ctx) for k, x in v.items()}
+        try:
+            return {k: item(x, f"{path}.{k}", ctx) for k, x in v.items()}
+        except WireError as exc:  # the key came from the peer: keep it out of the label (maps hold scalars)
+            exc.label = f"{_INDEX.sub('[]', path)}{{}}"
+            raise
 
     return check
 

@@ -56,9 +56,7 @@ def roundtrip(msg, limits: Limits | None = None):
 
 def manifest() -> WeightManifest:
     bucket = WeightBucket(dtype="float32", numel=10, names=["a", "b"], shapes=[[2, 3], [4]], offsets=[0, 6])
-    return WeightManifest(
-        version=3, world_size=3, members=["x", "y"], buckets=[bucket]
-    )
+    return WeightManifest(version=3, world_size=3, members=["x", "y"], buckets=[bucket])
 
 
 @pytest.mark.parametrize(
@@ -169,6 +167,38 @@ def test_nested_fields_are_named_with_their_path() -> None:
     with pytest.raises(WireError) as err:
         Decoder(ScoredGroup).decode(encode(bad))
     assert err.value.field == "rollout.finish_reasons[0]"
+
+
+def test_labels_leave_out_what_the_peer_chose_and_reasons_are_clipped() -> None:
+    """Issue 12: ``label`` (a metric label, a logged-once key) has one value per schema path, however many map keys
+    and list positions a flood chooses; ``field`` keeps them for the message, clipped like the reason."""
+    group = synthetic.rollout_group(2, 4)
+    cases = [
+        ({"timings": {"k" * 5000: float("nan")}}, "timings{}", "timings." + "k" * 100),
+        ({"texts": ["a", 7]}, "texts[]", "texts[1]"),
+        ({"timings": {"generate": "slow"}}, "timings{}", "timings.generate"),
+    ]
+    for changes, label, field in cases:
+        with pytest.raises(WireError) as err:
+            Decoder(RolloutGroup).decode(_tamper(group, **changes))
+        assert err.value.label == label and err.value.field.startswith(field)
+        assert len(str(err.value)) < 1000
+    scored = synthetic.scored_group(2, 4)
+    bad = dataclasses.replace(scored, details=[{"task": 1.0}, {"x" * 99: "no"}])
+    with pytest.raises(WireError) as err:
+        Decoder(ScoredGroup).decode(encode(bad))
+    assert err.value.label == "details[]{}" and err.value.field == "details[1]." + "x" * 99
+    header = msgpack.packb([SCHEMA_VERSION, "t" * 10**6, []])
+    with pytest.raises(WireError, match=r"\.\.\. \(1000023 characters\)$") as err:
+        Decoder().decode([header])
+    assert err.value.label == "tag"
+
+
+def test_more_frames_than_any_message_has_are_refused_first() -> None:
+    frames = encode(synthetic.rollout_group(2, 4))
+    with pytest.raises(WireError, match="more than 64 frames") as err:
+        Decoder(RolloutGroup).decode([*frames, *([b""] * 64)])
+    assert err.value.field == "frames"
 
 
 def test_wrong_type_schema_and_frame_count_are_refused() -> None:
