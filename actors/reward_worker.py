@@ -7,7 +7,8 @@ One worker, one loop (:meth:`RewardWorker.run`)::
                          └─ still failing ──► dead-letter stream (source "reward", the reason, the group)
 
 Nothing is dropped silently: a group taken off the socket ends in the replay stream or in the
-dead-letter stream; a message that does not decode is counted, logged and skipped (``common/channel.py``).
+dead-letter stream; a message that does not decode is counted, logged (rate-limited), dead-lettered (source
+``reward:malformed``, :class:`MalformedLetters`) and skipped (``common/channel.py``).
 Groups are scored one at a time; run more workers to score more (actors' PUSH sockets deal groups
 round-robin among every live worker's PULL socket).
 
@@ -47,7 +48,7 @@ from common.channel import CurveServer, PullChannel
 from common.config import RewardFunction, RunConfig
 from common.control import ControlPlane
 from common.heartbeat import HeartbeatThread
-from common.keys import connect, dead_letter
+from common.keys import RunKeys, connect, dead_letter, dead_letters
 from common.logs import get_logger, worth_logging
 from common.metrics import (
     REWARD_DEAD_LETTERED_GROUPS,
@@ -62,7 +63,7 @@ from common.metrics import (
 from common.provenance import issue_mismatch
 from common.replay import ReplayWriter
 from common.tasks import task_label
-from common.wire import Heartbeat, Limits, RolloutGroup, ScoredGroup, encode_blob
+from common.wire import Heartbeat, Limits, RolloutGroup, ScoredGroup, WireError, encode_blob, pack_frames
 
 log = get_logger("reward")
 
@@ -70,6 +71,9 @@ WRITE_BATCH = 8
 """Most scored groups written in one Redis round trip (fewer when no more groups are waiting)."""
 POLL_S = 0.2
 """How long the loop waits for a group before checking for a stop request."""
+DEAD_PAYLOAD_BYTES = 1024
+"""Most bytes of an undecodable message kept in its dead letter: its header's start shows what was sent (the reason
+says what is wrong), and a flood stays cheap for Redis (a 16 KiB dead letter costs it ten times a 1 KiB one here)."""
 MAX_ABANDONED_CALLS = 8
 """Abandoned (timed-out, still running) reward calls a worker tolerates before it stalls."""
 _WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]")
@@ -132,6 +136,37 @@ def _fill(future: Future[Any], fn: Callable[..., Any], args: tuple[Any, ...]) ->
         future.set_result(result)
 
 
+class MalformedLetters:
+    """Dead-letters the rollout messages that did not decode (source ``reward:malformed``), ``batch`` per round trip.
+
+    Each keeps its frames as one blob (``pack_frames``), every frame cut so that at most :data:`DEAD_PAYLOAD_BYTES`
+    are kept in all: enough to see what was sent, while a flood of large garbage stays small in the dead-letter
+    stream (``MAXLEN ~`` bounds its entries). The worker flushes whenever it writes scored groups or goes idle.
+    """
+
+    def __init__(self, client: Any, keys: RunKeys, batch: int = 64) -> None:
+        self.client = client
+        self.keys = keys
+        self.batch = batch
+        self._pending: list[tuple[str, str, bytes]] = []  # (source, reason, payload)
+
+    def add(self, frames: list[Any], exc: WireError) -> None:
+        budget, kept, size = DEAD_PAYLOAD_BYTES, [], 0
+        for frame in frames:
+            view = memoryview(getattr(frame, "buffer", frame)).cast("B")
+            size += view.nbytes
+            kept.append(bytes(view[: max(budget, 0)]))
+            budget -= view.nbytes
+        reason = str(exc) if budget >= 0 else f"{exc} (payload cut to {DEAD_PAYLOAD_BYTES} of {size} bytes)"
+        self._pending.append(("reward:malformed", reason, pack_frames(kept)))
+        if len(self._pending) >= self.batch:
+            self.flush()
+
+    def flush(self) -> None:
+        dead_letters(self.client, self.keys, self._pending)
+        self._pending.clear()
+
+
 class RewardWorker:
     """Scores rollout groups for one run; see the module docstring for the loop and its states.
 
@@ -150,7 +185,10 @@ class RewardWorker:
         self.audit = Audit(self.client, config.run.name, worker_id, "reward")
         self.replay = ReplayWriter(self.client, self.plane.keys, maxlen=config.transport.replay_maxlen)
         limits = Limits(max_bytes=int(config.transport.max_message_mb * 2**20))
-        self.channel = PullChannel("rollouts", RolloutGroup, hwm=config.transport.zmq_hwm, limits=limits)
+        self.malformed = MalformedLetters(self.client, self.plane.keys)
+        self.channel = PullChannel(
+            "rollouts", RolloutGroup, hwm=config.transport.zmq_hwm, limits=limits, on_malformed=self.malformed.add
+        )
         self.calls = TimedCalls()
         self.endpoint = ""
         self.metrics: MetricsServer | None = None
@@ -226,6 +264,7 @@ class RewardWorker:
             self._flush(pending)
 
     def _flush(self, pending: list[ScoredGroup]) -> None:
+        self.malformed.flush()
         if pending:
             self.replay.add(pending)
             REWARD_SCORED_GROUPS.inc(len(pending))

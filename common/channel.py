@@ -11,8 +11,13 @@ Delivery semantics (ZeroMQ PUSH/PULL, https://zguide.zeromq.org/docs/chapter2/):
   still queued (linger 0, so a dead peer can never hang a shutdown). At-least-once delivery of
   prompt groups is the in-flight ledger's job (a lost group is re-issued), not the channel's.
 - **Bad input**: a message that does not decode is counted
-  (``asyncrl_wire_malformed_messages_total``), logged once per offending field, and skipped;
-  the receiver keeps running.
+  (``asyncrl_wire_malformed_messages_total``, by channel and the field's schema path), handed to
+  ``on_malformed`` (the reward worker dead-letters it), logged at the 1st, 10th, 100th, … of each
+  field, and skipped; the receiver keeps running. A frame above ``max_bytes`` is refused inside
+  libzmq, which drops the connection (the sender reconnects): that message never reaches the
+  process, so it is not counted. libzmq queues a whole multi-frame message before the process
+  sees its first frame and bounds only each frame, so a peer that may connect can still make one
+  message large: beyond loopback only CURVE-authorised peers may.
 - **Security**: CURVE encryption and authentication; required whenever a socket binds beyond
   loopback, optional on loopback. The binding side holds the server secret key and accepts only
   the client public keys found in its authorised-keys folder (re-read when an unknown key knocks, so
@@ -25,6 +30,7 @@ Delivery semantics (ZeroMQ PUSH/PULL, https://zguide.zeromq.org/docs/chapter2/):
 from __future__ import annotations
 
 import ipaddress
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +39,7 @@ from urllib.parse import urlsplit
 
 import zmq
 
-from common.logs import get_logger
+from common.logs import get_logger, worth_logging
 from common.metrics import (
     CHANNEL_RECEIVED,
     CHANNEL_REFUSED_CLIENTS,
@@ -48,6 +54,10 @@ log = get_logger("channel")
 
 class ChannelBlocked(TimeoutError):
     """The peer's queue stayed full (high-water mark) for longer than the send timeout."""
+
+
+MAX_LOGGED_KEYS = 1000
+"""Refused CURVE client keys remembered (and each logged once); beyond them a refusal is logged at the 1st, 10th, …"""
 
 
 class InsecureBindError(PermissionError):
@@ -89,7 +99,8 @@ class _AuthorizedKeys:
         self.folder = folder
         self.on_refused = on_refused
         self.keys = self._load()
-        self.refused: set[bytes] = set()
+        self.refused: set[bytes] = set()  # keys logged so far (at most MAX_LOGGED_KEYS)
+        self.refusals = 0
 
     def _load(self) -> set[bytes]:
         import zmq.auth
@@ -107,14 +118,19 @@ class _AuthorizedKeys:
         CHANNEL_REFUSED_CLIENTS.labels(self.channel).inc()
         if self.on_refused is not None:
             self.on_refused(client_key.decode())
-        if client_key not in self.refused:
+        self.refusals += 1
+        # Each key once, up to MAX_LOGGED_KEYS of them; past that (a fresh key per handshake) the 1st, 10th, 100th, …
+        if len(self.refused) < MAX_LOGGED_KEYS and client_key not in self.refused:
             self.refused.add(client_key)
-            log.warning(
-                "refused a CURVE client whose public key is not authorised",
-                channel=self.channel,
-                client_key=client_key.decode(),
-                action=f"if it is one of the run's processes, put its public key file into {self.folder}",
-            )
+        elif client_key in self.refused or not worth_logging(self.refusals):
+            return False
+        log.warning(
+            "refused a CURVE client whose public key is not authorised",
+            channel=self.channel,
+            client_key=client_key.decode(),
+            refused=self.refusals,
+            action=f"if it is one of the run's processes, put its public key file into {self.folder}",
+        )
         return False
 
 
@@ -275,41 +291,78 @@ class PushChannel(_Channel):
 
 
 class PullChannel(_Channel):
-    """The receiving end: decodes into ``expected`` and skips (and counts) anything malformed."""
+    """The receiving end: decodes into ``expected`` and skips (and counts) anything malformed.
 
-    def __init__(self, name: str, expected: type, hwm: int = 64, limits: Limits | None = None) -> None:
+    ``on_malformed(frames, error)`` is called with every message that does not decode (the frames kept of it: at
+    most ``limits.max_frames + 1`` of them, about ``limits.max_bytes`` in all), e.g. to dead-letter it.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        expected: type,
+        hwm: int = 64,
+        limits: Limits | None = None,
+        on_malformed: Callable[[list[Any], WireError], None] | None = None,
+    ) -> None:
         super().__init__(zmq.PULL, name, hwm)
-        limits = limits or Limits()
-        self.decoder = Decoder(expected, limits)
-        # Refuse oversized messages inside libzmq, before they are even buffered.
-        self.socket.setsockopt(zmq.MAXMSGSIZE, limits.max_bytes)
+        self.limits = limits or Limits()
+        self.decoder = Decoder(expected, self.limits)
+        # Refuse oversized frames inside libzmq, before they are even buffered (the limit is per frame there).
+        self.socket.setsockopt(zmq.MAXMSGSIZE, self.limits.max_bytes)
+        self.on_malformed = on_malformed
         self.malformed = 0
-        self._logged_fields: set[str] = set()
+        self._malformed_by_label: dict[str, int] = {}  # keys: WireError.label, bounded by the schema
 
     def recv(self, timeout_s: float | None = None) -> Any | None:
-        """The next well-formed message, or None when none arrived within ``timeout_s``."""
-        deadline_ms = None if timeout_s is None else int(timeout_s * 1000)
+        """The next well-formed message, or None when none arrived within ``timeout_s`` (malformed ones are counted
+        and skipped meanwhile: a flood of them cannot keep the caller from checking for a stop past its timeout)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            if not self.socket.poll(deadline_ms, zmq.POLLIN):
-                return None
-            frames = self.socket.recv_multipart(copy=False)
+            # A message already queued is read without a poll: pyzmq's poll costs tens of microseconds per call.
+            if not self.socket.get(zmq.EVENTS) & zmq.POLLIN:
+                wait_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+                if not self.socket.poll(wait_ms, zmq.POLLIN):
+                    return None
+            frames = self._recv_frames()
             try:
                 message = self.decoder.decode(frames)
             except WireError as exc:
-                self._count_malformed(exc)
+                self._count_malformed(frames, exc)
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
                 continue  # skip it and keep waiting for a good one
             CHANNEL_RECEIVED.labels(self.name).inc()
             return message
 
-    def _count_malformed(self, exc: WireError) -> None:
+    def _recv_frames(self) -> list[Any]:
+        """The frames of the next message. Past ``max_frames`` frames or ``max_bytes`` in all, the rest are read and
+        dropped: the decoder refuses what was kept (too many frames, too large) without this process holding more.
+        (libzmq itself queues a whole message before its first frame can be read, and bounds only each frame.)"""
+        frame = self.socket.recv(copy=False)
+        frames, size, more = [frame], len(frame), frame.more
+        while more:
+            frame = self.socket.recv(copy=False)
+            more = frame.more
+            if len(frames) <= self.limits.max_frames and size <= self.limits.max_bytes:
+                frames.append(frame)
+                size += len(frame)
+        return frames
+
+    def _count_malformed(self, frames: list[Any], exc: WireError) -> None:
+        """Count (by field label), hand to ``on_malformed``, and log the 1st, 10th, 100th, … of each field."""
         self.malformed += 1
-        WIRE_MALFORMED.labels(self.name, exc.field).inc()
-        if exc.field not in self._logged_fields:
-            self._logged_fields.add(exc.field)
+        WIRE_MALFORMED.labels(self.name, exc.label).inc()
+        if self.on_malformed is not None:
+            self.on_malformed(frames, exc)
+        count = self._malformed_by_label[exc.label] = self._malformed_by_label.get(exc.label, 0) + 1
+        if worth_logging(count):
             log.warning(
-                "dropped a malformed message (logged once per field)",
+                "dropped a malformed message",
                 channel=self.name,
                 field=exc.field,
                 reason=exc.reason,
-                action="check that every process runs the same asyncrl version",
+                count=count,
+                action="check that every process runs the same asyncrl version; a flood of these is a peer that is "
+                "not one of the run's processes (bind beyond loopback only with CURVE keys)",
             )

@@ -8,6 +8,7 @@ the ``dead`` stream with its source and the reason (:func:`dead_letter`), never 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -124,3 +125,19 @@ def dead_letter(client: redis.Redis, keys: RunKeys, source: str, reason: str, pa
     fields = {"source": source, "reason": reason, "payload": payload, "at": f"{time.time():.3f}"}
     client.xadd(keys.dead, fields, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
     dead_lettered(client, keys.run, source, reason, len(payload))
+
+
+def dead_letters(client: redis.Redis, keys: RunKeys, letters: Sequence[tuple[str, str, bytes]]) -> None:
+    """:func:`dead_letter` for each ``(source, reason, payload)`` in one round trip: a flood of bad input costs one
+    per batch, not one per message."""
+    from common.audit import dead_lettered
+
+    if not letters:
+        return
+    pipe, at = client.pipeline(transaction=False), f"{time.time():.3f}"
+    for source, reason, payload in letters:
+        fields = {"source": source, "reason": reason, "payload": payload, "at": at}
+        pipe.xadd(keys.dead, fields, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+    pipe.execute()
+    for source, reason, payload in letters:
+        dead_lettered(client, keys.run, source, reason, len(payload))

@@ -14,7 +14,8 @@ Delivery semantics (Redis streams, https://redis.io/docs/latest/develop/data-typ
   Trimming also removes entries that were read but not acknowledged — size ``n`` well above
   what the learner holds in flight.
 - **Bad entries**: an entry that does not decode is copied to the dead-letter stream with the
-  reason, acknowledged, and skipped; the reader keeps going.
+  reason, acknowledged, counted (``asyncrl_replay_dead_letters_total``, by field) and skipped
+  (logged at the 1st, 10th, 100th, … of each field); the reader keeps going.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from common.keys import RunKeys, dead_letter
-from common.logs import get_logger
+from common.keys import RunKeys, dead_letters
+from common.logs import get_logger, worth_logging
 from common.metrics import REPLAY_DEAD_LETTERS, REPLAY_ENTRIES_ADDED, REPLAY_ENTRIES_READ
 from common.wire import Decoder, Limits, ScoredGroup, WireError, decode_blob, encode_blob
 
@@ -77,6 +78,7 @@ class ReplayReader:
         self.group = group
         self.claim_idle_s = claim_idle_s
         self.decoder = Decoder(ScoredGroup, limits)
+        self._rejected: dict[str, int] = {}  # entries dead-lettered, by WireError.label (bounded by the schema)
         self._create_group()
 
     def _create_group(self) -> None:
@@ -120,30 +122,38 @@ class ReplayReader:
         return int(self.client.xack(self.keys.replay, self.group, *ids)) if ids else 0
 
     def _decode_all(self, raw: list[tuple[bytes, dict[bytes, bytes] | None]]) -> list[ReplayEntry]:
-        entries = []
+        entries, done, rejected = [], [], []
         for entry_id, fields in raw:
             eid = entry_id.decode()
             if fields is None:  # the entry was trimmed away while it was pending
-                self.ack([eid])
+                done.append(eid)
                 continue
             try:
                 entries.append(ReplayEntry(eid, decode_blob(self.decoder, fields.get(_BLOB_FIELD, b""))))
             except WireError as exc:
-                self._reject(eid, fields, exc)
+                done.append(eid)
+                rejected.append((eid, fields.get(_BLOB_FIELD, b""), exc))
+        # A flood of bad entries costs two round trips per read: the dead letters, then their acknowledgement.
+        dead_letters(self.client, self.keys, [(f"replay:{eid}", str(exc), payload) for eid, payload, exc in rejected])
+        self.ack(done)
+        for eid, _, exc in rejected:
+            self._count_rejected(eid, exc)
         REPLAY_ENTRIES_READ.inc(len(entries))
         return entries
 
-    def _reject(self, entry_id: str, fields: dict[bytes, bytes], exc: WireError) -> None:
-        log.warning(
-            "dead-lettered an undecodable replay entry",
-            entry=entry_id,
-            field=exc.field,
-            reason=exc.reason,
-            action=f"inspect with XRANGE {self.keys.dead} - +",
-        )
-        dead_letter(self.client, self.keys, f"replay:{entry_id}", str(exc), fields.get(_BLOB_FIELD, b""))
-        REPLAY_DEAD_LETTERS.labels(field=exc.field).inc()
-        self.ack([entry_id])
+    def _count_rejected(self, entry_id: str, exc: WireError) -> None:
+        """Count a dead-lettered entry (by field label); log the 1st, 10th, 100th, … of each field."""
+        REPLAY_DEAD_LETTERS.labels(field=exc.label).inc()
+        count = self._rejected[exc.label] = self._rejected.get(exc.label, 0) + 1
+        if worth_logging(count):
+            log.warning(
+                "dead-lettered an undecodable replay entry",
+                entry=entry_id,
+                field=exc.field,
+                reason=exc.reason,
+                count=count,
+                action=f"inspect with XRANGE {self.keys.dead} - +",
+            )
 
     def depth(self) -> dict[str, int]:
         """Stream length and entries pending (read, not yet acknowledged) in this consumer group."""

@@ -135,7 +135,8 @@ def test_scores_right_and_wrong_answers_and_survives_malformed_messages(redis_se
         # task [1, 0] + 0.5 * format [1, 0]
         assert second.rewards.tolist() == [1.5, 0.0]
         assert first.rollout.texts == right_and_wrong.texts
-        assert redis_client.xlen(RunKeys(run).dead) == 0
+        dead = redis_client.xrange(RunKeys(run).dead)  # the two malformed messages, written before the groups
+        assert [fields[b"source"] for _, fields in dead] == [b"reward:malformed"] * 2
         beat = heartbeat(redis_client, run, "rw-1")
         assert metric(beat, 'asyncrl_wire_malformed_messages_total{channel="rollouts"') == 2
         # Counted just after the write that the test saw: wait rather than race it.
