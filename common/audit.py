@@ -73,7 +73,8 @@ EVENTS = {
     "run.started": "the learner started the run from model.path: config hash, config.json's sha256, user",
     "run.resumed": "the learner resumed the run from a checkpoint: config hash, the checkpoint and its step",
     "run.finished": "the learner stopped: completed, stopped (SIGTERM) or failed, at which version",
-    "process.joined": "a process's first heartbeat (or its first after it expired: rejoined): version",
+    "process.joined": "a process's first heartbeat, its first after it expired (rejoined) or after a restart under "
+    "its id (replaced_pid): its version",
     "process.left": "a process said goodbye (removed its heartbeat)",
     "process.lost": "the learner found a process's heartbeat expired (it died without leaving)",
     "weights.published": "the learner sent a policy version: its digest and the members of the weight group",
