@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from actors.verifiers import first_line, get_verifier, verify_code_tests
+from actors.verifiers import Verifier, bind_verifier, first_line, verify_code_tests
 from common.config import RewardFunction
 from common.registry import Registry
 from common.wire import RolloutGroup
@@ -135,7 +135,7 @@ def check_functions(functions: Sequence[RewardFunction]) -> None:
     for function in functions:
         get_reward(function.name)
         if function.name == "task" and "verifier" in function.options:
-            get_verifier(str(function.options["verifier"]))
+            task_verifier(function.options)
 
 
 def bind_functions(functions: Sequence[RewardFunction], task: str) -> list[RewardFunction]:
@@ -145,12 +145,30 @@ def bind_functions(functions: Sequence[RewardFunction], task: str) -> list[Rewar
     option gets ``task`` as its verifier, so the verifier is chosen by the config once, at start — never by the
     ``task`` field of a group that arrived on a socket (a hostile peer would name an import path there).
     """
-    bound = [
-        f.model_copy(update={"options": {"verifier": task, **f.options}}) if f.name == "task" else f
-        for f in functions
-    ]
+    bound = _with_verifiers(functions, task)
     check_functions(bound)
     return bound
+
+
+def check_verifiers(functions: Sequence[RewardFunction], task: str) -> None:
+    """The ``task`` functions' verifiers and their options as :func:`bind_functions` binds them, checked without
+    resolving any other function (what the learner checks in a config: a typo'd verifier option raises ``ValueError``
+    before anything starts)."""
+    for function in _with_verifiers(functions, task):
+        if function.name == "task":
+            task_verifier(function.options)
+
+
+def _with_verifiers(functions: Sequence[RewardFunction], task: str) -> list[RewardFunction]:
+    return [
+        f.model_copy(update={"options": {"verifier": task, **f.options}}) if f.name == "task" else f for f in functions
+    ]
+
+
+def task_verifier(options: dict[str, Any]) -> Verifier:
+    """The verifier a ``task`` function's options name, with the rest of its options (``pattern`` for ``regex``, …)
+    bound (:func:`actors.verifiers.bind_verifier`: an option it does not declare raises ``ValueError``)."""
+    return bind_verifier(str(options["verifier"]), {k: v for k, v in options.items() if k != "verifier"})
 
 
 # --------------------------------------------------------------------------- built-in rule rewards
@@ -161,12 +179,13 @@ def task_reward(group: RolloutGroup, options: dict[str, Any]) -> list[float]:
     """The rule verifier named by ``options["verifier"]`` on each response.
 
     The verifier comes from the config (:func:`bind_functions` sets it to the run's task label unless the config
-    names one, e.g. ``"math"`` for a ``file`` task), never from ``group.task``. A malformed ``group.answer`` raises
-    (a data bug).
+    names one, e.g. ``"math"`` for a ``file`` task), never from ``group.task``. The other options are the verifier's
+    (``reward.functions = [{name = "task", options = {verifier = "regex", pattern = 'Answer: (\\w+)'}}]``). A
+    malformed ``group.answer`` raises (a data bug).
     """
     if not options.get("verifier"):
         raise ValueError("task needs options.verifier (bind_functions sets it from the run's task)")
-    verify = get_verifier(str(options["verifier"]))
+    verify = task_verifier(options)
     return [verify(text, group.answer) for text in group.texts]
 
 

@@ -79,11 +79,15 @@ def assemble(config: RunConfig) -> Algorithm:
 
 def check_config(config: RunConfig) -> None:
     """What every ``rl-learner`` command checks before it starts anything: the algorithm's names and options
-    (:func:`assemble`) and the task's (:func:`learner.dispatcher.check_task`). Raises ``ValueError``."""
+    (:func:`assemble`), the task's (:func:`learner.dispatcher.check_task`) and the verifier of each ``task`` reward
+    function with its options (:func:`actors.rewards.check_verifiers`). Raises ``ValueError``."""
+    from actors.rewards import check_verifiers
+    from common.tasks import task_label
     from learner.dispatcher import check_task
 
     assemble(config)
     check_task(config.task)
+    check_verifiers(config.reward.functions, task_label(config.task))
 
 
 def _loss_options(config: RunConfig) -> dict[str, Any]:
