@@ -277,7 +277,11 @@ class Audit:
 
 def voice(client: redis.Redis, run: str) -> Audit:
     """The process's :class:`Audit` for ``run`` (the last constructed), or an ``unknown`` one with this process's
-    host and pid."""
+    host and pid (on ``client``'s connections; a pipeline's commands run only at its ``execute``, so not on it)."""
+    import redis
+
+    if run not in _VOICES and isinstance(client, redis.client.Pipeline):
+        client = redis.Redis(connection_pool=client.connection_pool)
     return _VOICES.get(run) or Audit(client, run, "unknown", "unknown")
 
 

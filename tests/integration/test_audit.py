@@ -299,6 +299,7 @@ def test_the_learner_records_the_run_and_mirrors_the_trail_into_its_folder(redis
 def test_a_forked_child_records_through_a_writer_of_its_own(redis_client) -> None:
     audit = Audit(redis_client, "fork", "actor-0", "actor")
     audit.record("process.joined")
+    assert audit_module.flush(30)  # else the child, whose queue starts empty, may write first
     pid = os.fork()
     if pid == 0:  # the child: the parent's writer thread did not come along
         ok = False
@@ -313,3 +314,13 @@ def test_a_forked_child_records_through_a_writer_of_its_own(redis_client) -> Non
         ("process.joined", os.getpid()),
         ("process.left", pid),
     ]
+
+
+def test_a_dead_letter_sent_through_a_pipeline_is_recorded_on_a_connection_of_its_own(redis_client) -> None:
+    keys = RunKeys("piped")
+    pipe = redis_client.pipeline(transaction=False)
+    dead_letter(pipe, keys, "reward:malformed", "texts: not a list", b"\x00" * 8)
+    assert audit_module.flush(30) and redis_client.xlen(keys.dead) == 0  # the letter waits for execute()
+    pipe.execute()
+    [line] = entries(redis_client, "piped")
+    assert (line["event"], line["source"], line["bytes"]) == ("message.refused", "reward:malformed", 8)
