@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 from common.keys import RunKeys
 from common.logs import get_logger, worth_logging
 from common.metrics import AUDIT_FAILURES, AUDIT_MIRRORED, AUDIT_SUPPRESSED
+from common.redact import redact
 
 if TYPE_CHECKING:
     import redis
@@ -90,8 +91,6 @@ EVENTS = {
 """Every event name and what its entry says."""
 
 _SECRET_NAME = re.compile(r"passw(or)?d|secret|credential|(?<![a-z])token(?![a-z])|(?<![a-z])(api|private)_?key", re.I)
-_URL_PASSWORD = re.compile(r"(?P<head>\b[a-zA-Z][a-zA-Z0-9+.\-]*://[^\s:/@]*):(?P<password>[^\s@/]+)@")
-_QUERY_SECRET = re.compile(r"(?P<head>\b(?:password|passwd|secret|token)=)[^&\s]+", re.I)
 
 
 # --------------------------------------------------------------------------- scrubbing
@@ -101,8 +100,8 @@ def scrub(value: Any, secrets: tuple[str, ...] = (), name: str = "") -> Any:
     """``value`` (a JSON value: dicts and lists are walked) with every secret-looking part replaced.
 
     A value under a name that says it holds a secret (``password``, ``secret``, ``key_secret``, ``token``,
-    ``credential``, ``api_key``, ``private_key``) becomes :data:`REDACTED`; in strings, a URL's password and a
-    ``password=…`` query value become ``***``, and each of ``secrets`` (e.g. the Redis password) becomes ``***``.
+    ``credential``, ``api_key``, ``private_key``) becomes :data:`REDACTED`; in strings (:func:`common.redact.redact`)
+    a URL's password, a ``password=…`` query value and each of ``secrets`` (e.g. the Redis password) become ``***``.
     Strings are cut at :data:`MAX_TEXT` characters.
     """
     if value is None or isinstance(value, bool):
@@ -117,10 +116,7 @@ def scrub(value: Any, secrets: tuple[str, ...] = (), name: str = "") -> Any:
         return int(value)
     if isinstance(value, numbers.Real):
         return float(value)
-    text = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
-    text = _QUERY_SECRET.sub(r"\g<head>***", _URL_PASSWORD.sub(r"\g<head>:***@", text))
-    for secret in secrets:
-        text = text.replace(secret, "***")
+    text = redact(value.decode(errors="replace") if isinstance(value, bytes) else str(value), secrets)
     return text if len(text) <= MAX_TEXT else text[:MAX_TEXT] + "…"
 
 
