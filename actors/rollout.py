@@ -28,6 +28,7 @@ import uuid
 from pathlib import Path
 from typing import Literal
 
+from common.audit import Audit
 from common.channel import ChannelBlocked, CurveClient, PushChannel
 from common.config import RunConfig
 from common.control import ControlPlane
@@ -62,6 +63,7 @@ class RolloutActor:
         self.epoch: int | None = None
         self.restore = 0  # the learner's restore generation of the weights loaded (WeightManifest.restore)
         self.weights_digest = ""  # the version digest of the weights loaded ("" = the model folder's)
+        self.audit = Audit(self.plane.client, config.run.name, self.actor_id, "actor")
         self._refused: tuple[int, int, int] | None = None  # (epoch, restore, version) of weights refused on digest
         self.engine = None
         self.push = PushChannel("rollouts", hwm=config.transport.zmq_hwm, send_timeout_s=30)
@@ -259,6 +261,7 @@ class RolloutActor:
             return
         self.restore = manifest.restore
         self.weights_digest = manifest.digest
+        self.audit.record("weights.loaded", version=self.version, digest=self.weights_digest, epoch=self.epoch)
         log.info(
             "loaded new weights",
             version=self.version,
@@ -272,6 +275,7 @@ class RolloutActor:
         """Weights that arrived whole but not as the manifest describes them: the old ones go on serving."""
         self._refused = (manifest.group_epoch, manifest.restore, manifest.version)
         ACTOR_WEIGHT_DIGEST_MISMATCHES.inc()
+        self.audit.record("weights.refused", version=manifest.version, digest=manifest.digest, reason=reason)
         log.error(
             "refused new weights: they do not match the manifest's digests; the old weights go on serving",
             version=manifest.version,

@@ -31,6 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from common.audit import Audit
 from common.config import RunConfig
 from common.control import ControlPlane
 from common.logs import get_logger
@@ -51,9 +52,10 @@ _JOINABLE = ("starting", "draining")
 
 
 class Broadcaster:
-    def __init__(self, config: RunConfig, plane: ControlPlane) -> None:
+    def __init__(self, config: RunConfig, plane: ControlPlane, audit: Audit | None = None) -> None:
         self.config = config
         self.plane = plane
+        self.audit = audit  # records each version sent, with its digest and members (common/audit.py)
         # The rendezvous lives in the run's Redis: nothing listens for it, and only the run's processes can join.
         self.store = RedisStore(plane.client, config.run.name, config.weight_sync.timeout_s)
         self.backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -150,6 +152,9 @@ class Broadcaster:
             digest=digest,
         )
         self.plane.run.publish_manifest(manifest)
+        if self.audit is not None and self.members:
+            members = list(self.members)
+            self.audit.record("weights.published", version=version, digest=digest, epoch=self.epoch, members=members)
         figures = {"members": float(len(self.members)), "bytes": 0.0, "self_check_s": 0.0}
         figures["snapshot_s"] = time.perf_counter() - start
         self._in_flight = (version, self._pool.submit(self._transfer, flats, figures, start))

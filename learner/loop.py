@@ -60,7 +60,7 @@ class Learner:
         self.plane.run.publish_config(config)
         self.recorder = Recorder(config, self.plane)  # /metrics is up while DeepSpeed starts
         tokenizer = AutoTokenizer.from_pretrained(config.model.path)
-        self.broadcaster = Broadcaster(config, self.plane)
+        self.broadcaster = Broadcaster(config, self.plane, self.recorder.audit)
         version = self.plane.run.version()
         # The newest version an actor can hold: after a resume, actors may still hold the discarded steps' versions.
         # A bad data file (common.tasks.TaskFileError) fails here, before DeepSpeed starts.

@@ -27,7 +27,6 @@ from tests.e2e.test_system import BIN, ROOT, model_dir  # noqa: F401 - model_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 RUN, STEPS, EVERY = "resume", 12, 3
-WEIGHTS_AUDITED = "weights.published" in (ROOT / "learner/broadcaster.py").read_text()
 """Until the broadcaster records weights.* events, the audit-trail check leaves them out."""
 
 
@@ -175,11 +174,12 @@ def _audit_trail(run_dir: Path, plane: ControlPlane, url: str, resumed_from: lis
     assert [line["step"] for line in of("checkpoint.verified")] == resumed_from
     assert [line["step"] for line in of("checkpoint.restored")] == resumed_from
     assert [line["outcome"] for line in of("run.finished")] == ["stopped", "completed"]  # the first was killed
-    if WEIGHTS_AUDITED:  # the broadcaster and the actor record weights.* (the lead's digest change)
-        published = {(line["version"], line["digest"]) for line in of("weights.published")}  # a resume re-sends some
-        assert set(range(1, STEPS + 1)) <= {version for version, _ in published}
-        actor = [line for line in of("weights.loaded") if line["who"]["process"] == "actor-0"]
-        assert actor and {(line["version"], line["digest"]) for line in actor} <= published
+    published = {(line["version"], line["digest"]) for line in of("weights.published")}  # a resume re-sends some
+    assert set(range(1, STEPS + 1)) <= {version for version, _ in published}
+    assert all(len(digest) == 16 for _, digest in published)
+    actor = [line for line in of("weights.loaded") if line["who"]["process"] == "actor-0"]
+    assert actor and {(line["version"], line["digest"]) for line in actor} <= published
+    assert not of("weights.refused")
 
 
 def _trained(plane: ControlPlane) -> dict[str, int]:
