@@ -155,7 +155,7 @@ def _collate(rows: list[Row], pad_id: int) -> dict[str, torch.Tensor]:
 
 
 def _train(
-    model: LlamaForCausalLM, rows: list[Row], pad_id: int, *, steps: int, lr: float, batch: int, seed: int
+    model: torch.nn.Module, rows: list[Row], pad_id: int, *, steps: int, lr: float, batch: int, seed: int
 ) -> list[float]:
     """Run `steps` AdamW steps on random mini-batches of `rows`; return the per-step losses."""
     sampler = random.Random(seed)
@@ -172,9 +172,21 @@ def _train(
     return losses
 
 
-def warm_start(
+def warm_start(model_dir: str | Path, examples: list[tuple[str, str]], *, steps: int, **options) -> dict[str, float]:
+    """Briefly fine-tune the folder's model on (prompt, answer) pairs so RL starts from partial skill.
+
+    Loss is cross-entropy on the answer tokens and the closing `</s>` only (prompt tokens are masked), so the model
+    learns to answer and to stop. Options (`lr`, `batch`, `seed`, `threads`) and figures as :func:`warm_start_rows`.
+    """
+    if not examples:
+        raise ValueError("warm_start needs steps >= 1 and at least one example")
+    rows = _encode_examples(PreTrainedTokenizerFast.from_pretrained(model_dir), examples)
+    return warm_start_rows(model_dir, rows, steps=steps, **options)
+
+
+def warm_start_rows(
     model_dir: str | Path,
-    examples: list[tuple[str, str]],
+    rows: list[Row],
     *,
     steps: int,
     lr: float = 3e-3,
@@ -182,25 +194,23 @@ def warm_start(
     seed: int = 0,
     threads: int = 1,
 ) -> dict[str, float]:
-    """Briefly fine-tune the folder's model on (prompt, answer) pairs so RL starts from partial skill.
+    """Fine-tune the folder's model on encoded (input ids, labels) rows (labels `IGNORE_INDEX` where not trained).
 
-    Loss is cross-entropy on the answer tokens and the closing `</s>` only (prompt tokens are masked), so the model
-    learns to answer and to stop. Training runs in float32 on `threads` CPU threads (one by default, so it shares a
-    small machine politely); the weights are saved back in the folder's own dtype. Returns
-    {"loss_first", "loss_last", "seconds"}: the first and last step's mini-batch loss and the wall time.
+    Training runs in float32 on `threads` CPU threads (one by default, so it shares a small machine politely); the
+    weights are saved back in the folder's own dtype. Returns {"loss_first", "loss_last", "seconds"}: the first and
+    last step's mini-batch loss and the wall time.
     """
-    if steps < 1 or not examples:
+    if steps < 1 or not rows:
         raise ValueError("warm_start needs steps >= 1 and at least one example")
     started = time.perf_counter()
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+        pad_id = AutoConfig.from_pretrained(model_dir).pad_token_id or 0
         saved_dtype = AutoConfig.from_pretrained(model_dir).dtype or torch.float32  # before loading overrides it
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        rows = _encode_examples(tokenizer, examples)
         with _seeded(seed):
-            losses = _train(model, rows, tokenizer.pad_token_id, steps=steps, lr=lr, batch=batch, seed=seed)
+            losses = _train(model, rows, pad_id, steps=steps, lr=lr, batch=batch, seed=seed)
         model.to(saved_dtype).save_pretrained(model_dir, safe_serialization=True)
     finally:
         torch.set_num_threads(previous_threads)
