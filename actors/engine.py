@@ -185,4 +185,5 @@ def _rollout_group(
         issued_version=group.issued_version,
         actor_id=actor_id,
         timings=timings,
+        extra=group.extra,
     )

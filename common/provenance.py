@@ -13,7 +13,8 @@ What must match, and why each bound holds for every honest actor:
 ==================  =========================================================================================
 id                  issued by this run and in flight (not completed, discarded or lost)
 task, prompt,       exactly the issued ones: the actor copies them from the prompt group it took
-answer, prompt_ids
+answer, extra,
+prompt_ids
 K                   ``num_samples`` responses, as issued
 issued_version      as issued (a re-issue keeps it)
 response lengths    each at most ``rollout.max_new_tokens`` (vLLM stops there)
@@ -42,7 +43,7 @@ def issue_mismatch(
     """
     if issued is None:
         return "its id is not in flight: never issued by this run, or given up as lost after its re-issue"
-    for name in ("task", "prompt", "answer"):
+    for name in ("task", "prompt", "answer", "extra"):
         if getattr(group, name) != getattr(issued, name):
             return f"its {name} differs from the one issued"
     if not np.array_equal(group.prompt_ids, issued.prompt_ids):

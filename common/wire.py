@@ -9,10 +9,11 @@ alone cannot (cross-field lengths, token ids against the vocabulary, ranges); a 
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -55,6 +56,7 @@ __all__ = [
     "decode_blob",
     "encode",
     "encode_blob",
+    "extra_fields",
     "message",
     "pack_frames",
     "unpack_frames",
@@ -76,6 +78,8 @@ class PromptGroup:
     num_samples: int = 1
     issued_version: int = 0
     issued_at: float = field(default_factory=time.time)
+    extra: str = ""
+    """The data row's other fields as a JSON object (``""`` = none), for reward functions (:func:`extra_fields`)."""
 
     def validate(self, limits: Limits) -> None:
         _check_vocab("prompt_ids", self.prompt_ids, limits)
@@ -110,10 +114,16 @@ class RolloutGroup:
     issued_version: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds per phase, e.g. ``queued``, ``generate``."""
+    extra: str = ""
+    """The prompt group's ``extra``, copied as issued."""
 
     @property
     def num_samples(self) -> int:
         return len(self.lengths)
+
+    def extra_fields(self) -> dict[str, Any]:
+        """The data row's other fields (``{}`` for a generated task): what a reward function reads beyond the answer."""
+        return extra_fields(self.extra)
 
     def response(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Token ids, behaviour log-probs and versions of response ``i``."""
@@ -246,6 +256,17 @@ class Heartbeat:
             raise WireError("kind", f"must be one of {', '.join(PROCESS_KINDS)}, got {self.kind!r}")
         _check_range("tokens_per_s", self.tokens_per_s, 0, None)
         _check_digest("weights_digest", self.weights_digest)
+
+
+def extra_fields(extra: str) -> dict[str, Any]:
+    """A message's ``extra`` JSON text as a dict (``{}`` when empty, or when it is not a JSON object)."""
+    if not extra:
+        return {}
+    try:
+        value = json.loads(extra)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _check_digest(name: str, value: str) -> None:
