@@ -272,7 +272,9 @@ class MonitoringSection(Section):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     """Log level of every process."""
     samples_every: int = Field(5, ge=0)
-    """Write a handful of prompts and responses to samples.jsonl every this many steps (0 = never)."""
+    """Every this many steps, append responses the learner trained on to samples.jsonl (0 = never)."""
+    samples_per_step: int = Field(4, ge=0, le=1000)
+    """Responses drawn at random for samples.jsonl each time, besides the step's worst and best."""
 
 
 class HealthSection(Section):

@@ -50,6 +50,11 @@ class RunKeys:
         return self._k("digests")
 
     @property
+    def samples(self) -> str:
+        """JSON list of the newest rows of samples.jsonl (``learner/samples.py``)."""
+        return self._k("samples")
+
+    @property
     def processes(self) -> str:
         return self._k("processes")
 

@@ -73,6 +73,14 @@ class RunRecord:
         frames = unpack_frames(blob)
         return self._manifest_decoder.decode(frames), frames
 
+    def publish_samples(self, rows: Iterable[Mapping[str, Any]]) -> None:
+        """The newest rows of samples.jsonl (``learner/samples.py``), for rl-top."""
+        self.client.set(self.keys.samples, json.dumps(list(rows)))
+
+    def samples(self) -> list[dict[str, Any]]:
+        raw = self.client.get(self.keys.samples)
+        return json.loads(raw) if raw is not None else []
+
     def publish_summary(self, summary: Mapping[str, Any]) -> None:
         self.client.set(self.keys.summary, json.dumps(dict(summary)))
 

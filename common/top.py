@@ -40,6 +40,7 @@ def snapshot(plane) -> dict[str, Any]:
         "summary": plane.run.summary(),
         "alerts": plane.run.alerts(),
         "digests": plane.run.digests(),
+        "samples": plane.run.samples(),
         "endpoints": {beat.process_id: e for beat in live if (e := metrics_endpoint(beat)) is not None},
     }
 
@@ -57,6 +58,7 @@ def render(snap: dict[str, Any], now: float | None = None) -> str:
     if not snap.get("config_found", True):
         lines.append(f"(no config published for run {snap['run']!r} in this Redis: check --run and --redis)")
     lines += ["", *_learner_lines(snap.get("summary"), snap.get("endpoints", {}), now)]
+    lines += _sample_lines(snap.get("samples", []))
     lines += ["", *_alert_lines(snap.get("alerts", []), now)]
     lines += ["", *_process_lines(snap, now)]
     return "\n".join(lines)
@@ -88,6 +90,19 @@ def _learner_lines(s: dict[str, Any] | None, endpoints: dict[str, dict], now: fl
         f"         step {v('step/seconds'):.2f}s{sync}   idle {100 * v('step/idle_fraction'):.0f}%   "
         f"trained tokens/s {tokens_s:,.0f}   last step {age:.1f}s ago{where}",
     ]
+
+
+def _sample_lines(rows: list[dict[str, Any]], width: int = 60) -> list[str]:
+    """The newest samples.jsonl rows' worst and best response, one line each (``repr``: newlines stay visible)."""
+    shown = [r for r in rows if r.get("pick") in ("worst", "best")]
+    lines = [f"samples  step {shown[0]['step']} (samples.jsonl)"] if shown else []
+    for r in shown:
+        advantage = f"{r['advantage']:+.2f}" if isinstance(r.get("advantage"), int | float) else "-"
+        lines.append(
+            f"  {r['pick']:<5} reward {r['reward']:.2f} adv {advantage} {r['finish_reason']:<6} "
+            f"{r['prompt'][-width // 2 :]!r} -> {r['response'][:width]!r}"
+        )
+    return lines
 
 
 def _alert_lines(alerts: list[dict[str, Any]], now: float) -> list[str]:

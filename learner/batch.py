@@ -28,6 +28,7 @@ class TrainBatch:
     versions: torch.Tensor  # [B, T] int64, policy version of each response token, -1 elsewhere
     rewards: torch.Tensor  # [B] float32
     group_ids: torch.Tensor  # [B] int64, index of the row's group in this batch
+    keys: tuple[tuple[str, int], ...] = ()  # [B] (group id, response index) of each row
 
     @property
     def rows(self) -> int:
@@ -75,6 +76,7 @@ def collate(
         versions=torch.from_numpy(versions),
         rewards=torch.tensor([float(g.rewards[i]) for g, i in rows], dtype=torch.float32),
         group_ids=torch.tensor([group_index[id(g)] for g, _ in rows], dtype=torch.int64),
+        keys=tuple((g.rollout.group_id, i) for g, i in rows),
     )
 
 

@@ -440,8 +440,8 @@ def set_aside_after(root: Path, step: int) -> list[Path]:
 
 
 def truncate_metrics(path: Path, step: int) -> tuple[int, int]:
-    """Keep the lines of metrics.jsonl up to ``step``; move later ones (steps a resume discards, or a half-written
-    line) to ``metrics.discarded.jsonl`` beside it. Returns (kept, moved)."""
+    """Keep the lines of a per-step JSONL file (metrics.jsonl, samples.jsonl) up to ``step``; move later ones (steps a
+    resume discards, or a half-written line) to ``<name>.discarded.jsonl`` beside it. Returns (kept, moved)."""
     if not path.is_file():
         return 0, 0
     kept, moved = [], []
@@ -451,7 +451,7 @@ def truncate_metrics(path: Path, step: int) -> tuple[int, int]:
         except (ValueError, KeyError, TypeError):
             moved.append(line)
     if moved:
-        with (path.parent / "metrics.discarded.jsonl").open("a") as f:
+        with path.with_name(f"{path.stem}.discarded.jsonl").open("a") as f:
             f.writelines(line + "\n" for line in moved)
         tmp = path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(line + "\n" for line in kept))

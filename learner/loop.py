@@ -144,7 +144,8 @@ class Learner:
         version = self.state.advance(float(taken.rewards().mean()))
         synced = self.broadcaster.publish(version, self.update.params)
         record = self.recorder.record(
-            version, started, taken, batch, train=trained, sync=synced, restore=self.state.take_resumed()
+            version, started, taken, batch, self.update.last_advantages,
+            train=trained, sync=synced, restore=self.state.take_resumed(),
         )
         self.health.roll_back_if_due()  # after the row: a rollback cuts metrics.jsonl back to its checkpoint
         return record

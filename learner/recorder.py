@@ -31,6 +31,7 @@ from learner.batch import TrainBatch
 from learner.batch_source import Taken
 from learner.checkpoint import Checkpoint, config_hash
 from learner.health import HealthMonitor
+from learner.samples import SampleLog, row_advantages
 from learner.telemetry import StepTelemetry
 
 log = get_logger("learner")
@@ -55,6 +56,10 @@ class Recorder:
         self.config = config
         self.metrics_path = config.run_dir / "metrics.jsonl"
         self.audit_path = config.run_dir / "audit.jsonl"
+        monitoring = config.monitoring
+        self.samples = SampleLog(
+            config.run_dir / "samples.jsonl", monitoring.samples_every, monitoring.samples_per_step, config.run.seed
+        )
         self.telemetry = StepTelemetry(plane, config)
         self.audit = Audit(plane.client, config.run.name, self.telemetry.process_id, "learner")
         self.owns_audit = self.telemetry.publishes_summary  # rank 0
@@ -92,8 +97,11 @@ class Recorder:
         if self.mirror is not None:
             self.mirror.close()
 
-    def record(self, version: int, started: float, taken: Taken, batch: TrainBatch, **parts: dict) -> StepRecord:
-        """The row of step ``version``: ``parts`` are prefixed figures (``train=…, sync=…, restore=…``)."""
+    def record(
+        self, version: int, started: float, taken: Taken, batch: TrainBatch, advantages=None, **parts: dict
+    ) -> StepRecord:
+        """The row of step ``version``: ``parts`` are prefixed figures (``train=…, sync=…, restore=…``); with the
+        update's ``[B, T]`` ``advantages``, samples.jsonl rows when they are due."""
         record = StepRecord()
         for prefix, figures in parts.items():
             if figures:
@@ -108,10 +116,18 @@ class Recorder:
         if self.health is not None:
             record.add("health", self.health.observe(version, record.values, self._facts(queues)))
         self._write(version, record)
+        self._sample(version, taken, batch, advantages)
         self.telemetry.publish(record.values, queues, processes)
         if self.health is not None:
             self.plane.run.set_alerts(self.health.active_alerts())
         return record
+
+    def _sample(self, version: int, taken: Taken, batch: TrainBatch, advantages) -> None:
+        """samples.jsonl (rank 0), and its newest rows for rl-top."""
+        if not self.owns_audit or advantages is None or not self.samples.due(version):
+            return
+        rows = self.samples.write(version, taken.groups, row_advantages(batch.keys, advantages, batch.response_mask))
+        self.plane.run.publish_samples(rows)
 
     def _note_lost(self, lost: dict[str, str]) -> None:
         """``process.lost`` in the audit trail for each process whose heartbeat expired since the last step."""

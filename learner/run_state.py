@@ -143,6 +143,7 @@ class RunState:
         self.update.restore_kl_coef(state.kl_coef)
         rewind = self.batches.rewind(state.dispatch, state.step)
         kept, moved = truncate_metrics(self.metrics_path, state.step)
+        truncate_metrics(self.metrics_path.with_name("samples.jsonl"), state.step)
         set_aside_after(self.checkpointer.root, state.step)
         self.broadcaster.restore += 1  # actors holding weights of the discarded steps load the restored ones
         restore_rng(state.rng)

@@ -118,6 +118,7 @@ class PolicyUpdate:
         self.reference = self._reference()
         self.critic = self._critic()
         self.temperature = config.rollout.temperature or 1.0
+        self.last_advantages: torch.Tensor | None = None  # [B, T] of the last step (samples.jsonl)
 
     def _reference(self) -> ReferenceModel | None:
         if not self.needs & {"ref_logprobs", "token_kl"}:
@@ -163,7 +164,7 @@ class PolicyUpdate:
         if self.critic is not None:
             tensors["old_values"] = self._values(batch)
         advantage = self.algorithm.advantage(self._advantage_input(batch, tensors, figures))
-        tensors["advantages"] = advantage.advantages.float()
+        tensors["advantages"] = self.last_advantages = advantage.advantages.float()  # [B, T]; samples.jsonl reads it
         counts = GlobalCounts.of(batch.response_mask)
         metrics: dict[str, list[float]] = {}
         stats = self.engine.train_step(self._micro_batches(tensors), self._loss_fn(counts, metrics))

@@ -96,10 +96,27 @@ def test_demo_reward_rises_within_the_staleness_bound(tmp_path: Path, model_dir:
 
 def test_synchronous_run_has_no_policy_mismatch(tmp_path: Path, model_dir: Path) -> None:
     """max_staleness = 0: every token comes from the weights being trained, so μ (vLLM) equals π_old (learner)."""
-    assert finish(launch(tmp_path, model_dir, "sync", "learner.steps=6", "staleness.max_staleness=0")) == 0
+    sampled = ("monitoring.samples_every=2", "monitoring.samples_per_step=3")
+    assert finish(launch(tmp_path, model_dir, "sync", "learner.steps=6", "staleness.max_staleness=0", *sampled)) == 0
     rows = metrics(tmp_path, "sync")
     assert all(r["rollout/staleness_max"] == 0 for r in rows)
     assert max(r["train/offpolicy/mismatch_kl"] for r in rows) < 1e-4  # weights really arrive every step
+    check_samples(tmp_path / "sync" / "samples.jsonl", steps=[2, 4, 6], per_step=3)
+
+
+def check_samples(path: Path, steps: list[int], per_step: int) -> None:
+    """samples.jsonl: at the configured cadence, the random picks and the step's worst and best, with every field a
+    person needs (issue 10)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert sorted({r["step"] for r in rows}) == steps
+    fields = {"step", "version", "pick", "group_id", "response_index", "prompt", "response", "reward", "details",
+              "advantage", "finish_reason", "staleness", "tokens"}
+    for step in steps:
+        picks = [r["pick"] for r in rows if r["step"] == step]
+        assert picks[:per_step] == ["random"] * per_step and picks[per_step:] in (["worst", "best"], ["worst"])
+    for r in rows:
+        assert set(r) == fields and r["prompt"].endswith("=") and r["staleness"] == 0  # synchronous
+        assert isinstance(r["advantage"], float) and r["details"] and r["finish_reason"]
 
 
 def test_an_actor_killed_mid_run_loses_no_group(tmp_path: Path, model_dir: Path) -> None:

@@ -1,0 +1,63 @@
+"""samples.jsonl: the responses a person reads, picked from the batch trained on, with what the update saw."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+
+from common.top import render
+from common.wire import ScoredGroup
+from learner.samples import MAX_TEXT, SampleLog, row_advantages
+from tests.helpers.rollouts import make_group
+
+
+def scored(texts: list[str], rewards: list[float], group_id: str) -> ScoredGroup:
+    rollout = make_group(texts, group_id=group_id, finish_reasons=["stop"] * (len(texts) - 1) + ["length"])
+    details = [{"task": r, "format": 1.0} for r in rewards]
+    return ScoredGroup(rollout=rollout, rewards=np.array(rewards, np.float32), details=details)
+
+
+def test_row_advantages_are_the_mean_over_each_responses_tokens() -> None:
+    advantages = torch.tensor([[9.0, 1.0, 3.0, 0.0], [9.0, 9.0, -2.0, 0.0]])
+    mask = torch.tensor([[False, True, True, False], [False, False, True, False]])
+    got = row_advantages([("g", 0), ("g", 1)], advantages, mask)
+    assert got == {("g", 0): 2.0, ("g", 1): -2.0}  # (1 + 3) / 2 ; -2 / 1 — prompt and padding ignored
+
+
+def test_rows_hold_random_picks_then_the_worst_and_the_best(tmp_path) -> None:
+    groups = [
+        scored(["19", "18", "x"], [1.0, 0.0, 0.0], "a"),
+        scored(["19", "20", "1900"], [0.5, 0.25, 0.0], "b"),
+    ]
+    advantages = {("a", 0): 0.9, ("b", 2): -0.4}
+    log = SampleLog(tmp_path / "samples.jsonl", every=2, per_step=2, seed=0)
+    assert not log.write(3, groups, advantages) and not (tmp_path / "samples.jsonl").exists()
+    rows = log.write(4, groups, advantages)
+    assert [r["pick"] for r in rows] == ["random", "random", "worst", "best"]
+    worst, best = rows[2], rows[3]
+    assert (worst["group_id"], worst["response_index"], worst["reward"]) == ("a", 1, 0.0)  # the first lowest
+    assert (best["group_id"], best["response_index"], best["response"], best["advantage"]) == ("a", 0, "19", 0.9)
+    assert best["details"] == {"task": 1.0, "format": 1.0} and best["prompt"] == "12+7="
+    assert {(r["group_id"], r["response_index"]) for r in rows[:2]}.isdisjoint({("a", 1), ("a", 0)})
+    assert all(r["step"] == r["version"] == 4 and r["staleness"] == 3 for r in rows)  # 4 - 1 - version 0
+    assert [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()] == rows
+    assert log.rows(4, groups, advantages) == rows  # the picks are seeded by the run's seed and the step
+
+
+def test_a_flat_step_has_one_row_for_worst_and_best_and_long_texts_are_cut(tmp_path) -> None:
+    groups = [scored(["y" * (MAX_TEXT + 50), "z"], [0.0, 0.0], "c")]
+    rows = SampleLog(tmp_path / "s.jsonl", every=1, per_step=5, seed=1).rows(1, groups, {})
+    assert [r["pick"] for r in rows] == ["random", "worst"]  # worst and best are the same response
+    assert len(rows[1]["response"]) == MAX_TEXT and rows[1]["advantage"] is None
+
+
+def test_rl_top_shows_the_newest_worst_and_best() -> None:
+    rows = SampleLog(None, every=1, per_step=0, seed=0).rows(7, [scored(["19", "no\nway"], [1.0, 0.0], "d")], {})
+    queues = dict.fromkeys(["prompts", "inflight", "replay", "replay_pending", "dead_letters"], 0)
+    snap = {"run": "r", "version": 7, "queues": queues, "processes": [], "lost": {}, "summary": None, "samples": rows}
+    text = render(snap)
+    assert "samples  step 7 (samples.jsonl)" in text
+    assert "  worst reward 0.00 adv - length '12+7=' -> 'no\\nway'" in text
+    assert "  best  reward 1.00 adv - stop   '12+7=' -> '19'" in text
