@@ -1,0 +1,215 @@
+"""The command line and environment of every process of a run spread over hosts: one source for the Kubernetes
+manifests under ``k8s/`` and for the multi-host test.
+
+Why a module, not a YAML file of commands or a manifest generator: the manifests stay hand-written (readable,
+reviewable, patched by kustomize overlays), and both users of a command take it from here. ``tests/unit/test_k8s.py``
+builds every overlay and asserts that each container's ``command + args`` and ``env`` are exactly
+:func:`kube_container` of its role; the multi-host test starts its processes from :func:`learner`, :func:`actor`,
+:func:`reward` and :func:`redis` with its own :class:`Site`. A changed command fails that test until the manifests
+say the same, so they cannot drift apart.
+
+What differs between hosts or pods is a :class:`Site` parameter. On Kubernetes (:data:`KUBE`) the parameters that
+differ per pod or per overlay are the kubelet's ``$(NAME)`` references: it expands them in ``args`` and ``env`` from
+the variables listed before them in the container (:data:`POD_INPUTS`: the downward API's pod IP and name, the
+``asyncrl-run`` ConfigMap), so every overlay runs the same container spec and only its ConfigMap differs.
+
+No secret is ever an argument or an environment value here (DESIGN, "Across hosts"): the Redis URL with its password
+is read from ``--redis-url-file`` (a mounted Secret on Kubernetes), CURVE keys from the files that
+:data:`common.config.HOST_KEY_ENV` variables name, and the Redis password from a file that the Redis role feeds
+``redis-server`` on standard input (``requirepass``), not through ``--requirepass``, which ``ps`` would show.
+No vLLM, DeepSpeed or torch import: the test and a launcher load this in milliseconds.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from common.config import HOST_KEY_ENV
+
+ADVERTISE_ENV = "ASYNCRL_ADVERTISE_HOST"
+"""The address a process puts in its heartbeat for others to reach it (``common/metrics.py``)."""
+_KEY_ENV = {path: var for var, path in HOST_KEY_ENV.items()}  # transport.curve_* field -> its per-host variable
+
+LEARNER_RESUME = """\
+# Resume from the newest complete checkpoint when there is one (a restarted pod), else start the run.
+checkpoints=$1; shift
+for manifest in "$checkpoints"/step-*/manifest.json; do
+  [ -f "$manifest" ] && exec "$@" --resume latest
+done
+exec "$@"
+"""
+"""``sh -c`` script around the learner: ``rl-learner train --resume latest`` refuses a run with no checkpoint, and a
+container restarted by its pod must resume, so the choice is made here (a ``step-<N>`` folder exists only once its
+checkpoint is complete: it is written under a temporary name and renamed)."""
+
+REDIS_START = """\
+exec redis-server "$1" - <<EOF
+requirepass $(cat "$2")
+EOF
+"""
+"""``sh -c`` script of the Redis role: the config file, then ``requirepass`` from the password file on standard input
+(``redis-server FILE -`` reads both); ``exec`` leaves ``redis-server`` as the process that gets SIGTERM. The password
+must need no quoting in a Redis config (``openssl rand -hex 32`` makes one)."""
+
+REDIS_CONF = """\
+# asyncrl's Redis: every interface of its host (who may connect is the NetworkPolicy's business), a password
+# (requirepass, fed on standard input: it is in no file of this ConfigMap), and AOF so a restart loses nothing.
+bind {bind}
+port {port}
+dir {data_dir}
+appendonly yes
+appendfsync everysec
+"""
+"""The Redis config file (holds no secret: a ConfigMap on Kubernetes)."""
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where a run's processes find their inputs, and the ports they use. On one host, literal values; on Kubernetes
+    :data:`KUBE`, where some are the kubelet's ``$(NAME)`` references."""
+
+    run: str
+    """Run name (``run.name``): the Redis namespace ``asyncrl:<run>:`` and the folder under :attr:`root`."""
+    config: str
+    """The learner's TOML config file; everyone else reads the config the learner publishes in Redis."""
+    redis_url_file: str
+    """File holding the Redis URL with its password (mode 0600 or a mounted Secret)."""
+    advertise_host: str
+    """This host's address as the others reach it (``$ASYNCRL_ADVERTISE_HOST``: heartbeats, ``/metrics``)."""
+    root: str = "runs"
+    """``run.root``: the learner's checkpoints, metrics and audit trail go to ``<root>/<run>/``."""
+    nproc: str = "1"
+    """Learner ranks on this host (``torchrun --nproc-per-node``; GPUs on a GPU host)."""
+    shutdown_timeout_s: str = "3600"
+    """How long torchrun lets its ranks finish the step and checkpoint after SIGTERM before it kills them."""
+    metrics_port: int = 9400
+    """``monitoring.metrics_port``: the same on every process (each host or pod has its own address)."""
+    zmq_port: int = 5555
+    """Port of the reward workers' PULL socket (``transport.zmq_endpoint`` = every interface, this port)."""
+    curve_server_key: str = ""
+    """Reward workers: their CURVE server secret key file (``server.key_secret`` from ``rl-launch keys``)."""
+    curve_client_keys: str = ""
+    """Reward workers: the folder of authorised client public keys (``authorized/``)."""
+    curve_client_key: str = ""
+    """Actors: their CURVE client secret key file (``client.key_secret``)."""
+    redis_conf: str = "redis.conf"
+    """The Redis role's config file (:data:`REDIS_CONF`)."""
+    redis_password_file: str = "password"
+    """The Redis role's password file (the password of the URL in :attr:`redis_url_file`)."""
+
+
+@dataclass(frozen=True)
+class Process:
+    """One process to start: its argument vector and the environment it needs on top of the host's."""
+
+    argv: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def learner(site: Site) -> Process:
+    """``rl-learner train`` under torchrun with ``site.nproc`` ranks, resuming when a checkpoint exists."""
+    torchrun = (
+        "torchrun", "--standalone", "--nnodes=1", f"--nproc-per-node={site.nproc}",
+        f"--shutdown-timeout={site.shutdown_timeout_s}",
+        "-m", "learner.cli", "train", site.config,
+        "--set", f"run.name={site.run}",
+        "--set", f"run.root={site.root}",
+        "--set", f"monitoring.metrics_port={site.metrics_port}",
+        "--set", f"transport.zmq_endpoint=tcp://0.0.0.0:{site.zmq_port}",
+        "--redis-url-file", site.redis_url_file,
+    )  # fmt: skip
+    checkpoints = f"{site.root}/{site.run}/checkpoints"
+    argv = ("sh", "-c", LEARNER_RESUME, "learner", checkpoints, *torchrun)
+    return Process(argv, {ADVERTISE_ENV: site.advertise_host})
+
+
+def actor(site: Site, process_id: str) -> Process:
+    """One rollout actor: the config, weights and prompts come from the run's Redis."""
+    argv = ("rl-actor", "--run", site.run, "--redis-url-file", site.redis_url_file, "--id", process_id)
+    return Process(argv, {ADVERTISE_ENV: site.advertise_host, _KEY_ENV["curve_client_key"]: site.curve_client_key})
+
+
+def reward(site: Site, process_id: str) -> Process:
+    """One reward worker, binding ``transport.zmq_endpoint`` with CURVE (it is beyond loopback)."""
+    argv = ("rl-actor", "reward", "--run", site.run, "--redis-url-file", site.redis_url_file, "--id", process_id)
+    env = {
+        ADVERTISE_ENV: site.advertise_host,
+        _KEY_ENV["curve_server_key"]: site.curve_server_key,
+        _KEY_ENV["curve_client_keys"]: site.curve_client_keys,
+    }
+    return Process(argv, env)
+
+
+def redis(site: Site) -> Process:
+    """``redis-server`` on :attr:`Site.redis_conf` with the password from :attr:`Site.redis_password_file`."""
+    return Process(("sh", "-c", REDIS_START, "redis", site.redis_conf, site.redis_password_file))
+
+
+def redis_conf(data_dir: str, port: int = 6379, bind: str = "* -::*") -> str:
+    """The text of the Redis config file for data in ``data_dir`` (``* -::*``: every IPv4 and, where there is one,
+    IPv6 interface; Redis 7 syntax)."""
+    return REDIS_CONF.format(bind=bind, port=port, data_dir=data_dir)
+
+
+# ----------------------------------------------------------------------------------------------- Kubernetes
+
+SECRETS = "/var/run/asyncrl"
+"""Where pods mount the run's Secrets (each one read-only, mode 0440)."""
+
+KUBE = Site(
+    run="$(ASYNCRL_RUN)",
+    config="/etc/asyncrl/config/run.toml",
+    redis_url_file=f"{SECRETS}/redis/url",
+    advertise_host="$(POD_IP)",
+    root="/var/lib/asyncrl/runs",
+    nproc="$(ASYNCRL_NPROC)",
+    shutdown_timeout_s="3600",  # never before the kubelet: terminationGracePeriodSeconds is the bound that counts
+    curve_server_key=f"{SECRETS}/curve/server/server.key_secret",
+    curve_client_keys=f"{SECRETS}/curve/authorized",
+    curve_client_key=f"{SECRETS}/curve/client/client.key_secret",
+    redis_conf="/etc/asyncrl/redis/redis.conf",
+    redis_password_file=f"{SECRETS}/redis/password",
+)
+"""The site of every pod: the paths the manifests mount, the ports they open."""
+
+REDIS_DATA = "/data"
+"""The Redis pod's AOF folder (its PersistentVolumeClaim)."""
+
+RUN_CONFIGMAP = "asyncrl-run"
+"""The ConfigMap of the run's settings (``run``, ``nproc_per_node``) that each overlay sets."""
+
+POD_INPUTS: dict[str, dict] = {
+    "POD_IP": {"fieldRef": {"fieldPath": "status.podIP"}},
+    "POD_NAME": {"fieldRef": {"fieldPath": "metadata.name"}},
+    "ASYNCRL_RUN": {"configMapKeyRef": {"name": RUN_CONFIGMAP, "key": "run"}},
+    "ASYNCRL_NPROC": {"configMapKeyRef": {"name": RUN_CONFIGMAP, "key": "nproc_per_node"}},
+}
+"""Variables the kubelet fills (``valueFrom``) for ``$(NAME)`` references in :data:`KUBE` and the process ids."""
+
+ROLES = ("learner", "actor", "reward", "redis")
+"""Each role is one container, named so, in the workload labelled ``app.kubernetes.io/component: <role>``."""
+
+
+def kube_process(role: str) -> Process:
+    """The process of ``role`` in its pod (the process id is the pod's name: stable across container restarts)."""
+    if role == "learner":
+        return learner(KUBE)
+    if role == "actor":
+        return actor(KUBE, "$(POD_NAME)")
+    if role == "reward":
+        return reward(KUBE, "$(POD_NAME)")
+    if role == "redis":
+        return redis(KUBE)
+    raise ValueError(f"unknown role {role!r}; known: {', '.join(ROLES)}")
+
+
+def kube_container(role: str) -> dict:
+    """``command``, ``args`` and ``env`` of the container of ``role``, exactly as in the manifests: first the
+    :data:`POD_INPUTS` its ``$(NAME)`` references use (kubelet expansion needs them listed earlier), then its own."""
+    process = kube_process(role)
+    text = " ".join((*process.argv, *process.env.values()))
+    used = set(re.findall(r"\$\(([A-Z_][A-Z0-9_]*)\)", text))
+    env = [{"name": name, "valueFrom": source} for name, source in POD_INPUTS.items() if name in used]
+    env += [{"name": name, "value": value} for name, value in process.env.items()]
+    return {"command": list(process.argv[:1]), "args": list(process.argv[1:]), "env": env}
