@@ -1,0 +1,686 @@
+"""The Kubernetes manifests (``k8s/``) and the image recipe (``docker/``), checked without a cluster (issue 11.5).
+
+Every overlay, and the variants a user makes by swapping a component in (``prometheus-hpa`` for ``keda``,
+``code-sandbox``), is built with ``kubectl kustomize`` and checked as the API server and the processes would see it:
+
+- every object validates against the Kubernetes schemas (``kubernetes-validate``, offline, strict: an unknown field
+  fails) or, for KEDA's kinds, against the CRD schema vendored in ``tests/data`` (made strict the same way);
+- every container runs exactly ``common/deploy.py``'s command, args and env (the one source the multi-host test
+  runs too), reads its Secrets and ConfigMaps at the paths that module names, and only those it needs;
+- no secret in any ConfigMap, arg or env value; requests, probes and a restricted securityContext everywhere, with
+  the reward worker's root-with-capabilities variant started here under exactly its capabilities;
+- the NetworkPolicies, evaluated on the pods of the build and on strangers, admit only the run's pods (and KEDA's
+  operator) to Redis;
+- KEDA watches the run's prompt list at its Redis; the HPA's series is one the learner exports; grace periods cover
+  the shutdowns they are sized for; the Dockerfile installs as ``bin/setup`` does.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from common import deploy
+from common.config import RewardSection, load_config
+from common.keys import RunKeys
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "k8s"
+KEDA_SCHEMAS = ROOT / "tests" / "data" / "keda-v2.20.2-crd-schemas.json"
+KUBE_VERSION = "1.30"  # the oldest Kubernetes the manifests use fields of (preStop sleep, appArmorProfile)
+OVERLAYS = ("cpu-demo", "gpu")
+VARIANTS = {  # name: (overlay, components swapped in for keda, components added)
+    "cpu-demo": ("cpu-demo", None, ()),
+    "gpu": ("gpu", None, ()),
+    "gpu+prometheus-hpa": ("gpu", "prometheus-hpa", ()),
+    "gpu+code-sandbox": ("gpu", None, ("code-sandbox",)),
+}
+RUN_ROLES = ("learner", "actor", "reward")
+SECRETS = {"asyncrl-redis", "asyncrl-curve-server", "asyncrl-curve-authorized", "asyncrl-curve-client"}
+SANDBOX_CAPS = ["SYS_ADMIN", "SETUID", "SETGID", "SETPCAP", "CHOWN", "FOWNER", "DAC_OVERRIDE", "KILL"]
+# The trigger metadata KEDA's redis scaler reads (pkg/scalers/redis_scaler.go at v2.20.2); the password comes from
+# the TriggerAuthentication, never from metadata.
+REDIS_SCALER_KEYS = {"address", "listName", "listLength", "activationListLength", "databaseIndex", "enableTLS"}
+ACTOR_STOP_S = 30 + 5 + 10  # actors/rollout.py _shutdown: send timeout + 5 s for finished groups, leave the group
+
+
+# ------------------------------------------------------------------------------------------------- building
+
+
+@functools.cache
+def kubectl() -> str:
+    path = shutil.which("kubectl")
+    if path is None:
+        pytest.fail(
+            "kubectl is missing: these tests build k8s/ with `kubectl kustomize`; bin/setup installs it "
+            "(as root with apt-get), else install kubectl 1.27 or newer"
+        )
+    out = subprocess.run([path, "version", "--client"], capture_output=True, text=True, check=True).stdout
+    match = re.search(r"Kustomize Version: v(\d+)", out)
+    if not match or int(match.group(1)) < 5:
+        pytest.fail(f"kubectl at {path} is too old for k8s/ (needs kustomize 5, kubectl 1.27 or newer):\n{out}")
+    return path
+
+
+def kustomize(folder: Path, *options: str) -> list[dict]:
+    done = subprocess.run([kubectl(), "kustomize", *options, str(folder)], capture_output=True, text=True)
+    assert done.returncode == 0, f"kubectl kustomize {folder} failed:\n{done.stderr}"
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+
+
+@functools.cache
+def build(variant: str) -> tuple[dict, ...]:
+    """The objects of a variant: an overlay as is, or a copy of its kustomization with components swapped."""
+    overlay, swap, add = VARIANTS[variant]
+    folder = K8S / "overlays" / overlay
+    if swap is None and not add:
+        return tuple(kustomize(folder))
+    spec = yaml.safe_load((folder / "kustomization.yaml").read_text())
+    components = [c for c in spec["components"] if not (swap and c.endswith("/keda"))]
+    components += [f"../../components/{name}" for name in ((swap,) if swap else ()) + add]
+    spec["components"] = components
+    with tempfile.TemporaryDirectory(prefix=f"asyncrl-k8s-{variant}-") as name:
+        tmp = Path(name)
+
+        def moved(path: str) -> str:  # kustomize takes relative paths only
+            return os.path.relpath(folder / path, tmp)
+
+        for key in ("resources", "components"):
+            spec[key] = [moved(p) for p in spec[key]]
+        for generator in spec.get("configMapGenerator", []):
+            generator["files"] = [moved(f) for f in generator.get("files", [])]
+        for patch in spec.get("patches", []):
+            if "path" in patch:
+                patch["path"] = moved(patch["path"])
+        (tmp / "kustomization.yaml").write_text(yaml.safe_dump(spec))
+        return tuple(kustomize(tmp, "--load-restrictor", "LoadRestrictionsNone"))
+
+
+def by_kind(objects, kind: str) -> list[dict]:
+    return [o for o in objects if o["kind"] == kind]
+
+
+def one(objects, kind: str, name: str) -> dict:
+    found = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind}/{name}: {len(found)} found"
+    return found[0]
+
+
+def generated(objects, name: str) -> dict:
+    """The ConfigMap a generator named ``name`` (kustomize adds a hash suffix)."""
+    found = [o for o in by_kind(objects, "ConfigMap") if base_name(o["metadata"]["name"]) == name]
+    assert len(found) == 1, f"ConfigMap {name}: {len(found)} found"
+    return found[0]
+
+
+def base_name(name: str) -> str:
+    generators = {"asyncrl-run", "asyncrl-config", "asyncrl-redis-conf", "asyncrl-prometheus"}
+    stem = re.sub(r"-[a-z0-9]{10}$", "", name)
+    return stem if stem in generators else name
+
+
+def workloads(objects) -> dict[str, dict]:
+    """The Deployment or StatefulSet of each role, by its component label."""
+    found = {}
+    for o in objects:
+        if o["kind"] in ("Deployment", "StatefulSet"):
+            role = o["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+            assert role not in found, f"two workloads of role {role}"
+            found[role] = o
+    assert set(found) == set(deploy.ROLES), f"workloads: {sorted(found)}"
+    return found
+
+
+def container(workload: dict) -> dict:
+    (only,) = workload["spec"]["template"]["spec"]["containers"]
+    return only
+
+
+def run_settings(objects) -> dict:
+    return generated(objects, deploy.RUN_CONFIGMAP)["data"]
+
+
+# ------------------------------------------------------------------------------------------------- schemas
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_objects_validate_against_the_schemas(variant: str) -> None:
+    """Strict: a misspelt or misplaced field is an error (the API server would drop it or refuse the object)."""
+    import jsonschema
+    import kubernetes_validate
+
+    keda = json.loads(KEDA_SCHEMAS.read_text())
+    for obj in build(variant):
+        where = f"{obj['kind']}/{obj['metadata']['name']}"
+        if obj["apiVersion"].startswith("keda.sh/"):
+            schema = keda[obj["kind"]]
+            assert obj["apiVersion"] == schema["apiVersion"], where
+            errors = sorted(jsonschema.Draft202012Validator(strict(schema["schema"])).iter_errors(obj), key=str)
+            assert not errors, f"{where}: {[f'{list(e.absolute_path)}: {e.message}' for e in errors]}"
+            continue
+        try:
+            kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{where}: {'.'.join(map(str, exc.absolute_path))}: {exc.message}")
+
+
+def strict(schema):
+    """A CRD schema that refuses unknown fields, as kubernetes-validate's strict schemas do (the API server prunes
+    them silently: a typo in a ScaledObject would scale nothing without an error)."""
+    if isinstance(schema, list):
+        return [strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: strict(v) if k != "properties" else {n: strict(s) for n, s in v.items()} for k, v in schema.items()}
+    open_ended = "additionalProperties" in out or out.get("x-kubernetes-preserve-unknown-fields")
+    if "properties" in out and not open_ended:
+        out["additionalProperties"] = False
+    return out
+
+
+def test_the_keda_schema_is_strict_and_catches_a_typo() -> None:
+    """The vendored schema is the real one: a misspelt field of a ScaledObject fails, the built one passes."""
+    import jsonschema
+
+    schema = strict(json.loads(KEDA_SCHEMAS.read_text())["ScaledObject"]["schema"])
+    scaled = one(build("gpu"), "ScaledObject", "asyncrl-actor")
+    jsonschema.validate(scaled, schema)
+    typo = json.loads(json.dumps(scaled))
+    typo["spec"]["maxReplicas"] = typo["spec"].pop("maxReplicaCount")
+    with pytest.raises(jsonschema.ValidationError, match="maxReplicas"):
+        jsonschema.validate(typo, schema)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_an_overlay_holds_the_run(overlay: str) -> None:
+    """Each overlay is one run in one namespace: the four workloads, their policies and budgets, KEDA's objects,
+    the monitoring component's ConfigMaps — and no Secret (they are made with kubectl, never kept here)."""
+    objects = build(overlay)
+    assert not by_kind(objects, "Secret")
+    assert {o["metadata"]["namespace"] for o in objects} == {run_namespace(objects)}
+    workloads(objects)
+    assert {o["metadata"]["name"] for o in by_kind(objects, "PodDisruptionBudget")} == {
+        f"asyncrl-{role}" for role in deploy.ROLES
+    }
+    assert {o["kind"] for o in objects} >= {"ScaledObject", "TriggerAuthentication", "NetworkPolicy", "Service"}
+    generated(objects, "asyncrl-prometheus")
+    one(objects, "ConfigMap", "asyncrl-grafana-dashboard")
+    monitoring = yaml.safe_load((K8S / "monitoring" / "kustomization.yaml").read_text())
+    assert (monitoring["apiVersion"], monitoring["kind"]) == ("kustomize.config.k8s.io/v1alpha1", "Component")
+
+
+def run_namespace(objects) -> str:
+    return one(objects, "Service", "asyncrl-redis")["metadata"]["namespace"]
+
+
+# ------------------------------------------------------------------------------------------------- one source
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_container_runs_common_deploy(variant: str) -> None:
+    """command + args + env of each container are ``deploy.kube_container`` of its role, to the character: what
+    the multi-host test runs is what the pods run."""
+    objects = build(variant)
+    for role, workload in workloads(objects).items():
+        spec = container(workload)
+        assert spec["name"] == role
+        env = json.loads(json.dumps(spec.get("env", [])))
+        for var in env:  # the generated ConfigMap's hashed name stands for its generator's
+            ref = var.get("valueFrom", {}).get("configMapKeyRef")
+            if ref:
+                ref["name"] = base_name(ref["name"])
+        actual = {"command": spec["command"], "args": spec.get("args", []), "env": env}
+        assert actual == deploy.kube_container(role), f"{variant}: the {role} container differs from common/deploy.py"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_each_process_reads_its_inputs_where_common_deploy_says(variant: str) -> None:
+    """Every path a process is given is mounted from the right Secret, ConfigMap or claim — and each pod mounts only
+    the secrets its process needs (the Redis password file only in Redis' pod, the server key only in workers')."""
+    site, objects = deploy.KUBE, build(variant)
+    want = {
+        "learner": {site.redis_url_file: ("secret", "asyncrl-redis", "url"), site.root: ("claim", "runs", None),
+                    site.config: ("configMap", "asyncrl-config", "run.toml")},
+        "actor": {site.redis_url_file: ("secret", "asyncrl-redis", "url"),
+                  site.curve_client_key: ("secret", "asyncrl-curve-client", "client.key_secret")},
+        "reward": {site.redis_url_file: ("secret", "asyncrl-redis", "url"),
+                   site.curve_server_key: ("secret", "asyncrl-curve-server", "server.key_secret"),
+                   site.curve_client_keys: ("secret", "asyncrl-curve-authorized", None)},
+        "redis": {site.redis_conf: ("configMap", "asyncrl-redis-conf", "redis.conf"),
+                  site.redis_password_file: ("secret", "asyncrl-redis", "password"),
+                  deploy.REDIS_DATA: ("claim", "data", None)},
+    }  # fmt: skip
+    for role, workload in workloads(objects).items():
+        mounts = mounted(workload)
+        for path, source in want[role].items():
+            assert resolve(mounts, path) == source, f"{variant}: {role} reads {path}"
+        secrets = {(name, key) for kind, name, key in mounts.values() if kind == "secret"}  # key None: all of it
+        needed = {(name, key) for kind, name, key in want[role].values() if kind == "secret"}
+        assert {name for name, _ in secrets} == {name for name, _ in needed}, f"{variant}: {role} mounts {secrets}"
+        assert {(name, key) for name, key in secrets if key} <= needed, f"{variant}: {role} mounts {secrets}"
+    assert generated(objects, "asyncrl-redis-conf")["data"]["redis.conf"] == deploy.redis_conf(deploy.REDIS_DATA)
+
+
+def mounted(workload: dict) -> dict[str, tuple]:
+    """mountPath -> (kind, name, key or None for a whole folder) of one workload's container."""
+    pod = workload["spec"]["template"]["spec"]
+    claims = {t["metadata"]["name"] for t in workload["spec"].get("volumeClaimTemplates", [])}
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    out = {}
+    for mount in container(workload).get("volumeMounts", []):
+        name = mount["name"]
+        if name in claims:
+            out[mount["mountPath"]] = ("claim", name, None)
+            continue
+        volume = volumes[name]
+        for kind, ref in (("secret", "secretName"), ("configMap", "name")):
+            if kind in volume:
+                source = base_name(volume[kind][ref])
+                items = volume[kind].get("items")
+                if items:
+                    for item in items:
+                        out[f"{mount['mountPath']}/{item['path']}"] = (kind, source, item["key"])
+                else:
+                    out[mount["mountPath"]] = (kind, source, None)
+        if "secret" not in volume and "configMap" not in volume:
+            out[mount["mountPath"]] = ("other", name, None)
+    return out
+
+
+def resolve(mounts: dict[str, tuple], path: str) -> tuple | None:
+    if path in mounts:
+        return mounts[path]
+    folder, _, leaf = path.rpartition("/")
+    kind, name, key = mounts.get(folder, (None, None, None))
+    return (kind, name, leaf) if kind in ("secret", "configMap") and key is None else None
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_run_settings_make_a_valid_learner_config(overlay: str, tmp_path: Path) -> None:
+    """The overlay's run.toml with the learner's --set overrides (the kubelet's $(...) filled in) is a valid config
+    whose metrics port is the pods' scrape port; the run name is one; the learner's ranks are its GPUs."""
+    objects = build(overlay)
+    settings = run_settings(objects)
+    (tmp_path / "run.toml").write_text(generated(objects, "asyncrl-config")["data"]["run.toml"])
+    args = [a.replace("$(ASYNCRL_RUN)", settings["run"]) for a in deploy.kube_container("learner")["args"]]
+    overrides = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
+    config = load_config(tmp_path / "run.toml", overrides)
+    assert config.run.name == settings["run"]
+    assert config.monitoring.metrics_port == deploy.KUBE.metrics_port
+    assert config.transport.zmq_endpoint == f"tcp://0.0.0.0:{deploy.KUBE.zmq_port}"
+    learner = container(workloads(objects)["learner"])
+    gpus = int(learner["resources"].get("limits", {}).get("nvidia.com/gpu", 0))
+    assert int(settings["nproc_per_node"]) == max(gpus, 1), "nproc_per_node must equal the learner's GPUs"
+    assert learner["resources"].get("requests", {}).get("nvidia.com/gpu", gpus) == gpus
+
+
+# ------------------------------------------------------------------------------------------------- secrets
+
+
+SECRET_TEXT = [
+    re.compile(r"redis://[^/@\s]*:[^/@\s]+@"),  # a URL with a password
+    re.compile(r"^\s*requirepass\s+(?!\$\()\S", re.MULTILINE),  # a Redis password line (not the one read from a file)
+    re.compile(r"secret-key\s*="),  # a CURVE secret key file
+    re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----"),
+]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_no_secret_in_a_configmap_an_arg_or_an_env_value(variant: str) -> None:
+    objects = build(variant)
+    texts = [
+        (f"ConfigMap/{c['metadata']['name']}", v) for c in by_kind(objects, "ConfigMap") for v in c["data"].values()
+    ]
+    for role, workload in workloads(objects).items():
+        spec = container(workload)
+        texts += [(f"{role} args", a) for a in spec.get("args", [])]
+        texts += [(f"{role} env {e['name']}", e["value"]) for e in spec.get("env", []) if "value" in e]
+        assert not any("secretKeyRef" in e.get("valueFrom", {}) for e in spec.get("env", [])), f"{role}: env secret"
+        volumes = workload["spec"]["template"]["spec"].get("volumes", [])
+        assert {v["secret"]["secretName"] for v in volumes if "secret" in v} <= SECRETS
+        for volume in volumes:
+            if "secret" in volume:
+                assert volume["secret"]["defaultMode"] == 0o440, f"{role}: {volume['name']} mode"
+    for where, text in texts:
+        for pattern in SECRET_TEXT:
+            assert not pattern.search(text), f"{variant}: {where} looks like it holds a secret ({pattern.pattern})"
+
+
+def test_the_secret_patterns_catch_what_they_are_for(tmp_path: Path) -> None:
+    """The patterns above match real secrets: a URL as rl-launch writes it, a redis.conf line, `rl-launch keys`."""
+    from common.channel import create_run_keys
+
+    keys = create_run_keys(tmp_path / "keys")
+    samples = ["redis://:0123abcd@asyncrl-redis:6379/0", "port 1\nrequirepass 0123abcd\n",
+               Path(keys["transport.curve_server_key"]).read_text()]  # fmt: skip
+    for sample in samples:
+        assert any(p.search(sample) for p in SECRET_TEXT), sample
+    assert not any(p.search(Path(keys["transport.curve_client_keys"], "client.key").read_text()) for p in SECRET_TEXT)
+
+
+# ------------------------------------------------------------------------------------------------- pods
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_workloads_have_requests_probes_and_a_restricted_security_context(variant: str) -> None:
+    sandboxed = "code-sandbox" in variant
+    for role, workload in workloads(build(variant)).items():
+        pod, spec = workload["spec"]["template"]["spec"], container(workload)
+        assert {"cpu", "memory"} <= set(spec["resources"]["requests"]), f"{role}: requests"
+        assert "memory" in spec["resources"]["limits"], f"{role}: a memory limit"
+        assert "readinessProbe" in spec, f"{role}: readiness"
+        assert ("livenessProbe" in spec) == (role != "learner"), f"{role}: liveness (none for the learner: a restart "
+        # costs the step in progress, and it exits by itself on what it cannot survive)
+        assert pod["automountServiceAccountToken"] is False, role
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, role
+        context = spec["securityContext"]
+        assert context["capabilities"]["drop"] == ["ALL"] and context["readOnlyRootFilesystem"] is True, role
+        # The API server refuses allowPrivilegeEscalation: false beside SYS_ADMIN or privileged (schemas do not).
+        added = context["capabilities"].get("add", [])
+        assert not context.get("privileged"), role
+        if context["allowPrivilegeEscalation"] is False:
+            assert "SYS_ADMIN" not in added and "CAP_SYS_ADMIN" not in added, role
+        if role == "reward" and sandboxed:
+            assert pod["securityContext"]["runAsUser"] == 0 and added == SANDBOX_CAPS
+            assert pod["securityContext"]["appArmorProfile"] == {"type": "Unconfined"}
+            continue
+        assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] > 0, role
+        assert context["allowPrivilegeEscalation"] is False, role
+        assert set(added) <= ({"SYS_NICE"} if (role, variant) == ("actor", "cpu-demo") else set()), f"{role}: {added}"
+
+
+def test_the_code_sandbox_capabilities_start_the_namespaces_fence() -> None:
+    """The reward worker of the code-sandbox component, started here as root with exactly its capabilities (as the
+    container's bounding set), gets the sandbox's strongest fence and runs a program in it with none left."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv (as in CI) to start a process with the pod's capability set")
+    added = container(workloads(build("gpu+code-sandbox"))["reward"])["securityContext"]["capabilities"]["add"]
+    probe = (
+        "from actors.sandbox import isolation, run_python_tests\n"
+        "fence = isolation()\n"
+        "caps = \"caps = [l.split()[1] for l in open('/proc/self/status') if l.startswith('Cap')]\\n"
+        "assert set(caps) == {'0000000000000000'}, caps\"\n"
+        "print(fence.fence, fence.per_run_uid, run_python_tests(caps, '').passed)\n"
+    )
+    bounding = ",".join(["-all", *(f"+{c.lower()}" for c in added)])
+    done = subprocess.run(
+        ["setpriv", "--bounding-set", bounding, "--inh-caps", "-all", "--", sys.executable, "-c", probe],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["namespaces", "True", "True"], done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_pods_are_scraped_on_the_metrics_port(variant: str) -> None:
+    for role, workload in workloads(build(variant)).items():
+        annotations = workload["spec"]["template"]["metadata"].get("annotations", {})
+        ports = {p["name"]: p["containerPort"] for p in container(workload).get("ports", [])}
+        if role == "redis":
+            assert "prometheus.io/scrape" not in annotations
+            continue
+        assert annotations["prometheus.io/scrape"] == "true", role
+        assert annotations["prometheus.io/port"] == str(deploy.KUBE.metrics_port) == str(ports["metrics"]), role
+        assert workload["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/part-of"] == "asyncrl"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_grace_periods_cover_the_shutdowns(variant: str) -> None:
+    """The learner's grace never outlasts torchrun's patience (or torchrun would kill the ranks mid-checkpoint);
+    an actor's covers its hand-back and the preStop sleep; a reward worker's, a group's tries."""
+    found = workloads(build(variant))
+    grace = {role: w["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] for role, w in found.items()}
+    assert 60 <= grace["learner"] <= int(deploy.KUBE.shutdown_timeout_s)
+    pre_stop = container(found["actor"])["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert grace["actor"] >= ACTOR_STOP_S + pre_stop + 15
+    reward = RewardSection()
+    assert grace["reward"] >= reward.timeout_s * (reward.retries + 1) + 15
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_reward_workers_advertise_a_name_actors_resolve(overlay: str) -> None:
+    """A worker advertises tcp://<host name>:<port>: its host name is its fully qualified name under a headless
+    Service (StatefulSet + setHostnameAsFQDN), which must fit a host name's 64 characters."""
+    objects = build(overlay)
+    workload = workloads(objects)["reward"]
+    assert workload["kind"] == "StatefulSet" and workload["spec"]["template"]["spec"]["setHostnameAsFQDN"] is True
+    service = one(objects, "Service", workload["spec"]["serviceName"])
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    labels = workload["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert {p["containerPort"] for p in container(workload)["ports"]} >= {deploy.KUBE.zmq_port}
+    fqdn = f"{workload['metadata']['name']}-99.{service['metadata']['name']}.{run_namespace(objects)}.svc.cluster.local"
+    assert len(fqdn) <= 64, fqdn
+
+
+# ------------------------------------------------------------------------------------------------- network
+
+
+def selects(selector: dict | None, labels: dict) -> bool:
+    """A Kubernetes label selector (matchLabels, matchExpressions In/NotIn/Exists/DoesNotExist) on ``labels``."""
+    if selector is None:
+        return False
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        value, op = labels.get(e["key"]), e["operator"]
+        ok = {"In": value in e.get("values", []), "NotIn": value not in e.get("values", []),
+              "Exists": e["key"] in labels, "DoesNotExist": e["key"] not in labels}[op]  # fmt: skip
+        if not ok:
+            return False
+    return True
+
+
+def admitted(policies: list[dict], target: tuple[str, dict], peer: tuple[str, dict], port: int) -> bool:
+    """Does ingress to ``target`` (namespace, labels) on ``port`` admit ``peer`` (namespace, labels)?"""
+    namespace, labels = target
+    applying = [
+        p for p in policies if p["metadata"]["namespace"] == namespace and selects(p["spec"]["podSelector"], labels)
+    ]
+    if not applying:
+        return True  # no policy selects the pod: everything may connect
+    for policy in applying:
+        assert "Ingress" in policy["spec"]["policyTypes"]
+        for rule in policy["spec"].get("ingress", []):
+            ports = rule.get("ports")
+            if ports and not any(p.get("port") == port for p in ports):
+                continue
+            peers = rule.get("from")
+            if peers is None or any(peer_matches(p, namespace, peer) for p in peers):
+                return True
+    return False
+
+
+def peer_matches(rule: dict, namespace: str, peer: tuple[str, dict]) -> bool:
+    peer_namespace, peer_labels = peer
+    if "namespaceSelector" in rule:
+        if not selects(rule["namespaceSelector"], {"kubernetes.io/metadata.name": peer_namespace}):
+            return False
+    elif peer_namespace != namespace:
+        return False
+    return "podSelector" not in rule or selects(rule["podSelector"], peer_labels)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_network_policies_admit_only_the_run_to_redis(variant: str) -> None:
+    objects = build(variant)
+    policies, namespace = by_kind(objects, "NetworkPolicy"), run_namespace(objects)
+    pods = {role: (namespace, w["spec"]["template"]["metadata"]["labels"]) for role, w in workloads(objects).items()}
+    run_labels = pods["learner"][1]
+    strangers = {
+        "a pod of the namespace": (namespace, {"app": "debug"}),
+        "the run's labels but another component": (namespace, {**run_labels, "app.kubernetes.io/component": "x"}),
+        "the learner's labels in another namespace": ("elsewhere", run_labels),
+        "Prometheus": ("monitoring", {"app.kubernetes.io/name": "prometheus"}),
+        "a keda-operator label outside keda": ("elsewhere", {"app": "keda-operator"}),
+    }  # fmt: skip
+    keda = ("keda", {"app": "keda-operator"})
+    redis = pods["redis"]
+    for role in RUN_ROLES:
+        assert admitted(policies, redis, pods[role], 6379), f"{role} cannot reach Redis"
+    for who, peer in strangers.items():
+        assert not admitted(policies, redis, peer, 6379), f"{who} reaches Redis"
+    assert admitted(policies, redis, keda, 6379) == bool(by_kind(objects, "ScaledObject"))
+    # The run's pods: the ZeroMQ port and the collective only from each other, /metrics from anywhere.
+    assert admitted(policies, pods["reward"], pods["actor"], deploy.KUBE.zmq_port)
+    assert not admitted(policies, pods["reward"], strangers["a pod of the namespace"], deploy.KUBE.zmq_port)
+    assert not admitted(policies, pods["actor"], strangers["Prometheus"], 29500)
+    for role in RUN_ROLES:
+        assert admitted(policies, pods[role], strangers["Prometheus"], deploy.KUBE.metrics_port), role
+
+
+# ------------------------------------------------------------------------------------------------- scaling
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_keda_watches_the_runs_prompt_queue(overlay: str) -> None:
+    objects = build(overlay)
+    namespace, run = run_namespace(objects), run_settings(objects)["run"]
+    scaled = one(objects, "ScaledObject", "asyncrl-actor")
+    assert scaled["spec"]["scaleTargetRef"]["name"] == workloads(objects)["actor"]["metadata"]["name"]
+    assert "replicas" not in workloads(objects)["actor"]["spec"], "the autoscaler owns the actors' replicas"
+    (trigger,) = scaled["spec"]["triggers"]
+    meta = trigger["metadata"]
+    assert trigger["type"] == "redis" and set(meta) <= REDIS_SCALER_KEYS
+    assert meta["listName"] == RunKeys(run).prompts
+    service = one(objects, "Service", "asyncrl-redis")
+    assert meta["address"] == f"asyncrl-redis.{namespace}.svc:{service['spec']['ports'][0]['port']}"
+    auth = one(objects, "TriggerAuthentication", trigger["authenticationRef"]["name"])
+    assert auth["spec"]["secretTargetRef"] == [{"parameter": "password", "name": "asyncrl-redis", "key": "password"}]
+    assert 1 <= scaled["spec"]["minReplicaCount"] < scaled["spec"]["maxReplicaCount"]
+
+
+def test_the_prompt_list_is_what_the_learner_reports_as_the_prompt_queue(redis_server) -> None:
+    """KEDA reads LLEN of RunKeys.prompts; the HPA alternative reads asyncrl_learner_queue_depth_groups{queue=
+    "prompts"}, the learner's sample of ControlPlane.queue_depths()["prompts"]: one number, two routes."""
+    from common.control import ControlPlane
+    from common.keys import connect
+
+    client = connect(redis_server.url)
+    client.rpush(RunKeys("k8s").prompts, b"a", b"b", b"c")
+    assert ControlPlane(client, "k8s").queue_depths()["prompts"] == 3
+
+
+def test_the_hpa_follows_a_series_the_learner_exports() -> None:
+    from common import metrics
+
+    objects = build("gpu+prometheus-hpa")
+    assert not by_kind(objects, "ScaledObject"), "two autoscalers on one Deployment fight"
+    hpa = one(objects, "HorizontalPodAutoscaler", "asyncrl-actor")
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "asyncrl-actor"}
+    (metric,) = hpa["spec"]["metrics"]
+    gauge = metrics.LEARNER_QUEUE_DEPTH
+    assert metric["external"]["metric"]["name"] == gauge._name == "asyncrl_learner_queue_depth_groups"
+    assert metric["external"]["metric"]["selector"]["matchLabels"] == {"queue": "prompts"}
+    assert gauge._labelnames == ("queue",)
+
+
+# ------------------------------------------------------------------------------------------------- processes
+
+
+def test_the_redis_command_starts_a_redis_that_needs_its_password(tmp_path: Path) -> None:
+    """The Redis role's command, run here: the password from its file is required, AOF is on, the process is
+    redis-server itself (it gets SIGTERM) and its command line holds no password."""
+    import redis as redis_lib
+
+    from common.redis_server import find_redis_server, free_port
+
+    password, port = "0123456789abcdef", free_port()
+    (tmp_path / "password").write_text(password + "\n")
+    (tmp_path / "redis.conf").write_text(deploy.redis_conf(str(tmp_path), port, bind="127.0.0.1"))
+    site = deploy.Site("r", "", "", "", redis_conf=str(tmp_path / "redis.conf"),
+                       redis_password_file=str(tmp_path / "password"))  # fmt: skip
+    env = {**os.environ, "PATH": f"{Path(find_redis_server()).parent}:{os.environ['PATH']}"}
+    proc = subprocess.Popen(deploy.redis(site).argv, env=env, stdout=subprocess.DEVNULL)
+    try:
+        client = redis_lib.Redis(port=port, password=password)
+        for _ in range(100):
+            try:
+                client.ping()
+                break
+            except redis_lib.ConnectionError:
+                time.sleep(0.05)
+        assert client.config_get("appendonly") == {"appendonly": "yes"}
+        with pytest.raises(redis_lib.AuthenticationError):
+            redis_lib.Redis(port=port).set("k", "v")
+        assert password not in Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode()
+        assert Path(f"/proc/{proc.pid}/exe").resolve().name.startswith("redis-server")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+
+
+@pytest.mark.parametrize(
+    "folders", [[], ["step-3"], ["step-3.tmp"], ["step-3/manifest.json"], ["step-2/manifest.json", "step-5"]]
+)
+def test_the_learner_resumes_exactly_when_a_complete_checkpoint_exists(tmp_path: Path, folders: list[str]) -> None:
+    """The learner's wrapper adds --resume latest iff the checkpoint code finds a complete checkpoint in the folder
+    the learner writes them to."""
+    from learner.checkpoint import complete_checkpoints
+
+    site = deploy.Site("r", "run.toml", "url", "host", root=str(tmp_path / "runs"))
+    argv = deploy.learner(site).argv
+    checkpoints = load_config(None, [f"run.name={site.run}", f"run.root={site.root}"]).run_dir / "checkpoints"
+    assert argv[4] == str(checkpoints)
+    for entry in folders:
+        (checkpoints / entry.split("/")[0]).mkdir(parents=True, exist_ok=True)
+        if entry.endswith(".json"):
+            (checkpoints / entry).write_text("{}")
+    done = subprocess.run([*argv[:5], "printf", "%s\\n", "train"], capture_output=True, text=True, check=True)
+    resumes = done.stdout.split() == ["train", "--resume", "latest"]
+    assert resumes == bool(complete_checkpoints(checkpoints)), done.stdout
+    assert resumes or done.stdout.split() == ["train"]
+
+
+# ------------------------------------------------------------------------------------------------- image
+
+
+def run_lines(dockerfile: str) -> list[str]:
+    joined = re.sub(r"\\\n\s*", " ", dockerfile)
+    return [line[4:] for line in joined.splitlines() if line.startswith("RUN ")]
+
+
+def test_the_dockerfile_installs_as_bin_setup_does() -> None:
+    """Same torch pin first (CPU), the same extra as the variant, the same packages removed after (CPU) — in
+    bin/setup's order; every package of the project and the presets copied in; the manifests' uid."""
+    setup = (ROOT / "bin" / "setup").read_text()
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+    torch_pin = re.search(r'pip_install "(torch==[0-9.]+)"', setup).group(1)
+    removed = re.search(r"pip uninstall --quiet -y ([\w ]+?) 2>", setup).group(1).split()
+    assert re.search(r'pip_install -e "\.\[\$extra,dev\]"', setup)
+    steps = run_lines(dockerfile)
+
+    def step(pattern: str) -> int:
+        found = [i for i, line in enumerate(steps) if re.search(pattern, line)]
+        assert len(found) == 1, f"one RUN line matching {pattern!r} in docker/Dockerfile, found {len(found)}"
+        return found[0]
+
+    torch = step(rf'if \[ "\$VARIANT" = cpu \]; then pip install .*"{re.escape(torch_pin)}"')
+    project = step(r'^pip install -e "\.\[\$VARIANT\]"$')
+    uninstall = step(r'if \[ "\$VARIANT" = cpu \]; then pip uninstall -y ' + " ".join(removed) + r"\b")
+    assert torch < project < uninstall
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert {"cpu", "gpu"} <= set(extras) and 'case "$VARIANT" in cpu|gpu)' in dockerfile
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    copied = set(re.findall(r"^COPY (\w+) \./\1$", dockerfile, re.MULTILINE))
+    assert {p.rstrip("*") for p in packages["include"]} | {"configs"} <= copied
+    ignore = (ROOT / "docker" / "Dockerfile.dockerignore").read_text().split()
+    assert {f"!{name}/" for name in copied} <= set(ignore)
+    assert "util-linux" in dockerfile  # setpriv and unshare, for the code sandbox
+    uid = int(re.search(r"^USER (\d+)$", dockerfile, re.MULTILINE).group(1))
+    for role, workload in workloads(build("cpu-demo")).items():
+        if role != "redis":
+            assert workload["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == uid, role
