@@ -63,6 +63,7 @@ class RolloutEngine:
         export_actor_pid()  # vLLM's processes end with this one, even on kill -9 (actors/lifeline.py)
         self.llm = AsyncLLM.from_engine_args(args)
         self._request_seed = seed * 1_000_003
+        self.stop_ids = _stop_ids(config)
 
     async def sample(
         self, group: PromptGroup, version: Callable[[], int], actor_id: str, request_id: str
@@ -80,6 +81,7 @@ class RolloutEngine:
             top_p=rollout.top_p,
             max_tokens=rollout.max_new_tokens,
             stop=rollout.stop or None,
+            stop_token_ids=list(self.stop_ids) or None,  # the chat template's end of turn (common/prompts.py)
             logprobs=0,
             seed=self._request_seed,
             output_kind=RequestOutputKind.DELTA,
@@ -138,6 +140,16 @@ class RolloutEngine:
         # Drop the engine now: AsyncLLM.__del__ at interpreter exit would try to shut it down again.
         self.llm = None
         gc.collect()
+
+
+def _stop_ids(config: RunConfig) -> tuple[int, ...]:
+    """Token ids that end a response besides vLLM's EOS ids: the chat template's end of an assistant turn, made
+    from the model's tokenizer and ``[task]`` exactly as the learner makes its prompts."""
+    from transformers import AutoTokenizer
+
+    from common.prompts import Prompter
+
+    return Prompter.for_tokenizer(AutoTokenizer.from_pretrained(config.model.path), config.task).stop_ids
 
 
 def rpc_timeouts(collective_timeout_s: float, buckets: int) -> tuple[float, float]:

@@ -92,9 +92,33 @@ class TaskSection(Section):
     name: str = "arithmetic"
     """Prompt source: a built-in task (``arithmetic``, ``reverse``, ``countdown``) or ``file``."""
     path: str = ""
-    """JSONL/Parquet file with ``prompt`` and ``answer`` fields, when ``name = "file"``."""
+    """Data file when ``name = "file"``: JSONL, Parquet, or a folder written by ``datasets``' ``save_to_disk``."""
     options: dict[str, Any] = Field(default_factory=dict)
     """Task settings, e.g. digit counts."""
+    prompt_key: str = Field("prompt", min_length=1)
+    """Field of a data row holding the prompt: a string, or chat messages (``role``, ``content``); a dotted path reads a nested field. A row without ``prompt`` may hold ``messages``."""  # noqa: E501
+    answer_key: str = Field("answer", min_length=1)
+    """Field of a data row holding the reference answer the verifier checks; a dotted path reads a nested field (``reward_model.ground_truth``). The row's other fields reach reward functions as ``extra``."""  # noqa: E501
+    split: str = ""
+    """Split of a ``DatasetDict`` folder (``train``); empty = its only split."""
+    limit: int = Field(0, ge=0)
+    """Use only the first this many rows of the data file (0 = all)."""
+    shuffle: bool = True
+    """Serve a data file's rows in a seeded shuffled order, reshuffled every pass; false = in file order."""
+    overlong: Literal["skip", "refuse"] = "skip"
+    """A data row whose prompt is longer than ``model.max_model_len - rollout.max_new_tokens`` tokens: ``skip`` leaves it out at load (each named in one log line, and counted), ``refuse`` refuses the whole file naming it."""  # noqa: E501
+    chat: Literal["auto"] | bool = "auto"
+    """Build prompts with the tokenizer's chat template (``add_generation_prompt``): ``auto`` = when the model's tokenizer has one."""  # noqa: E501
+    system_prompt: str = ""
+    """System message put before each chat prompt that has none (needs a chat template)."""
+
+    @model_validator(mode="after")
+    def _file_settings_need_a_file(self) -> TaskSection:
+        defaults = TaskSection.model_fields
+        for field in ("prompt_key", "answer_key", "split", "limit", "shuffle", "overlong"):
+            if self.name != "file" and getattr(self, field) != defaults[field].default:
+                raise ValueError(f'{field} is a setting of data files: it needs name = "file" (not {self.name!r})')
+        return self
 
 
 class AlgorithmSection(Section):

@@ -74,6 +74,10 @@ REWARD_SCORING_SECONDS = Histogram(
 )
 
 
+DISPATCHER_SKIPPED_ROWS = Gauge(
+    "asyncrl_dispatcher_skipped_rows",
+    "Rows of the task's data file left out at load because their prompt is too long to serve (task.overlong = skip).",
+)
 DISPATCHER_RELEASED_GROUPS = Counter(
     "asyncrl_dispatcher_released_groups_total",
     "Prompt groups released into the prompt queue by admission control (replacements of lost groups included).",

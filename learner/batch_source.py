@@ -31,6 +31,7 @@ from common.config import RunConfig
 from common.control import ControlPlane
 from common.keys import dead_letter
 from common.logs import get_logger, worth_logging
+from common.prompts import Prompter, model_vocab_size
 from common.provenance import issue_mismatch
 from common.replay import ReplayEntry, ReplayReader
 from common.staleness import StalenessBound
@@ -81,9 +82,10 @@ class BatchSource:
         self.config = config
         self.plane = plane
         self.bound = StalenessBound.of(config)
-        limits = Limits(int(config.transport.max_message_mb * 2**20), len(tokenizer))
+        # Token ids are checked against the model's embedding rows, which may exceed the tokenizer's length (padded).
+        limits = Limits(int(config.transport.max_message_mb * 2**20), model_vocab_size(config.model.path))
         self.reader = ReplayReader(plane.client, plane.keys, limits=limits)
-        self.dispatcher = Dispatcher(config, plane, lambda text: tokenizer(text)["input_ids"])
+        self.dispatcher = Dispatcher(config, plane, Prompter.for_tokenizer(tokenizer, config.task))
         self.trained = TrainedLog(plane, self.reader, defer_acks=config.checkpoint.every > 0)
         self.newest_version = newest_version
         """The newest version any actor can hold; a token stamped above it was not sampled by this run's weights."""

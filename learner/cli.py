@@ -128,13 +128,13 @@ def train(
     url = given_redis_url(redis, redis_file) or resolved.transport.redis_url  # none: an embedded Redis
     server = None if url else EmbeddedRedis(resolved.run_dir / "redis").start()
     try:
-        from common.tasks import TaskFileError
+        from common.tasks import TaskError
         from learner.checkpoint import CheckpointError
         from learner.loop import Learner
 
         try:
             learner = Learner(resolved, url or server.url, resume=checkpoint)
-        except (CheckpointError, TaskFileError) as exc:  # TaskFileError names the file and its bad row
+        except (CheckpointError, TaskError) as exc:  # a bad data file is named with its row
             fail(str(exc))
         learner.run()
     finally:

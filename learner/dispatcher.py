@@ -41,8 +41,10 @@ from common.metrics import (
     DISPATCHER_LOST_GROUPS,
     DISPATCHER_REISSUED_GROUPS,
     DISPATCHER_RELEASED_GROUPS,
+    DISPATCHER_SKIPPED_ROWS,
 )
 from common.prompt_ledger import LedgerEntry
+from common.prompts import Prompter
 from common.staleness import StalenessBound
 from common.tasks import Task, check_task_options, get_task, prompt_group, task_label
 from common.wire import PromptGroup
@@ -62,9 +64,13 @@ def check_task(section: TaskSection) -> None:
     check_task_options(section.name, task_options(section))
 
 
+FILE_SETTINGS = ("prompt_key", "answer_key", "split", "limit", "shuffle")
+"""``[task]`` fields that are the ``file`` task's constructor options."""
+
+
 def task_options(section: TaskSection) -> dict:
-    """The task constructor's options: ``task.options``, and for ``file`` the path from ``task.path``
-    (``task.options["verifier"]`` names the verifier, not a constructor option)."""
+    """The task constructor's options: ``task.options``, and for ``file`` the path from ``task.path`` and the
+    :data:`FILE_SETTINGS` (``task.options["verifier"]`` names the verifier, not a constructor option)."""
     options = dict(section.options)
     if section.name != "file":
         return options
@@ -72,7 +78,11 @@ def task_options(section: TaskSection) -> dict:
     if section.path:
         options["path"] = section.path
     if not options.get("path"):
-        raise ValueError("task 'file' needs a data file: set task.path to a JSONL or Parquet file")
+        raise ValueError("task 'file' needs a data file: set task.path to a JSONL, Parquet or save_to_disk folder")
+    for name in FILE_SETTINGS:
+        if name in options:
+            raise ValueError(f"task 'file': set task.{name}, not task.options.{name}")
+        options[name] = getattr(section, name)
     return options
 
 
@@ -92,17 +102,21 @@ def overdue_reason(entry: LedgerEntry, live: set[str], deadline_s: float, now: f
 class Dispatcher:
     """Releases prompt groups into the run's prompt queue under admission control and tracks them.
 
-    ``encode`` turns a prompt into token ids the way the model expects (BOS included).
+    ``prompter`` makes each prompt (chat template, special tokens) and its token ids, once
+    (:class:`common.prompts.Prompter`); a plain ``encode`` function (text → ids) stands for one without a template.
     """
 
-    def __init__(self, config: RunConfig, plane: ControlPlane, encode: Callable[[str], list[int]]) -> None:
+    def __init__(self, config: RunConfig, plane: ControlPlane, prompter: Prompter | Callable[[str], list[int]]) -> None:
         self.config = config
         self.plane = plane
-        self.encode = encode
+        self.prompter = prompter if isinstance(prompter, Prompter) else Prompter(encode=prompter)
         self.bound = StalenessBound.of(config)
         self.task, self.task_label = prompt_source(config.task)
-        # A data file is refused now, naming its first row too long to serve, rather than failing in vLLM later.
-        self.task.refuse_overlong(encode, config.model.max_model_len - config.rollout.max_new_tokens)
+        # A data file's rows are checked now (a bad one refuses the file, naming it; one too long to serve is skipped
+        # or refused, as task.overlong says), so that no prompt fails in vLLM later.
+        limit = config.model.max_model_len - config.rollout.max_new_tokens
+        self.task.fit(self.prompter, limit, config.task.overlong)
+        DISPATCHER_SKIPPED_ROWS.set(len(self.task.skipped))
         self._rng = random.Random(config.run.seed)
         self._drawn = 0  # examples drawn from the task so far (its position in the prompt stream)
 
@@ -163,8 +177,8 @@ class Dispatcher:
                 prompt_group(
                     self.group_id(number),
                     self.task_label,
-                    example,
-                    self.encode,
+                    self.prompter.apply(example),  # the prompt as the model sees it (chat-templated)
+                    self.prompter.encode,
                     self.config.rollout.num_samples,
                     version,
                     now,

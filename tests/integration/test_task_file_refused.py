@@ -1,4 +1,5 @@
-"""``rl-learner train`` refuses a data file with a bad row: exit 2, the file and row named, before DeepSpeed starts."""
+"""``rl-learner train`` refuses a data file with a bad row: exit 2, the file and row named, before DeepSpeed starts
+(a prompt too long to serve is such a row with ``task.overlong = "refuse"``)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def test_train_refuses_a_prompt_too_long_to_serve_naming_its_row(tmp_path: Path,
         "task.name=file",
         f"task.path={json.dumps(str(data))}",
         'task.options={verifier="arithmetic"}',
+        "task.overlong=refuse",  # the default, skip, leaves the row out and trains on the rest (tests/e2e)
     ]
     args = [str(BIN / "rl-learner"), "train", "--redis", redis_server.url]
     for setting in settings:

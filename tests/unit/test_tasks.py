@@ -11,6 +11,8 @@ import pytest
 
 from actors.verifiers import get_verifier
 from common import tasks
+from common.config import TaskSection
+from common.prompts import Prompter
 from common.tasks import (
     TASK_ALPHABET,
     FileTask,
@@ -22,8 +24,14 @@ from common.tasks import (
     register_task,
     task_names,
 )
+from common.tiny_model import build_char_tokenizer
 
 GENERATED = ["arithmetic", "reverse", "countdown"]
+
+
+def char_prompter() -> Prompter:
+    """The tiny model's prompter: its character tokenizer, no chat template."""
+    return Prompter.for_tokenizer(build_char_tokenizer(TASK_ALPHABET), TaskSection())
 
 
 def draw(task: Task, seed: int, n: int = 50) -> list[TaskExample]:
@@ -153,9 +161,12 @@ def test_file_task_other_bad_rows_name_file_and_line(tmp_path: Path) -> None:
     with pytest.raises(TaskFileError, match=re.escape(f"{path}:line 3: not valid JSON")):
         FileTask(path)
     write_rows(path, [{"prompt": "Hello=", "answer": "1"}])
-    with pytest.raises(TaskFileError, match=re.escape(f"{path}:line 1: characters outside TASK_ALPHABET: 'H'")):
-        FileTask(path)
-    assert FileTask(path, check_alphabet=False).examples == [TaskExample("Hello=", "1")]
+    task = FileTask(path)  # the characters are checked against the run's tokenizer, once it is known
+    assert task.examples == [TaskExample("Hello=", "1")]
+    with pytest.raises(
+        TaskFileError, match=re.escape(f"{path}:line 1: characters the model's tokenizer cannot encode")
+    ):
+        task.fit(char_prompter(), 100)  # the tiny model's tokenizer has no 'H'
     write_rows(path, [])
     with pytest.raises(TaskFileError, match="no examples"):
         FileTask(path)
@@ -219,7 +230,7 @@ def test_file_task_refuses_empty_and_non_utf8_prompts_naming_the_row(tmp_path: P
     with pytest.raises(
         TaskFileError, match=re.escape(f"{path}:line 3: field 'prompt' is not valid UTF-8 (character 3")
     ):
-        FileTask(path, check_alphabet=False)  # refused even where the alphabet is not checked
+        FileTask(path)  # refused whatever the tokenizer
 
 
 def test_parquet_file_task_names_a_row_that_is_not_utf8(tmp_path: Path) -> None:
@@ -240,14 +251,13 @@ def test_file_task_refuses_a_prompt_longer_than_the_run_can_serve(tmp_path: Path
     path = write_rows(
         tmp_path / "long.jsonl", [{"prompt": "1+1=", "answer": "2"}, {"prompt": "9" * 60 + "=", "answer": "9"}]
     )
-    task = FileTask(path)
 
     def encode(text: str) -> list[int]:  # the tiny model's tokenizer: BOS, then one token per character
         return [1] + [4] * len(text)
 
-    task.refuse_overlong(encode, 62)  # 1 + 61 tokens: fits exactly
+    FileTask(path).fit(Prompter(encode=encode), 62, "refuse")  # 1 + 61 tokens: fits exactly
     with pytest.raises(
         TaskFileError, match=re.escape(f"{path}:line 2: prompt is 62 tokens; the run can serve at most 61")
     ):
-        task.refuse_overlong(encode, 61)
-    get_task("arithmetic").refuse_overlong(encode, 1)  # a generated task has nothing to refuse
+        FileTask(path).fit(Prompter(encode=encode), 61, "refuse")
+    get_task("arithmetic").fit(Prompter(encode=encode), 1, "refuse")  # a generated task has nothing to refuse

@@ -1,0 +1,188 @@
+"""Models as users bring them: a byte-level BPE tokenizer with a ChatML template, in two architectures (Llama, Qwen2
+with a padded, tied embedding), built locally (``common/tiny_chat_model.py``) and served by a real ``rl-actor``.
+
+The token path is checked end to end: the dispatcher templates and encodes each prompt once; a real vLLM engine
+samples from those ids; the learner's BatchSource reads the scored groups back from Redis and its batch holds
+exactly the ids the actor generated — the prompt as the dispatcher made it, the response (with the template's end
+of turn) as vLLM sampled it — and vLLM's behaviour log-probs of those ids equal a transformers forward pass.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from common.channel import PullChannel
+from common.config import RunConfig
+from common.control import ControlPlane
+from common.prompts import Prompter, model_vocab_size
+from common.replay import ReplayWriter
+from common.tasks import TaskExample
+from common.tiny_chat_model import ARCHITECTURES, IM_END, chat_examples, init_chat_model, warm_start_chat
+from common.wire import Heartbeat, RolloutGroup, ScoredGroup
+from learner.batch import collate
+from learner.batch_source import BatchSource
+from tests.integration.test_learner_owners import answer
+from tests.integration.test_rollout_actor import stop, transformers_logprobs
+
+pytestmark = pytest.mark.integration
+ACTOR = str(Path(sys.executable).parent / "rl-actor")
+LOGPROB_TOLERANCE = 1e-4
+RUN = "chat"
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def chat_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """(architecture, folder): random weights, briefly warm-started on chat rows so some responses end their turn."""
+    arch = request.param
+    folder = init_chat_model(tmp_path_factory.mktemp(arch) / "model", arch, seed=0)
+    warm_start_chat(folder, chat_examples(2000, seed=1), steps=4)
+    return arch, folder
+
+
+def run_config(tmp_path: Path, model_dir: Path, data: Path, groups: int = 6, samples: int = 4) -> RunConfig:
+    return RunConfig.model_validate(
+        {
+            "run": {"name": RUN, "root": str(tmp_path / "runs")},
+            "model": {"path": str(model_dir), "max_model_len": 128},
+            "task": {"name": "file", "path": str(data), "options": {"verifier": "arithmetic"}},
+            "rollout": {"num_samples": samples, "max_new_tokens": 24, "kv_cache_bytes": 64 * 2**20},
+            "learner": {"groups_per_step": groups, "wait_for_batch_s": 30},
+            "staleness": {"max_staleness": 0},
+            "transport": {"heartbeat_s": 0.5, "heartbeat_ttl_s": 5},
+        }
+    )
+
+
+def test_the_folders_load_as_users_models_do(chat_model: tuple[str, Path]) -> None:
+    """The chat template is read from tokenizer_config.json; special tokens come once (the Llama template writes
+    BOS itself); every character encodes (byte level); Qwen2's embedding is padded beyond its tokenizer."""
+    arch, folder = chat_model
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert json.loads((folder / "tokenizer_config.json").read_text())["chat_template"] == tokenizer.chat_template
+    prompter = Prompter.for_tokenizer(tokenizer, RunConfig().task)  # chat = "auto": the tokenizer has a template
+    example = TaskExample("", "7", ({"role": "user", "content": "Wie viel ist 3+4? Café, déjà vu!"},))
+    ids = prompter.encode(prompter.text(example))
+    assert ids == tokenizer.apply_chat_template(list(example.messages), add_generation_prompt=True)["input_ids"]
+    assert tokenizer.convert_ids_to_tokens(ids).count("<|im_start|>") == 2  # the user turn and the generation prompt
+    if arch == "llama":
+        assert ids[0] == tokenizer.bos_token_id and ids.count(tokenizer.bos_token_id) == 1
+        assert prompter.stop_ids == ()  # its EOS is <|im_end|>: vLLM stops there by itself
+    else:
+        assert tokenizer.bos_token_id is None and prompter.stop_ids == (tokenizer.convert_tokens_to_ids(IM_END),)
+        assert model_vocab_size(folder) > len(tokenizer)  # 640 embedding rows for 512 tokens
+    assert prompter.unknown("?é€") == ""
+    config = AutoModelForCausalLM.from_pretrained(folder).config
+    assert config.vocab_size == model_vocab_size(folder) and config.tie_word_embeddings == (arch == "qwen2")
+
+
+def start_actor(url: str) -> subprocess.Popen:
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0"}
+    return subprocess.Popen([ACTOR, "--redis", url, "--run", RUN, "--id", "a1"], env=env)
+
+
+def collect(pull: PullChannel, n: int, actor: subprocess.Popen, timeout_s: float = 400) -> list[RolloutGroup]:
+    got: list[RolloutGroup] = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < n:
+        assert time.monotonic() < deadline and actor.poll() is None, f"only {len(got)} of {n} rollout groups arrived"
+        if (group := pull.recv(timeout_s=1.0)) is not None:
+            got.append(group)
+    return got
+
+
+def test_the_learner_trains_exactly_the_ids_the_actor_generated(
+    chat_model: tuple[str, Path], tmp_path: Path, redis_server, redis_client
+) -> None:
+    arch, folder = chat_model
+    rows = chat_examples(6, seed=7)
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = run_config(tmp_path, folder, data)
+    plane = ControlPlane(redis_client, RUN)
+    plane.run.publish_config(config)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    source = BatchSource(config, plane, tokenizer, newest_version=0)
+    assert source.dispatcher.release(0) == 6
+    issued = {gid: plane.prompts.load_group(gid) for gid in plane.prompts.ledger()}
+    prompter = Prompter.for_tokenizer(tokenizer, config.task)
+    for group in issued.values():  # made once, by the dispatcher: the row's messages through the chat template
+        row = rows[json.loads(group.extra)["id"]]
+        expected = prompter.encode(prompter.text(TaskExample("", row["answer"], tuple(row["messages"]))))
+        assert group.prompt_ids.tolist() == expected and group.prompt.endswith("<|im_start|>assistant\n")
+
+    pull = PullChannel("rollouts", RolloutGroup)
+    endpoint = pull.bind("tcp://127.0.0.1:0")
+    plane.registry.beat(Heartbeat(process_id="collector", kind="reward", state="ready", endpoint=endpoint), 3600)
+    actor = start_actor(redis_server.url)
+    try:
+        rollouts = collect(pull, 6, actor)
+    finally:
+        assert stop(actor) == 0
+        pull.close()
+
+    ReplayWriter(redis_client, plane.keys).add(
+        [ScoredGroup(rollout=r, rewards=np.arange(r.num_samples, dtype=np.float32)) for r in rollouts]
+    )
+    taken = source.take(0, threading.Event(), on_wait=lambda: None)
+    assert taken.verdicts["refused"] == 0 and len(taken.entries) == 6
+    pad = tokenizer.pad_token_id
+    batch = collate(taken.groups, pad)
+    by_id = {r.group_id: r for r in rollouts}
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    end_of_turn = tokenizer.convert_tokens_to_ids(IM_END)
+    row, worst, tokens, ended = 0, 0.0, 0, 0
+    for group in taken.groups:
+        sent = by_id[group.rollout.group_id]
+        assert np.array_equal(sent.prompt_ids, issued[sent.group_id].prompt_ids)
+        for i in range(sent.num_samples):
+            ids, logprobs, _ = sent.response(i)
+            whole = np.concatenate([sent.prompt_ids, ids])
+            assert batch.input_ids[row, : len(whole)].tolist() == whole.tolist()  # the very ids, no re-encoding
+            assert int(batch.response_mask[row].sum()) == len(ids)
+            if sent.finish_reasons[i] == "stop":  # the template's end of turn is sampled, kept and trained on
+                assert ids[-1] == end_of_turn and IM_END not in sent.texts[i]
+                ended += 1
+            expected = transformers_logprobs(model, sent.prompt_ids, ids)
+            worst = max(worst, float(np.abs(expected - logprobs).max(initial=0.0)))
+            tokens += len(ids)
+            row += 1
+    padded = int(sum((r.token_ids >= len(tokenizer)).sum() for r in rollouts))
+    print(
+        f"{arch}: vLLM vs transformers max |logprob diff| = {worst:.2e} over {tokens} tokens; "
+        f"{ended}/{row} responses ended their turn; {padded} padded ids sampled"
+    )
+    assert worst <= LOGPROB_TOLERANCE
+    assert ended > 0, "no response ended its turn: the stop token is not honoured"
+
+
+def test_a_group_that_sampled_a_padded_id_is_trained_not_dead_lettered(tmp_path: Path, redis_client) -> None:
+    """Issue 10: ids are checked against the model's embedding rows (config.vocab_size), not the tokenizer's length:
+    an id in the padding (Qwen2.5: 151,936 rows for 151,665 tokens) is a real sample vLLM can draw."""
+    folder = init_chat_model(tmp_path / "padded", "qwen2", vocab_size=300, padded_vocab=384, seed=3)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert len(tokenizer) == 300 and model_vocab_size(folder) == 384
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in chat_examples(4)))
+    config = run_config(tmp_path, folder, data, groups=1, samples=2)
+    plane = ControlPlane(redis_client, RUN)
+    source = BatchSource(config, plane, tokenizer, newest_version=0)
+    assert source.dispatcher.release(0) == 1
+    issued = plane.prompts.load_group(next(iter(plane.prompts.ledger())))
+    padded_id = 350  # beyond the tokenizer, inside the embedding
+    group = answer(issued, token_ids=np.array([5, padded_id, 7, padded_id, 2], np.int32), extra=issued.extra)
+    ReplayWriter(redis_client, plane.keys).add([group])
+    taken = source.take(0, threading.Event(), on_wait=lambda: None)
+    assert [e.group.rollout.group_id for e in taken.entries] == [issued.group_id]
+    assert redis_client.xlen(plane.keys.dead) == 0
+    assert padded_id in collate(taken.groups, tokenizer.pad_token_id).input_ids.tolist()[0]
