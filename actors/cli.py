@@ -31,11 +31,17 @@ def rollout(
     """
     if ctx.invoked_subcommand is not None:
         return
+    from actors.engine import EngineSettingsError, check_engine_settings
     from actors.rollout import run_actor
-    from common.cliutil import redis_url
+    from common.cliutil import fail, redis_url
 
     url = redis_url(redis, run, url_file=redis_file)
-    raise typer.Exit(run_actor(_read_run_config(url, run), url, id_))
+    config = _read_run_config(url, run)
+    try:
+        check_engine_settings(config)
+    except EngineSettingsError as exc:
+        fail(str(exc))
+    raise typer.Exit(run_actor(config, url, id_))
 
 
 @app.command("show-config")

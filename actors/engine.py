@@ -9,6 +9,8 @@ response that spans a weight update carries both versions. The same code runs on
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import gc
 import os
 import time
@@ -19,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from actors.lifeline import export_actor_pid
-from common.config import RunConfig
+from common.config import RolloutSection, RunConfig
 from common.logs import get_logger
 from common.wire import PromptGroup, RolloutGroup
 
@@ -54,11 +56,11 @@ class RolloutEngine:
             dtype=config.model.dtype,
             max_model_len=config.model.max_model_len,
             enforce_eager=config.rollout.enforce_eager,
-            kv_cache_memory_bytes=config.rollout.kv_cache_bytes,
             seed=seed,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=EXTENSION,
             disable_log_stats=True,
+            **engine_settings(config.rollout, AsyncEngineArgs, _has_gpu()),
         )
         export_actor_pid()  # vLLM's processes end with this one, even on kill -9 (actors/lifeline.py)
         self.llm = AsyncLLM.from_engine_args(args)
@@ -122,9 +124,12 @@ class RolloutEngine:
         await self.llm.pause_generation(mode="keep", clear_cache=False)
         try:
             figures: dict[str, Any] = {}
-            if join is not None:
-                (figures["self_check_s"],) = await self.llm.collective_rpc("asyncrl_join", join_timeout, args=(join,))
-            (received,) = await self.llm.collective_rpc("asyncrl_receive", receive_timeout, args=(frames,))
+            if join is not None:  # one result per worker (tensor parallelism: several)
+                checks = await self.llm.collective_rpc("asyncrl_join", join_timeout, args=(join,))
+                figures["self_check_s"] = max(checks)
+            received = _merged(await self.llm.collective_rpc("asyncrl_receive", receive_timeout, args=(frames,)))
+            load = "refused" not in received  # on every worker, or on none
+            figures["load_s"] = max(await self.llm.collective_rpc("asyncrl_load", receive_timeout, args=(load,)))
             figures.update(received)
             if on_loaded is not None and "refused" not in received:
                 on_loaded()  # before resuming: every token sampled from now on is stamped with the new version
@@ -150,6 +155,59 @@ def _stop_ids(config: RunConfig) -> tuple[int, ...]:
     from common.prompts import Prompter
 
     return Prompter.for_tokenizer(AutoTokenizer.from_pretrained(config.model.path), config.task).stop_ids
+
+
+class EngineSettingsError(ValueError):
+    """``[rollout]`` settings this machine's vLLM cannot take; the message names the setting."""
+
+
+def engine_settings(rollout: RolloutSection, engine_args_cls: type, has_gpu: bool) -> dict[str, Any]:
+    """The ``AsyncEngineArgs`` keywords the ``[rollout]`` table sets: memory, parallelism, batching, prefix caching,
+    then ``rollout.engine_args`` as given, each checked against ``engine_args_cls``'s fields (the installed vLLM's).
+    The config already refused the fields asyncrl sets itself (``common.config.ENGINE_ARGS_OWNED``)."""
+    if rollout.kv_cache_bytes == 0 and not has_gpu:
+        raise EngineSettingsError(
+            "rollout.kv_cache_bytes = 0 sizes the KV cache from GPU memory, and this machine has no GPU: set "
+            "rollout.kv_cache_bytes (e.g. 268435456)"
+        )
+    settings: dict[str, Any] = {"tensor_parallel_size": rollout.tensor_parallel_size}
+    if rollout.kv_cache_bytes:
+        settings["kv_cache_memory_bytes"] = rollout.kv_cache_bytes
+    else:
+        settings["gpu_memory_utilization"] = rollout.gpu_memory_utilization
+    if rollout.max_num_seqs:
+        settings["max_num_seqs"] = rollout.max_num_seqs
+    if rollout.enable_prefix_caching is not None:
+        settings["enable_prefix_caching"] = rollout.enable_prefix_caching
+    known = {f.name for f in dataclasses.fields(engine_args_cls)}
+    if unknown := sorted(set(rollout.engine_args) - known):
+        close = [match for name in unknown for match in difflib.get_close_matches(name, known, n=2)]
+        raise EngineSettingsError(
+            f"rollout.engine_args: {', '.join(map(repr, unknown))} not a field of this vLLM's AsyncEngineArgs"
+            + (f" (did you mean {', '.join(close)}?)" if close else "")
+        )
+    return settings | rollout.engine_args
+
+
+def check_engine_settings(config: RunConfig) -> None:
+    """Raise :class:`EngineSettingsError` before anything starts when the engine could not take ``[rollout]``."""
+    from vllm import AsyncEngineArgs
+
+    engine_settings(config.rollout, AsyncEngineArgs, _has_gpu())
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _merged(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The workers' receive results as one: the slowest worker's timings, and ``refused`` if any worker refused."""
+    merged: dict[str, Any] = {k: max(r.get(k, 0.0) for r in results) for k in results[0] if k != "refused"}
+    if refusals := [r["refused"] for r in results if "refused" in r]:
+        merged["refused"] = refusals[0]
+    return merged
 
 
 def rpc_timeouts(collective_timeout_s: float, buckets: int) -> tuple[float, float]:

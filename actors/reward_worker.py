@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -60,6 +59,7 @@ from common.metrics import (
     MetricsServer,
     start_metrics_server,
 )
+from common.net import advertise_host
 from common.provenance import issue_mismatch
 from common.replay import ReplayWriter
 from common.tasks import task_label
@@ -383,7 +383,7 @@ class RewardWorker:
             process_id=self.worker_id,
             kind="reward",
             state=self.state,
-            host=socket.gethostname(),
+            host=advertise_host(),
             pid=os.getpid(),
             metrics_url=self.metrics.url if self.metrics is not None else "",
             endpoint=self.endpoint,
@@ -404,10 +404,11 @@ class RewardWorker:
 
 
 def _advertised(endpoint: str) -> str:
-    """``endpoint`` as peers should connect to it: a wildcard host becomes this machine's host name."""
+    """``endpoint`` as peers should connect to it: a wildcard host becomes the advertised host
+    (``$ASYNCRL_ADVERTISE_HOST``, else this machine's host name: ``common/net.py``)."""
     scheme, _, rest = endpoint.partition("://")
     host, _, port = rest.rpartition(":")
-    return f"{scheme}://{socket.gethostname()}:{port}" if host in _WILDCARD_HOSTS else endpoint
+    return f"{scheme}://{advertise_host()}:{port}" if host in _WILDCARD_HOSTS else endpoint
 
 
 def run_until_stopped(worker: RewardWorker) -> int:

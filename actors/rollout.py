@@ -45,6 +45,7 @@ from common.metrics import (
     MetricsServer,
     start_metrics_server,
 )
+from common.net import advertise_host
 from common.staleness import StalenessBound
 from common.wire import Heartbeat, PromptGroup, RolloutGroup, WeightManifest
 
@@ -107,10 +108,11 @@ class RolloutActor:
             state=self.state,
             version=self.version,
             tokens_per_s=self._tokens.per_second(),
-            host=socket.gethostname(),
+            host=advertise_host(),
             pid=os.getpid(),
             metrics_url=self.metrics.url if self.metrics is not None else "",
             weights_digest=self.weights_digest,
+            weight_ranks=self.config.rollout.tensor_parallel_size,
         )
 
     def _serve_metrics(self) -> None:
@@ -234,7 +236,7 @@ class RolloutActor:
                 "redis_url": self.redis_url,
                 "run": self.config.run.name,
                 "epoch": manifest.group_epoch,
-                "rank": manifest.members.index(self.actor_id) + 1,
+                "rank": manifest.ranks_of(self.actor_id).start,  # of its first worker; the others take the next
                 "world_size": manifest.world_size,
                 "timeout_s": self.config.weight_sync.timeout_s,
                 "backend": "nccl" if _has_cuda() else "gloo",

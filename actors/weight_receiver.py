@@ -22,23 +22,33 @@ class WeightReceiverExtension:
     """Methods added to each vLLM worker; state lives on the worker object itself."""
 
     _asyncrl_group: WeightGroup | None = None
+    _asyncrl_received: tuple[WeightManifest, list] | None = None  # verified, not yet loaded
 
     def asyncrl_join(self, address: dict[str, Any]) -> float:
-        """Form (or re-form) the weight group as ``address['rank']``; returns the self-check seconds."""
+        """Form (or re-form) the weight group; returns the self-check seconds.
+
+        ``address['rank']`` is the actor's first rank: with tensor parallelism every worker joins as its own rank,
+        the actor's first plus the worker's rank in the engine, and receives every bucket itself (vLLM's loader then
+        keeps this worker's shard of each tensor). Receiving once and handing on inside the engine would save the
+        learner's uplink (one copy per actor, not per GPU) but needs a second collective inside vLLM's own group.
+        """
         self.asyncrl_leave()
-        self._asyncrl_group = WeightGroup(GroupAddress(**address))
+        worker = int(getattr(self, "rank", 0))  # vLLM's Worker: its rank in the engine (0 without parallelism)
+        self._asyncrl_group = WeightGroup(GroupAddress(**{**address, "rank": address["rank"] + worker}))
         return self._asyncrl_group.self_check()
 
     def asyncrl_receive(self, manifest_frames: list[bytes]) -> dict[str, Any]:
-        """Receive every bucket of the manifest, verify it, then load them; returns timings and the bytes received.
+        """Receive every bucket of the manifest and verify it; returns timings and the bytes received. The actor
+        then calls :meth:`asyncrl_load` on every worker — to load, only once every worker verified its copy.
 
         All buckets arrive before the first weight is loaded: vLLM's in-place reload takes the model's weights
         apart while it loads (on CPUs it repacks them), so a transfer that failed halfway — a learner killed
         mid-broadcast — would leave a model that cannot run and kill the engine. Received first, a failed
         transfer leaves the old weights serving. The cost is one copy of the weights in memory during a sync.
 
-        Every bucket is checked against its digest in the manifest before any is loaded; on a mismatch nothing is
-        loaded, the old weights keep serving, and the result says why under ``refused`` (the transfer itself
+        Every bucket is checked against its digest in the manifest before any is loaded; on a mismatch the result
+        says why under ``refused``, and the actor loads on no worker — with tensor parallelism, one worker's bad copy
+        must not leave the others serving a different version — so the old weights keep serving (the transfer itself
         succeeded, so the worker stays in the group for the next version).
         """
         if self._asyncrl_group is None:
@@ -51,13 +61,23 @@ class WeightReceiverExtension:
             "receive_s": received - start,
             "bytes": float(sum(f.numel() * f.element_size() for f in flats)),
         }
-        if refused := digest_mismatch(manifest.buckets, flats):
-            return figures | {"verify_s": time.perf_counter() - received, "refused": refused}
-        verified = time.perf_counter()
-        pairs = zip(manifest.buckets, flats, strict=True)
-        weights = (pair for bucket, flat in pairs for pair in unpack_bucket(bucket, flat))
-        self.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
-        return figures | {"verify_s": verified - received, "load_s": time.perf_counter() - verified}
+        refused = digest_mismatch(manifest.buckets, flats)
+        figures["verify_s"] = time.perf_counter() - received
+        if refused:
+            return figures | {"refused": refused}
+        self._asyncrl_received = (manifest, flats)
+        return figures
+
+    def asyncrl_load(self, load: bool) -> float:
+        """Load the weights :meth:`asyncrl_receive` verified (``load``), or drop them; returns the seconds taken."""
+        start = time.perf_counter()
+        received, self._asyncrl_received = self._asyncrl_received, None
+        if load and received is not None:
+            manifest, flats = received
+            pairs = zip(manifest.buckets, flats, strict=True)
+            weights = (pair for bucket, flat in pairs for pair in unpack_bucket(bucket, flat))
+            self.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        return time.perf_counter() - start
 
     def asyncrl_leave(self) -> None:
         """Drop the current group and close its store connection."""

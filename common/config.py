@@ -49,6 +49,28 @@ class ModelSection(Section):
     """Longest prompt + response in tokens."""
 
 
+ENGINE_ARGS_OWNED = {
+    "model": "set model.path",
+    "tokenizer": "the model folder's tokenizer is used (model.path)",
+    "dtype": "set model.dtype",
+    "max_model_len": "set model.max_model_len",
+    "seed": "set run.seed (each actor derives its own)",
+    "enforce_eager": "set rollout.enforce_eager",
+    "kv_cache_memory_bytes": "set rollout.kv_cache_bytes",
+    "gpu_memory_utilization": "set rollout.gpu_memory_utilization",
+    "tensor_parallel_size": "set rollout.tensor_parallel_size",
+    "max_num_seqs": "set rollout.max_num_seqs",
+    "enable_prefix_caching": "set rollout.enable_prefix_caching",
+    "logprobs_mode": "asyncrl needs processed_logprobs (the behaviour log-probs μ)",
+    "worker_extension_cls": "asyncrl's weight receiver must be the worker extension",
+    "skip_tokenizer_init": "the actor needs the tokenizer to return response texts",
+    "trust_remote_code": "refused: it runs code from the model folder (no asyncrl process does)",
+    "pipeline_parallel_size": "not supported: one actor is one engine; start more actors to scale out",
+    "data_parallel_size": "not supported: one actor is one engine; start more actors to scale out",
+}
+"""``AsyncEngineArgs`` fields that ``rollout.engine_args`` may not set, and why."""
+
+
 class RolloutSection(Section):
     num_samples: int = Field(8, ge=1, le=4096)
     """Responses sampled per prompt (the group size K)."""
@@ -62,12 +84,42 @@ class RolloutSection(Section):
     """Strings that end a response."""
     max_groups_in_flight: int = Field(16, ge=1)
     """Prompt groups one actor generates at once."""
-    kv_cache_bytes: int = Field(256 * 2**20, ge=2**20)
-    """KV-cache size per vLLM engine in bytes (set explicitly on CPUs)."""
+    kv_cache_bytes: int = Field(256 * 2**20, ge=0)
+    """KV-cache size per vLLM engine in bytes (required on CPUs, where vLLM misjudges free memory); 0 = vLLM sizes it
+    from ``gpu_memory_utilization`` (GPUs)."""
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    """Share of each GPU's memory vLLM may take (weights, activations, KV cache) when ``kv_cache_bytes = 0``; lower it
+    when the learner shares the GPUs."""
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    """GPUs one actor's engine spans (vLLM tensor parallelism); each of its workers joins the weight group as its own
+    rank."""
+    max_num_seqs: int = Field(0, ge=0)
+    """Most sequences the engine runs at once (vLLM's ``max_num_seqs``); 0 = vLLM's default."""
+    enable_prefix_caching: bool | None = None
+    """Reuse the KV cache of shared prompt prefixes (the K samples of a group share their prompt); unset = vLLM's
+    default."""
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    """Other ``vllm.AsyncEngineArgs`` fields, passed through as given (checked against vLLM's when the actor starts);
+    fields asyncrl sets itself are refused here, naming the setting to use."""
     cpu_threads: str = ""
     """vLLM CPU cores to bind, e.g. ``0`` or ``0-3`` (``VLLM_CPU_OMP_THREADS_BIND``); empty = vLLM's choice."""
     enforce_eager: bool = True
     """Disable CUDA graphs / compilation (required on CPUs, faster start everywhere)."""
+
+    @field_validator("kv_cache_bytes")
+    @classmethod
+    def _kv_cache_size(cls, size: int) -> int:
+        if 0 < size < 2**20:
+            raise ValueError("must be 0 (sized by gpu_memory_utilization) or at least 1 MiB (1048576)")
+        return size
+
+    @field_validator("engine_args")
+    @classmethod
+    def _not_ours(cls, args: dict[str, Any]) -> dict[str, Any]:
+        taken = {name: ENGINE_ARGS_OWNED[name] for name in args if name in ENGINE_ARGS_OWNED}
+        if taken:
+            raise ValueError("; ".join(f"{name!r}: {why}" for name, why in sorted(taken.items())))
+        return args
 
 
 class RewardFunction(Section):

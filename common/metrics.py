@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import os
 import resource
-import socket
 import threading
 from typing import TYPE_CHECKING
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from common.logs import get_logger
+from common.net import advertise_host
 
 if TYPE_CHECKING:
     pass
@@ -293,7 +293,7 @@ def start_metrics_server(
         server, thread = start_http_server(0, addr, registry=registry)
     if registry is REGISTRY:
         PROCESS_INFO.labels(run=run, process=process_id, kind=kind).set(1)
-    metrics_server = MetricsServer(server, thread, os.environ.get("ASYNCRL_ADVERTISE_HOST") or socket.gethostname())
+    metrics_server = MetricsServer(server, thread, advertise_host())
     log.info("serving metrics", process=process_id, url=metrics_server.url)
     return metrics_server
 

@@ -214,13 +214,32 @@ class WeightManifest:
     version from the discarded steps must load these weights too."""
     digest: str = ""
     """The version digest over the buckets' digests (``common/weights.py: version_digest``)."""
+    member_ranks: list[int] = field(default_factory=list)
+    """How many weight-group ranks each member takes, in ``members`` order — an actor's vLLM workers, one per GPU of
+    its tensor-parallel engine; empty = one each. Rank 0 is the learner, then each member's ranks back to back."""
+
+    def rank_counts(self) -> list[int]:
+        return list(self.member_ranks) or [1] * len(self.members)
+
+    def ranks_of(self, member: str) -> range:
+        """The weight-group ranks of ``member`` (its first worker takes the first)."""
+        counts = self.rank_counts()
+        index = self.members.index(member)
+        first = 1 + sum(counts[:index])
+        return range(first, first + counts[index])
+
+    def owner_of(self, rank: int) -> str:
+        """The member that takes weight-group ``rank`` (≥ 1)."""
+        return next(member for member in self.members if rank in self.ranks_of(member))
 
     def validate(self, limits: Limits) -> None:
         _check_digest("digest", self.digest)
         _check_range("version", self.version, 0, None)
         _check_range("restore", self.restore, 0, None)
-        if self.world_size != len(self.members) + 1:
-            raise WireError("world_size", f"{self.world_size} != 1 + {len(self.members)} members")
+        if self.member_ranks and (len(self.member_ranks) != len(self.members) or min(self.member_ranks) < 1):
+            raise WireError("member_ranks", f"needs one count >= 1 per member ({len(self.members)} members)")
+        if self.world_size != 1 + sum(self.rank_counts()):
+            raise WireError("world_size", f"{self.world_size} != 1 + the members' {sum(self.rank_counts())} ranks")
         for i, bucket in enumerate(self.buckets):
             if bucket.dtype not in ("float32", "bfloat16", "float16"):
                 raise WireError(f"buckets[{i}].dtype", f"unsupported dtype {bucket.dtype!r}")
@@ -250,11 +269,14 @@ class Heartbeat:
     """A reward worker's CURVE server public key (Z85) when its socket requires CURVE; actors connect with it."""
     weights_digest: str = ""
     """An actor's: the version digest of the weights it serves (``""`` before the first load)."""
+    weight_ranks: int = 1
+    """An actor's: the weight-group ranks it takes (its vLLM engine's workers: ``rollout.tensor_parallel_size``)."""
 
     def validate(self, limits: Limits) -> None:
         if self.kind not in PROCESS_KINDS:
             raise WireError("kind", f"must be one of {', '.join(PROCESS_KINDS)}, got {self.kind!r}")
         _check_range("tokens_per_s", self.tokens_per_s, 0, None)
+        _check_range("weight_ranks", self.weight_ranks, 1, 64)
         _check_digest("weights_digest", self.weights_digest)
 
 

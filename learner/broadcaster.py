@@ -68,6 +68,8 @@ class Broadcaster:
         """The version of the last manifest a previous learner of this run published (actors may hold it)."""
         """Restore generation stamped on every manifest (the learner bumps it when it resumes from a checkpoint)."""
         self.members: list[str] = []
+        self.member_ranks: list[int] = []  # weight-group ranks of each member (its engine's workers)
+        self.manifest: WeightManifest | None = None  # the last one published
         self.group: WeightGroup | None = None
         self.evicted: dict[str, int] = {}  # actor id -> syncs left out
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync")
@@ -76,8 +78,12 @@ class Broadcaster:
         self._early: dict[str, float] = {}  # figures of a transfer finished before its step's broadcast
 
     def live_actors(self) -> list[str]:
+        return sorted(self._live_ranks())
+
+    def _live_ranks(self) -> dict[str, int]:
+        """Live actors that can join → the weight-group ranks each takes (from its heartbeat)."""
         live, _ = self.plane.registry.processes()
-        return sorted(h.process_id for h in live if h.kind == "actor" and h.state not in _JOINABLE)
+        return {h.process_id: h.weight_ranks for h in live if h.kind == "actor" and h.state not in _JOINABLE}
 
     def has_newcomers(self) -> bool:
         """A live actor that is neither in the current group nor evicted: it holds no recent weights yet."""
@@ -144,14 +150,16 @@ class Broadcaster:
             buckets, flats, digest = plan_buckets(params, bucket_bytes), [], ""
         manifest = WeightManifest(
             version=version,
-            world_size=len(self.members) + 1,
+            world_size=1 + sum(self.member_ranks),
             members=list(self.members),
+            member_ranks=list(self.member_ranks),
             buckets=buckets,
             group_epoch=self.epoch,
             restore=self.restore,
             digest=digest,
         )
         self.plane.run.publish_manifest(manifest)
+        self.manifest = manifest
         if self.audit is not None and self.members:
             members = list(self.members)
             self.audit.record("weights.published", version=version, digest=digest, epoch=self.epoch, members=members)
@@ -177,10 +185,11 @@ class Broadcaster:
 
     def _update_membership(self) -> None:
         self.evicted = {a: n - 1 for a, n in self.evicted.items() if n > 1}
-        members = [a for a in self.live_actors() if a not in self.evicted]
-        if members != self.members or self.group is None:
+        ranks = {a: n for a, n in sorted(self._live_ranks().items()) if a not in self.evicted}
+        members = list(ranks)
+        if members != self.members or list(ranks.values()) != self.member_ranks or self.group is None:
             self.epoch += 1
-            self.members = members
+            self.members, self.member_ranks = members, list(ranks.values())
             self.group = None
             if members:
                 log.info("weight group re-formed", epoch=self.epoch, members=",".join(members))
@@ -193,7 +202,7 @@ class Broadcaster:
                 self.config.run.name,
                 self.epoch,
                 0,
-                len(self.members) + 1,
+                1 + sum(self.member_ranks),
                 self.config.weight_sync.timeout_s,
                 self.backend,
             )
@@ -204,7 +213,8 @@ class Broadcaster:
         return figures
 
     def _evict_absent(self, exc: WeightSyncError) -> None:
-        absent = [self.members[r - 1] for r in absent_ranks(self.store, self.epoch, len(self.members) + 1)]
+        formation = self.manifest  # the last published: the formation that failed
+        absent = sorted({formation.owner_of(r) for r in absent_ranks(self.store, self.epoch, formation.world_size)})
         suspects = absent or list(self.members)  # all came but one hung mid-broadcast: retry them all later
         for actor in absent:
             self.evicted[actor] = EVICT_SYNCS
@@ -217,7 +227,7 @@ class Broadcaster:
             action="check the actors' logs; they rejoin at a later sync once healthy",
         )
         self.group = None
-        self.members = []
+        self.members, self.member_ranks = [], []
 
 
 def _previous_manifest(plane: ControlPlane) -> WeightManifest | None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import socket
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -25,6 +24,7 @@ from common.config import RunConfig
 from common.control import ControlPlane
 from common.heartbeat import HeartbeatThread
 from common.logs import get_logger
+from common.net import advertise_host
 from common.wire import Heartbeat
 
 log = get_logger("telemetry")
@@ -109,7 +109,7 @@ class StepTelemetry:
             kind="learner",
             state=self.state,
             version=self.version,
-            host=socket.gethostname(),
+            host=advertise_host(),
             pid=os.getpid(),
             metrics_url=self.server.url,
         )

@@ -18,7 +18,7 @@ from common.audit import flush as flush_audit
 from common.config import RunConfig
 from common.control import ControlPlane
 from common.replay import ReplayWriter
-from common.wire import PromptGroup, RolloutGroup, ScoredGroup
+from common.wire import Heartbeat, PromptGroup, RolloutGroup, ScoredGroup
 from learner.batch_source import BatchSource, StepInterrupted
 from learner.broadcaster import Broadcaster
 from learner.checkpoint import complete_checkpoints, open_checkpoint
@@ -145,6 +145,23 @@ def test_synchronous_and_skipped_broadcasts(redis_client, tmp_path) -> None:
         assert synchronous.publish(2, lambda: params)["version"] == 2.0 and plane.run.version() == 2
     finally:
         synchronous.close()
+
+
+def test_each_actor_takes_the_ranks_its_heartbeat_asks_and_absent_ranks_name_their_actor(redis_client, tmp_path):
+    """Issue 11: an actor with a tensor-parallel engine heartbeats one rank per worker; the manifest lays the ranks out
+    back to back, and when nobody joins, the ranks that never announced themselves evict the actors that own them."""
+    plane = ControlPlane(redis_client, "owners")
+    for actor, ranks in (("a", 2), ("b", 1)):
+        plane.registry.beat(Heartbeat(process_id=actor, kind="actor", state="idle", weight_ranks=ranks), ttl_s=60)
+    broadcaster = Broadcaster(run_config(tmp_path, weight_sync={"timeout_s": 1}), plane)
+    try:
+        figures = broadcaster.publish(1, lambda: {"w": torch.ones(3)})
+        manifest = plane.run.read_manifest()[0]
+        assert (manifest.members, manifest.member_ranks, manifest.world_size) == (["a", "b"], [2, 1], 4)
+        assert [list(manifest.ranks_of(a)) for a in "ab"] == [[1, 2], [3]] and manifest.owner_of(2) == "a"
+        assert figures["failed"] == 1.0 and set(broadcaster.evicted) == {"a", "b"}  # nobody came
+    finally:
+        broadcaster.close()
 
 
 # --------------------------------------------------------------------------- PolicyUpdate and RunState

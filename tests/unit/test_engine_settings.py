@@ -1,0 +1,77 @@
+"""[rollout] engine settings for real hardware: what reaches vLLM's AsyncEngineArgs, and what is refused early."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.engine import EngineSettingsError, engine_settings
+from common.config import ConfigError, load_config
+
+
+@pytest.fixture(scope="module")
+def engine_args_cls():
+    from vllm import AsyncEngineArgs  # the installed vLLM's fields are the truth
+
+    return AsyncEngineArgs
+
+
+def rollout(*overrides: str):
+    return load_config(None, [f"rollout.{o}" for o in overrides]).rollout
+
+
+def test_defaults_give_a_fixed_kv_cache_and_one_gpu(engine_args_cls) -> None:
+    assert engine_settings(rollout(), engine_args_cls, has_gpu=False) == {
+        "tensor_parallel_size": 1,
+        "kv_cache_memory_bytes": 256 * 2**20,
+    }
+
+
+def test_gpu_settings_and_the_pass_through_table(engine_args_cls) -> None:
+    settings = engine_settings(
+        rollout(
+            "kv_cache_bytes=0",
+            "gpu_memory_utilization=0.55",
+            "tensor_parallel_size=2",
+            "max_num_seqs=128",
+            "enable_prefix_caching=true",
+            "engine_args={block_size=32, max_num_batched_tokens=4096}",
+        ),
+        engine_args_cls,
+        has_gpu=True,
+    )
+    assert settings == {
+        "tensor_parallel_size": 2,
+        "gpu_memory_utilization": 0.55,
+        "max_num_seqs": 128,
+        "enable_prefix_caching": True,
+        "block_size": 32,
+        "max_num_batched_tokens": 4096,
+    }
+    engine_args_cls(model="unused", **settings)  # vLLM's own dataclass takes them
+
+
+def test_an_unknown_pass_through_field_is_named(engine_args_cls) -> None:
+    with pytest.raises(EngineSettingsError, match=r"rollout.engine_args: 'blok_size' not a field"):
+        engine_settings(rollout("engine_args={blok_size=32}"), engine_args_cls, has_gpu=True)
+
+
+def test_a_kv_cache_sized_from_gpu_memory_needs_a_gpu(engine_args_cls) -> None:
+    with pytest.raises(EngineSettingsError, match=r"this machine has no GPU: set rollout\.kv_cache_bytes"):
+        engine_settings(rollout("kv_cache_bytes=0"), engine_args_cls, has_gpu=False)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("engine_args={trust_remote_code=true}", "'trust_remote_code': refused: it runs code from the model folder"),
+        ("engine_args={model='x'}", "'model': set model.path"),
+        ("engine_args={kv_cache_memory_bytes=1}", "'kv_cache_memory_bytes': set rollout.kv_cache_bytes"),
+        ("engine_args={pipeline_parallel_size=2}", "not supported: one actor is one engine"),
+        ("kv_cache_bytes=1000", "must be 0 (sized by gpu_memory_utilization) or at least 1 MiB"),
+        ("gpu_memory_utilization=1.5", "rollout.gpu_memory_utilization"),
+        ("tensor_parallel_size=0", "rollout.tensor_parallel_size"),
+    ],
+)
+def test_settings_asyncrl_owns_or_out_of_range_are_refused_by_the_config(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        rollout(override)
