@@ -77,11 +77,13 @@ class RolloutEngine:
 
         rollout = self.config.rollout
         self._request_seed += 1  # vLLM reuses one seed's draws for every request given it: vary per request
+        # An eval group carries its own settings; a training group none (then μ is sampled as the run says).
+        own = group.temperature >= 0
         params = SamplingParams(
             n=group.num_samples,
-            temperature=rollout.temperature,
-            top_p=rollout.top_p,
-            max_tokens=rollout.max_new_tokens,
+            temperature=group.temperature if own else rollout.temperature,
+            top_p=1.0 if own else rollout.top_p,
+            max_tokens=group.max_new_tokens or rollout.max_new_tokens,
             stop=rollout.stop or None,
             stop_token_ids=list(self.stop_ids) or None,  # the chat template's end of turn (common/prompts.py)
             logprobs=0,
@@ -256,4 +258,5 @@ def _rollout_group(
         actor_id=actor_id,
         timings=timings,
         extra=group.extra,
+        purpose=group.purpose,
     )

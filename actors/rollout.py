@@ -166,6 +166,8 @@ class RolloutActor:
 
     async def _generate(self, group: PromptGroup, request_id: str) -> None:
         try:
+            if group.purpose == "eval":
+                await self._catch_up(group.issued_version)
             rollout = await self.engine.sample(group, lambda: self.version, self.actor_id, request_id)
         except asyncio.CancelledError:
             raise  # _shutdown aborted it and hands the group back
@@ -183,6 +185,13 @@ class RolloutActor:
         except ChannelBlocked as exc:
             log.warning("reward workers not keeping up; returning the group", group=group.group_id, error=exc)
             await asyncio.to_thread(self.plane.prompts.return_prompts, [group])
+
+    async def _catch_up(self, version: int) -> None:
+        """An eval group evaluates the policy it was issued at: wait for those weights (at most
+        ``weight_sync.timeout_s``; its tokens' versions say what it evaluated either way)."""
+        deadline = time.monotonic() + self.config.weight_sync.timeout_s
+        while self.version < version and time.monotonic() < deadline and not self._stopping.is_set():
+            await self._sleep(0.05)
 
     def _count(self, rollout: RolloutGroup) -> None:
         """A finished group into the heartbeat's tokens/s and the Prometheus counters."""

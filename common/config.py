@@ -173,6 +173,48 @@ class TaskSection(Section):
         return self
 
 
+class EvalSection(Section):
+    """Evaluation during the run on held-out prompts (``common/evaluation.py``): never trained on, scored by the run's
+    reward functions, written as ``eval/*`` rows of metrics.jsonl."""
+
+    every: int = Field(0, ge=0)
+    """Evaluate the policy of every this many steps (at step 0, every N-th step and the last); 0 = no evaluation."""
+    name: str = "file"
+    """Held-out prompts: ``file`` (a data file, read as ``[task]`` reads one) or a built-in task drawn with ``seed``."""
+    path: str = ""
+    """Held-out data file when ``name = "file"``: JSONL, Parquet, or a ``save_to_disk`` folder."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """A built-in task's settings (e.g. digit counts); the run's verifier scores every eval prompt."""
+    prompt_key: str = Field("prompt", min_length=1)
+    """Field of a data row holding the prompt (a dotted path reads a nested field), as ``task.prompt_key``."""
+    answer_key: str = Field("answer", min_length=1)
+    """Field of a data row holding the reference answer, as ``task.answer_key``."""
+    split: str = ""
+    """Split of a ``DatasetDict`` folder; empty = its only split."""
+    limit: int = Field(64, ge=1)
+    """Eval prompts per round: the first this many rows of the file (or draws of a built-in task)."""
+    seed: int = 1_000_003
+    """Seed of a built-in task's draws (differs from ``run.seed``, so the eval set is not the training stream)."""
+    num_samples: int = Field(1, ge=1, le=4096)
+    """Responses per eval prompt (k of pass@k and mean@k)."""
+    temperature: float = Field(0.0, ge=0.0)
+    """Sampling temperature of eval prompts; 0 = greedy (then ``num_samples`` must be 1)."""
+    max_new_tokens: int = Field(0, ge=0)
+    """Longest eval response in tokens; 0 = ``rollout.max_new_tokens``."""
+    success_threshold: float = 1.0
+    """A response with reward at least this counts as solved (for pass@k and ``eval/accuracy``)."""
+    deadline_s: float = Field(600.0, gt=0)
+    """A round not back this long after its issue is recorded with what came back (``eval/missing`` counts the rest)."""
+
+    @model_validator(mode="after")
+    def _greedy_is_one_sample(self) -> EvalSection:
+        if self.temperature == 0.0 and self.num_samples != 1:
+            raise ValueError("greedy evaluation (temperature = 0) has one response: set num_samples = 1 or temperature")
+        if self.every and self.name == "file" and not self.path:
+            raise ValueError('eval name = "file" needs a held-out data file: set eval.path (or name a built-in task)')
+        return self
+
+
 class AlgorithmSection(Section):
     preset: str = "grpo"
     """Name of the algorithm this config was built from (informational once resolved)."""
@@ -415,6 +457,17 @@ class RunConfig(Section):
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     monitoring: MonitoringSection = Field(default_factory=MonitoringSection)
     health: HealthSection = Field(default_factory=HealthSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
+
+    @model_validator(mode="after")
+    def _eval_is_scored_as_the_task(self) -> RunConfig:
+        # Eval groups carry the run's task label: the reward workers score them with the run's verifier.
+        if self.eval.name not in ("file", self.task.name):
+            raise ValueError(
+                f"eval.name {self.eval.name!r}: eval prompts are scored by the run's verifier, so eval takes a "
+                f'held-out file (name = "file") or the run\'s own task {self.task.name!r} with another eval.seed'
+            )
+        return self
 
     @property
     def run_dir(self) -> Path:

@@ -66,6 +66,16 @@ class RunKeys:
         return self._k("prompts")
 
     @property
+    def eval_prompts(self) -> str:
+        """The eval prompt queue: actors pop it before ``prompts`` (``common/prompt_ledger.py: take_prompt``)."""
+        return self._k("eval_prompts")
+
+    @property
+    def eval(self) -> str:
+        """JSON list of the newest eval rounds' ``eval/*`` figures (``learner/evaluation.py``), for rl-top."""
+        return self._k("eval")
+
+    @property
     def inflight(self) -> str:
         return self._k("inflight")
 

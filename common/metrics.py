@@ -143,6 +143,16 @@ LEARNER_LAST_STEP = Gauge(
 LEARNER_IDLE_RATIO = Gauge(
     "asyncrl_learner_idle_ratio", "Fraction of the last step the learner spent waiting for scored groups."
 )
+LEARNER_EVAL_SCORE = Gauge(
+    "asyncrl_learner_eval_score",
+    "Scores of the newest complete eval round (learner/evaluation.py), by figure (pass@k, mean@k, accuracy).",
+    ["figure"],
+)
+LEARNER_EVAL_STEP = Gauge("asyncrl_learner_eval_step", "Step (policy version) the newest eval round evaluated.")
+LEARNER_EVAL_ROUNDS = Counter("asyncrl_learner_eval_rounds_total", "Eval rounds recorded by the learner.")
+LEARNER_EVAL_MISSING = Counter(
+    "asyncrl_learner_eval_missing_groups_total", "Eval groups not back by their round's deadline (eval.deadline_s)."
+)
 LEARNER_REWARD = Gauge(
     "asyncrl_learner_reward",
     "Reward over every response of the last step's batch, by statistic (mean, std).",

@@ -4,6 +4,9 @@ Delivery semantics of the queue (a list): FIFO; ``take_prompt`` pops atomically,
 A group that an actor gives back (SIGTERM) goes to the *front*. A group popped by an actor that then dies is not in
 the queue any more: the in-flight ledger (issue time, actor) is what lets the dispatcher find and re-issue it.
 
+Eval groups (``purpose = "eval"``, ``common/evaluation.py``) have a queue of their own, ``eval_prompts``, which
+``take_prompt`` pops first: they overtake every training group. They have an issue record but no ledger entry.
+
 Keys (:class:`common.control.RunKeys`): ``prompts`` (the queue), ``inflight`` (ledger: group id → JSON
 :class:`LedgerEntry`), ``groups`` (the issue record of every group in flight: its encoded
 :class:`~common.wire.PromptGroup`), ``dispatch`` (the dispatcher's counters), ``done`` (ids of completed groups).
@@ -51,8 +54,10 @@ class PromptLedger:
         return self.client.lpush(self.keys.prompts, *blobs) if blobs else self.queue_depth()
 
     def take_prompt(self, actor: str, timeout_s: float = 1.0) -> PromptGroup | None:
-        """Pop the oldest prompt group (blocking up to ``timeout_s``) and record ``actor`` as its holder."""
-        item = self.client.brpop([self.keys.prompts], timeout=timeout_s)
+        """Pop the oldest prompt group (blocking up to ``timeout_s``) and record ``actor`` as its holder.
+
+        Eval groups first: BRPOP pops the first non-empty list of those it is given, in order."""
+        item = self.client.brpop([self.keys.eval_prompts, self.keys.prompts], timeout=timeout_s)
         if item is None:
             return None
         blob = item[1]
@@ -68,8 +73,37 @@ class PromptLedger:
     def return_prompts(self, groups: Iterable[PromptGroup]) -> None:
         """Give unfinished groups back; they are taken next (front of the queue)."""
         for group in groups:
-            self.client.rpush(self.keys.prompts, encode_blob(group))
+            self.client.rpush(self._queue_of(group), encode_blob(group))
             self._update_ledger(group.group_id, actor="")
+
+    def _queue_of(self, group: PromptGroup) -> str:
+        return self.keys.eval_prompts if group.purpose == "eval" else self.keys.prompts
+
+    def issue_eval(self, groups: Iterable[PromptGroup]) -> None:
+        """Store eval groups' issue records (``groups``: what provenance checks) and queue them, in one transaction.
+
+        No ledger entry and no counter: admission never counts them and the dispatcher never re-issues them (the
+        learner's eval round has its own deadline, ``eval.deadline_s``)."""
+        blobs = {g.group_id: encode_blob(g) for g in groups}
+        if not blobs:
+            return
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hset(self.keys.groups, mapping=blobs)
+        pipe.lpush(self.keys.eval_prompts, *blobs.values())
+        pipe.execute()
+
+    def retire_eval(self, group_ids: Iterable[str]) -> None:
+        """Forget eval groups (scored or given up): their issue records and queued copies (a late twin then fails
+        provenance in the reward worker, or reaches a learner that no longer waits for it)."""
+        ids = list(group_ids)
+        if not ids:
+            return
+        queued = [b for b in self.client.hmget(self.keys.groups, ids) if b is not None]
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hdel(self.keys.groups, *ids)
+        for blob in queued:
+            pipe.lrem(self.keys.eval_prompts, 0, blob)
+        pipe.execute()
 
     def queue_depth(self) -> int:
         return int(self.client.llen(self.keys.prompts))

@@ -14,10 +14,12 @@ What must match, and why each bound holds for every honest actor:
 id                  issued by this run and in flight (not completed, discarded or lost)
 task, prompt,       exactly the issued ones: the actor copies them from the prompt group it took
 answer, extra,
+purpose,
 prompt_ids
 K                   ``num_samples`` responses, as issued
 issued_version      as issued (a re-issue keeps it)
-response lengths    each at most ``rollout.max_new_tokens`` (vLLM stops there)
+response lengths    each at most the group's ``max_new_tokens`` (an eval group's own), else
+                    ``rollout.max_new_tokens`` (vLLM stops there)
 token versions      none above the newest version the learner has published (no actor can hold a later one)
 ==================  =========================================================================================
 
@@ -43,7 +45,7 @@ def issue_mismatch(
     """
     if issued is None:
         return "its id is not in flight: never issued by this run, or given up as lost after its re-issue"
-    for name in ("task", "prompt", "answer", "extra"):
+    for name in ("task", "prompt", "answer", "extra", "purpose"):
         if getattr(group, name) != getattr(issued, name):
             return f"its {name} differs from the one issued"
     if not np.array_equal(group.prompt_ids, issued.prompt_ids):
@@ -52,9 +54,10 @@ def issue_mismatch(
         return f"it has {group.num_samples} responses; {issued.num_samples} were asked for"
     if group.issued_version != issued.issued_version:
         return f"its issued_version {group.issued_version} is not the issued {issued.issued_version}"
-    longest = int(group.lengths.max(initial=0))
-    if longest > max_new_tokens:
-        return f"a response has {longest} tokens; rollout.max_new_tokens is {max_new_tokens}"
+    longest, limit = int(group.lengths.max(initial=0)), issued.max_new_tokens or max_new_tokens
+    if longest > limit:
+        setting = "the group's max_new_tokens" if issued.max_new_tokens else "rollout.max_new_tokens"
+        return f"a response has {longest} tokens; {setting} is {limit}"
     newest = int(group.versions.max(initial=0))
     if newest_version is not None and newest > newest_version:
         return f"a token is stamped version {newest}; the newest published is {newest_version}"

@@ -41,6 +41,7 @@ def snapshot(plane) -> dict[str, Any]:
         "alerts": plane.run.alerts(),
         "digests": plane.run.digests(),
         "samples": plane.run.samples(),
+        "eval": _eval_rounds(plane),
         "endpoints": {beat.process_id: e for beat in live if (e := metrics_endpoint(beat)) is not None},
     }
 
@@ -59,6 +60,7 @@ def render(snap: dict[str, Any], now: float | None = None) -> str:
         lines.append(f"(no config published for run {snap['run']!r} in this Redis: check --run and --redis)")
     lines += ["", *_learner_lines(snap.get("summary"), snap.get("endpoints", {}), now)]
     lines += _sample_lines(snap.get("samples", []))
+    lines += _eval_lines(snap.get("eval", []))
     lines += ["", *_alert_lines(snap.get("alerts", []), now)]
     lines += ["", *_process_lines(snap, now)]
     return "\n".join(lines)
@@ -103,6 +105,28 @@ def _sample_lines(rows: list[dict[str, Any]], width: int = 60) -> list[str]:
             f"{r['prompt'][-width // 2 :]!r} -> {r['response'][:width]!r}"
         )
     return lines
+
+
+def _eval_rounds(plane) -> list[dict[str, Any]]:
+    """The newest eval rounds' rows (``learner/evaluation.py``), oldest first."""
+    raw = plane.client.get(plane.keys.eval)
+    return json.loads(raw) if raw is not None else []
+
+
+def _eval_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """One line: the first and the newest eval rounds (``eval/*`` of metrics.jsonl)."""
+    if not rows:
+        return []
+
+    def one(r: dict[str, Any]) -> str:
+        k = int(r.get("eval/k", 1))
+        return (
+            f"step {int(r['eval/step'])} pass@{k} {r.get('eval/pass@k', 0.0):.3f} "
+            f"mean@{k} {r.get('eval/mean@k', 0.0):.3f} ({int(r['eval/groups'])} prompts)"
+        )
+
+    shown = [rows[0], rows[-1]] if len(rows) > 1 else rows
+    return ["eval     " + "   ->   ".join(one(r) for r in shown)]
 
 
 def _alert_lines(alerts: list[dict[str, Any]], now: float) -> list[str]:

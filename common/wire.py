@@ -40,6 +40,7 @@ PROCESS_KINDS = ("actor", "reward", "learner")
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
     "PROCESS_KINDS",
+    "PURPOSES",
     "SCHEMA_VERSION",
     "ArraySpec",
     "Decoder",
@@ -80,11 +81,19 @@ class PromptGroup:
     issued_at: float = field(default_factory=time.time)
     extra: str = ""
     """The data row's other fields as a JSON object (``""`` = none), for reward functions (:func:`extra_fields`)."""
+    purpose: str = "train"
+    """``train``, or ``eval``: a held-out prompt the learner scores and never trains on (``common/evaluation.py``)."""
+    temperature: float = -1.0
+    """This group's sampling temperature (0 = greedy); below 0 = ``rollout.temperature`` (every training group)."""
+    max_new_tokens: int = 0
+    """This group's longest response; 0 = ``rollout.max_new_tokens`` (every training group)."""
 
     def validate(self, limits: Limits) -> None:
         _check_vocab("prompt_ids", self.prompt_ids, limits)
         _check_range("num_samples", self.num_samples, 1, 4096)
         _check_range("issued_version", self.issued_version, 0, None)
+        _check_purpose(self.purpose)
+        _check_range("max_new_tokens", self.max_new_tokens, 0, None)
 
 
 @message("rollout")
@@ -116,6 +125,8 @@ class RolloutGroup:
     """Seconds per phase, e.g. ``queued``, ``generate``."""
     extra: str = ""
     """The prompt group's ``extra``, copied as issued."""
+    purpose: str = "train"
+    """The prompt group's ``purpose``, copied as issued (``eval`` groups are never trained on)."""
 
     @property
     def num_samples(self) -> int:
@@ -144,6 +155,7 @@ class RolloutGroup:
         _check_vocab("prompt_ids", self.prompt_ids, limits)
         _check_vocab("token_ids", self.token_ids, limits)
         _check_range("issued_version", self.issued_version, 0, None)
+        _check_purpose(self.purpose)
 
 
 @message("scored")
@@ -289,6 +301,15 @@ def extra_fields(extra: str) -> dict[str, Any]:
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
+
+
+PURPOSES = ("train", "eval")
+"""What a prompt group is for (``PromptGroup.purpose``)."""
+
+
+def _check_purpose(value: str) -> None:
+    if value not in PURPOSES:
+        raise WireError("purpose", f"must be one of {', '.join(PURPOSES)}, got {value[:40]!r}")
 
 
 def _check_digest(name: str, value: str) -> None:

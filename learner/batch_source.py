@@ -14,6 +14,9 @@ record is **refused** (``common/provenance.py``: dead-lettered, its id stays in 
 with a token older than the staleness floor is **stale** and a group with equal rewards under dynamic sampling is
 **zero_variance** — both discarded, so admission releases replacements.
 
+Eval groups (``purpose = "eval"``) are routed to :class:`learner.evaluation.EvalRounds` before any of this: they
+are never admitted, judged stale, counted by admission or trained.
+
 Recovery: entries read and never acknowledged (an earlier learner's, or after a resume those its later steps
 trained) come back first (:meth:`BatchSource.recover`); entries read beyond one batch are carried to the next.
 """
@@ -37,6 +40,7 @@ from common.replay import ReplayEntry, ReplayReader
 from common.staleness import StalenessBound
 from common.wire import Limits, ScoredGroup, encode_blob
 from learner.dispatcher import Dispatcher
+from learner.evaluation import EvalRounds
 from learner.trained import Rewind, TrainedLog, replay_position
 
 log = get_logger("learner")
@@ -85,7 +89,10 @@ class BatchSource:
         # Token ids are checked against the model's embedding rows, which may exceed the tokenizer's length (padded).
         limits = Limits(int(config.transport.max_message_mb * 2**20), model_vocab_size(config.model.path))
         self.reader = ReplayReader(plane.client, plane.keys, limits=limits)
-        self.dispatcher = Dispatcher(config, plane, Prompter.for_tokenizer(tokenizer, config.task))
+        prompter = Prompter.for_tokenizer(tokenizer, config.task)
+        self.dispatcher = Dispatcher(config, plane, prompter)
+        self.evaluation = EvalRounds(config, plane, prompter, self.reader) if config.eval.every else None
+        """The run's eval rounds (``learner/evaluation.py``); eval entries go there before admission."""
         self.trained = TrainedLog(plane, self.reader, defer_acks=config.checkpoint.every > 0)
         self.newest_version = newest_version
         """The newest version any actor can hold; a token stamped above it was not sampled by this run's weights."""
@@ -101,6 +108,8 @@ class BatchSource:
         Raises :class:`StepInterrupted` when ``stop`` is set while waiting, :class:`TimeoutError` past
         ``learner.wait_for_batch_s``.
         """
+        if self.evaluation is not None:
+            self.evaluation.issue_if_due(version)  # first: its groups are queued ahead of this step's
         self.dispatcher.release(version)
         want = self.config.learner.groups_per_step
         taken, started = Taken(), time.perf_counter()
@@ -110,9 +119,12 @@ class BatchSource:
                 self._check_waiting(taken, stop, started)
                 self.dispatcher.release(version)
                 self.dispatcher.reissue_overdue(self.config.learner.group_deadline_s)
+                self._close_eval_rounds()
                 on_wait()
                 candidates = self.reader.read(want - len(taken.entries), block_ms=500)
             for entry in candidates:
+                if self._is_eval(entry):
+                    continue  # scored for its eval round, never trained
                 if len(taken.entries) == want:
                     self._carry.append(entry)  # recovered beyond one batch: next step's
                     continue
@@ -124,7 +136,37 @@ class BatchSource:
                     taken.verdicts[verdict] += 1
             candidates = []
         taken.waited_s = time.perf_counter() - started
+        self._close_eval_rounds()
         return taken
+
+    # ------------------------------------------------------------------ evaluation
+
+    def _is_eval(self, entry: ReplayEntry) -> bool:
+        """An eval group goes to its round (without ``[eval]``: acknowledged and dropped); True when it was one."""
+        if entry.group.rollout.purpose != "eval":
+            return False
+        if self.evaluation is not None:
+            self.evaluation.collect(entry)
+        else:
+            self.reader.ack([entry.entry_id])
+        return True
+
+    def _close_eval_rounds(self) -> None:
+        if self.evaluation is not None:
+            self.evaluation.close_due()
+
+    def finish_eval(self, version: int, stop: threading.Event) -> None:
+        """At the end of the run: issue the last round (policy ``version``) if due and wait for the open ones, at
+        most ``eval.deadline_s``. Training groups read meanwhile stay pending (a resume trains them)."""
+        if self.evaluation is None:
+            return
+        self.evaluation.issue_if_due(version)
+        while self.evaluation.open and not stop.is_set():
+            for entry in self.reader.read(64, block_ms=500):
+                if not self._is_eval(entry):
+                    self._carry.append(entry)
+            self.evaluation.close_due()
+        self.evaluation.close_due(force=True)
 
     def _check_waiting(self, taken: Taken, stop: threading.Event, started: float) -> None:
         if stop.is_set():

@@ -91,16 +91,18 @@ def _become_subreaper() -> bool:
 
 
 def tail_metrics(path: Path) -> dict | None:
-    """The last complete line of metrics.jsonl, or None."""
+    """The last complete step line of metrics.jsonl (not an eval round's), or None."""
     try:
         lines = path.read_text().splitlines()
     except FileNotFoundError:
         return None
     for line in reversed(lines):
         try:
-            return json.loads(line)
+            row = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line being written
+        if "eval/step" not in row:
+            return row
     return None
 
 

@@ -10,6 +10,8 @@ One step is a table of contents of five owners (:meth:`Learner.step`)::
     roll back if that is due        RunState        (through health) a resume from an older checkpoint
 
 and every ``checkpoint.every`` steps, at the end and on SIGTERM, :meth:`RunState.save` writes a checkpoint.
+With ``[eval]``, the batch source issues and records eval rounds on the way (``learner/evaluation.py``) and, at the
+end, waits for the last one.
 
 Staleness (:class:`common.staleness.StalenessBound`): a group whose oldest token is older than
 ``v − max_staleness`` is dropped and counted; admission control makes that rare. Replay entries are acknowledged
@@ -110,6 +112,7 @@ class Learner:
                     self.save_checkpoint("every")
             self.broadcaster.finish()
             self.save_checkpoint("sigterm" if self._stop.is_set() else "end")
+            self.batches.finish_eval(self.version, self._stop)  # the last policy's eval round (learner/evaluation.py)
             outcome = "stopped" if self._stop.is_set() else "completed"
         finally:
             self.broadcaster.close()

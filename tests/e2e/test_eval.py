@@ -1,0 +1,64 @@
+"""Evaluation during the run (issue 10.6), with real processes: eval rounds at steps 0, 2 and 4 of a 4-step run appear
+in metrics.jsonl with every prompt scored by the reward worker, sampled by the policy of their step, and no eval
+group is ever trained, counted by admission or left behind in Redis."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from common.control import ControlPlane
+from common.keys import connect
+from tests.e2e.test_resume import Processes
+from tests.e2e.test_system import BIN, ROOT, model_dir  # noqa: F401 - model_dir is a fixture
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+RUN, STEPS, GROUPS, PROMPTS = "evalrun", 4, 8, 12
+
+
+def test_eval_rounds_are_recorded_at_their_steps_and_never_trained(tmp_path: Path, model_dir: Path) -> None:  # noqa: F811
+    run_dir = tmp_path / RUN
+    procs = Processes(tmp_path / "logs")
+    overrides = [
+        f"run.root={tmp_path}", f"run.name={RUN}", f"model.path={model_dir}", f"learner.steps={STEPS}",
+        f"learner.groups_per_step={GROUPS}", "eval.every=2", f"eval.limit={PROMPTS}",
+        "eval.num_samples=2", "eval.temperature=1.0", "eval.max_new_tokens=8",
+    ]
+    sets = [arg for override in overrides for arg in ("--set", override)]
+    config = ROOT / "configs/demo.toml"
+    try:
+        run_args = procs.start_run(config, sets, run_dir)
+        plane = ControlPlane(connect(run_args[1]), RUN)
+        procs.start("actor-0", [BIN / "rl-actor", *run_args, "--id", "actor-0"], {"VLLM_CPU_OMP_THREADS_BIND": "1"})
+        learner = procs.start("learner", [BIN / "rl-learner", "train", config, *sets, "--redis", run_args[1]])
+        assert learner.wait(900) == 0, procs.log("learner")[-3000:]
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        evals = [r for r in rows if "eval/step" in r]
+        steps = [r for r in rows if "eval/step" not in r]
+        assert [int(r["step"]) for r in steps] == list(range(1, STEPS + 1))
+        assert sorted(int(r["step"]) for r in evals) == [0, 2, 4]  # issued at step 0, 2 and the last
+        for r in evals:
+            assert (r["eval/groups"], r["eval/missing"], r["eval/k"]) == (PROMPTS, 0, 2)
+            assert 0.0 <= r["eval/pass@k"] <= 1.0 and 0.0 <= r["eval/mean@k"] <= 1.0
+            assert r["eval/pass@k"] >= r["eval/accuracy"]
+            assert r["eval/policy_min"] >= r["eval/step"]  # the actor waited for the policy it evaluates
+            assert r["eval/response_tokens"] <= 8
+        trained = {g.decode(): int(s) for g, s in plane.client.hgetall(f"asyncrl:{RUN}:trained").items()}
+        assert Counter(trained.values()) == dict.fromkeys(range(1, STEPS + 1), GROUPS)  # the batches stay whole
+        assert not [g for g in trained if "-eval" in g]  # no eval group was trained
+        counts = plane.prompts.dispatch_counts()
+        assert counts["created"] == counts["released"] + counts.get("discarded", 0) + counts.get("lost", 0)
+        assert not [g for g in plane.client.hkeys(plane.keys.groups) if b"-eval" in g]  # every round retired
+        assert plane.client.llen(plane.keys.eval_prompts) == 0
+        assert plane.client.xlen(plane.keys.dead) == 0  # nothing refused by the reward worker or the learner
+        shown = json.loads(plane.client.get(plane.keys.eval))  # what rl-top shows
+        assert [int(r["eval/step"]) for r in shown] == [0, 2, 4]
+        log = procs.log("learner")
+        for step in (0, 2, 4):
+            print(f"eval step {step}:", {k: v for r in evals if r["step"] == step for k, v in r.items()})
+        assert log.count("issued an eval round") == 3
+    finally:
+        procs.stop_all()
