@@ -60,6 +60,7 @@ from common.metrics import (
     start_metrics_server,
 )
 from common.net import advertise_host
+from common.outage import exit_for_outage, outage_clock, outage_in
 from common.provenance import issue_mismatch
 from common.replay import ReplayWriter
 from common.tasks import task_label
@@ -180,7 +181,7 @@ class RewardWorker:
         self.functions = bind_functions(config.reward.functions, self.task)
         self.config = config
         self.worker_id = worker_id
-        self.client = connect(redis_url)
+        self.client = connect(redis_url, config.transport.redis_outage_s)
         self.plane = ControlPlane(self.client, config.run.name)
         self.audit = Audit(self.client, config.run.name, worker_id, "reward")
         self.replay = ReplayWriter(self.client, self.plane.keys, maxlen=config.transport.replay_maxlen)
@@ -249,8 +250,11 @@ class RewardWorker:
     def run(self) -> None:
         """Score groups until :meth:`stop`; scored groups are written before it returns."""
         pending: list[ScoredGroup] = []
+        outages = outage_clock(self.client)  # its heartbeats tell it Redis is gone even while no rollout comes
         try:
             while not self._stop.is_set():
+                if outages is not None:
+                    outages.check()
                 group = self.channel.recv(timeout_s=0 if pending else POLL_S)
                 if group is None:  # nothing more waiting: write what we have now rather than wait for a batch
                     self._flush(pending)
@@ -414,7 +418,8 @@ def _advertised(endpoint: str) -> str:
 def run_until_stopped(worker: RewardWorker) -> int:
     """Run ``worker`` until SIGTERM or SIGINT, then finish the group in hand, leave and close.
 
-    Returns the exit status: 0 after a requested stop, 1 when the worker stalled on hung reward calls.
+    Returns the exit status: 0 after a requested stop, 1 when the worker stalled on hung reward calls, 75 when Redis
+    was unreachable for longer than ``transport.redis_outage_s``.
     """
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.stop())
@@ -430,6 +435,10 @@ def run_until_stopped(worker: RewardWorker) -> int:
             action="restart it; make the function finish within reward.timeout_s",
         )
         return 1
+    except Exception as exc:
+        if (outage := outage_in(exc)) is None:
+            raise
+        return exit_for_outage(outage, worker.worker_id)
     finally:
         worker.close()
     log.info("reward worker stopped", worker=worker.worker_id)

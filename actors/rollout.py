@@ -28,6 +28,8 @@ import uuid
 from pathlib import Path
 from typing import Literal
 
+import redis
+
 from common.audit import Audit
 from common.channel import ChannelBlocked, CurveClient, PushChannel
 from common.config import RunConfig
@@ -46,6 +48,7 @@ from common.metrics import (
     start_metrics_server,
 )
 from common.net import advertise_host
+from common.outage import exit_for_outage, outage_in, settling
 from common.staleness import StalenessBound
 from common.wire import Heartbeat, PromptGroup, RolloutGroup, WeightManifest
 
@@ -59,7 +62,7 @@ class RolloutActor:
         self.redis_url = redis_url  # the weight group's rendezvous is in the run's Redis (common/rendezvous.py)
         self.bound = StalenessBound.of(config)
         self.actor_id = actor_id or f"actor-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
-        self.plane = ControlPlane(connect(redis_url), config.run.name)
+        self.plane = ControlPlane(connect(redis_url, config.transport.redis_outage_s), config.run.name)
         self.version = 0  # the model folder the engine starts from is policy version 0
         self.epoch: int | None = None
         self.restore = 0  # the learner's restore generation of the weights loaded (WeightManifest.restore)
@@ -311,7 +314,10 @@ class RolloutActor:
                 await self._on_sender(self.push.connect, endpoint, curve)
                 self._peers.add(endpoint)
                 log.info("connected to reward worker", endpoint=endpoint, curve=curve is not None)
-            for endpoint in self._peers - workers.keys():
+            gone = self._peers - workers.keys()
+            if settling(self.plane.client, self.config.transport.heartbeat_ttl_s):
+                gone = set()  # Redis just came back: a worker's heartbeat that expired meanwhile is being renewed
+            for endpoint in gone:
                 await self._on_sender(self.push.socket.disconnect, endpoint)
                 self._peers.discard(endpoint)
                 log.info("reward worker gone; disconnected", endpoint=endpoint)
@@ -368,8 +374,15 @@ class RolloutActor:
                     await self.engine.abort(request_id)
             task.cancel()
         if unfinished:
-            self.plane.prompts.return_prompts(unfinished)
-            log.info("returned unfinished groups to the queue", count=len(unfinished))
+            try:
+                self.plane.prompts.return_prompts(unfinished)
+                log.info("returned unfinished groups to the queue", count=len(unfinished))
+            except redis.exceptions.RedisError as exc:  # Redis gone for good: their deadline re-issues them
+                log.warning(
+                    "could not give unfinished groups back; the learner re-issues them",
+                    count=len(unfinished),
+                    error=exc,
+                )
         if self._tasks:  # let finished groups finish sending before the socket closes
             await asyncio.wait(self._tasks, timeout=self.push.socket.sndtimeo / 1000 + 5)
         self.heartbeat.stop(leave=True)
@@ -413,7 +426,13 @@ def _has_cuda() -> bool:
 
 
 def run_actor(config: RunConfig, redis_url: str, actor_id: str | None = None) -> int:
-    """Run one rollout actor until SIGTERM/SIGINT; the exit code (1 when its vLLM engine died)."""
+    """Run one rollout actor until SIGTERM/SIGINT; the exit code (1 when its vLLM engine died, 75 when Redis was
+    unreachable for longer than ``transport.redis_outage_s``)."""
     actor = RolloutActor(config, redis_url, actor_id)
-    asyncio.run(actor.run())
+    try:
+        asyncio.run(actor.run())
+    except Exception as exc:
+        if (outage := outage_in(exc)) is None:
+            raise
+        return exit_for_outage(outage, actor.actor_id)  # 75: Redis down for longer than transport.redis_outage_s
     return 1 if actor.engine_died else 0

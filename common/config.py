@@ -341,6 +341,8 @@ class TransportSection(Section):
     """Seconds between heartbeats."""
     heartbeat_ttl_s: float = Field(10.0, gt=0)
     """A process whose heartbeat is older than this is considered dead."""
+    redis_outage_s: float = Field(60.0, gt=0, le=86_400)
+    """How long every process waits for Redis when it stops answering (killed, restarting on its AOF), retrying with back-off; past this it exits with status 75 and says what to do (restart Redis, then resume with ``--resume latest``)."""  # noqa: E501
 
     @field_validator("redis_url")
     @classmethod

@@ -97,6 +97,11 @@ class RunKeys:
         """Hash of the dispatcher's counters (see ``learner/dispatcher.py``)."""
         return self._k("dispatch")
 
+    def once(self, token: str) -> str:
+        """One-time token of a change to the dispatcher's counters, so a retried one adds nothing
+        (``common/prompt_ledger.py: add_counts``); expires after a day."""
+        return self._k(f"once:{token}")
+
     @property
     def done(self) -> str:
         """Set of the ids of completed groups (to tell a late duplicate of a re-issued group)."""
@@ -118,8 +123,12 @@ class RunKeys:
         return self._k("audit")
 
 
-def connect(url: str) -> redis.Redis:
-    """A Redis client with sane time limits (a dead server raises instead of hanging forever).
+def connect(url: str, outage_s: float | None = None) -> redis.Redis:
+    """The Redis client of every process: it lives through a Redis restart and gives up after ``outage_s``.
+
+    A command that fails on a connection error (Redis killed, restarting, loading its AOF) is retried with back-off
+    until Redis answers again, for at most ``outage_s`` seconds of outage (default: ``transport.redis_outage_s``'s);
+    then it raises :class:`common.outage.RedisUnavailable` (see ``common/outage.py`` for why retrying is safe).
 
     Replies are parsed by hiredis when it is installed (fast for the replay stream's large
     entries), but commands are always packed by redis-py's Python serializer: it sends values
@@ -128,8 +137,15 @@ def connect(url: str) -> redis.Redis:
     import redis
     from redis.connection import Encoder, PythonRespSerializer
 
+    from common.config import TransportSection
+    from common.outage import OutageClock, OutageRetry
+
+    limit_s = TransportSection().redis_outage_s if outage_s is None else outage_s
+    retry = OutageRetry(OutageClock(limit_s, address=url.rpartition("@")[2]))
     packer = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
-    return redis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=30, command_packer=packer)
+    return redis.Redis.from_url(
+        url, socket_connect_timeout=5, health_check_interval=30, command_packer=packer, retry=retry
+    )
 
 
 def dead_letter(client: redis.Redis, keys: RunKeys, source: str, reason: str, payload: bytes) -> None:

@@ -9,12 +9,14 @@ Eval groups (``purpose = "eval"``, ``common/evaluation.py``) have a queue of the
 
 Keys (:class:`common.control.RunKeys`): ``prompts`` (the queue), ``inflight`` (ledger: group id → JSON
 :class:`LedgerEntry`), ``groups`` (the issue record of every group in flight: its encoded
-:class:`~common.wire.PromptGroup`), ``dispatch`` (the dispatcher's counters), ``done`` (ids of completed groups).
+:class:`~common.wire.PromptGroup`), ``dispatch`` (the dispatcher's counters, each change applied exactly once by
+:func:`add_counts` under a one-time token ``once:<token>``), ``done`` (ids of completed groups).
 """
 
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -141,8 +143,7 @@ class PromptLedger:
         pipe = self.client.pipeline(transaction=True)
         if payloads:
             pipe.hset(self.keys.groups, mapping=payloads)
-        for name, delta in counts.items():
-            pipe.hincrby(self.keys.dispatch, name, delta)
+        add_counts(pipe, self.keys, counts)
         pipe.execute()
 
     def has_group(self, group_id: str) -> bool:
@@ -196,8 +197,7 @@ class PromptLedger:
             pipe.lrem(self.keys.prompts, 0, blob)
         if completed:
             pipe.sadd(self.keys.done, *ids)
-        for name, delta in (counts or {}).items():
-            pipe.hincrby(self.keys.dispatch, name, delta)
+        add_counts(pipe, self.keys, counts or {})
         return int(pipe.execute()[0])
 
     def was_completed(self, group_id: str) -> bool:
@@ -212,6 +212,28 @@ class PromptLedger:
 
     def add_dispatch_counts(self, counts: Mapping[str, int]) -> None:
         pipe = self.client.pipeline(transaction=True)
-        for name, delta in counts.items():
-            pipe.hincrby(self.keys.dispatch, name, delta)
+        add_counts(pipe, self.keys, counts)
         pipe.execute()
+
+
+ONCE_TTL_S = 86_400
+"""How long a counted transaction's one-time token is kept (a retry comes within ``transport.redis_outage_s``)."""
+_ADD_ONCE = """
+if redis.call('SET', KEYS[2], '1', 'NX', 'EX', ARGV[1]) then
+  for i = 2, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
+end
+return 0
+"""
+
+
+def add_counts(pipe: redis.client.Pipeline, keys: RunKeys, counts: Mapping[str, int]) -> None:
+    """Queue ``counts`` onto the dispatcher's counters (``dispatch``) in ``pipe``, to be added exactly once.
+
+    A plain ``HINCRBY`` would add twice when the pipeline is sent again: redis-py retries it whole after a connection
+    error, and when Redis ran and logged it just before it was killed (the reply lost), the retry runs it a second
+    time — ``created`` would skip group ids and ``released`` would hold admission back. So the increments go in a
+    script under a one-time token (``once:<token>``, kept :data:`ONCE_TTL_S`): the retry finds it and adds nothing.
+    """
+    if counts:
+        args = [str(part) for name, delta in counts.items() for part in (name, int(delta))]
+        pipe.eval(_ADD_ONCE, 2, keys.dispatch, keys.once(uuid.uuid4().hex), ONCE_TTL_S, *args)

@@ -8,8 +8,12 @@ Delivery semantics (Redis streams, https://redis.io/docs/latest/develop/data-typ
   applied. A consumer that restarts under the same name gets its own pending entries back
   first; a consumer that died under another name has its entries claimed (``XAUTOCLAIM``)
   once they have been idle for ``claim_idle_s``.
-- **Durability**: with AOF (``appendfsync everysec``) a restarted Redis keeps every entry
-  and every pending list; a crash of the *machine* may lose the last second.
+- **Durability**: with AOF a restarted Redis keeps every entry and every pending list; with
+  ``appendfsync always`` (the embedded server's) every acknowledged write, even through a
+  ``kill -9`` of the server or a crash of the machine (``everysec`` may lose the last second).
+- **Redis restarts**: a client from :func:`common.keys.connect` retries through the outage; a
+  delivery whose reply was lost when the server died stays in this consumer's pending list,
+  and :meth:`ReplayReader.read` takes it back once the connection came back (``common/outage.py``).
 - **Bound**: ``XADD MAXLEN ~ n`` trims the oldest entries once the stream holds about ``n``.
   Trimming also removes entries that were read but not acknowledged — size ``n`` well above
   what the learner holds in flight.
@@ -79,6 +83,8 @@ class ReplayReader:
         self.claim_idle_s = claim_idle_s
         self.decoder = Decoder(ScoredGroup, limits)
         self._rejected: dict[str, int] = {}  # entries dead-lettered, by WireError.label (bounded by the schema)
+        self._last_id = "0-0"  # the newest entry handed out: a delivery after it that never came back was lost
+        self._outages = self._outages_survived()
         self._create_group()
 
     def _create_group(self) -> None:
@@ -93,6 +99,7 @@ class ReplayReader:
     def recover(self, count: int = 1000) -> list[ReplayEntry]:
         """Entries read before but never acknowledged: this consumer's own, then idle ones of others."""
         own = self.client.xreadgroup(self.group, self.consumer, {self.keys.replay: "0"}, count=count)
+        self._note(own[0][1] if own else [])
         entries = self._decode_all(own[0][1] if own else [])
         entries += self._claim_idle(count)
         if entries:
@@ -108,14 +115,47 @@ class ReplayReader:
                 self.keys.replay, self.group, self.consumer, idle_ms, start_id=start, count=count
             )
             start, claimed = reply[0], reply[1]
+            self._note(claimed)
             entries += self._decode_all(claimed)
             if start in (b"0-0", "0-0") or len(entries) >= count:
                 return entries
 
     def read(self, count: int, block_ms: int = 1000) -> list[ReplayEntry]:
-        """Up to ``count`` new entries, waiting at most ``block_ms`` for the first."""
+        """Up to ``count`` new entries, waiting at most ``block_ms`` for the first; after Redis came back from an
+        outage, also those delivered to this consumer while it was dying whose reply never arrived."""
+        last = self._last_id
         reply = self.client.xreadgroup(self.group, self.consumer, {self.keys.replay: ">"}, count=count, block=block_ms)
-        return self._decode_all(reply[0][1] if reply else [])
+        raw = list(reply[0][1]) if reply else []
+        raw += self._lost_deliveries(last, {entry_id for entry_id, _ in raw})
+        self._note(raw)
+        return self._decode_all(raw)
+
+    def _lost_deliveries(self, last: str, received: set[bytes]) -> list[tuple[bytes, dict[bytes, bytes] | None]]:
+        """Entries after ``last`` in this consumer's pending list that it never received: an ``XREADGROUP`` that the
+        server ran (and logged) just before it was killed, whose reply was lost and whose retry read the next ones.
+        Looked for only once after each outage (one round trip); they come after the new entries."""
+        outages = self._outages_survived()
+        if outages == self._outages:
+            return []
+        self._outages = outages
+        pending = self.client.xreadgroup(self.group, self.consumer, {self.keys.replay: last})
+        lost = [entry for entry in (pending[0][1] if pending else []) if entry[0] not in received]
+        if lost:
+            log.warning("took back replay entries whose delivery was cut by a Redis restart", count=len(lost))
+        return lost
+
+    def _outages_survived(self) -> int:
+        from common.outage import outage_clock
+
+        clock = outage_clock(self.client)
+        return clock.generation if clock is not None else 0
+
+    def _note(self, raw: Iterable[tuple[bytes, object]]) -> None:
+        """Remember the newest entry id handed out (stream ids order as (milliseconds, sequence))."""
+        for entry_id, _ in raw:
+            eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+            if _stream_order(eid) > _stream_order(self._last_id):
+                self._last_id = eid
 
     def ack(self, entry_ids: Iterable[str]) -> int:
         ids = list(entry_ids)
@@ -159,3 +199,8 @@ class ReplayReader:
         """Stream length and entries pending (read, not yet acknowledged) in this consumer group."""
         pending = self.client.xpending(self.keys.replay, self.group)
         return {"length": int(self.client.xlen(self.keys.replay)), "pending": int(pending["pending"])}
+
+
+def _stream_order(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)

@@ -112,7 +112,8 @@ def train(
     ] = None,
 ) -> None:
     """Run the learner: admit prompts, train on scored groups, broadcast weights, until step learner.steps.
-    SIGTERM finishes the step, saves a checkpoint and exits 0.
+    SIGTERM finishes the step, saves a checkpoint and exits 0. Redis down for longer than transport.redis_outage_s:
+    exits 75 saying what to do (restart Redis, then --resume latest).
     With data.source = "preferences": offline DPO on the file data.path (no Redis, no actors)."""
     from common.cliutil import fail, given_redis_url, load
     from common.redis_server import EmbeddedRedis
@@ -137,6 +138,12 @@ def train(
         except (CheckpointError, TaskError) as exc:  # a bad data file is named with its row
             fail(str(exc))
         learner.run()
+    except Exception as exc:
+        from common.outage import exit_for_outage, outage_in
+
+        if (outage := outage_in(exc)) is None:
+            raise
+        raise typer.Exit(exit_for_outage(outage, "learner")) from None
     finally:
         if server is not None:
             server.stop()

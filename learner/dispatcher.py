@@ -43,6 +43,7 @@ from common.metrics import (
     DISPATCHER_RELEASED_GROUPS,
     DISPATCHER_SKIPPED_ROWS,
 )
+from common.outage import outage_clock
 from common.prompt_ledger import LedgerEntry
 from common.prompts import Prompter
 from common.staleness import StalenessBound
@@ -86,14 +87,18 @@ def task_options(section: TaskSection) -> dict:
     return options
 
 
-def overdue_reason(entry: LedgerEntry, live: set[str], deadline_s: float, now: float) -> str | None:
+def overdue_reason(
+    entry: LedgerEntry, live: set[str] | None, deadline_s: float, now: float, paused_s: float = 0.0
+) -> str | None:
     """Why an in-flight group should be re-issued (or given up), or None while it is fine.
 
-    An empty holder means the group is still queued (or was never pushed): only the deadline applies.
+    An empty holder means the group is still queued (or was never pushed): only the deadline applies. ``live`` is
+    None while heartbeats cannot be trusted (Redis came back less than a heartbeat TTL ago: the holder's may not be
+    renewed yet); ``paused_s`` seconds since the issue in which Redis was down do not count against the deadline.
     """
-    if entry.actor and entry.actor not in live:
+    if entry.actor and live is not None and entry.actor not in live:
         return f"holder {entry.actor} is gone (heartbeat expired or it left)"
-    age = now - entry.issued_at
+    age = now - entry.issued_at - paused_s
     if age > deadline_s:
         return f"not back {age:.1f}s after issue (deadline {deadline_s:g}s)"
     return None
@@ -205,15 +210,23 @@ class Dispatcher:
         A group's first time overdue re-issues it (front of the queue, fresh issue time, attempts 2); its
         second counts it lost (ledger entry and payload removed, no longer counted by admission, so the
         next :meth:`release` replaces it). Returns (re-issued, lost).
+
+        A Redis restart re-issues nothing by itself: for a heartbeat TTL after Redis came back, holders whose
+        heartbeat expired while it was down are not judged yet, and the time it was down does not count against
+        the deadline (``common/outage.py``).
         """
         now = time.time() if now is None else now
-        live = {heartbeat.process_id for heartbeat in self.plane.registry.processes()[0]}
+        live: set[str] | None = {heartbeat.process_id for heartbeat in self.plane.registry.processes()[0]}
+        clock = outage_clock(self.plane.client)
+        if clock is not None and clock.recovered_within(self.config.transport.heartbeat_ttl_s, now):
+            live = None  # Redis just came back: a heartbeat that expired while it was down is being renewed
         reissued, lost = 0, []
         # newest first: each re-issue goes to the front, so the oldest group ends up taken first
         ledger = self.plane.prompts.ledger().items()
         newest_first = sorted(ledger, key=lambda kv: (kv[1].issued_at, kv[0]), reverse=True)
         for group_id, entry in newest_first:
-            reason = overdue_reason(entry, live, deadline_s, now)
+            paused_s = clock.down_between(entry.issued_at, now) if clock is not None else 0.0
+            reason = overdue_reason(entry, live, deadline_s, now, paused_s)
             if reason is None:
                 continue
             group = self.plane.prompts.load_group(group_id)

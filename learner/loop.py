@@ -57,7 +57,7 @@ class Learner:
 
         self.config = config
         algorithm = assemble(config)  # a bad option fails here, before DeepSpeed starts
-        self.plane = ControlPlane(connect(redis_url), config.run.name)
+        self.plane = ControlPlane(connect(redis_url, config.transport.redis_outage_s), config.run.name)
         write_resolved(config)
         self.plane.run.publish_config(config)
         self.recorder = Recorder(config, self.plane)  # /metrics is up while DeepSpeed starts

@@ -26,6 +26,7 @@ from common.audit import Audit, AuditMirror
 from common.config import RunConfig
 from common.control import ControlPlane
 from common.logs import get_logger
+from common.outage import settling
 from learner.alerts import ProcessFacts
 from learner.batch import TrainBatch
 from learner.batch_source import Taken
@@ -112,6 +113,8 @@ class Recorder:
         record.values["step/idle_fraction"] = taken.waited_s / max(record.values["step/seconds"], 1e-9)
         # sampled once a step, for health and metrics
         queues, processes = self.plane.queue_depths(), self.plane.registry.processes()
+        if settling(self.plane.client, self.config.transport.heartbeat_ttl_s):
+            processes = (processes[0], {})  # Redis just came back: heartbeats that expired meanwhile are being renewed
         self._note_lost(processes[1])
         if self.health is not None:
             record.add("health", self.health.observe(version, record.values, self._facts(queues)))

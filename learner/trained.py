@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from common.control import ControlPlane
 from common.logs import get_logger
+from common.prompt_ledger import add_counts
 from common.replay import ReplayEntry, ReplayReader
 
 log = get_logger("trained")
@@ -121,9 +122,7 @@ class TrainedLog:
         return dict(self._trained_items())
 
     def _count(self, pipe, counts: dict[str, int]) -> None:
-        for name, delta in counts.items():
-            if delta:
-                pipe.hincrby(self.plane.keys.dispatch, name, delta)
+        add_counts(pipe, self.plane.keys, {name: delta for name, delta in counts.items() if delta})
 
     def _ack_and_forget(self, entries: list[str]) -> None:
         if not entries:
