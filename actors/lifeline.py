@@ -27,7 +27,7 @@ import threading
 import time
 
 from common.logs import get_logger
-from common.procs import parent_of
+from common.procs import alive, parent_of
 
 log = get_logger("lifeline")
 ACTOR_PID_ENV = "ASYNCRL_ACTOR_PID"
@@ -65,7 +65,7 @@ def _watch(actor: int, engine_core: int | None) -> None:
     if fd is not None:
         select.select([fd], [], [])  # readable once the process has exited
     else:
-        while _alive(actor):
+        while alive(actor):
             time.sleep(_POLL_S)
     _end(actor, engine_core)
 
@@ -76,13 +76,3 @@ def _end(actor: int, engine_core: int | None) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(engine_core, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -6,6 +6,28 @@ import contextlib
 import os
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (``kill(pid, 0)``; another user's counts, and so does a zombie)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def name_and_state(pid: int) -> tuple[str, str] | None:
+    """The command name and state letter (``R``, ``S``, ``Z`` for a zombie, …) of ``pid``; None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return None
+    # The command name (field 2) is in parentheses and may hold spaces and ')': it ends at the last ')'.
+    return stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :][:1]
+
+
 def parent_of(pid: int) -> int:
     """The parent PID of ``pid`` (0 when the process is gone or ``/proc`` cannot be read)."""
     try:

@@ -47,6 +47,11 @@ class Children:
         log.info("started", process=name, pid=proc.pid, log=self.log_dir / f"{name}.log")
         return proc
 
+    def keep(self, pid: int) -> None:
+        """A process of ours started outside :meth:`start` (the embedded Redis, started again): :meth:`stop_all`
+        never ends it as a stray."""
+        self._others.add(pid)
+
     def failed(self) -> str | None:
         """The name of a child that exited with an error, if any."""
         return next((n for n, p in self.procs.items() if p.poll() not in (None, 0)), None)

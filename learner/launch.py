@@ -16,6 +16,7 @@ import typer
 
 if TYPE_CHECKING:
     from common.config import RunConfig
+    from common.redis_server import EmbeddedRedis
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="asyncrl local launcher.")
 
@@ -41,9 +42,9 @@ CurveOpt = Annotated[
 @contextlib.contextmanager
 def _run_redis(
     config: Path | None, overrides: list[str] | None, curve: bool = False
-) -> Iterator[tuple[RunConfig, str, list[str]]]:
+) -> Iterator[tuple[RunConfig, EmbeddedRedis, list[str]]]:
     """Resolve the config, start the run's embedded Redis, publish the config; stop Redis on exit. Yields the
-    config, the Redis URL and the overrides in force (with ``curve``, the generated keys' settings added)."""
+    config, the server and the overrides in force (with ``curve``, the generated keys' settings added)."""
     from common.cliutil import fail, load
     from common.config import write_resolved
     from common.control import ControlPlane
@@ -62,7 +63,7 @@ def _run_redis(
         fail(str(exc))
     try:
         ControlPlane(connect(server.url), resolved.run.name).run.publish_config(resolved)
-        yield resolved, server.url, overrides
+        yield resolved, server, overrides
     finally:
         server.stop()
 
@@ -100,13 +101,16 @@ def keys(folder: Annotated[Path, typer.Argument(help="Folder for the keys (creat
 
 @app.command()
 def redis(config: ConfigOpt = None, set_: SetOpt = None, curve: CurveOpt = False) -> None:
-    """Start the run's embedded Redis, publish the resolved config, and serve until Ctrl-C."""
-    with _run_redis(config, set_, curve) as (resolved, _url, _overrides):
+    """Start the run's embedded Redis, publish the resolved config, and serve until Ctrl-C. Started again on the same
+    run folder (after its server was killed), it takes the same port, password and AOF, and the run goes on; exits 1
+    when its redis-server dies."""
+    with _run_redis(config, set_, curve) as (resolved, server, _overrides):
         url_file = resolved.run_dir / "redis" / "url"
         typer.echo(
             f"run {resolved.run.name!r}: redis ready (URL with password in {url_file}); Ctrl-C stops it", err=True
         )
-        _wait_for_stop_signal()
+        code = _serve(server, resolved)
+    raise typer.Exit(code)
 
 
 @app.command()
@@ -121,15 +125,16 @@ def run(
     curve: CurveOpt = False,
 ) -> None:
     """Start embedded Redis, the learner, rollout actors and reward workers; show progress; Ctrl-C stops all
-    (the learner saves a checkpoint first)."""
+    (the learner saves a checkpoint first). A redis-server that dies is started again on its AOF, with the same
+    port and password, while the other processes wait for it (transport.redis_outage_s)."""
     from learner.children import Children
 
     code = 1
-    with _run_redis(config, set_, curve) as (resolved, _url, overrides):
+    with _run_redis(config, set_, curve) as (resolved, server, overrides):
         learner_args = ["--resume", str(_checkpoint_folder(resolved, resume))] if resume else []
         children = Children(resolved.run_dir / "logs")
         try:
-            code = _run_children(children, resolved, config, overrides, actors, rewards, learner_args)
+            code = _run_children(children, resolved, server, config, overrides, actors, rewards, learner_args)
         finally:
             children.stop_all()
     raise typer.Exit(code)
@@ -146,7 +151,7 @@ def _checkpoint_folder(resolved: RunConfig, spec: str) -> Path:
         fail(f"cannot resume: {exc}")
 
 
-def _run_children(children, resolved, config, overrides, actors, rewards, learner_args) -> int:
+def _run_children(children, resolved, server, config, overrides, actors, rewards, learner_args) -> int:
     import os
     import sys
 
@@ -170,6 +175,8 @@ def _run_children(children, resolved, config, overrides, actors, rewards, learne
     metrics = resolved.run_dir / "metrics.jsonl"
     shown = None
     while not stop.wait(1.0) and learner.poll() is None:
+        if (restarted := server.keep_up()) is not None:
+            children.keep(restarted)  # ours, not a stray a child left behind
         if (dead := children.failed()) and dead != "learner":
             typer.echo(f"\n{dead} exited with an error; see {resolved.run_dir / 'logs' / (dead + '.log')}", err=True)
         if (last := tail_metrics(metrics)) is not None and last["step"] != shown:
@@ -178,17 +185,37 @@ def _run_children(children, resolved, config, overrides, actors, rewards, learne
     typer.echo("", err=True)
     if learner.poll() is None:
         return 130  # interrupted
-    if learner.returncode:
+    if learner.returncode == OUTAGE_EXIT_CODE:
+        typer.echo(
+            "learner stopped: Redis was unreachable for longer than transport.redis_outage_s "
+            f"({resolved.transport.redis_outage_s:g}s); run again with --resume latest once Redis can start; "
+            f"see {resolved.run_dir / 'logs' / 'learner.log'}",
+            err=True,
+        )
+    elif learner.returncode:
         typer.echo(f"learner failed; see {resolved.run_dir / 'logs' / 'learner.log'}", err=True)
     return learner.returncode
 
 
-def _wait_for_stop_signal() -> None:
+OUTAGE_EXIT_CODE = 75
+"""A child's exit status when Redis stayed down past ``transport.redis_outage_s`` (``common/outage.py``)."""
+
+
+def _serve(server: EmbeddedRedis, resolved: RunConfig) -> int:
+    """``rl-launch redis``: 0 after SIGINT or SIGTERM; 1, saying what to do, as soon as its redis-server died."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     while not stop.wait(1.0):
-        pass
+        if (code := server.process.poll()) is not None:
+            typer.echo(
+                f"redis-server (pid {server.process.pid}) exited with {code}; start it again with the same command "
+                f"(`rl-launch redis` for {resolved.run_dir}): it takes the same port, password and AOF, and the run's "
+                f"processes wait {resolved.transport.redis_outage_s:g}s (transport.redis_outage_s) for it",
+                err=True,
+            )
+            return 1
+    return 0
 
 
 def main() -> None:
