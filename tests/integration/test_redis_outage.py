@@ -1,0 +1,270 @@
+"""Redis killed and restarted under a run: real redis-server processes, ``kill -9``, and clients from ``connect()``.
+
+A lock left by a killed server does not block a new one on its folder (a live one still does); the new one takes
+the old port and password, so a client waits through the outage and carries on — plain commands, a blocking
+``XREADGROUP``, a pub/sub subscription — with everything written before the kill still there; past
+``outage_s`` it raises a clear error instead. A restart does not make the dispatcher re-issue what live actors hold,
+nor count anything twice.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from common.control import ControlPlane
+from common.keys import RunKeys, connect
+from common.outage import OUTAGE_EXIT_CODE, RedisUnavailable, exit_for_outage, outage_clock
+from common.prompt_ledger import add_counts
+from common.redis_server import EmbeddedRedis, EmbeddedRedisError, is_redis_server
+from common.replay import ReplayReader
+from tests.integration.test_dispatcher import actor, make_config, make_dispatcher
+from tests.integration.test_replay import KEYS, fill
+
+pytestmark = pytest.mark.integration
+BIN = Path(sys.executable).parent
+
+
+def kill(server: EmbeddedRedis) -> None:
+    """``kill -9`` the server and leave it unreaped, as a crash would leave it to its parent: a zombie (once the
+    signal has done its work: the kernel takes a moment)."""
+    os.kill(server.process.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while is_redis_server(server.process.pid):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def later(seconds: float, action: Callable[[], object]) -> threading.Thread:
+    thread = threading.Thread(target=lambda: (time.sleep(seconds), action()), daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_killed_servers_lock_does_not_block_a_new_one_and_a_live_one_is_refused(tmp_path: Path) -> None:
+    first = EmbeddedRedis(tmp_path / "redis").start()
+    try:
+        assert first.lock_path.read_text().strip() == str(first.process.pid)  # the lock names its server
+        with pytest.raises(EmbeddedRedisError, match=rf"\(pid {first.process.pid}\) already runs"):
+            EmbeddedRedis(tmp_path / "redis").start()
+        connect(first.url).set("before", "kill")
+        kill(first)
+        second = EmbeddedRedis(tmp_path / "redis").start()  # the lock is stale: its process is gone
+        try:
+            assert second.url == first.url  # same port and password, from the folder's url file
+            assert connect(second.url).get("before") == b"kill"  # on the same AOF
+            with pytest.raises(EmbeddedRedisError, match="already runs"):
+                EmbeddedRedis(tmp_path / "redis").start()
+        finally:
+            second.stop()
+        assert second.lock_path.read_text() == ""  # a clean stop leaves no stale lock
+    finally:
+        first.stop()
+
+
+def test_keep_up_starts_a_dead_server_again_on_its_aof(tmp_path: Path) -> None:
+    server = EmbeddedRedis(tmp_path / "redis").start()
+    try:
+        url, dead = server.url, server.process
+        connect(url).xadd("s", {"n": 1})
+        assert server.keep_up() is None  # alive: nothing to do
+        kill(server)
+        dead.wait()
+        restarted = server.keep_up()
+        assert restarted == server.process.pid != dead.pid and server.url == url
+        assert connect(url).xlen("s") == 1
+    finally:
+        server.stop()
+
+
+def test_a_client_lives_through_a_kill_and_restart_within_the_limit(tmp_path: Path) -> None:
+    """8 s down, as in the report; every kind of call a process makes resumes, nothing written before is lost."""
+    server = EmbeddedRedis(tmp_path / "redis").start()
+    client = connect(server.url, outage_s=30)
+    client.set("config", "c")
+    client.hincrby("dispatch", "created", 16)
+    ids = [client.xadd("replay", {"n": i}).decode() for i in range(3)]
+    client.xgroup_create("replay", "learner", id="0")
+    client.xreadgroup("learner", "learner-0", {"replay": ">"}, count=1)  # one entry pending
+    pubsub = client.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe("announce")
+    heard: list[bytes] = []
+    listening = threading.Event()
+    listening.set()
+
+    def listen() -> None:  # as an actor's manifest listener does
+        while listening.is_set():
+            if (message := pubsub.get_message(timeout=0.5)) is not None:
+                heard.append(message["data"])
+
+    threading.Thread(target=listen, daemon=True).start()
+    blocked: dict[str, object] = {}
+    reader = threading.Thread(
+        target=lambda: blocked.update(
+            reply=client.xreadgroup("learner", "learner-0", {"replay": ">"}, count=10, block=30_000)
+        )
+    )
+    reader.start()
+    time.sleep(0.3)  # blocked in XREADGROUP when the server dies
+    kill(server)
+    killed = time.monotonic()
+    restarted: dict[str, EmbeddedRedis] = {}
+    later(8.0, lambda: restarted.update(server=EmbeddedRedis(tmp_path / "redis").start()))
+    try:
+        assert client.get("config") == b"c"  # waits for the restart, then answers
+        waited = time.monotonic() - killed
+        assert 7.5 < waited < 12, waited
+        reader.join(30)
+        assert not reader.is_alive()
+        assert [e.decode() for e, _ in blocked["reply"][0][1]] == ids[1:]  # resumed; what was pending stays pending
+        assert client.xpending("replay", "learner")["pending"] == 3
+        assert int(client.hget("dispatch", "created")) == 16
+        publisher = connect(restarted["server"].url)
+        deadline = time.monotonic() + 10  # the subscription comes back by itself (a message sent before is lost)
+        while not heard and time.monotonic() < deadline:
+            publisher.publish("announce", "7")
+            time.sleep(0.2)
+        assert heard and heard[0] == b"7"
+        clock = outage_clock(client)
+        assert clock.generation == 1 and 7.5 < clock.down_between(0, time.time()) < 12
+    finally:
+        listening.clear()
+        time.sleep(0.6)
+        pubsub.close()
+        if "server" in restarted:
+            restarted["server"].stop()
+        server.stop()
+
+
+def test_past_the_limit_a_client_raises_a_clear_error_and_recovers_later(tmp_path: Path) -> None:
+    server = EmbeddedRedis(tmp_path / "redis").start()
+    try:
+        client = connect(server.url, outage_s=2)
+        client.set("k", "v")
+        kill(server)
+        started = time.monotonic()
+        with pytest.raises(
+            RedisUnavailable, match=r"unreachable for 2\.\ds \(limit 2s, transport.redis_outage_s\)"
+        ) as e:
+            client.xreadgroup("g", "c", {"s": ">"}, block=1000)
+        assert 2 <= time.monotonic() - started < 4
+        assert server.password not in str(e.value)  # what is logged names the address only
+        with pytest.raises(RedisUnavailable):  # already past the limit: at once
+            client.get("k")
+        assert time.monotonic() - started < 4.5
+        assert exit_for_outage(RedisUnavailable("127.0.0.1:1/0", 2.5, 2, "refused"), "test") == OUTAGE_EXIT_CODE == 75
+        server.process.wait()
+        server.restart()
+        assert client.get("k") == b"v"  # the first success ends the outage
+    finally:
+        server.stop()
+
+
+def test_a_replayed_transaction_adds_its_counts_once(redis_client) -> None:
+    """redis-py sends a pipeline again after a connection error; when Redis had run it (the reply lost), the
+    dispatcher's counters must not move twice."""
+    keys = RunKeys("once")
+    pipe = redis_client.pipeline(transaction=True)
+    pipe.hset(keys.groups, "g1", "payload")
+    add_counts(pipe, keys, {"created": 4, "released": 4})
+    stack = list(pipe.command_stack)
+    pipe.execute()
+    replay = redis_client.pipeline(transaction=True)
+    replay.command_stack = stack  # the same commands, as redis-py's retry sends them
+    replay.execute()
+    assert redis_client.hgetall(keys.dispatch) == {b"created": b"4", b"released": b"4"}
+    ControlPlane(redis_client, "once").prompts.add_dispatch_counts({"created": 1})  # a new change does count
+    assert redis_client.hget(keys.dispatch, "created") == b"5"
+
+
+def test_a_delivery_cut_by_the_restart_is_read_again(tmp_path: Path) -> None:
+    server = EmbeddedRedis(tmp_path / "redis").start()
+    try:
+        client = connect(server.url, outage_s=30)
+        ids = fill(client, 6)
+        reader = ReplayReader(client, KEYS)
+        assert [e.entry_id for e in reader.read(count=2)] == ids[:2]
+        # Redis delivers two more to the learner and dies before the reply gets out: they sit in its pending list
+        connect(server.url).xreadgroup(reader.group, reader.consumer, {KEYS.replay: ">"}, count=2)
+        kill(server)
+        server.process.wait()
+        later(1.0, server.restart)
+        assert [e.entry_id for e in reader.read(count=2)] == ids[4:] + ids[2:4]  # the cut delivery comes back
+        assert reader.read(count=10, block_ms=100) == []  # once
+    finally:
+        server.stop()
+
+
+def test_a_restart_re_issues_nothing_that_live_actors_hold(tmp_path: Path) -> None:
+    """Down longer than the heartbeat TTL: every heartbeat expired meanwhile (Redis keeps absolute expiry times), and
+    the groups are older than their deadline by the time it is back; neither counts until a TTL after Redis is back,
+    and then only the holder that never came back loses its group."""
+    server = EmbeddedRedis(tmp_path / "redis").start()
+    try:
+        config = make_config(max_staleness=0, groups_per_step=2)
+        config.transport.heartbeat_s, config.transport.heartbeat_ttl_s = 0.5, 2.0
+        d = make_dispatcher(connect(server.url, outage_s=30), config)
+        plane = d.plane
+        actor(plane, "actor-a", ttl_s=2.0)
+        actor(plane, "actor-gone", ttl_s=2.0)
+        assert d.release(0) == 2
+        kept, orphan = plane.prompts.take_prompt("actor-a"), plane.prompts.take_prompt("actor-gone")
+        kill(server)
+        server.process.wait()
+        later(3.0, server.restart)
+        actor(plane, "actor-a", ttl_s=2.0)  # waits for the restart, then beats again; actor-gone never does
+        assert d.reissue_overdue(deadline_s=3.0) == (0, 0)  # > 3 s old, 3 s of it down; heartbeats not judged yet
+        time.sleep(2.2)  # a TTL after Redis came back
+        actor(plane, "actor-a", ttl_s=2.0)
+        assert d.reissue_overdue(deadline_s=3.0) == (1, 0)  # only the group of the holder that is really gone
+        ledger = plane.prompts.ledger()
+        assert ledger[kept.group_id].actor == "actor-a" and ledger[orphan.group_id].attempts == 2
+    finally:
+        server.stop()
+
+
+def test_rl_launch_redis_exits_when_its_server_dies_and_starts_again_on_the_same_folder(tmp_path: Path) -> None:
+    args = [str(BIN / "rl-launch"), "redis", "--set", f"run.root={tmp_path}", "--set", "run.name=outage"]
+    folder = tmp_path / "outage" / "redis"
+    first = subprocess.Popen(args, stderr=subprocess.PIPE, text=True)
+    procs = [first]
+    try:
+        url = _wait_for(lambda: (folder / "url").read_text().strip(), first)
+        plane = ControlPlane(connect(url), "outage")
+        _wait_for(lambda: plane.client.exists(plane.keys.config), first)
+        plane.client.set("asyncrl:outage:version", 4)
+        refused = subprocess.run(args, capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 2 and "already runs" in refused.stderr  # a live server is never doubled
+        os.kill(int((folder / "server.lock").read_text()), signal.SIGKILL)
+        assert first.wait(30) == 1
+        assert "start it again with the same command" in first.stderr.read()
+        second = subprocess.Popen(args, stderr=subprocess.DEVNULL)
+        procs.append(second)
+        _wait_for(lambda: plane.client.ping(), second)  # same port and password: the old client reconnects
+        assert plane.run.version() == 4 and (folder / "url").read_text().strip() == url
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                proc.wait(30)
+
+
+def _wait_for(condition: Callable[[], object], proc: subprocess.Popen, timeout_s: float = 60) -> object:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if value := condition():
+                return value
+        except (FileNotFoundError, RedisUnavailable):
+            pass
+        assert proc.poll() is None, f"exited with {proc.returncode}"
+        time.sleep(0.1)
+    raise AssertionError("timed out")
