@@ -204,7 +204,8 @@ def main_command(
     from common.control import ControlPlane
     from common.keys import connect
 
-    plane = ControlPlane(connect(redis_url(redis, run, root, url_file=redis_file)), run)
+    # A monitor shows an outage within seconds (and the run again when Redis is back) instead of waiting it out.
+    plane = ControlPlane(connect(redis_url(redis, run, root, url_file=redis_file), outage_s=2.0), run)
     if as_targets:
         print(json.dumps(targets(plane.registry.metrics_endpoints(), run), indent=2))
         return
