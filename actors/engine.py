@@ -129,7 +129,8 @@ class RolloutEngine:
             if join is not None:  # one result per worker (tensor parallelism: several)
                 checks = await self.llm.collective_rpc("asyncrl_join", join_timeout, args=(join,))
                 figures["self_check_s"] = max(checks)
-            received = _merged(await self.llm.collective_rpc("asyncrl_receive", receive_timeout, args=(frames,)))
+            verify = self.config.weight_sync.digests
+            received = _merged(await self.llm.collective_rpc("asyncrl_receive", receive_timeout, args=(frames, verify)))
             load = "refused" not in received  # on every worker, or on none
             figures["load_s"] = max(await self.llm.collective_rpc("asyncrl_load", receive_timeout, args=(load,)))
             figures.update(received)

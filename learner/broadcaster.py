@@ -25,6 +25,7 @@ One transfer at a time: a new one waits for the previous one before it touches t
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,8 +42,9 @@ from common.weights import (
     WeightGroup,
     WeightSyncError,
     absent_ranks,
-    pack_sealed,
+    pack_bucket,
     plan_buckets,
+    seal_buckets,
 )
 from common.wire import WeightManifest, WireError
 
@@ -132,23 +134,21 @@ class Broadcaster:
         return figures | {"version": float(version), "wait_s": time.perf_counter() - waited}
 
     def _start(self, version: int, params: Mapping[str, torch.Tensor]) -> None:
-        """Snapshot ``params``, publish ``version``'s manifest, and send in the background.
+        """Snapshot ``params``, then seal, publish ``version``'s manifest and send in the background.
 
-        When this returns, ``params`` may change (the next optimizer step): the buckets are copies. The
-        transfer's result is its figures; it never raises — a failed transfer evicts the actors that did
-        not come and reports ``failed = 1``.
+        When this returns, ``params`` may change (the next optimizer step): the buckets are copies. Hashing them
+        (``weight_sync.digests``) happens on the background thread too, so with overlap it hides behind the next
+        step like the transfer. The transfer's result is its figures; it never raises — a failed transfer evicts
+        the actors that did not come and reports ``failed = 1``.
         """
         if self._in_flight is not None:
             self._in_flight[1].result()
         start = time.perf_counter()
         self._update_membership()
-        bucket_bytes = int(self.config.weight_sync.bucket_mb * 2**20)
-        if self.members:  # sealed: each member verifies every bucket before it loads any (common/weights.py)
-            sealed = pack_sealed(params, bucket_bytes, "cuda" if self.backend == "nccl" else "cpu")
-            buckets, flats, digest = sealed.buckets, sealed.flats, sealed.digest
-        else:  # nobody to send to: the layout only, nothing copied
-            buckets, flats, digest = plan_buckets(params, bucket_bytes), [], ""
-        manifest = WeightManifest(
+        buckets = plan_buckets(params, int(self.config.weight_sync.bucket_mb * 2**20))
+        device = "cuda" if self.backend == "nccl" else "cpu"
+        flats = [pack_bucket(bucket, params, device) for bucket in buckets] if self.members else []
+        unsealed = WeightManifest(
             version=version,
             world_size=1 + sum(self.member_ranks),
             members=list(self.members),
@@ -156,16 +156,30 @@ class Broadcaster:
             buckets=buckets,
             group_epoch=self.epoch,
             restore=self.restore,
-            digest=digest,
         )
-        self.plane.run.publish_manifest(manifest)
-        self.manifest = manifest
-        if self.audit is not None and self.members:
-            members = list(self.members)
-            self.audit.record("weights.published", version=version, digest=digest, epoch=self.epoch, members=members)
         figures = {"members": float(len(self.members)), "bytes": 0.0, "self_check_s": 0.0}
         figures["snapshot_s"] = time.perf_counter() - start
-        self._in_flight = (version, self._pool.submit(self._transfer, flats, figures, start))
+        self._in_flight = (version, self._pool.submit(self._transfer, unsealed, flats, figures, start))
+
+    def _announce(self, manifest: WeightManifest, flats: list[torch.Tensor]) -> float:
+        """Seal the manifest's buckets (each member verifies every one before it loads any: ``common/weights.py``)
+        and publish it; returns the seconds spent hashing."""
+        hashing = time.perf_counter()
+        if flats and self.config.weight_sync.digests:
+            buckets, digest = seal_buckets(manifest.buckets, flats)
+            manifest = dataclasses.replace(manifest, buckets=buckets, digest=digest)
+        hashed = time.perf_counter() - hashing
+        self.plane.run.publish_manifest(manifest)
+        self.manifest = manifest
+        if self.audit is not None and manifest.members:
+            self.audit.record(
+                "weights.published",
+                version=manifest.version,
+                digest=manifest.digest,
+                epoch=manifest.group_epoch,
+                members=manifest.members,
+            )
+        return hashed
 
     def close(self) -> None:
         """Wait for the transfer in flight, then stop the background thread (its version is not published)."""
@@ -173,7 +187,10 @@ class Broadcaster:
             self._in_flight[1].result()
         self._pool.shutdown(wait=True)
 
-    def _transfer(self, flats: list[torch.Tensor], figures: dict[str, float], start: float) -> dict[str, float]:
+    def _transfer(
+        self, manifest: WeightManifest, flats: list[torch.Tensor], figures: dict[str, float], start: float
+    ) -> dict[str, float]:
+        figures["digest_s"] = self._announce(manifest, flats)
         if self.members:
             try:
                 figures.update(self._send(flats))

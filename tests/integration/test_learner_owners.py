@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -120,13 +121,22 @@ def test_batch_source_drops_stale_groups_and_stops_when_asked(redis_client, tmp_
 # --------------------------------------------------------------------------- the broadcaster's overlap
 
 
+def manifest_version(plane: ControlPlane, timeout_s: float = 10) -> int:
+    """The published manifest's version, once there is one (the broadcaster publishes it from its thread)."""
+    deadline = time.monotonic() + timeout_s
+    while (current := plane.run.read_manifest()) is None:
+        assert time.monotonic() < deadline, "no manifest published"
+        time.sleep(0.01)
+    return current[0].version
+
+
 def test_overlap_publishes_a_version_at_the_next_broadcast(redis_client, tmp_path) -> None:
     params = {"w": torch.ones(3)}
     plane = ControlPlane(redis_client, "owners")
     overlapped = Broadcaster(run_config(tmp_path, staleness={"max_staleness": 1}), plane)
     try:
         assert overlapped.overlap and overlapped.publish(1, lambda: params) == {}  # on the wire, not yet announced
-        assert plane.run.read_manifest()[0].version == 1 and plane.run.version() == 0
+        assert manifest_version(plane) == 1 and plane.run.version() == 0  # the manifest goes out from the background
         figures = overlapped.publish(2, lambda: params)  # finishes version 1 first
         assert figures["version"] == 1.0 and plane.run.version() == 1
         assert overlapped.finish()["version"] == 2.0 and plane.run.version() == 2
@@ -160,8 +170,16 @@ def test_each_actor_takes_the_ranks_its_heartbeat_asks_and_absent_ranks_name_the
         assert (manifest.members, manifest.member_ranks, manifest.world_size) == (["a", "b"], [2, 1], 4)
         assert [list(manifest.ranks_of(a)) for a in "ab"] == [[1, 2], [3]] and manifest.owner_of(2) == "a"
         assert figures["failed"] == 1.0 and set(broadcaster.evicted) == {"a", "b"}  # nobody came
+        assert len(manifest.digest) == 16 and all(len(b.digest) == 16 for b in manifest.buckets)  # sealed
     finally:
         broadcaster.close()
+    unsealed = Broadcaster(run_config(tmp_path, weight_sync={"timeout_s": 1, "digests": False}), plane)
+    try:
+        unsealed.publish(2, lambda: {"w": torch.ones(3)})
+        manifest = plane.run.read_manifest()[0]
+        assert manifest.members and manifest.digest == "" and manifest.buckets[0].digest == ""  # digests off
+    finally:
+        unsealed.close()
 
 
 # --------------------------------------------------------------------------- PolicyUpdate and RunState

@@ -1,0 +1,485 @@
+"""``rl-learner check-data``: a run's data file checked as the run will read it, before GPU hours are spent.
+
+Every row goes through the run's own checks — the row's keys and UTF-8 (``common.tasks``), the chat template,
+characters the tokenizer cannot encode and the prompt's token count (``common.prompts.Prompter``) — but where the
+run refuses the whole file at its first bad row, this collects every one. Then, over the rows those checks accept::
+
+    prompt tokens     the prompt as the dispatcher encodes it (chat template, special tokens once)
+    answer tokens     the reference answer as a response would hold it (no special tokens)
+    too long          prompt tokens > model.max_model_len - rollout.max_new_tokens (task.overlong: skip | refuse)
+    long answers      answer tokens > rollout.max_new_tokens (no response could hold the reference)
+    duplicates        rows whose prompt, as the model sees it, equals an earlier row's
+    empty answers     an answer of whitespace only (the reader accepts it; most verifiers raise on it)
+    unknown           each character the tokenizer can only map to its unknown token, and its rows (refused)
+    self-check        verify(answer, answer) with the verifier the run's ``task`` reward function binds
+
+Min, median, p95 and max are by nearest rank. A JSONL file is read here line by line, so that every line that does
+not parse is named; Parquet and ``save_to_disk`` folders are read by ``common.tasks.read_rows`` (pyarrow parses them
+whole; its one refusal, a string that is not UTF-8, names the first such row only).
+
+What exits 1 (:func:`failures`): what the run would refuse — a refused row, a prompt too long under
+``task.overlong = "refuse"``, a file with no row to serve — and a reference answer the verifier raises on (the reward
+worker would fail every group of that row, which is then dead-lettered, never trained). Everything else is a warning
+(:func:`warnings`): the run trains on such a file as it is, and a verifier need not accept its own reference as a
+response (a LaTeX answer a response must box); ``strict`` makes warnings fail too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+# common.tasks reads and checks rows for the run, stopping at the first bad one; its per-row checks are used here
+# row by row, so that check-data and the run cannot disagree about a row.
+from common.tasks import TaskExample, TaskFileError, _example, _Keys, _prompt_tokens, read_rows
+
+if TYPE_CHECKING:
+    from common.config import RunConfig
+    from common.prompts import Prompter
+
+MAX_LISTED = 10
+"""Rows named per finding in the text report (``--json`` lists all)."""
+
+# Properties of built-in verifiers that actors/verifiers.py does not declare, so they are kept here by name.
+NOT_RUN = {"code_tests": "its reference answer is the tests a program must pass; checking it would run the sandbox"}
+"""Verifiers the self-check does not call, and why."""
+NOT_A_RESPONSE = {
+    "countdown": "its reference answer is the numbers and target (JSON), not an expression",
+    "regex": "its reference answer is what the pattern captures, not a response the pattern matches",
+}
+"""Verifiers whose reference answer is not a response they accept: only an answer they raise on is reported."""
+
+
+class DataCheckError(ValueError):
+    """A run whose data cannot be checked as configured (exit 2): not a file task, no such file, no tokenizer."""
+
+
+@dataclass
+class SelfCheck:
+    """Whether one verifier gives each row's reference answer, taken as the response, a score of 1.0."""
+
+    verifier: str
+    verify: Callable[[str, str], float]
+    checked: int = 0
+    passed: int = 0
+    below: list[tuple[str, float]] = field(default_factory=list)
+    """``(row, score)`` of each reference answer scoring below 1.0."""
+    raised: list[tuple[str, str]] = field(default_factory=list)
+    """``(row, error)`` of each reference answer the verifier raises on (a reward worker would fail every group)."""
+    note: str = field(init=False, default="")
+    """Why the self-check is not run, or why a score below 1.0 is expected (see :data:`NOT_A_RESPONSE`)."""
+
+    def __post_init__(self) -> None:
+        self.note = NOT_RUN.get(self.verifier) or NOT_A_RESPONSE.get(self.verifier, "")
+
+    def run(self, where: str, answer: str) -> None:
+        if self.verifier in NOT_RUN:
+            return
+        self.checked += 1
+        try:
+            score = float(self.verify(answer, answer))
+        except Exception as exc:  # any error, as the reward worker meets it on every group of this row
+            self.raised.append((where, f"{type(exc).__name__}: {exc}"))
+            return
+        if score == 1.0:
+            self.passed += 1
+        elif self.verifier not in NOT_A_RESPONSE:
+            self.below.append((where, score))
+
+
+@dataclass
+class Report:
+    """What :func:`check_file` found in one data file (rows named ``line N`` in JSONL, ``row N`` in tables)."""
+
+    file: str
+    model: str
+    chat: bool
+    overlong: str
+    max_model_len: int
+    max_new_tokens: int
+    checks: list[SelfCheck]
+    read: int = 0
+    checked: int = 0
+    refused: list[tuple[int, str, str]] = field(default_factory=list)
+    """``(row number, row, reason)``, the reason as the run words it; row number 0 is the whole file."""
+    prompt_tokens: list[int] = field(default_factory=list)
+    answer_tokens: list[int] = field(default_factory=list)
+    too_long: list[tuple[str, int]] = field(default_factory=list)
+    long_answers: list[tuple[str, int]] = field(default_factory=list)
+    duplicates: list[list[tuple[str, str]]] = field(default_factory=list)
+    """Rows sharing one prompt text, each ``(row, answer)``, the first occurrence first."""
+    empty_answers: list[str] = field(default_factory=list)
+    unknown: dict[str, list[str]] = field(default_factory=dict)
+    """Each character the tokenizer can only map to its unknown token, and the rows holding it."""
+
+    def refuse(self, where: str, reason: str) -> None:
+        self.refused.append((_number(where), where, reason.removeprefix(f"{where}: ")))
+
+    @property
+    def refused_rows(self) -> int:
+        """Rows refused (not counting a refusal of the whole file)."""
+        return sum(number > 0 for number, _, _ in self.refused)
+
+    @property
+    def limit_tokens(self) -> int:
+        """The longest prompt the run serves: a longer one could never get a whole response."""
+        return self.max_model_len - self.max_new_tokens
+
+    @property
+    def servable(self) -> int:
+        """Rows the run would serve: accepted by every check, and short enough."""
+        return len(self.prompt_tokens) - len(self.too_long)
+
+
+# --------------------------------------------------------------------------- checking
+
+
+def check_run_data(config: RunConfig) -> Report:
+    """The run's ``[task]`` file checked under ``model.path``'s tokenizer and chat template, with the run's verifiers.
+
+    Raises :class:`DataCheckError` when it cannot be: the task is not a file, the file or the tokenizer is missing,
+    or the prompt settings do not fit the tokenizer (``task.chat = true`` without a template).
+    """
+    from common.prompts import Prompter, PromptError
+    from learner.dispatcher import task_options
+
+    if config.task.name != "file":
+        raise DataCheckError(
+            f'check-data checks a data file (task.name = "file", task.path); task {config.task.name!r} generates its '
+            "prompts"
+        )
+    path = Path(task_options(config.task)["path"])
+    if not path.exists():
+        raise DataCheckError(f"{path}: no such file (task.path)")
+    tokenizer = _tokenizer(config.model.path)
+    try:
+        prompter = Prompter.for_tokenizer(tokenizer, config.task)
+    except PromptError as exc:
+        raise DataCheckError(str(exc)) from None
+
+    def answer_tokens(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    return check_file(config, prompter, answer_tokens, run_verifiers(config))
+
+
+def _tokenizer(model_path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError) as exc:
+        raise DataCheckError(f"model.path {model_path}: cannot load its tokenizer ({exc})") from None
+
+
+def run_verifiers(config: RunConfig) -> list[tuple[str, Callable[[str, str], float]]]:
+    """``(verifier name, verify)`` of each ``task`` reward function, bound from the config as the reward workers
+    bind it (:func:`actors.rewards.bind_functions`)."""
+    # DESIGN: learner/ and actors/ do not import each other. Like check_config (learner/update.py), whose lazy import
+    # this repeats, the self-check reaches actors.rewards inside the command: it must run the very verifier the reward
+    # workers bind from this config, and no copy of the verifiers lives in common/.
+    from actors.rewards import bind_functions, task_verifier
+    from common.tasks import task_label
+
+    functions = [f for f in config.reward.functions if f.name == "task"]
+    bound = bind_functions(functions, task_label(config.task)) if functions else []
+    return [(str(f.options["verifier"]), task_verifier(f.options)) for f in bound]
+
+
+def check_file(
+    config: RunConfig,
+    prompter: Prompter,
+    answer_tokens: Callable[[str], int],
+    verifiers: Iterable[tuple[str, Callable[[str, str], float]]],
+) -> Report:
+    """Every row of the run's data file through the run's checks, under ``prompter``; ``answer_tokens`` counts a
+    reference answer's tokens as a response, ``verifiers`` are the run's (:func:`run_verifiers`)."""
+    from learner.dispatcher import task_options
+
+    options = task_options(config.task)
+    report = Report(
+        file=str(options["path"]),
+        model=config.model.path,
+        chat=prompter.chat,
+        overlong=config.task.overlong,
+        max_model_len=config.model.max_model_len,
+        max_new_tokens=config.rollout.max_new_tokens,
+        checks=[SelfCheck(name, verify) for name, verify in verifiers],
+    )
+    rows, unreadable = file_rows(Path(options["path"]), options["split"])
+    lines = sum(where != "file" for where, _ in unreadable)
+    report.read = len(rows) + lines
+    rows = rows[: options["limit"]] if options["limit"] else rows  # as the run: the first rows that parse
+    report.checked = len(rows) + lines
+    for where, reason in unreadable:
+        report.refuse(where, reason)
+    keys, texts = _Keys(options["prompt_key"], options["answer_key"]), {}
+    for where, row in rows:
+        try:
+            example = _example(row, where, keys)
+        except TaskFileError as exc:
+            report.refuse(where, str(exc))
+            continue
+        _check_example(report, prompter, answer_tokens, where, example, texts)
+    report.duplicates = [group for group in texts.values() if len(group) > 1]
+    report.refused.sort()
+    return report
+
+
+def _check_example(
+    report: Report,
+    prompter: Prompter,
+    answer_tokens: Callable[[str], int],
+    where: str,
+    example: TaskExample,
+    texts: dict[str, list[tuple[str, str]]],
+) -> None:
+    """One row the reader accepted: its answer, the verifiers, then its prompt under the run's tokenizer."""
+    answer = example.answer
+    if not answer.strip():
+        report.empty_answers.append(where)
+    n_answer = answer_tokens(answer)
+    report.answer_tokens.append(n_answer)
+    if n_answer > report.max_new_tokens:
+        report.long_answers.append((where, n_answer))
+    for check in report.checks:
+        check.run(where, answer)
+    try:
+        n = _prompt_tokens(prompter, where, example)  # the run's check: template, unknown characters, length
+    except TaskFileError as exc:
+        report.refuse(where, str(exc))
+        _note_unknown(report, prompter, where, example)
+        return
+    texts.setdefault(prompter.text(example), []).append((where, answer))
+    report.prompt_tokens.append(n)
+    if n > report.limit_tokens:
+        report.too_long.append((where, n))
+
+
+def _note_unknown(report: Report, prompter: Prompter, where: str, example: TaskExample) -> None:
+    try:
+        text = prompter.text(example)
+    except ValueError:  # messages without a chat template: refused for that, nothing was encoded
+        return
+    for char in prompter.unknown(text + example.answer):
+        report.unknown.setdefault(char, []).append(where)
+
+
+def file_rows(path: Path, split: str = "") -> tuple[list[tuple[str, Any]], list[tuple[str, str]]]:
+    """``(rows, unreadable)``: ``(where, row)`` of every row that parses, and ``(where, reason)`` of every one that
+    does not (``where`` = ``file`` when the file cannot be read at all).
+
+    A JSONL file is read here line by line, as :func:`common.tasks.read_rows` reads it (with its reasons), since that
+    stops at the first bad line; a table (Parquet, ``save_to_disk``) is read by ``read_rows`` itself.
+    """
+    if split or path.is_dir() or path.suffix.lower() in (".parquet", ".pq"):
+        try:
+            return read_rows(path, split), []
+        except TaskFileError as exc:  # the message names the file, and the first bad row where there is one
+            return [], [("file", str(exc).removeprefix(f"{path}:").strip())]
+    rows, unreadable = [], []
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                unreadable.append((f"line {number}", f"not valid UTF-8 (byte {e.start + 1}: {e.reason})"))
+                continue
+            if line.strip():
+                try:
+                    rows.append((f"line {number}", json.loads(line)))
+                except json.JSONDecodeError as e:
+                    unreadable.append((f"line {number}", f"not valid JSON ({e.msg})"))
+    return rows, unreadable
+
+
+# --------------------------------------------------------------------------- verdicts
+
+
+def failures(report: Report, strict: bool = False) -> list[str]:
+    """Why check-data exits 1 (none: 0); with ``strict`` every warning is one too."""
+    out = []
+    if report.refused_rows < len(report.refused):
+        out.append("the run cannot read the file")
+    if report.refused_rows:
+        out.append(f"{_rows(report.refused_rows)} refused: the run refuses the file at the first")
+    if report.too_long and report.overlong == "refuse":
+        out.append(f'{_rows(len(report.too_long))} too long to serve, and task.overlong = "refuse"')
+    if not report.refused and not report.servable:
+        out.append("no row the run can serve")
+    for check in report.checks:
+        if check.raised:
+            out.append(f"verifier {check.verifier!r} raises on {len(check.raised)} reference answer(s)")
+    return out + (warnings(report) if strict else [])
+
+
+def warnings(report: Report) -> list[str]:
+    """What is worth a look but does not stop the run."""
+    out = []
+    if report.too_long and report.overlong == "skip":
+        out.append(f'{_rows(len(report.too_long))} too long to serve (task.overlong = "skip" leaves them out)')
+    if report.duplicates:
+        out.append(f"{_rows(sum(len(g) - 1 for g in report.duplicates))} repeat an earlier row's prompt")
+    if report.empty_answers:
+        out.append(f"{_rows(len(report.empty_answers))} with an empty answer")
+    if report.long_answers:
+        out.append(f"{_rows(len(report.long_answers))} with an answer longer than rollout.max_new_tokens")
+    for check in report.checks:
+        if check.below:
+            out.append(f"verifier {check.verifier!r} scores {len(check.below)} reference answer(s) below 1.0")
+    return out
+
+
+def exit_code(report: Report, strict: bool = False) -> int:
+    return 1 if failures(report, strict) else 0
+
+
+def _rows(n: int) -> str:
+    return f"{n} row{'' if n == 1 else 's'}"
+
+
+def spread(values: list[int]) -> dict[str, int] | None:
+    """``min``, ``median``, ``p95`` and ``max`` of ``values`` by nearest rank (each is one of the values)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+
+    def rank(q: float) -> int:
+        return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+    return {"min": ordered[0], "median": rank(0.5), "p95": rank(0.95), "max": ordered[-1]}
+
+
+# --------------------------------------------------------------------------- output
+
+
+def as_json(report: Report, strict: bool = False) -> dict[str, Any]:
+    """The report as one JSON object (``--json``), every row named."""
+    return {
+        "file": report.file,
+        "model": report.model,
+        "chat": report.chat,
+        "rows": {
+            "read": report.read,
+            "checked": report.checked,
+            "refused": report.refused_rows,
+            "servable": report.servable,
+        },
+        "refused": [{"row": where, "reason": reason} for _, where, reason in report.refused],
+        "prompt_tokens": spread(report.prompt_tokens),
+        "answer_tokens": spread(report.answer_tokens),
+        "limit_tokens": report.limit_tokens,
+        "overlong": report.overlong,
+        "too_long": [{"row": where, "tokens": n} for where, n in report.too_long],
+        "long_answers": [{"row": where, "tokens": n} for where, n in report.long_answers],
+        "duplicates": [
+            {"rows": [where for where, _ in group], "same_answer": len({a for _, a in group}) == 1}
+            for group in report.duplicates
+        ],
+        "empty_answers": report.empty_answers,
+        "unknown_characters": [
+            {"char": char, "codepoint": f"U+{ord(char):04X}", "rows": rows}
+            for char, rows in sorted(report.unknown.items())
+        ],
+        "self_check": [_check_json(check) for check in report.checks],
+        "warnings": warnings(report),
+        "failures": failures(report, strict),
+        "exit": exit_code(report, strict),
+    }
+
+
+def _check_json(check: SelfCheck) -> dict[str, Any]:
+    return {
+        "verifier": check.verifier,
+        "checked": check.checked,
+        "passed": check.passed,
+        "below": [{"row": where, "score": score} for where, score in check.below],
+        "raised": [{"row": where, "error": error} for where, error in check.raised],
+        "note": check.note,
+    }
+
+
+def render(report: Report, strict: bool = False) -> str:
+    """The report for a person: every finding with its first :data:`MAX_LISTED` rows, then the verdict."""
+    lines = [
+        f"check-data: {report.file}",
+        f"  model {report.model} ({'its chat template' if report.chat else 'no chat template'})",
+        f"  prompts of at most {report.limit_tokens} tokens (model.max_model_len {report.max_model_len} - "
+        f"rollout.max_new_tokens {report.max_new_tokens})",
+        f"rows: {report.read} read, {report.checked} checked, {report.refused_rows} refused, "
+        f"{report.servable} ready to serve",
+    ]
+    if report.refused:
+        lines.append("refused (the run stops at the first):")
+        lines += [f"  {where}: {reason}" for _, where, reason in report.refused[:MAX_LISTED]]
+        lines += _more(len(report.refused))
+    lines += _token_lines(report) + _finding_lines(report) + _check_lines(report)
+    verdict = failures(report, strict)
+    lines.append(f"exit 1: {'; '.join(verdict)}" if verdict else f"exit 0: {len(warnings(report))} warning(s)")
+    return "\n".join(lines)
+
+
+def _token_lines(report: Report) -> list[str]:
+    lines = ["tokens (min / median / p95 / max):"]
+    for name, values in (("prompt", report.prompt_tokens), ("answer", report.answer_tokens)):
+        figures = spread(values)
+        shown = " / ".join(str(v) for v in figures.values()) if figures else "no rows"
+        lines.append(f"  {name:<8}{shown}")
+    return lines
+
+
+def _finding_lines(report: Report) -> list[str]:
+    action = "the run refuses the file" if report.overlong == "refuse" else "the run leaves them out"
+    findings = [
+        (f"too long to serve (task.overlong = {report.overlong!r}: {action})", _named(report.too_long, "tokens")),
+        ("answers longer than rollout.max_new_tokens", _named(report.long_answers, "tokens")),
+        ("duplicate prompts", [_duplicate(group) for group in report.duplicates]),
+        ("empty answers", report.empty_answers),
+        *(
+            (f"unknown to the tokenizer: {char!r} (U+{ord(char):04X})", rows)
+            for char, rows in sorted(report.unknown.items())
+        ),
+    ]
+    lines = []
+    for title, rows in findings:
+        if rows:
+            lines.append(f"{title}: {len(rows)}")
+            lines += [f"  {row}" for row in rows[:MAX_LISTED]] + _more(len(rows))
+    return lines
+
+
+def _check_lines(report: Report) -> list[str]:
+    if not report.checks:
+        return ["verifier self-check: no 'task' reward function"]
+    lines = []
+    for check in report.checks:
+        head = f"verifier self-check ({check.verifier}): {check.passed} of {check.checked} reference answers score 1.0"
+        lines.append(head + (f" ({check.note})" if check.note else ""))
+        found = [(where, f"scores {score:g}") for where, score in check.below]
+        found += [(where, f"raises {error}") for where, error in check.raised]
+        found.sort(key=lambda pair: _number(pair[0]))
+        lines += [f"  {where}: {said}" for where, said in found[:MAX_LISTED]] + _more(len(found))
+    return lines
+
+
+def _number(where: str) -> int:
+    """The number of ``line N`` or ``row N``; 0 for the whole file."""
+    return int(where.rsplit(" ", 1)[-1]) if where[-1:].isdigit() else 0
+
+
+def _named(pairs: list[tuple[str, Any]], unit: str) -> list[str]:
+    return [f"{where}: {value:g} {unit}" for where, value in pairs]
+
+
+def _duplicate(group: list[tuple[str, str]]) -> str:
+    (first, _), *rest = group
+    same = len({answer for _, answer in group}) == 1
+    return f"{first}: repeated at {', '.join(where for where, _ in rest)}" + ("" if same else " (different answers)")
+
+
+def _more(n: int) -> list[str]:
+    return [f"  ... and {n - MAX_LISTED} more (--json lists all)"] if n > MAX_LISTED else []
