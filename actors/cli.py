@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -78,6 +79,41 @@ def reward(
     except (ValueError, InsecureBindError, zmq.ZMQError) as exc:  # unknown function, no CURVE keys, port in use
         fail(str(exc))
     raise typer.Exit(code)
+
+
+@app.command("eval")
+def eval_command(
+    config: Annotated[Path | None, typer.Argument(help="Run config (TOML) with an eval section.")] = None,
+    checkpoint: Annotated[
+        str, typer.Option(help="An HF model folder, or a checkpoint folder (step-<N>) whose hf/ export is loaded.")
+    ] = "",
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Override a field: section.field=value.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (for scripts).")] = False,
+) -> None:
+    """Evaluate a saved policy offline on the run's eval set (one vLLM engine in this process, the run's reward
+    functions): pass@k, mean@k, accuracy. Without --checkpoint: model.path. 'latest': use rl-learner eval."""
+    import json
+
+    from actors.evaluate import evaluate
+    from common.cliutil import fail, load
+
+    resolved = load(config, set_)
+    if checkpoint == "latest":
+        fail("--checkpoint latest is resolved by the learner, which owns checkpoints: rl-learner eval CONFIG "
+             "--checkpoint latest (or pass a step-<N> folder)")
+    try:
+        figures = evaluate(resolved, checkpoint or resolved.model.path)
+    except ValueError as exc:  # no model there, a bad held-out file (TaskFileError), an unknown reward function
+        fail(str(exc))
+    if as_json:
+        print(json.dumps(figures))
+        return
+    k = int(figures["eval/k"])
+    print(
+        f"eval of {figures['model']}: {int(figures['eval/groups'])} prompts, k = {k}: "
+        f"pass@{k} {figures.get('eval/pass@k', 0.0):.3f}  mean@{k} {figures.get('eval/mean@k', 0.0):.3f}  "
+        f"accuracy {figures.get('eval/accuracy', 0.0):.3f}  tokens {figures.get('eval/response_tokens', 0):.1f}"
+    )
 
 
 def _read_run_config(url: str, run: str):

@@ -75,6 +75,33 @@ def check_data(
     raise typer.Exit(data_check.exit_code(report, strict))
 
 
+@app.command("eval")
+def eval_command(
+    config: ConfigArg = None,
+    checkpoint: Annotated[
+        str, typer.Option(help="'latest' (the run's newest complete checkpoint), a step-<N> folder or an HF folder.")
+    ] = "latest",
+    set_: SetOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (for scripts).")] = False,
+) -> None:
+    """Evaluate a checkpoint offline on the run's eval set and print pass@k, mean@k and accuracy. The learner
+    resolves the checkpoint; `rl-actor eval` runs vLLM in its own process (the learner never imports vLLM)."""
+    import subprocess
+    import sys
+
+    from common.cliutil import fail, load
+    from learner.checkpoint import CheckpointError, find_checkpoint
+
+    resolved = load(config, set_)
+    try:
+        folder = find_checkpoint(checkpoint, resolved.run_dir / "checkpoints")
+    except CheckpointError as exc:
+        fail(str(exc))
+    command = [str(Path(sys.executable).parent / "rl-actor"), "eval", *([str(config)] if config else [])]
+    command += [a for o in set_ or [] for a in ("--set", o)] + ["--checkpoint", str(folder)]
+    raise typer.Exit(subprocess.run(command + ["--json"] * as_json).returncode)
+
+
 @app.command()
 def fields(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON rows.")] = False,

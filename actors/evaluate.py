@@ -1,0 +1,76 @@
+"""Offline evaluation: the run's ``[eval]`` set on one vLLM engine in this process, scored by the run's reward
+functions — the figures an in-run round records (``common/evaluation.py``), for a saved policy.
+
+It lives with the actors because it runs vLLM, which the learner never imports (DESIGN.md's dependency rule):
+``rl-actor eval`` is the command; ``rl-learner eval`` resolves ``--checkpoint latest`` (the learner owns checkpoints)
+and runs ``rl-actor eval`` as a child process. The model is an HF folder, or a checkpoint's ``step-<N>`` folder,
+whose ``hf/`` export is loaded. No Redis, no weight group, no reward worker: the engine samples every eval group
+(its own temperature, max_new_tokens and k, as an actor would) and :func:`actors.rewards.combine` scores it in this
+process, without the reward worker's time limits (a user's function that hangs hangs this command).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from actors.rewards import bind_functions, combine
+from common.config import RunConfig
+from common.evaluation import eval_examples, eval_groups, round_figures
+from common.logs import get_logger
+from common.prompts import Prompter
+from common.tasks import task_label
+from common.wire import PromptGroup, RolloutGroup, ScoredGroup
+
+log = get_logger("eval")
+
+
+def model_folder(path: str | Path) -> Path:
+    """The HF folder of ``path``: itself, or a checkpoint's ``hf/`` (``ValueError`` when neither holds a model)."""
+    path = Path(path)
+    for folder in (path / "hf", path):
+        if (folder / "config.json").is_file():
+            return folder
+    raise ValueError(
+        f"{path}: neither an HF model folder (config.json) nor a checkpoint with an hf/ export "
+        "(checkpoint.export_hf = true writes one)"
+    )
+
+
+def evaluate(config: RunConfig, model: str | Path) -> dict[str, Any]:
+    """``eval/*`` of the ``[eval]`` set on the model at ``model`` (see :func:`model_folder`), plus ``model``."""
+    from transformers import AutoTokenizer
+
+    from actors.engine import RolloutEngine
+
+    folder = model_folder(model)
+    config = config.model_copy(update={"model": config.model.model_copy(update={"path": str(folder)})})
+    prompter = Prompter.for_tokenizer(AutoTokenizer.from_pretrained(folder), config.task)
+    groups = eval_groups(config, eval_examples(config, prompter), prompter.encode, step=0, version=0)
+    started = time.perf_counter()
+    engine = RolloutEngine(config, config.eval.seed)
+    try:
+        rollouts = asyncio.run(_sample(engine, groups))
+    finally:
+        engine.shutdown()
+    functions = bind_functions(config.reward.functions, task_label(config.task))
+    scored = [ScoredGroup(rollout=r, rewards=np.asarray(combine(r, functions)[0], np.float32)) for r in rollouts]
+    figures = {
+        "eval/k": float(config.eval.num_samples),
+        "eval/groups": float(len(scored)),
+        "eval/seconds": time.perf_counter() - started,
+        **round_figures(scored, config.eval.success_threshold),
+    }
+    for stamp in ("eval/policy_min", "eval/policy_max"):  # every token is stamped 0 here: the folder is the policy
+        figures.pop(stamp, None)
+    return {"model": str(folder), **figures}
+
+
+async def _sample(engine: Any, groups: list[PromptGroup]) -> list[RolloutGroup]:
+    """Every group at once (vLLM batches them), each with the settings it carries."""
+    calls = [engine.sample(g, lambda: 0, "offline-eval", f"{g.group_id}-offline") for g in groups]
+    return list(await asyncio.gather(*calls))
