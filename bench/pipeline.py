@@ -75,6 +75,7 @@ def run(tmp: Path, model: Path, staleness: int, steps: int, overlap: bool = True
     if code:
         raise RuntimeError(f"learner of {name} exited with {code}")
     rows = [json.loads(line) for line in (tmp / name / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "eval/step" not in r]  # the training steps (the demo also evaluates)
     return {
         "wall_s": rows[-1]["time"] - rows[0]["time"],
         "idle_fraction": sum(r["step/idle_fraction"] for r in rows[1:]) / (len(rows) - 1),

@@ -14,7 +14,6 @@ ids included) and completes.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections import Counter
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from common.replay import ReplayWriter
 from common.wire import Decoder, PromptGroup, RolloutGroup, ScoredGroup, decode_blob
 from tests.e2e.test_resume import Processes, _wait
 from tests.e2e.test_system import BIN, ROOT, model_dir  # noqa: F401 - model_dir is a fixture
+from tests.helpers.runs import step_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 RUN, STEPS, GROUPS = "forged", 8, 16
@@ -118,7 +118,7 @@ def test_forged_groups_are_refused_and_every_real_group_is_trained_once(tmp_path
         _audit(plane, hijacked={g.group_id for _, _, g in sent} - {f"{RUN}-99999999"})
     finally:
         procs.stop_all()
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = step_rows(run_dir)
     assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))
     assert sum(r["groups/refused"] for r in rows) == 4  # the future version from the socket, and the replay three
     assert "refused a scored group that does not match its issue record" in procs.log("learner")

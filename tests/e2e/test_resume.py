@@ -24,6 +24,7 @@ from common.control import ControlPlane
 from common.keys import connect
 from learner.checkpoint import complete_checkpoints
 from tests.e2e.test_system import BIN, ROOT, model_dir  # noqa: F401 - model_dir is a fixture
+from tests.helpers.runs import step_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 RUN, STEPS, EVERY = "resume", 12, 3
@@ -95,8 +96,7 @@ def _wait(condition, what: str, proc: subprocess.Popen | None = None, timeout_s:
 
 
 def _steps(run_dir: Path) -> list[int]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [int(json.loads(line)["step"]) for line in lines if line.endswith("}")]
+    return [int(row["step"]) for row in step_rows(run_dir)]
 
 
 def test_a_killed_learner_resumes_and_every_group_is_trained_once(tmp_path: Path, model_dir: Path) -> None:  # noqa: F811
@@ -135,7 +135,7 @@ def test_a_killed_learner_resumes_and_every_group_is_trained_once(tmp_path: Path
         third = procs.start("learner-3", [*train, "--resume", "latest"])
         assert third.wait(900) == 0, procs.log("learner-3")[-3000:]
 
-        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        rows = step_rows(run_dir)
         assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))  # no gap, no duplicate
         resumed = rows[saved]  # the first line after the first resume
         assert resumed["restore/from_step"] == saved and resumed["restore/retrained"] == len(to_retrain)

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.runs import step_rows
+
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -77,7 +79,8 @@ def finish(proc: subprocess.Popen, timeout_s: float = 1200) -> int:
 
 
 def metrics(tmp_path: Path, name: str) -> list[dict]:
-    return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    """The training steps' rows (the demo's eval rounds are checked in tests/e2e/test_eval.py)."""
+    return step_rows(tmp_path / name)
 
 
 def mean(rows: list[dict], key: str) -> float:
