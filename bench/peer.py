@@ -1,0 +1,479 @@
+"""Peer benchmark (issue 13.1): asyncrl against TRL's ``GRPOTrainer``, side by side, time-to-accuracy.
+
+One invocation trains the same warm model three times, one after the other, on the same task, prompt order and
+hyper-parameters: TRL ``GRPOTrainer`` (HF ``generate``), asyncrl synchronous (``staleness.max_staleness = 0``) and
+asyncrl asynchronous (``max_staleness = 1``). Install TRL with ``pip install -e .[bench]``.
+
+    python bench/peer.py [--steps 100] [--threshold 0.6] [--eval-every 5] [--tasks arithmetic,reverse]
+
+What is the same in all three runs:
+
+- the model: ``rl-learner init-model configs/demo.toml --warm-steps 120`` (tiny Llama, character tokenizer, float32),
+  or ``--model PATH``; the second task gets its own warm start on that task;
+- the prompts: the demo task (one-digit sums), drawn from ``random.Random(run.seed)`` in the order asyncrl's
+  dispatcher draws them; TRL reads them in that order (``shuffle_dataset = False``); 16 prompts × 8 samples a step;
+- the hyper-parameters, read from the resolved asyncrl config: lr (constant, no warm-up), AdamW betas and eps,
+  no weight decay, gradient clip, KL 0 (``beta = 0``), clip ε low/high, temperature 1, top-p 1, max new tokens,
+  one optimizer step per batch, token-mean loss over the batch (TRL ``loss_type = "dapo"``), advantages
+  ``(r − mean) / std`` per group;
+- the reward: asyncrl's verifier (``actors.verifiers.get_verifier(task)``), called by TRL's reward function;
+- the evaluation: the run's ``[eval]`` set (``common.evaluation.eval_examples``: 64 held-out prompts drawn with
+  ``eval.seed``), greedy, one response each, solved when the reward reaches ``eval.success_threshold``; at step 0,
+  every ``--eval-every`` steps and the last. asyncrl evaluates with its own ``[eval]`` rounds (vLLM, greedy, rows
+  ``eval/accuracy`` in metrics.jsonl); TRL evaluates with HF ``generate(do_sample=False)`` in a callback.
+
+The clock: seconds since the end of step 1 (start-up excluded: vLLM, DeepSpeed and model loading; reported
+apart as ``startup_s``). Time-to-accuracy is the clock at the first evaluated step whose greedy accuracy reaches
+``--threshold``. The comparison leans towards TRL on purpose: TRL's evaluation time is taken off its clock (it
+pauses training), asyncrl's eval rounds stay on ours (they share the actor with training). s/step and tokens/s
+(response tokens sampled per second) are over steps 2..N.
+
+Cores (DESIGN.md, "Measuring on a 2-core machine"): asyncrl's learner on core 0 (1 torch thread), its one rollout
+actor (vLLM bound to core 1) and reward worker on core 1, pinned by this script with ``taskset`` (rl-launch only
+binds vLLM threads, so the processes are started here as ``bench/pipeline.py`` starts them); TRL, one process, on
+the same two cores (``--trl-threads`` torch threads, 2 by default).
+
+Not like-for-like: asyncrl recomputes π_old and (async) trains one version stale with the token-truncated
+correction; TRL's group std has ε = 1e-4, asyncrl's 1e-6; generation engines differ (vLLM vs HF ``generate``),
+which is part of what is measured.
+
+The last line of stdout is one JSON object: every figure, and ``ratio_sync`` / ``ratio_async`` = asyncrl's
+time-to-accuracy over TRL's (null when either run did not reach the threshold). The table goes to stderr. A
+benchmark: nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+CONFIG = ROOT / "configs/demo.toml"
+CORES = (
+    "asyncrl: learner on core 0 (1 torch thread); 1 rollout actor (vLLM on core 1) + 1 reward worker on core 1, "
+    "pinned with taskset by bench/peer.py; TRL: one process on cores 0-1 (2 torch threads)"
+)
+TASKS: dict[str, list[str]] = {
+    # the demo's task: one-digit sums, responses of 1-2 characters and EOS
+    "arithmetic": [],
+    # longer responses (9-12 characters and EOS), so that generation takes a larger share of a step
+    "reverse": [
+        "task.name=reverse",
+        "task.options={ min_length = 9, max_length = 12 }",
+        "eval.name=reverse",
+        "eval.options={ min_length = 9, max_length = 12 }",
+        "rollout.max_new_tokens=14",
+    ],
+}
+
+
+# --------------------------------------------------------------------------- shared set-up
+
+
+def resolved(overrides: list[str]):
+    from common.config import load_config
+
+    return load_config(CONFIG, overrides)
+
+
+def init_model(folder: Path, task_overrides: list[str], warm_steps: int) -> None:
+    sets = [a for o in [*task_overrides, f"model.path={folder}"] for a in ("--set", o)]
+    cmd = [str(BIN / "rl-learner"), "init-model", str(CONFIG), *sets, "--warm-steps", str(warm_steps)]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def clock_figures(times: dict[int, float], tokens: dict[int, float], accuracy: dict[int, float], threshold: float):
+    """s/step, tokens/s, steps and seconds to ``threshold`` from per-step end times (seconds since any origin)."""
+    last = max(times)
+    start = times[1]
+    span = times[last] - start
+    clock = {step: (times[step] - start if step >= 1 else 0.0) for step in times} | {0: 0.0}
+    reached = next((s for s in sorted(accuracy) if accuracy[s] >= threshold), None)
+    return {
+        "steps": last,
+        "s_per_step": span / max(last - 1, 1),
+        "tokens_per_s": sum(tokens[s] for s in tokens if s >= 2) / max(span, 1e-9),
+        "steps_to_accuracy": reached,
+        "time_to_accuracy_s": None if reached is None else clock[reached],
+        "accuracy": {str(s): round(a, 4) for s, a in sorted(accuracy.items())},
+        "final_accuracy": accuracy[max(accuracy)] if accuracy else None,
+    }
+
+
+# --------------------------------------------------------------------------- TRL (a child process)
+
+
+def trl_child(spec_file: Path, out_file: Path) -> None:
+    """Train with TRL's GRPOTrainer as ``spec_file`` says; write per-step times, tokens and eval accuracies."""
+    spec = json.loads(spec_file.read_text())
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOTrainer
+
+    config = resolved(spec["overrides"])
+    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+    model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32)
+    record = TrlRecord(config, tokenizer)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=record.reward,
+        args=trl_args(config, spec["out"]),
+        train_dataset=Dataset.from_list(training_prompts(config)),
+        processing_class=tokenizer,
+        callbacks=[record.callback()],
+    )
+    trainer.train()
+    out_file.write_text(json.dumps(record.figures()))
+
+
+def training_prompts(config) -> list[dict[str, str]]:
+    """The run's prompt stream as asyncrl's dispatcher draws it (``random.Random(run.seed)``), one step's worth more."""
+    import random
+
+    from learner.dispatcher import prompt_source
+
+    task, _ = prompt_source(config.task)
+    rng = random.Random(config.run.seed)
+    count = (config.learner.steps + 1) * config.learner.groups_per_step
+    return [{"prompt": e.prompt, "answer": e.answer} for e in (task.sample(rng) for _ in range(count))]
+
+
+def trl_args(config, out: str):
+    """GRPOConfig with the asyncrl run's hyper-parameters (see the module docstring)."""
+    from trl import GRPOConfig
+
+    from learner.engine import ADAM_BETAS, ADAM_EPS
+
+    clip = config.algorithm.loss_options
+    learner, rollout = config.learner, config.rollout
+    return GRPOConfig(
+        output_dir=out,
+        max_steps=learner.steps,
+        per_device_train_batch_size=learner.groups_per_step * rollout.num_samples,
+        gradient_accumulation_steps=1,
+        num_generations=rollout.num_samples,
+        num_iterations=1,
+        max_completion_length=rollout.max_new_tokens,
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        top_k=0,
+        learning_rate=learner.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=learner.warmup_steps,
+        weight_decay=learner.weight_decay,
+        max_grad_norm=learner.grad_clip,
+        adam_beta1=ADAM_BETAS[0],
+        adam_beta2=ADAM_BETAS[1],
+        adam_epsilon=ADAM_EPS,
+        beta=clip.get("kl_coef", 0.0),
+        epsilon=clip.get("clip_low", 0.2),
+        epsilon_high=clip.get("clip_high", 0.2),
+        loss_type="dapo",  # token-mean over the whole batch, as asyncrl's token_mean aggregation
+        scale_rewards="group",
+        shuffle_dataset=False,
+        seed=config.run.seed,
+        bf16=False,
+        use_cpu=True,
+        disable_dropout=True,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        dataloader_num_workers=0,
+    )
+
+
+class TrlRecord:
+    """The TRL run's reward function and callback: scores with asyncrl's verifier, counts response tokens per step,
+    stamps the end of every step and evaluates greedily (its time taken off the clock)."""
+
+    def __init__(self, config, tokenizer) -> None:
+        from actors.verifiers import get_verifier
+        from common.evaluation import eval_examples, eval_max_new_tokens
+        from common.prompts import Prompter
+
+        self.config, self.tokenizer = config, tokenizer
+        self.verify = get_verifier(config.task.name)
+        self.examples = eval_examples(config, Prompter.for_tokenizer(tokenizer, config.task))
+        self.max_new = eval_max_new_tokens(config)
+        self.tokens: list[int] = []
+        self.times: dict[int, float] = {}
+        self.accuracy: dict[int, float] = {}
+        self.eval_s = 0.0
+        self.born = time.perf_counter()
+        self.start = self.born
+
+    def callback(self):
+        """A TrainerCallback calling this record's hooks (transformers is imported only in the TRL child)."""
+        from transformers import TrainerCallback
+
+        hooks = {"on_train_begin": self.on_train_begin, "on_step_end": self.on_step_end}
+        return type("TrlRecordCallback", (TrainerCallback,), hooks)()
+
+    def reward(self, prompts, completions, answer, completion_ids, **_: Any) -> list[float]:
+        self.tokens.append(sum(len(ids) for ids in completion_ids))
+        return [float(self.verify(c, a)) for c, a in zip(completions, answer, strict=True)]
+
+    def on_train_begin(self, args, state, control, model=None, **_: Any) -> None:
+        self.evaluate(model, 0)
+        self.start = time.perf_counter()
+        self.eval_s = 0.0
+
+    def on_step_end(self, args, state, control, model=None, **_: Any) -> None:
+        step = state.global_step
+        self.times[step] = time.perf_counter() - self.start - self.eval_s
+        if step % self.config.eval.every == 0 or step == state.max_steps:
+            self.evaluate(model, step)
+
+    def evaluate(self, model, step: int) -> None:
+        import torch
+
+        started = time.perf_counter()
+        self.tokenizer.padding_side = "left"
+        batch = self.tokenizer([e.prompt for e in self.examples], return_tensors="pt", padding=True)
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            out = model.generate(
+                **batch, do_sample=False, max_new_tokens=self.max_new, pad_token_id=self.tokenizer.pad_token_id
+            )
+        model.train(was_training)
+        texts = self.tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+        solved = [
+            self.verify(t, e.answer) >= self.config.eval.success_threshold
+            for t, e in zip(texts, self.examples, strict=True)
+        ]
+        self.accuracy[step] = sum(solved) / len(solved)
+        self.eval_s += time.perf_counter() - started
+
+    def figures(self) -> dict[str, Any]:
+        return {
+            "times": self.times,
+            "tokens": dict(enumerate(self.tokens, start=1)),
+            "accuracy": self.accuracy,
+            "startup_s": self.times[1] + self.start - self.born,
+            "eval_s": self.eval_s,
+        }
+
+
+def run_trl(tmp: Path, overrides: list[str], threshold: float, threads: int) -> dict[str, Any]:
+    spec, out = tmp / "trl-spec.json", tmp / "trl-figures.json"
+    spec.write_text(json.dumps({"overrides": overrides, "threads": threads, "out": str(tmp / "trl")}))
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = ["taskset", "-c", "0,1", sys.executable, __file__, "--trl-child", str(spec), str(out)]
+    started = time.time()
+    log = tmp / "trl.log"
+    with log.open("w") as sink:
+        code = subprocess.run(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, timeout=3600).returncode
+    if code:
+        raise RuntimeError(f"TRL run exited with {code}:\n{log.read_text()[-3000:]}")
+    raw = json.loads(out.read_text())
+    as_int = {k: {int(s): v for s, v in raw[k].items()} for k in ("times", "tokens", "accuracy")}
+    figures = clock_figures(as_int["times"], as_int["tokens"], as_int["accuracy"], threshold)
+    return figures | {"startup_s": raw["startup_s"], "eval_s_off_clock": raw["eval_s"], "wall_s": time.time() - started}
+
+
+# --------------------------------------------------------------------------- asyncrl (hand-pinned processes)
+
+
+def pinned(cores: str, cmd: list[str]) -> list[str]:
+    return ["taskset", "-c", cores, *cmd]
+
+
+def run_asyncrl(tmp: Path, overrides: list[str], staleness: int, threshold: float) -> dict[str, Any]:
+    from common.control import ControlPlane
+    from common.keys import connect
+    from common.redis_server import EmbeddedRedis
+
+    name = f"asyncrl-staleness-{staleness}"
+    overrides = [*overrides, f"run.root={tmp}", f"run.name={name}", f"staleness.max_staleness={staleness}"]
+    config = resolved(overrides)
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "1", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    logs = tmp / name / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    with EmbeddedRedis(tmp / name / "redis") as redis:
+        ControlPlane(connect(redis.url), name).run.publish_config(config)
+        common = ["--redis", redis.url, "--run", name]
+        helpers = [
+            start(logs / "reward.log", pinned("1", [str(BIN / "rl-actor"), "reward", *common]), env),
+            start(logs / "actor.log", pinned("1", [str(BIN / "rl-actor"), *common, "--id", "a0"]), env),
+        ]
+        learner_cmd = [str(BIN / "rl-learner"), "train", str(CONFIG), "--redis", redis.url]
+        learner_cmd += [a for o in overrides for a in ("--set", o)]
+        try:
+            learner = start(logs / "learner.log", pinned("0", learner_cmd), env)
+            code = learner.wait(3600)
+        finally:
+            for proc in helpers:
+                proc.send_signal(signal.SIGTERM)
+            for proc in helpers:
+                proc.wait(120)
+    if code:
+        raise RuntimeError(f"learner of {name} exited with {code}; see {logs / 'learner.log'}")
+    return asyncrl_figures(tmp / name / "metrics.jsonl", started, threshold) | {"wall_s": time.time() - started}
+
+
+def start(log: Path, cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+    with log.open("w") as sink:
+        return subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env)
+
+
+def asyncrl_figures(metrics: Path, started: float, threshold: float) -> dict[str, Any]:
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    train = [r for r in rows if "eval/step" not in r]
+    times = {int(r["step"]): r["time"] for r in train}
+    tokens = {int(r["step"]): r["rollout/tokens"] for r in train}
+    accuracy = {int(r["eval/step"]): r["eval/accuracy"] for r in rows if "eval/step" in r}
+    figures = clock_figures(times, tokens, accuracy, threshold)
+    return figures | {
+        "startup_s": times[1] - started,
+        "idle_fraction": sum(r["step/idle_fraction"] for r in train[1:]) / max(len(train) - 1, 1),
+        "staleness_max": max(r["rollout/staleness_max"] for r in train),
+        "eval_missing": sum(r.get("eval/missing", 0) for r in rows if "eval/step" in r),
+    }
+
+
+# --------------------------------------------------------------------------- report
+
+
+def compare(tmp: Path, task: str, args: argparse.Namespace, model: Path | None) -> dict[str, Any]:
+    """The three runs of ``task`` on one warm model."""
+    task_overrides = TASKS[task]
+    (tmp / task).mkdir(parents=True, exist_ok=True)
+    if model is None:
+        model = tmp / f"model-{task}"
+        init_model(model, task_overrides, args.warm_steps)
+    overrides = [
+        *task_overrides,
+        f"model.path={model.resolve()}",
+        f"learner.steps={args.steps}",
+        f"eval.every={args.eval_every}",
+        f"eval.limit={args.eval_limit}",
+        "eval.temperature=0",
+        "eval.num_samples=1",
+    ]
+    runs = {"trl": None, "asyncrl_sync": None, "asyncrl_async": None}
+    for key in runs:
+        say(f"[peer] {task}: {key} ...")
+        if key == "trl":
+            runs[key] = run_trl(tmp / task, overrides, args.threshold, args.trl_threads)
+        else:
+            runs[key] = run_asyncrl(tmp / task, overrides, 0 if key == "asyncrl_sync" else 1, args.threshold)
+    trl_time = runs["trl"]["time_to_accuracy_s"]
+    ratios = {
+        f"ratio_{mode}": (
+            None
+            if trl_time is None or runs[f"asyncrl_{mode}"]["time_to_accuracy_s"] is None
+            else runs[f"asyncrl_{mode}"]["time_to_accuracy_s"] / max(trl_time, 1e-9)
+        )
+        for mode in ("sync", "async")
+    }
+    ratios |= {
+        f"s_per_step_ratio_{m}": runs[f"asyncrl_{m}"]["s_per_step"] / runs["trl"]["s_per_step"]
+        for m in ("sync", "async")
+    }
+    return {"task": task, **runs, **ratios}
+
+
+def say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def table(result: dict[str, Any], args: argparse.Namespace) -> str:
+    runs = [
+        ("TRL GRPOTrainer", result["trl"]),
+        ("asyncrl sync", result["asyncrl_sync"]),
+        ("asyncrl async", result["asyncrl_async"]),
+    ]
+
+    def fmt(value: Any, spec: str = ".3f") -> str:
+        return "-" if value is None else format(value, spec)
+
+    lines = [
+        f"{result['task']}: 16 prompts x 8 samples, {args.steps} steps, greedy eval of {args.eval_limit} held-out "
+        f"prompts every {args.eval_every} steps, threshold {args.threshold:g}",
+        f"{'':28}" + "".join(f"{name:>18}" for name, _ in runs),
+    ]
+    rows = [
+        ("s/step", lambda r: fmt(r["s_per_step"])),
+        ("tokens/s", lambda r: fmt(r["tokens_per_s"], ".0f")),
+        (f"steps to {args.threshold:g}", lambda r: fmt(r["steps_to_accuracy"], "d")),
+        (f"seconds to {args.threshold:g}", lambda r: fmt(r["time_to_accuracy_s"], ".1f")),
+        ("final accuracy", lambda r: fmt(r["final_accuracy"])),
+        ("start-up s (off the clock)", lambda r: fmt(r["startup_s"], ".1f")),
+        ("wall s", lambda r: fmt(r["wall_s"], ".1f")),
+    ]
+    steps = sorted({int(s) for _, r in runs for s in r["accuracy"]})
+    rows += [(f"accuracy @ step {s}", lambda r, s=s: fmt(r["accuracy"].get(str(s)))) for s in steps]
+    lines += [f"{label:28}" + "".join(f"{cell(r):>18}" for _, r in runs) for label, cell in rows]
+    lines.append(
+        f"time-to-accuracy, asyncrl / TRL: sync {fmt(result['ratio_sync'], '.2f')}, "
+        f"async {fmt(result['ratio_async'], '.2f')}"
+    )
+    return "\n".join(lines)
+
+
+def rounded(value: Any) -> Any:
+    if isinstance(value, float):
+        return round(value, 4)
+    if isinstance(value, dict):
+        return {k: rounded(v) for k, v in value.items()}
+    return value
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=100, help="optimizer steps of each run")
+    parser.add_argument("--threshold", type=float, default=0.6, help="held-out greedy accuracy to reach")
+    parser.add_argument("--eval-every", type=int, default=5, help="evaluate every this many steps")
+    parser.add_argument("--eval-limit", type=int, default=64, help="held-out prompts")
+    parser.add_argument("--warm-steps", type=int, default=120, help="supervised warm start of the model")
+    parser.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL run (cores 0-1)")
+    parser.add_argument("--tasks", default="arithmetic", help=f"comma-separated, of {', '.join(TASKS)}")
+    parser.add_argument("--model", type=Path, help="a warm model folder to use (first task only)")
+    parser.add_argument("--keep", type=Path, help="keep the runs' folders (logs, metrics) here")
+    parser.add_argument("--trl-child", nargs=2, type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.trl_child:
+        trl_child(*args.trl_child)
+        return
+    tasks = args.tasks.split(",")
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = args.keep or Path(tmp_name)
+        results = [compare(tmp, task, args, args.model if i == 0 else None) for i, task in enumerate(tasks)]
+    cores = CORES.replace("(2 torch threads)", f"({args.trl_threads} torch threads)")
+    for result in results:
+        say(table(result, args))
+    say(f"cores: {cores}")
+    first = results[0]
+    summary = {
+        "bench": "peer",
+        "cores": cores,
+        "steps": args.steps,
+        "threshold": args.threshold,
+        "eval_every": args.eval_every,
+        "eval_prompts": args.eval_limit,
+        "ratio_sync": first["ratio_sync"],
+        "ratio_async": first["ratio_async"],
+        "tasks": {r["task"]: r for r in results},
+        "missing": [t for t in TASKS if t not in tasks],
+    }
+    print(json.dumps(rounded(summary)))
+
+
+if __name__ == "__main__":
+    main()
