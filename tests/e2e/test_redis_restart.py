@@ -37,7 +37,8 @@ class Run:
 
     def __init__(self, tmp_path: Path, model: Path, name: str, *overrides: str) -> None:
         self.dir = tmp_path / name
-        settings = [f"run.root={tmp_path}", f"run.name={name}", f"model.path={model}", *overrides]
+        # no eval rounds: this is about Redis, and their rows in metrics.jsonl would stand between the steps
+        settings = [f"run.root={tmp_path}", f"run.name={name}", f"model.path={model}", "eval.every=0", *overrides]
         self.sets = [arg for override in settings for arg in ("--set", override)]
         self.procs = Processes(tmp_path / "logs")
         self.run_args: list[str] = []
