@@ -52,6 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,18 +65,36 @@ CORES = (
     "asyncrl: learner on core 0 (1 torch thread); 1 rollout actor (vLLM on core 1) + 1 reward worker on core 1, "
     "pinned with taskset by bench/peer.py; TRL: one process on cores 0-1 (2 torch threads)"
 )
-TASKS: dict[str, list[str]] = {
-    # the demo's task: one-digit sums, responses of 1-2 characters and EOS
-    "arithmetic": [],
-    # longer responses (9-12 characters and EOS), so that generation takes a larger share of a step
-    "reverse": [
-        "task.name=reverse",
-        "task.options={ min_length = 9, max_length = 12 }",
-        "eval.name=reverse",
-        "eval.options={ min_length = 9, max_length = 12 }",
-        "rollout.max_new_tokens=14",
-    ],
+
+
+@dataclass(frozen=True)
+class PeerTask:
+    overrides: tuple[str, ...]
+    """``--set`` overrides of configs/demo.toml for this task (training and eval prompts, response length)."""
+    warm_steps: int
+    """Supervised warm-start steps that leave the tiny model at partial skill on it."""
+    threshold: float
+    """Held-out greedy accuracy that time-to-accuracy is measured to (``--threshold`` sets the first task's)."""
+
+
+TASKS: dict[str, PeerTask] = {
+    # the demo's task: one-digit sums, responses of 1-2 characters and EOS; ~0.4 greedy accuracy after the warm start
+    "arithmetic": PeerTask((), 120, 0.6),
+    # reversing 5-8 letters: responses of 6-9 tokens, so generation takes a larger share of a step; ~0.3 after it
+    "reverse": PeerTask(
+        (
+            "task.name=reverse",
+            "task.options={ min_length = 5, max_length = 8 }",
+            "eval.name=reverse",
+            "eval.options={ min_length = 5, max_length = 8 }",
+            "rollout.max_new_tokens=10",
+        ),
+        350,
+        0.5,
+    ),
 }
+THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9)
+"""Also reported: time-to-accuracy at each of these."""
 
 
 # --------------------------------------------------------------------------- shared set-up
@@ -99,7 +118,11 @@ def clock_figures(times: dict[int, float], tokens: dict[int, float], accuracy: d
     start = times[1]
     span = times[last] - start
     clock = {step: (times[step] - start if step >= 1 else 0.0) for step in times} | {0: 0.0}
-    reached = next((s for s in sorted(accuracy) if accuracy[s] >= threshold), None)
+
+    def first(level: float) -> int | None:
+        return next((s for s in sorted(accuracy) if accuracy[s] >= level), None)
+
+    reached = first(threshold)
     return {
         "steps": last,
         "s_per_step": span / max(last - 1, 1),
@@ -108,6 +131,7 @@ def clock_figures(times: dict[int, float], tokens: dict[int, float], accuracy: d
         "time_to_accuracy_s": None if reached is None else clock[reached],
         "accuracy": {str(s): round(a, 4) for s, a in sorted(accuracy.items())},
         "final_accuracy": accuracy[max(accuracy)] if accuracy else None,
+        "time_to": {str(t): (None if first(t) is None else clock[first(t)]) for t in THRESHOLDS},
     }
 
 
@@ -350,13 +374,16 @@ def asyncrl_figures(metrics: Path, started: float, threshold: float) -> dict[str
 # --------------------------------------------------------------------------- report
 
 
-def compare(tmp: Path, task: str, args: argparse.Namespace, model: Path | None) -> dict[str, Any]:
+def compare(tmp: Path, task: str, args: argparse.Namespace, first: bool) -> dict[str, Any]:
     """The three runs of ``task`` on one warm model."""
-    task_overrides = TASKS[task]
+    spec = TASKS[task]
+    task_overrides = list(spec.overrides)
+    threshold = args.threshold if first and args.threshold is not None else spec.threshold
     (tmp / task).mkdir(parents=True, exist_ok=True)
+    model = args.model if first else None
     if model is None:
         model = tmp / f"model-{task}"
-        init_model(model, task_overrides, args.warm_steps)
+        init_model(model, task_overrides, args.warm_steps if first and args.warm_steps is not None else spec.warm_steps)
     overrides = [
         *task_overrides,
         f"model.path={model.resolve()}",
@@ -370,23 +397,28 @@ def compare(tmp: Path, task: str, args: argparse.Namespace, model: Path | None) 
     for key in runs:
         say(f"[peer] {task}: {key} ...")
         if key == "trl":
-            runs[key] = run_trl(tmp / task, overrides, args.threshold, args.trl_threads)
+            runs[key] = run_trl(tmp / task, overrides, threshold, args.trl_threads)
         else:
-            runs[key] = run_asyncrl(tmp / task, overrides, 0 if key == "asyncrl_sync" else 1, args.threshold)
+            runs[key] = run_asyncrl(tmp / task, overrides, 0 if key == "asyncrl_sync" else 1, threshold)
     trl_time = runs["trl"]["time_to_accuracy_s"]
-    ratios = {
-        f"ratio_{mode}": (
-            None
-            if trl_time is None or runs[f"asyncrl_{mode}"]["time_to_accuracy_s"] is None
-            else runs[f"asyncrl_{mode}"]["time_to_accuracy_s"] / max(trl_time, 1e-9)
-        )
-        for mode in ("sync", "async")
+    ratios: dict[str, Any] = {
+        f"ratio_{mode}": _ratio(runs[f"asyncrl_{mode}"]["time_to_accuracy_s"], trl_time) for mode in ("sync", "async")
     }
     ratios |= {
         f"s_per_step_ratio_{m}": runs[f"asyncrl_{m}"]["s_per_step"] / runs["trl"]["s_per_step"]
         for m in ("sync", "async")
     }
-    return {"task": task, **runs, **ratios}
+    ratios["ratio_at"] = {
+        mode: {
+            t: _ratio(runs[f"asyncrl_{mode}"]["time_to"][t], runs["trl"]["time_to"][t]) for t in runs["trl"]["time_to"]
+        }
+        for mode in ("sync", "async")
+    }
+    return {"task": task, "threshold": threshold, **runs, **ratios}
+
+
+def _ratio(ours: float | None, theirs: float | None) -> float | None:
+    return None if ours is None or theirs is None else ours / max(theirs, 1e-9)
 
 
 def say(text: str) -> None:
@@ -405,24 +437,30 @@ def table(result: dict[str, Any], args: argparse.Namespace) -> str:
 
     lines = [
         f"{result['task']}: 16 prompts x 8 samples, {args.steps} steps, greedy eval of {args.eval_limit} held-out "
-        f"prompts every {args.eval_every} steps, threshold {args.threshold:g}",
+        f"prompts every {args.eval_every} steps, threshold {result['threshold']:g}",
         f"{'':28}" + "".join(f"{name:>18}" for name, _ in runs),
     ]
     rows = [
         ("s/step", lambda r: fmt(r["s_per_step"])),
         ("tokens/s", lambda r: fmt(r["tokens_per_s"], ".0f")),
-        (f"steps to {args.threshold:g}", lambda r: fmt(r["steps_to_accuracy"], "d")),
-        (f"seconds to {args.threshold:g}", lambda r: fmt(r["time_to_accuracy_s"], ".1f")),
+        (f"steps to {result['threshold']:g}", lambda r: fmt(r["steps_to_accuracy"], "d")),
+        (f"seconds to {result['threshold']:g}", lambda r: fmt(r["time_to_accuracy_s"], ".1f")),
         ("final accuracy", lambda r: fmt(r["final_accuracy"])),
         ("start-up s (off the clock)", lambda r: fmt(r["startup_s"], ".1f")),
         ("wall s", lambda r: fmt(r["wall_s"], ".1f")),
+    ]
+    rows += [
+        (f"seconds to {t}", lambda r, t=t: fmt(r["time_to"][t], ".1f"))
+        for t in result["trl"]["time_to"]
+        if float(t) != result["threshold"]
     ]
     steps = sorted({int(s) for _, r in runs for s in r["accuracy"]})
     rows += [(f"accuracy @ step {s}", lambda r, s=s: fmt(r["accuracy"].get(str(s)))) for s in steps]
     lines += [f"{label:28}" + "".join(f"{cell(r):>18}" for _, r in runs) for label, cell in rows]
     lines.append(
         f"time-to-accuracy, asyncrl / TRL: sync {fmt(result['ratio_sync'], '.2f')}, "
-        f"async {fmt(result['ratio_async'], '.2f')}"
+        f"async {fmt(result['ratio_async'], '.2f')}; s/step, asyncrl / TRL: sync "
+        f"{fmt(result['s_per_step_ratio_sync'], '.2f')}, async {fmt(result['s_per_step_ratio_async'], '.2f')}"
     )
     return "\n".join(lines)
 
@@ -438,12 +476,12 @@ def rounded(value: Any) -> Any:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps of each run")
-    parser.add_argument("--threshold", type=float, default=0.6, help="held-out greedy accuracy to reach")
+    parser.add_argument("--threshold", type=float, help="held-out greedy accuracy to reach (first task; default 0.6)")
     parser.add_argument("--eval-every", type=int, default=5, help="evaluate every this many steps")
     parser.add_argument("--eval-limit", type=int, default=64, help="held-out prompts")
-    parser.add_argument("--warm-steps", type=int, default=120, help="supervised warm start of the model")
+    parser.add_argument("--warm-steps", type=int, help="supervised warm start of the first task's model")
     parser.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL run (cores 0-1)")
-    parser.add_argument("--tasks", default="arithmetic", help=f"comma-separated, of {', '.join(TASKS)}")
+    parser.add_argument("--tasks", default="arithmetic,reverse", help=f"comma-separated, of {', '.join(TASKS)}")
     parser.add_argument("--model", type=Path, help="a warm model folder to use (first task only)")
     parser.add_argument("--keep", type=Path, help="keep the runs' folders (logs, metrics) here")
     parser.add_argument("--trl-child", nargs=2, type=Path, help=argparse.SUPPRESS)
@@ -454,7 +492,7 @@ def main() -> None:
     tasks = args.tasks.split(",")
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = args.keep or Path(tmp_name)
-        results = [compare(tmp, task, args, args.model if i == 0 else None) for i, task in enumerate(tasks)]
+        results = [compare(tmp, task, args, i == 0) for i, task in enumerate(tasks)]
     cores = CORES.replace("(2 torch threads)", f"({args.trl_threads} torch threads)")
     for result in results:
         say(table(result, args))
@@ -464,7 +502,7 @@ def main() -> None:
         "bench": "peer",
         "cores": cores,
         "steps": args.steps,
-        "threshold": args.threshold,
+        "threshold": first["threshold"],
         "eval_every": args.eval_every,
         "eval_prompts": args.eval_limit,
         "ratio_sync": first["ratio_sync"],
