@@ -334,7 +334,8 @@ class TransportSection(Section):
     """Path of a rollout actor's CURVE client secret key file (``name.key_secret``); needed to send to reward workers
     that bind with CURVE (their public key comes from their heartbeat)."""
     max_message_mb: float = Field(64.0, gt=0)
-    """Largest accepted message; bigger ones are rejected and counted."""
+    """Largest accepted message; a bigger one is refused and counted, except one single frame over it, which ZeroMQ
+    itself drops with the sender's connection (``ZMQ_MAXMSGSIZE``): the process never sees it."""
     replay_maxlen: int = Field(10_000, ge=10)
     """Approximate cap of the replay stream (``XADD MAXLEN ~``)."""
     heartbeat_s: float = Field(2.0, gt=0)
