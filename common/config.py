@@ -468,10 +468,11 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _eval_is_scored_as_the_task(self) -> RunConfig:
         # Eval groups carry the run's task label: the reward workers score them with the run's verifier.
-        if self.eval.name not in ("file", self.task.name):
+        if self.eval.every and self.eval.name not in ("file", self.task.name):
             raise ValueError(
                 f"eval.name {self.eval.name!r}: eval prompts are scored by the run's verifier, so eval takes a "
-                f'held-out file (name = "file") or the run\'s own task {self.task.name!r} with another eval.seed'
+                f'held-out file (name = "file", eval.path) or the run\'s own task {self.task.name!r} with another '
+                "eval.seed; eval.every = 0 turns evaluation off"
             )
         return self
 
