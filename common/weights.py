@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from datetime import timedelta
 import blake3
 import torch
 
+from common.net import ADVERTISE_HOST_ENV
 from common.rendezvous import RedisStore
 from common.wire import WeightBucket
 
@@ -142,6 +144,27 @@ def unpack_bucket(bucket: WeightBucket, flat: torch.Tensor) -> Iterator[tuple[st
         yield name, flat[offset : offset + math.prod(shape)].view(shape)
 
 
+def gloo_group(store, rank: int, world_size: int, timeout: timedelta, environ: Mapping[str, str] | None = None):
+    """A ``ProcessGroupGloo`` whose sockets are bound to ``$ASYNCRL_ADVERTISE_HOST``'s address when that is set.
+
+    Each rank binds its listening socket on its device and writes that address into the store for its peers. Left to
+    itself, gloo takes the interfaces ``GLOO_SOCKET_IFNAME`` names, else resolves this machine's host name (falling
+    back to loopback), so hosts whose name resolves to 127.0.0.1 or 127.0.1.1 (Debian's /etc/hosts, containers,
+    network namespaces sharing one name) all advertised loopback and every peer connected to its own (measured with
+    two network namespaces: ``Connection refused, remote=[127.0.0.1]``, and no actor ever got weights). Bound to the
+    advertised address, the one heartbeats carry, a rank is reached where others reach its host
+    (``tests/e2e/test_multi_host.py``). ``GLOO_SOCKET_IFNAME``, when set, still wins.
+    """
+    environ = os.environ if environ is None else environ
+    host = environ.get(ADVERTISE_HOST_ENV)
+    if not host or environ.get("GLOO_SOCKET_IFNAME"):
+        return torch.distributed.ProcessGroupGloo(store, rank, world_size, timeout)
+    options = torch.distributed.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [torch.distributed.ProcessGroupGloo.create_device(hostname=host)]
+    return torch.distributed.ProcessGroupGloo(store, rank, world_size, options)
+
+
 @dataclass(frozen=True)
 class GroupAddress:
     """Where and as whom to join one formation of the weight group."""
@@ -185,7 +208,7 @@ class WeightGroup:
                 options = torch.distributed.ProcessGroupNCCL.Options()
                 options._timeout = timeout
                 return torch.distributed.ProcessGroupNCCL(store, a.rank, a.world_size, options)
-            return torch.distributed.ProcessGroupGloo(store, a.rank, a.world_size, timeout)
+            return gloo_group(store, a.rank, a.world_size, timeout)
         except Exception as exc:
             raise WeightSyncError(f"could not form weight group epoch {a.epoch} as rank {a.rank}: {exc}") from exc
 
