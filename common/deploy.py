@@ -6,7 +6,9 @@ reviewable, patched by kustomize overlays), and both users of a command take it 
 builds every overlay and asserts that each container's ``command + args`` and ``env`` are exactly
 :func:`kube_container` of its role; the multi-host test starts its processes from :func:`learner`, :func:`actor`,
 :func:`reward` and :func:`redis` with its own :class:`Site`. A changed command fails that test until the manifests
-say the same, so they cannot drift apart.
+say the same, so they cannot drift apart. The README's "On a cluster" commands are :func:`cluster_steps` of
+:data:`CLUSTER_EXAMPLE`, rendered by :func:`cluster_readme`: ``tests/unit/test_cluster_steps.py`` asserts the README
+holds that text and ``tests/e2e/test_multi_host.py`` runs those very steps, host by host.
 
 What differs between hosts or pods is a :class:`Site` parameter. On Kubernetes (:data:`KUBE`) the parameters that
 differ per pod or per overlay are the kubelet's ``$(NAME)`` references: it expands them in ``args`` and ``env`` from
@@ -23,6 +25,8 @@ No vLLM, DeepSpeed or torch import: the test and a launcher load this in millise
 from __future__ import annotations
 
 import re
+import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from common.config import HOST_KEY_ENV
@@ -53,8 +57,9 @@ EOF
 must need no quoting in a Redis config (``openssl rand -hex 32`` makes one)."""
 
 REDIS_CONF = """\
-# asyncrl's Redis: every interface of its host (who may connect is the NetworkPolicy's business), a password
-# (requirepass, fed on standard input: it is in no file of this ConfigMap), and AOF so a restart loses nothing.
+# asyncrl's Redis: bound where the run's other hosts reach it (in a pod every interface: who may connect is the
+# NetworkPolicy's business), a password (requirepass, fed on standard input: it is in no file), and AOF so a restart
+# loses nothing.
 bind {bind}
 port {port}
 dir {data_dir}
@@ -150,6 +155,91 @@ def redis_conf(data_dir: str, port: int = 6379, bind: str = "* -::*") -> str:
     """The text of the Redis config file for data in ``data_dir`` (``* -::*``: every IPv4 and, where there is one,
     IPv6 interface; Redis 7 syntax)."""
     return REDIS_CONF.format(bind=bind, port=port, data_dir=data_dir)
+
+
+def shell(process: Process) -> str:
+    """``process`` as one POSIX shell command: its environment as assignments before its argv, each word quoted
+    (``shlex``), so that a person pasting it runs exactly what a launcher starts from :attr:`Process.argv`."""
+    assignments = [f"{name}={shlex.quote(value)}" for name, value in process.env.items()]
+    return " ".join([*assignments, shlex.join(process.argv)])
+
+
+# ------------------------------------------------------------------------------------------- across hosts
+
+
+@dataclass(frozen=True)
+class Step:
+    """One command of a run across hosts, run in that host's folder of the run (paths are relative to it)."""
+
+    host: str
+    """The address of the host that runs it (its ``$ASYNCRL_ADVERTISE_HOST``)."""
+    command: str
+    """The command as a person types it (POSIX shell; may span lines)."""
+    process: Process | None = None
+    """For a process that keeps running (Redis, the learner, workers): what :attr:`command` starts; None for a
+    command that runs to completion."""
+
+
+def host_site(run: str, host: str) -> Site:
+    """The :class:`Site` of one host of a run across hosts: literal addresses, paths relative to the host's folder
+    (``keys/`` from ``rl-launch keys keys``, ``redis-url``, ``password``, ``redis.conf``, ``run.toml``)."""
+    return Site(
+        run=run,
+        config="run.toml",
+        redis_url_file="redis-url",
+        advertise_host=host,
+        curve_server_key="keys/server.key_secret",
+        curve_client_keys="keys/authorized",
+        curve_client_key="keys/client.key_secret",
+    )
+
+
+def cluster_steps(run: str, learner_host: str, worker_hosts: Sequence[str], redis_port: int = 6379) -> list[Step]:
+    """Every command of a run across hosts, in the order to run them.
+
+    On ``learner_host``: the CURVE keys, the Redis password and URL (files only their owner reads), the Redis config
+    (bound to that host's address, AOF on), Redis and the learner. Then on each of ``worker_hosts`` an actor, the first
+    also checking that the run is readable (``rl-actor show-config``) and running a reward worker. Between the two,
+    ``redis-url`` and ``keys/`` are copied to the worker hosts (a reward worker needs ``keys/server.key_secret`` and
+    ``keys/authorized/``, an actor ``keys/client.key_secret``).
+    """
+    here = host_site(run, learner_host)
+    url = f"redis://:$(cat {here.redis_password_file})@{learner_host}:{redis_port}/0"
+    conf = redis_conf("redis-data", redis_port, bind=learner_host)
+    steps = [
+        Step(learner_host, "rl-launch keys keys"),
+        Step(learner_host, f"umask 077 && openssl rand -hex 32 > {here.redis_password_file}"),
+        Step(learner_host, f'umask 077 && echo "{url}" > {here.redis_url_file}'),
+        Step(learner_host, f"mkdir -p redis-data && cat > {here.redis_conf} <<'EOF'\n{conf}EOF"),
+        Step(learner_host, shell(redis(here)), redis(here)),
+        Step(learner_host, shell(learner(here)), learner(here)),
+    ]
+    for n, host in enumerate(worker_hosts):
+        site = host_site(run, host)
+        if n == 0:
+            show = ("rl-actor", "show-config", "--run", run, "--redis-url-file", site.redis_url_file)
+            steps.append(Step(host, shlex.join(show)))
+            steps.append(Step(host, shell(reward(site, f"reward-{n}")), reward(site, f"reward-{n}")))
+        steps.append(Step(host, shell(actor(site, f"actor-{n}")), actor(site, f"actor-{n}")))
+    return steps
+
+
+CLUSTER_EXAMPLE = {"run": "exp1", "learner_host": "10.77.0.1", "worker_hosts": ("10.77.0.2", "10.77.0.3", "10.77.0.4")}
+"""The README's run across hosts: ``10.77.0.4`` is the host that joins mid-run (the multi-host test builds these
+four hosts as network namespaces, with exactly these addresses)."""
+
+
+def cluster_readme(steps: Sequence[Step]) -> str:
+    """The steps as the README's shell block: each host's commands after a ``# on HOST`` line."""
+    lines: list[str] = []
+    host = None
+    for step in steps:
+        if step.host != host:
+            lines += [""] if lines else []
+            lines.append(f"# on {step.host}")
+            host = step.host
+        lines.append(step.command)
+    return "\n".join(lines) + "\n"
 
 
 # ----------------------------------------------------------------------------------------------- Kubernetes
