@@ -1,0 +1,401 @@
+"""A run across hosts, on one machine: four hosts made of Linux network namespaces on one bridge, with addresses
+(10.77.0.0/24) that exist only inside them, running the README's "On a cluster" commands as they are written.
+
+The commands are ``common/deploy.py``'s :func:`~common.deploy.cluster_steps` of
+:data:`~common.deploy.CLUSTER_EXAMPLE` (the README's block is that text: checked here and in
+``tests/unit/test_across_hosts.py``): setup commands run with ``sh -c``, each lasting process from the
+:class:`~common.deploy.Process` its command line renders, inside its host's namespace and in its host's own folder.
+Between them the test copies what the README says to copy (``redis-url``, the keys each role needs). On 10.77.0.1 Redis
+(a password, bound to that address, AOF) and the learner; on 10.77.0.2 a reward worker (CURVE on ``tcp://0.0.0.0``)
+and an actor; on 10.77.0.3 an actor. Once weights have reached both actors, 10.77.0.4 joins with an actor and, once
+that one served a version, 10.77.0.3 leaves (SIGTERM). The run must finish with every step once, every group trained
+once or accounted for (from Redis), and every actor host having loaded every version sent to it.
+
+The test reaches the run's Redis and the processes' ``/metrics`` from a thread of its own that entered 10.77.0.1's
+namespace: nothing of the run is reachable from the machine's own network. Its one addition to the hosts'
+environment is what a CPU host sets anyway: ``DS_ACCELERATOR=cpu``, vLLM's thread pinning, ``PATH``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from common import deploy
+from common.audit import entry_line
+from common.control import ControlPlane
+from common.keys import connect
+from common.redis_server import find_redis_server
+from tests.e2e.test_resume import Processes
+from tests.e2e.test_system import BIN, ROOT, model_dir  # noqa: F401 - model_dir is a fixture
+from tests.helpers.accounting import account_groups
+from tests.unit.test_across_hosts import readme_block
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+EXAMPLE = deploy.CLUSTER_EXAMPLE
+RUN, LEARNER_HOST = EXAMPLE["run"], EXAMPLE["learner_host"]
+B, C, D = EXAMPLE["worker_hosts"]  # D joins mid-run, C leaves
+STEPS, GROUPS = 150, 4
+"""About 1.4 s a step here: the run must outlast the start of the joining host's actor, which shares two cores with a
+run in full swing (45 s on an idle machine, 105 s beside this run and other tests' load; nice -10 did not help)."""
+CLONE_NEWNET = 0x40000000
+
+
+class Hosts:
+    """One network namespace per address, each with ``lo`` and an ``eth0`` on a bridge that lives in a namespace of
+    its own: no address or link of the test appears in the machine's namespace. :meth:`delete` removes them all."""
+
+    def __init__(self, prefix: str, addresses: list[str]) -> None:
+        self.prefix = prefix
+        self.names = {address: f"{prefix}-{n}" for n, address in enumerate(addresses)}
+        self.switch = f"{prefix}-sw"
+        self.made: list[str] = []
+
+    def create(self) -> None:
+        self._netns(self.switch)
+        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.switch, "link", "set", "dev", "br0", "up")
+        for n, (address, ns) in enumerate(self.names.items()):
+            self._netns(ns)
+            _ip("link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", f"p{n}", "netns", self.switch)
+            _ip("-n", self.switch, "link", "set", "dev", f"p{n}", "master", "br0")
+            _ip("-n", self.switch, "link", "set", "dev", f"p{n}", "up")
+            _ip("-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "dev", "eth0", "up")
+            _ip("-n", ns, "link", "set", "dev", "lo", "up")
+
+    def _netns(self, name: str) -> None:
+        _ip("netns", "add", name)
+        self.made.append(name)
+
+    def delete(self) -> None:
+        for name in reversed(self.made):  # a namespace's veth ends go with it
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        self.made.clear()
+
+    def exec(self, address: str) -> list[str]:
+        return ["ip", "netns", "exec", self.names[address]]
+
+    def thread_in(self, address: str) -> ThreadPoolExecutor:
+        """One thread in ``address``'s namespace (``setns`` moves only the calling thread): sockets it opens are that
+        host's. The test's Redis reads and scrapes run there."""
+        libc = ctypes.CDLL(None, use_errno=True)
+        path = f"/run/netns/{self.names[address]}"
+
+        def enter() -> None:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                if libc.setns(fd, CLONE_NEWNET) != 0:
+                    raise OSError(ctypes.get_errno(), f"setns into {path} failed")
+            finally:
+                os.close(fd)
+
+        return ThreadPoolExecutor(1, initializer=enter, thread_name_prefix="netns")
+
+
+def _ip(*args: str) -> None:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if done.returncode:
+        raise OSError(f"ip {' '.join(args)}: {done.stderr.strip()}")
+
+
+@pytest.fixture
+def hosts() -> Iterator[Hosts]:
+    if shutil.which("ip") is None:
+        pytest.fail("this test builds hosts with `ip netns` (iproute2), which is missing; CI has it and runs as root")
+    made = Hosts(f"asr{os.getpid()}", [LEARNER_HOST, B, C, D])
+    try:
+        made.create()
+    except OSError as exc:
+        made.delete()
+        pytest.fail(f"cannot make network namespaces on this machine ({exc}); this test needs root and `ip netns`")
+    try:
+        yield made
+    finally:
+        made.delete()
+
+
+class HostProcesses(Processes):
+    """Processes started in the hosts' namespaces, each in its host's folder and the leader of its own session;
+    stopped by PID and session (``Processes.stop``), logs in ``root``."""
+
+    def __init__(self, hosts: Hosts, root: Path) -> None:
+        super().__init__(root)
+        self.hosts = hosts
+        redis_bin = Path(find_redis_server()).parent  # the host's Redis, as a person installs it
+        self.env = {**os.environ, "PATH": f"{BIN}:{redis_bin}:{os.environ['PATH']}", "DS_ACCELERATOR": "cpu"}
+
+    def folder(self, host: str) -> Path:
+        path = self.log_dir / host
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def run(self, step: deploy.Step) -> str:
+        """A command that runs to completion, typed as the README has it; its output."""
+        done = subprocess.run([*self.hosts.exec(step.host), "sh", "-c", step.command], cwd=self.folder(step.host),
+                              env=self.env, capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 0, f"{step.command!r} on {step.host}: {done.stderr[-2000:]}"
+        return done.stdout
+
+    def start(self, name: str, step: deploy.Step, env: dict[str, str] | None = None) -> subprocess.Popen:
+        assert step.process is not None and deploy.shell(step.process) == step.command
+        log = (self.log_dir / f"{name}.log").open("w")
+        self.procs[name] = subprocess.Popen(
+            [*self.hosts.exec(step.host), *step.process.argv],
+            cwd=self.folder(step.host),
+            env={**self.env, **(env or {}), **step.process.env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its children (vLLM's engine, torchrun's rank) share its session
+        )
+        return self.procs[name]
+
+
+def _config(model: Path) -> str:
+    """run.toml: the demo's task and model, small steps (its ``[run]`` and ports come from the learner's command)."""
+    return f"""preset = "grpo"
+
+[model]
+path = "{model}"
+max_model_len = 64
+
+[task]
+name = "arithmetic"
+options = {{ ops = "+", max_digits = 1 }}
+
+[rollout]
+num_samples = 8
+max_new_tokens = 6
+max_groups_in_flight = 6
+kv_cache_bytes = 67108864
+
+[learner]
+steps = {STEPS}
+groups_per_step = {GROUPS}
+micro_batch_size = 32
+lr = 3e-4
+group_deadline_s = 60
+
+[staleness]
+max_staleness = 1
+
+[transport]
+heartbeat_s = 1.0
+heartbeat_ttl_s = 10.0
+
+[weight_sync]
+timeout_s = 60
+"""
+
+
+class Cluster:
+    """The run's processes on their hosts, and the test's view of the run's Redis from 10.77.0.1."""
+
+    def __init__(self, hosts: Hosts, root: Path, steps: list[deploy.Step]) -> None:
+        self.procs = HostProcesses(hosts, root)
+        self.steps = {host: [s for s in steps if s.host == host] for host in (LEARNER_HOST, B, C, D)}
+        self.here = self.procs.folder(LEARNER_HOST)
+        self.run_dir = self.here / "runs" / RUN
+        self.on_a = hosts.thread_in(LEARNER_HOST)
+        self.plane: ControlPlane | None = None
+
+    def a(self, fn: Callable, *args):
+        """``fn(*args)`` from 10.77.0.1 (the Redis client's sockets are opened there)."""
+        return self.on_a.submit(fn, *args).result()
+
+    def start_learner_host(self, model: Path) -> None:
+        """run.toml, then the README's commands on 10.77.0.1: keys, password, URL, redis.conf, Redis, the learner."""
+        keys, password, url_line, conf, redis, learner = self.steps[LEARNER_HOST]
+        (self.here / "run.toml").write_text(_config(model))
+        for step in (keys, password, url_line, conf):
+            self.procs.run(step)
+        assert {oct((self.here / f).stat().st_mode & 0o777) for f in ("password", "redis-url")} == {"0o600"}
+        url = (self.here / "redis-url").read_text().strip()
+        self.procs.start("redis", redis)
+        self.plane = self.a(lambda: ControlPlane(connect(url), RUN))
+        self.wait(lambda: self.a(_pings, self.plane), "Redis on 10.77.0.1", 30)
+        self.procs.start("learner", learner)
+        self.wait(lambda: self.a(self.plane.client.exists, self.plane.keys.config), "the published config", 300)
+
+    def start_workers(self) -> None:
+        """The copies, then B: show-config, a reward worker and an actor; C: an actor."""
+        _copy_to_workers(self.here, self.procs)
+        show, reward, actor_b = self.steps[B]
+        assert json.loads(self.procs.run(show))["run"]["name"] == RUN  # B reads the run from A's Redis
+        self.procs.start("reward-0", reward)
+        self.procs.start("actor-0", actor_b, {"VLLM_CPU_OMP_THREADS_BIND": "0"})
+        self.procs.start("actor-1", self.steps[C][0], {"VLLM_CPU_OMP_THREADS_BIND": "1"})
+
+    def join_and_leave(self) -> float:
+        """D joins with an actor; once it served groups, C leaves (SIGTERM, exit 0). Returns when C was told."""
+        self.procs.start("actor-2", self.steps[D][0], {"VLLM_CPU_OMP_THREADS_BIND": "0"})
+        self.wait(lambda: self.trained_from("actor-2"), "groups of the host that joined")
+        assert len(self.metric_steps()) < STEPS, "the run ended before the host that joined served it"
+        left_at = time.time()
+        assert self.procs.stop("actor-1") == 0, self.procs.log("actor-1")[-3000:]
+        assert self.metric_steps()[-1] < STEPS, "the run ended before a host left it"
+        return left_at
+
+    def wait(self, condition: Callable[[], object], what: str, timeout_s: float = 600, watch=("redis", "learner")):
+        """The first true value of ``condition()`` (a missing file: not yet), while the ``watch`` processes live."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with contextlib.suppress(FileNotFoundError):
+                if value := condition():
+                    return value
+            for name in watch:
+                proc = self.procs.procs[name]
+                assert proc.poll() is None, f"{what}: {name} exited first ({proc.returncode})"
+            assert time.monotonic() < deadline, f"{what}: timed out after {timeout_s:g}s"
+            time.sleep(0.5)
+
+    def events(self) -> list[dict]:
+        """The run's audit trail, from its stream in Redis (complete after the learner's mirror has stopped)."""
+        raw = self.a(self.plane.client.xrange, self.plane.keys.audit)
+        return [entry_line(entry_id.decode(), fields) for entry_id, fields in raw]
+
+    def loaded(self, actor: str) -> bool:
+        return any(e["event"] == "weights.loaded" and e["who"]["process"] == actor for e in self.events())
+
+    def rows(self) -> list[dict]:
+        lines = (self.run_dir / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line) for line in lines if line.endswith("}")]
+
+    def metric_steps(self) -> list[int]:
+        return [int(row["step"]) for row in self.rows()]
+
+    def trained_from(self, actor: str) -> bool:
+        return any(row.get(f"rollout/groups_from/{actor}") for row in self.rows())
+
+    def close(self) -> None:
+        self.procs.stop_all()
+        self.on_a.shutdown()
+
+
+def test_a_run_across_hosts_serves_every_actor_host(tmp_path: Path, model_dir: Path, hosts: Hosts) -> None:  # noqa: F811
+    started = time.monotonic()
+    steps = deploy.cluster_steps(**EXAMPLE)
+    assert readme_block() == deploy.cluster_readme(steps), "README's 'On a cluster' differs from common/deploy.py"
+    assert "10.77.0." not in subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True).stdout
+    run = Cluster(hosts, tmp_path / "hosts", steps)
+    try:
+        run.start_learner_host(model_dir)
+        run.start_workers()
+        run.wait(lambda: run.loaded("actor-0") and run.loaded("actor-1"), "weights on B and C")
+        _check_endpoints(run, {"actor-0": B, "actor-1": C, "reward-0": B, "learner": LEARNER_HOST})
+        left_at = run.join_and_leave()
+        assert run.procs.procs["learner"].wait(900) == 0, run.procs.log("learner")[-3000:]
+
+        assert run.metric_steps() == list(range(1, STEPS + 1))  # every step once
+        figures = run.a(account_groups, run.plane, STEPS, GROUPS)
+        served = run.wait(
+            lambda: _versions_served(run, left={"actor-1": left_at}), "every version loaded", 60, ("redis",)
+        )
+        broadcast = _broadcast_times(run)
+        spans = {actor: f"{len(v)} versions {v[0]}-{v[-1]}" for actor, v in served.items()}
+        print(f"\nmulti-host run: groups {figures}; steps {STEPS}; loaded per actor host {spans}")
+        print(f"broadcast: {json.dumps(broadcast)}; test wall time {time.monotonic() - started:.0f}s")
+    finally:
+        run.close()
+
+
+def _pings(plane: ControlPlane) -> bool:
+    with contextlib.suppress(Exception):
+        return bool(plane.client.ping())
+    return False
+
+
+def _copy_to_workers(here: Path, procs: HostProcesses) -> None:
+    """What the README says to copy: ``redis-url`` to every worker host, the reward worker's keys to B, the actors'
+    client key to B, C and D; nothing else of the learner's folder."""
+    for host in (B, C, D):
+        folder = procs.folder(host)
+        (folder / "keys").mkdir(mode=0o700)
+        for name in ("redis-url", "keys/client.key_secret"):
+            shutil.copy2(here / name, folder / name)
+    shutil.copy2(here / "keys/server.key_secret", procs.folder(B) / "keys")
+    shutil.copytree(here / "keys/authorized", procs.folder(B) / "keys/authorized")
+
+
+def _check_endpoints(run: Cluster, hosts: dict[str, str]) -> None:
+    """Every process's heartbeat carries its host's address, the reward worker advertises its wildcard bind at B's
+    address with a CURVE key, and each ``/metrics`` answers at its advertised URL from A."""
+    import urllib.request
+
+    live, _ = run.a(run.plane.registry.processes)
+    beats = {beat.process_id: beat for beat in live}
+    for process, host in hosts.items():
+        assert beats[process].host == host, beats[process]
+        url = beats[process].metrics_url
+        assert url.startswith(f"http://{host}:"), url
+        assert b"asyncrl_" in run.a(lambda u=url: urllib.request.urlopen(u, timeout=10).read()), process
+    reward = beats["reward-0"]
+    assert reward.endpoint == f"tcp://{B}:5555" and reward.curve_public_key, reward
+
+
+def _versions_served(run: Cluster, left: dict[str, float]) -> dict[str, list[int]] | None:
+    """The versions each actor loaded, once each loaded every version published to it (it was a member of the
+    formation) whose transfer went through; the one that left may miss those published after it was told to stop.
+    None while one is missing (an actor records a load after the learner's last step)."""
+    events = run.events()
+    failed = {int(r["sync/version"]) for r in run.rows() if r.get("sync/failed") and "sync/version" in r}
+    assert not [e for e in events if e["event"] == "weights.refused"]
+    published: dict[str, set[int]] = {}
+    loaded: dict[str, set[int]] = {}
+    for e in events:
+        if e["event"] == "weights.published":
+            for member in e["members"]:
+                if e["unix"] < left.get(member, float("inf")):
+                    published.setdefault(member, set()).add(int(e["version"]))
+        elif e["event"] == "weights.loaded":
+            loaded.setdefault(e["who"]["process"], set()).add(int(e["version"]))
+    assert set(published) == {"actor-0", "actor-1", "actor-2"}, published
+    if any(versions - failed - loaded.get(actor, set()) for actor, versions in published.items()):
+        return None
+    return {actor: sorted(versions) for actor, versions in sorted(loaded.items())}
+
+
+def _broadcast_times(run: Cluster) -> dict[str, float]:
+    """The run's broadcasts (median ``sync/seconds`` of the steps that sent to at least two actor hosts without
+    re-forming the group: packing, digests and the transfer) and, for the model's bytes and for 64 MiB, a two-rank
+    broadcast across hosts (A to B) against one on loopback (both ranks on A, gloo's default device)."""
+    rows = [r for r in run.rows() if r.get("sync/members", 0) >= 2 and not r.get("sync/failed")]
+    plain = [r for r in rows if not r.get("sync/self_check_s")] or rows
+    model = int(statistics.median(r["sync/bytes"] for r in plain))
+    figures = {"run_sync_s": statistics.median(r["sync/seconds"] for r in plain), "model_bytes": model}
+    sizes = (model, 64 * 2**20)
+    for epoch, (label, pair) in enumerate((("across_hosts", (LEARNER_HOST, B)), ("loopback", (LEARNER_HOST,) * 2))):
+        medians = _probe(run.procs, pair, sizes, epoch + 1)
+        figures |= {f"{label}_model_s": medians[0], f"{label}_64MiB_s": medians[1]}
+    return figures
+
+
+def _probe(procs: HostProcesses, pair: tuple[str, str], sizes: tuple[int, ...], epoch: int) -> list[float]:
+    """Median seconds rank 1 takes to receive each of ``sizes`` bytes from rank 0 (``tests/helpers/broadcast_probe``):
+    across hosts each rank advertises its host; on loopback neither does (gloo's default, 127.0.0.1 here)."""
+    url_file = str(procs.folder(LEARNER_HOST) / "redis-url")
+    ranks = []
+    for rank, host in enumerate(pair):
+        env = {k: v for k, v in procs.env.items() if k != deploy.ADVERTISE_ENV}
+        if pair[0] != pair[1]:
+            env[deploy.ADVERTISE_ENV] = host
+        cmd = [*procs.hosts.exec(host), str(BIN / "python"), "-m", "tests.helpers.broadcast_probe", url_file,
+               f"{RUN}-probe", str(epoch), str(rank), ",".join(map(str, sizes)), "20"]  # fmt: skip
+        ranks.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True))
+    outs = [proc.communicate(timeout=180)[0] for proc in ranks]
+    assert all(proc.returncode == 0 for proc in ranks), outs
+    received = json.loads(re.findall(r"\{.*\}", outs[1])[-1])["median_s"]
+    return [float(received[str(size)]) for size in sizes]
