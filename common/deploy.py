@@ -59,12 +59,12 @@ must need no quoting in a Redis config (``openssl rand -hex 32`` makes one)."""
 REDIS_CONF = """\
 # asyncrl's Redis: bound where the run's other hosts reach it (in a pod every interface: who may connect is the
 # NetworkPolicy's business), a password (requirepass, fed on standard input: it is in no file), and AOF so a restart
-# loses nothing.
+# loses nothing (always: everysec lost acknowledged writes on a kill -9 of the server, common/outage.py).
 bind {bind}
 port {port}
 dir {data_dir}
 appendonly yes
-appendfsync everysec
+appendfsync always
 """
 """The Redis config file (holds no secret: a ConfigMap on Kubernetes)."""
 
