@@ -14,11 +14,12 @@ stream into ``runs/<name>/audit.jsonl`` (:class:`AuditMirror`): append-only, one
 :data:`EVENTS`.
 
 - **Never in the way.** :meth:`Audit.record` never raises and never waits for Redis: it queues the entry for the
-  process's one writer thread, which adds it with one ``XADD`` (in the order recorded). While Redis is away the
-  writer waits with the client's outage retries (``common/outage.py``) and up to :data:`QUEUE_MAX` entries wait
-  with it; an entry the queue has no room for, or whose ``XADD`` failed in the end, is counted
-  (``asyncrl_audit_failures_total{stage="queue"|"record"}``), logged (the 1st, 10th, 100th, …) and lost to the
-  trail. :func:`flush` waits until what was recorded so far is written (at exit, for a few seconds, by itself).
+  process's writer thread for that Redis server, which adds it with one ``XADD`` (in the order recorded). While Redis
+  is away the writer waits with the client's outage retries (``common/outage.py``) and up to :data:`QUEUE_MAX`
+  entries wait with it (entries for another server do not); an entry the queue has no room for, or whose ``XADD``
+  failed in the end, is counted (``asyncrl_audit_failures_total{stage="queue"|"record"}``), logged (the 1st, 10th,
+  100th, …) and lost to the trail. :func:`flush` waits until what was recorded so far is written (at exit, for a
+  few seconds, by itself).
 - **No secret in it** (:func:`scrub`): a field whose name says it holds a secret is redacted, a URL's password becomes
   ``***``, and the recording client's Redis password is replaced wherever it appears in a value.
 - **Floods stay small.** Refusals come in floods when a hostile peer sends garbage: :meth:`Audit.refused` records
@@ -150,7 +151,8 @@ class _RefusalCounts:
 
 
 class _Writer:
-    """The process's one audit writer: a daemon thread that adds the queued entries in order (started at the first)."""
+    """The process's audit writer for one Redis server: a daemon thread that adds the queued entries in order
+    (started at the first)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -158,13 +160,6 @@ class _Writer:
         self._items: deque[tuple[redis.Redis, str, dict[str, str]]] = deque()
         self._queued = self._done = 0
         self._thread: threading.Thread | None = None
-
-    def after_fork(self) -> None:
-        """In a forked child: a fresh lock and queue (the parent's thread did not come along; its lock may be held)."""
-        self._cond = threading.Condition()
-        self._items.clear()
-        self._queued = self._done = 0
-        self._thread = None
 
     def put(self, client: redis.Redis, key: str, entry: dict[str, str]) -> bool:
         """Queue one entry; False when the queue is full (Redis has been away for long)."""
@@ -200,19 +195,56 @@ class _Writer:
                 self._cond.notify_all()
 
 
+class _Writers:
+    """One :class:`_Writer` per Redis server (host, port, db) the process records to: entries for a server that is
+    away wait for it alone, never in front of entries for a live one (a test, a tool, a process with two runs)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._by_server: dict[tuple[object, ...], _Writer] = {}
+
+    def put(self, client: redis.Redis, key: str, entry: dict[str, str]) -> bool:
+        with self._lock:
+            writer = self._by_server.setdefault(_server_of(client), _Writer(self.capacity))
+        return writer.put(client, key, entry)
+
+    def flush(self, timeout_s: float, client: redis.Redis | None = None) -> bool:
+        """Wait for the entries queued so far for ``client``'s server (every server when None), within one deadline."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            writers = list(self._by_server.values()) if client is None else [self._by_server.get(_server_of(client))]
+        return all(w is None or w.flush(max(0.0, deadline - time.monotonic())) for w in writers)
+
+    def after_fork(self) -> None:
+        """In a forked child: no writers (the parent's threads did not come along; a lock may be held)."""
+        self._lock = threading.Lock()
+        self._by_server = {}
+
+
+def _server_of(client: redis.Redis) -> tuple[object, ...]:
+    """Which server a client talks to: (host, port or socket path, db); the client itself when that is not known."""
+    try:
+        kwargs = client.connection_pool.connection_kwargs
+    except AttributeError:
+        return (id(client),)
+    return (kwargs.get("host"), kwargs.get("port") or kwargs.get("path"), kwargs.get("db", 0))
+
+
 _REFUSALS = _RefusalCounts()
-_WRITER = _Writer(QUEUE_MAX)
+_WRITERS = _Writers(QUEUE_MAX)
 _VOICES: dict[str, Audit] = {}  # run -> the Audit constructed last for it in this process
 _failures = 0
 
 
-def flush(timeout_s: float = 5.0) -> bool:
-    """Wait until every event this process recorded so far is in the stream (or failed); False after ``timeout_s``."""
-    return _WRITER.flush(timeout_s)
+def flush(timeout_s: float = 5.0, client: redis.Redis | None = None) -> bool:
+    """Wait until every event this process recorded so far (to ``client``'s server, or to any) is in the stream or
+    failed; False after ``timeout_s``."""
+    return _WRITERS.flush(timeout_s, client)
 
 
 atexit.register(flush, EXIT_FLUSH_S)
-os.register_at_fork(after_in_child=_WRITER.after_fork)
+os.register_at_fork(after_in_child=_WRITERS.after_fork)
 
 
 def _failed(stage: str, event: str, exc: BaseException | str) -> None:
@@ -242,7 +274,7 @@ class Audit:
     def record(self, event: str, /, **fields: Any) -> None:
         """Queue one entry (see :data:`EVENTS`) for the writer thread; never raises, never waits for Redis."""
         try:
-            if not _WRITER.put(self.client, self.key, self.entry(event, fields)):
+            if not _WRITERS.put(self.client, self.key, self.entry(event, fields)):
                 _failed("queue", event, f"{QUEUE_MAX} entries wait for Redis already")
         except Exception as exc:  # the trail must never stop the process that records it
             _failed("record", event, exc)

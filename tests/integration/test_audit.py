@@ -116,6 +116,18 @@ def test_a_redis_that_is_down_does_not_stop_the_recording_process(redis_server) 
     assert AUDIT_FAILURES.labels("record")._value.get() == failed + 2
 
 
+def test_entries_for_a_server_that_is_away_do_not_hold_up_those_for_a_live_one(redis_client) -> None:
+    with socket.socket() as s:  # a port nothing listens on: a server that is away
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    away = redis.Redis(host="127.0.0.1", port=port, retry=Retry(ConstantBackoff(0.5), 30))  # ~15 s of retries
+    Audit(away, "away", "actor-0", "actor").record("process.joined", version=0)
+    Audit(redis_client, "live", "actor-1", "actor").record("process.joined", version=0)
+    assert audit_module.flush(10, redis_client)  # written before the other entry's retries end: not queued behind it
+    assert redis_client.xlen(RunKeys("live").audit) == 1
+    assert audit_module.flush(60)  # and the other one is given up on in the end
+
+
 def test_the_mirror_copies_each_entry_once_across_a_restart(redis_client, tmp_path: Path) -> None:
     path, audit = tmp_path / "run" / "audit.jsonl", Audit(redis_client, "mirror", "learner", "learner")
     for n in range(5):

@@ -219,7 +219,7 @@ def test_update_trains_and_run_state_saves_restores_and_rolls_back(
         assert state.version == 1 and state.resumed
         state.set_lr_factor(0.5)
         assert update.engine.engine.optimizer.param_groups[0]["lr"] == pytest.approx(0.5e-3)
-        assert flush_audit(30)  # the audit trail: each checkpoint written, both restores, the rollback
+        assert flush_audit(30, redis_client)  # the audit trail: each checkpoint written, both restores, the rollback
         lines = [entry_line(i.decode(), f) for i, f in redis_client.xrange(plane.keys.audit)]
         events = [f"{line['event'].split('.')[1]} {line['step']}" for line in lines if "checkpoint." in line["event"]]
         saved, restored = ["written 1", "written 2", "written 3"], ["verified 2", "restored 2"]
