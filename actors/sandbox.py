@@ -454,7 +454,8 @@ def enter_private_root(cfg):
     call("detach the old root", libc.umount2, b".", MNT_DETACH)
     os.chdir("/")
     for path in ("/sandbox", "/tmp", "/dev/shm"):
-        mount(path, path, MS_BIND)  # writable mounts of their own before / turns read-only
+        # writable mounts of their own before / turns read-only; MS_REC keeps the binds below them (a venv in /tmp)
+        mount(path, path, MS_BIND | MS_REC)
     mount("none", "/", MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -32,6 +34,9 @@ pytestmark = pytest.mark.integration  # every test starts processes
 TESTS = "assert add(2, 3) == 5, 'add(2, 3)'\n"
 REPO = Path(__file__).resolve().parents[2]
 _NAMES = itertools.count()
+
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def needs_namespaces() -> None:
@@ -226,11 +231,13 @@ def test_isolation_is_detected_once_and_logged(sandbox_log: LogSpy) -> None:
         assert first.per_run_uid and first.processes.startswith("RLIMIT_NPROC")
 
 
-def test_a_refused_fence_falls_back_to_the_next_and_says_so(monkeypatch: pytest.MonkeyPatch,
-                                                            sandbox_log: LogSpy) -> None:
+def test_a_refused_fence_falls_back_to_the_next_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, sandbox_log: LogSpy
+) -> None:
     strongest = sandbox._candidates()
-    refused = replace(strongest[0], launcher=("/bin/sh", "-c", "echo 'unshare failed: Operation not permitted' >&2; "
-                                               "exit 1", "--"))
+    refused = replace(
+        strongest[0], launcher=("/bin/sh", "-c", "echo 'unshare failed: Operation not permitted' >&2; exit 1", "--")
+    )
     monkeypatch.setattr(sandbox, "_candidates", lambda: [refused, *strongest])
     fence = sandbox.isolation()
     assert fence.launcher == strongest[0].launcher and "Operation not permitted" in fence.refused
@@ -303,8 +310,9 @@ def test_a_fork_bomb_does_not_starve_runs_beside_it() -> None:
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
     programs = [bomb] + ["def add(a, b):\n    return a + b\n"] * 5
     with ThreadPoolExecutor(max_workers=len(programs)) as pool:
-        results = list(pool.map(lambda code: run_python_tests(code, TESTS if "add" in code else "", wall_s=5),
-                                programs))
+        results = list(
+            pool.map(lambda code: run_python_tests(code, TESTS if "add" in code else "", wall_s=5), programs)
+        )
     assert not results[0].passed
     assert all(r.passed for r in results[1:]), results
 
@@ -338,8 +346,38 @@ def test_escape_read_the_run_folder(tmp_path: Path) -> None:
     assert unfenced(read).returncode == 0
     needs_namespaces()
     contained(run_python_tests(read, ""), "failed:", "No such file or directory")
-    listing = "import os\nassert os.listdir('/tmp'), 'nothing there'\n"  # the host's /tmp holds the folder
+    # the host's /tmp holds the folder; the sandbox's /tmp holds at most the way to an interpreter that lives there
+    interpreter = {
+        Path(p).resolve().relative_to("/tmp").parts[0]
+        for p in (sys.prefix, sys.base_prefix)
+        if Path(p).resolve().is_relative_to("/tmp")
+    }
+    listing = f"import os\nassert set(os.listdir('/tmp')) - {interpreter!r}, 'nothing there'\n"
     contained(run_python_tests(listing, ""), "failed:", "nothing there")
+
+
+def test_an_interpreter_in_tmp_runs_behind_the_namespaces_fence(tmp_path: Path) -> None:
+    """A venv under /tmp (a fresh clone's) must stay visible below the sandbox's own /tmp, so the fence starts."""
+    clone = Path(tempfile.mkdtemp(prefix="sandbox-clone-", dir="/tmp"))  # 0700, as mktemp -d makes a clone's
+    venv = clone / ".venv"
+    try:
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+        probe = (
+            "from actors.sandbox import isolation, run_python_tests\n"
+            "fence = isolation()\nassert fence.fence == 'namespaces', fence\n"
+            "assert run_python_tests('import sys\\nassert sys.prefix.startswith(\"/tmp/\")', '').passed\n"
+        )
+        site = [p for p in sys.path if p.endswith("site-packages")]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *site])}
+        kernel_allows = subprocess.run(["unshare", "--pid", "--net", "--mount", "--ipc", "--uts", "--fork", "true"])
+        if kernel_allows.returncode != 0:  # not the interpreter's place: no namespaces for anyone here
+            pytest.skip("this machine makes no namespaces (unshare refused)")
+        done = subprocess.run(
+            [venv / "bin" / "python", "-c", probe], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+    finally:
+        shutil.rmtree(clone, ignore_errors=True)
 
 
 def test_escape_read_the_workers_environment(stand_in_worker: subprocess.Popen[bytes]) -> None:
@@ -405,8 +443,9 @@ def test_escape_gain_privileges() -> None:
     """)
     contained(run_python_tests(probe, ""), "no privileges")
     if sandbox.isolation().per_run_uid:
-        contained(run_python_tests(f"import os\nassert os.getuid() == {os.getuid()}, 'another uid'\n", ""),
-                  "another uid")
+        contained(
+            run_python_tests(f"import os\nassert os.getuid() == {os.getuid()}, 'another uid'\n", ""), "another uid"
+        )
 
 
 def test_the_parent_dying_kills_the_sandboxed_tree(tmp_path: Path) -> None:
@@ -414,8 +453,9 @@ def test_the_parent_dying_kills_the_sandboxed_tree(tmp_path: Path) -> None:
     needs_namespaces()  # the rlimits fence leaves children that left the process group behind a dead worker
     name = process_name()
     program = named(name, "import os, time\nos.fork()\ntime.sleep(600)\n")
-    worker_code = (f"from actors.sandbox import run_python_tests\n"
-                   f"run_python_tests({program!r}, '', cpu_s=600, wall_s=600)\n")
+    worker_code = (
+        f"from actors.sandbox import run_python_tests\nrun_python_tests({program!r}, '', cpu_s=600, wall_s=600)\n"
+    )
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # a worker killed by SIGKILL cannot remove its temporary folder
     worker = subprocess.Popen([sys.executable, "-c", worker_code], cwd=REPO, env=env)
     try:
