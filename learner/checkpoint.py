@@ -51,7 +51,7 @@ import torch
 
 from common.config import RunConfig
 from common.logs import get_logger
-from learner import dist
+from learner import dist, ranks
 
 if TYPE_CHECKING:
     from learner.critic import ValueEngine
@@ -104,6 +104,10 @@ class SavedState:
     restore: int = 0
     """Restore generation of the weight manifests at save time (bumped by every resume)."""
     has_critic: bool = False
+    world_size: int = 1
+    """Learner ranks that saved it: DeepSpeed's ZeRO state is partitioned by rank, so a resume needs as many."""
+    rank_rngs: list[dict[str, Any]] = field(default_factory=list)
+    """The RNG states of ranks 1…N−1 (:func:`capture_rng` on each), in rank order."""
     reason: str = "every"
     """Why it was saved: ``every``, ``end`` or ``sigterm``."""
     saved_at: float = field(default_factory=time.time)
@@ -319,7 +323,10 @@ class Checkpointer:
         """Write ``state`` and the engines to ``step-<N>`` (temporary folder, manifest, rename), then prune."""
         started = time.perf_counter()
         final, tmp = self.root / f"step-{state.step}", self.root / f".tmp-step-{state.step}"
+        ranks.lead("save", state)
         state.has_critic = self.critic is not None
+        state.world_size = dist.world_size()
+        state.rank_rngs = dist.all_gather_object(capture_rng())[1:]
         if dist.rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
             tmp.mkdir(parents=True)
@@ -356,7 +363,9 @@ class Checkpointer:
 
     def load(self, checkpoint: Checkpoint) -> SavedState:
         """Load the engines' weights, optimizer and scheduler state from a verified checkpoint; its run state."""
+        ranks.lead("restore", checkpoint)
         state = checkpoint.state
+        check_world_size(checkpoint, dist.world_size())
         if state.has_critic != (self.critic is not None):
             have = "a critic" if self.critic is not None else "no critic"
             raise CheckpointError(
@@ -367,6 +376,18 @@ class Checkpointer:
         if self.critic is not None:
             _load_engine(self.critic.engine, checkpoint.path / "critic")
         return state
+
+
+def check_world_size(checkpoint: Checkpoint, world_size: int) -> None:
+    """A resume needs the ranks that saved the checkpoint (DeepSpeed's ZeRO state is partitioned by rank): another
+    number is refused, naming the one to use."""
+    saved = checkpoint.state.world_size
+    if saved != world_size:
+        raise CheckpointError(
+            f"{checkpoint.path} was saved by {saved} learner rank(s) and this learner has {world_size}; DeepSpeed's "
+            f"ZeRO state is partitioned by rank, so resume with {saved} (torchrun --nproc-per-node {saved} …), or "
+            "start a new run with its exported model (checkpoint.export_hf) as model.path"
+        )
 
 
 def _load_engine(engine: Any, folder: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -182,7 +183,15 @@ def train(
             fail("--resume is for runs that train from rollouts; offline DPO (data.source = 'preferences') has none")
         _train_offline(resolved)
         return
-    checkpoint = _verified_checkpoint(resolved, resume) if resume else None
+    leader = os.environ.get("RANK", "0") == "0"  # rank 0 verifies the checkpoint and hands it on
+    checkpoint = _verified_checkpoint(resolved, resume) if resume and leader else None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: rank 0 leads, the others follow
+        from learner import ranks
+
+        ranks.start()
+        if not ranks.leading():
+            ranks.follow(resolved)
+            return
     url = given_redis_url(redis, redis_file) or resolved.transport.redis_url  # none: an embedded Redis
     server = None if url else EmbeddedRedis(resolved.run_dir / "redis").start()
     try:
@@ -209,12 +218,14 @@ def train(
 def _verified_checkpoint(resolved: RunConfig, spec: str):
     """The checkpoint ``--resume`` names, every file checked against its manifest; a bad one exits 2 naming the file."""
     from common.cliutil import fail
-    from learner.checkpoint import CheckpointError, find_checkpoint, open_checkpoint
+    from learner.checkpoint import CheckpointError, check_world_size, find_checkpoint, open_checkpoint
 
     try:
-        return open_checkpoint(find_checkpoint(spec, resolved.run_dir / "checkpoints"))
+        checkpoint = open_checkpoint(find_checkpoint(spec, resolved.run_dir / "checkpoints"))
+        check_world_size(checkpoint, int(os.environ.get("WORLD_SIZE", "1")))  # before DeepSpeed starts
     except CheckpointError as exc:
         fail(f"cannot resume: {exc}")
+    return checkpoint
 
 
 def _train_offline(resolved: RunConfig) -> None:

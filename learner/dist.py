@@ -96,3 +96,12 @@ def barrier() -> None:
     """Wait for every rank (a no-op in a one-rank world)."""
     if world_size() > 1:
         torch.distributed.barrier()
+
+
+def all_gather_object(value: object) -> list[object]:
+    """Every rank's ``value``, in rank order (picklable objects; collective)."""
+    if world_size() == 1:
+        return [value]
+    gathered: list[object] = [None] * world_size()
+    torch.distributed.all_gather_object(gathered, value)
+    return gathered

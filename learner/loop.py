@@ -38,6 +38,7 @@ from common.control import ControlPlane
 from common.keys import connect
 from common.logs import get_logger
 from common.metrics import set_alert
+from learner import ranks
 from learner.batch_source import BatchSource, StepInterrupted
 from learner.broadcaster import Broadcaster
 from learner.checkpoint import Checkpoint
@@ -115,6 +116,7 @@ class Learner:
             self.batches.finish_eval(self.version, self._stop)  # the last policy's eval round (learner/evaluation.py)
             outcome = "stopped" if self._stop.is_set() else "completed"
         finally:
+            ranks.lead("stop")  # the other learner ranks (learner/ranks.py) return
             self.broadcaster.close()
             self.health.close()
             self.recorder.close(self.version, outcome)  # run.finished; the learner leaves; audit.jsonl complete

@@ -24,7 +24,7 @@ from pathlib import Path
 from common.audit import Audit
 from common.config import RunConfig
 from common.logs import get_logger
-from learner import dist
+from learner import dist, ranks
 from learner.batch_source import BatchSource
 from learner.broadcaster import Broadcaster
 from learner.checkpoint import (
@@ -201,5 +201,6 @@ class RunState:
         self.audit.record(event, path=str(folder), **fields)
 
     def set_lr_factor(self, factor: float) -> None:
+        ranks.lead("lr", factor)
         scheduler = self.update.engine.engine.lr_scheduler
         scale_lr_schedule(scheduler, [self.config.learner.lr], factor)

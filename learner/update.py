@@ -25,6 +25,7 @@ from pydantic import ValidationError
 
 from common.config import ConfigError, RunConfig
 from common.wire import ScoredGroup
+from learner import dist, ranks
 from learner.algorithms import (
     AdvantageInput,
     GlobalCounts,
@@ -37,7 +38,13 @@ from learner.algorithms import (
 )
 from learner.algorithms.kl import KLController, KLRewardSettings
 from learner.batch import TrainBatch, collate, preference_rows
-from learner.engine import PolicyEngine, ReferenceModel, reference_precision, split_micro_batches
+from learner.engine import (
+    PolicyEngine,
+    ReferenceModel,
+    rank_micro_batches,
+    reference_precision,
+    split_micro_batches,
+)
 
 if TYPE_CHECKING:
     from learner.critic import ValueEngine
@@ -137,7 +144,10 @@ class PolicyUpdate:
         self.kl_control = KLController(self.kl_control.settings, coef)
 
     def params(self) -> dict[str, torch.Tensor]:
-        """The policy's weights as the actors load them (what the broadcaster sends)."""
+        """The policy's weights as the actors load them (what the broadcaster sends); ``{}`` on ranks but 0. Under
+        ZeRO-3 every rank takes part in the gather (:mod:`learner.ranks`)."""
+        if self.config.learner.zero_stage == 3:
+            ranks.lead("params")
         return self.engine.state_dict_for_broadcast()
 
     # ------------------------------------------------------------------ one step
@@ -153,7 +163,11 @@ class PolicyUpdate:
         return collate(groups, self.pad_token_id, rows)
 
     def train(self, batch: TrainBatch) -> dict[str, float]:
-        """One step: π_old, advantages over the whole batch, the policy update, then (with a critic) the critic's."""
+        """One step: π_old, advantages over the whole batch, the policy update, then (with a critic) the critic's.
+
+        With several learner ranks every rank gets the whole batch (:mod:`learner.ranks`), computes π_old and the
+        advantages over all of it, and runs backward on its shard (:func:`learner.engine.rank_micro_batches`)."""
+        ranks.lead("train", batch)
         tensors = batch.tensors()
         tensors["old_logprobs"] = self._old_logprobs(batch)
         if self.reference is not None:
@@ -196,10 +210,11 @@ class PolicyUpdate:
         )
 
     def _micro_batches(self, tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        size = self.engine.micro_batch_size
+        """This rank's shard of the batch in micro-batches (a pair is never split across micro-batches or ranks)."""
+        size, unit = self.engine.micro_batch_size, 1
         if "pairs" in self.needs:
-            size = max(2, size - size % 2)  # a pair is never split across micro-batches
-        return split_micro_batches(tensors, size)
+            size, unit = max(2, size - size % 2), 2
+        return rank_micro_batches(tensors, size, dist.rank(), dist.world_size(), unit)
 
     def _loss_fn(self, counts: GlobalCounts, metrics: dict[str, list[float]]):
         """The policy's loss of one micro-batch: its share of the batch loss (engine convention, global counts)."""
@@ -244,7 +259,8 @@ class PolicyUpdate:
         from learner.critic import value_loss_fn
 
         keys = ("input_ids", "attention_mask", "response_mask", "old_values", "returns")
-        micro = split_micro_batches({k: tensors[k] for k in keys}, self.critic.micro_batch_size)
+        shard = {k: tensors[k] for k in keys}
+        micro = rank_micro_batches(shard, self.critic.micro_batch_size, dist.rank(), dist.world_size())
         stats = self.critic.train_step(micro, value_loss_fn(self.config.critic.value_clip, counts, metrics))
         return {"critic/loss": stats.loss, "critic/grad_norm": stats.grad_norm, "critic/seconds": stats.seconds}
 

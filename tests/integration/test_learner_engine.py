@@ -111,11 +111,12 @@ def stop(proc: subprocess.Popen[str]) -> None:
             continue
 
 
-def run_two_ranks(model_dir: Path, out_dir: Path) -> dict:
+def run_ranks(module: str, nproc: int, *args: str) -> str:
+    """``torchrun --nproc_per_node nproc -m module args`` from the repository root on loopback (gloo, CPU); fails
+    the test with the output's tail unless every rank exits 0. Returns the output."""
     torchrun = Path(sys.executable).parent / "torchrun"
-    command = [str(torchrun), "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
-    command += ["--master_port", str(free_port()), "-m", "tests.helpers.engine_ranks"]
-    command += [str(model_dir), str(out_dir), "--zero-stage", "2", "--micro-batch-size", "2"]
+    command = [str(torchrun), "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1"]
+    command += ["--master_port", str(free_port()), "-m", module, *args]
     env = {key: value for key, value in os.environ.items() if key not in LAUNCHER_VARS}
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     proc = subprocess.Popen(
@@ -126,6 +127,13 @@ def run_two_ranks(model_dir: Path, out_dir: Path) -> dict:
     finally:
         stop(proc)
     assert proc.returncode == 0, output[-6000:]
+    return output
+
+
+def run_two_ranks(model_dir: Path, out_dir: Path) -> dict:
+    run_ranks(
+        "tests.helpers.engine_ranks", 2, str(model_dir), str(out_dir), "--zero-stage", "2", "--micro-batch-size", "2"
+    )
     return json.loads((out_dir / "stats.json").read_text())
 
 

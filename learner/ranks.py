@@ -1,0 +1,107 @@
+"""Learner ranks beyond the first: rank 0 leads the run, every other rank follows it step by step.
+
+``rl-learner train`` under ``torchrun`` (or the ``deepspeed`` launcher) with N ranks is the same program as with one:
+rank 0 owns everything that talks to the outside — Redis, admission, the replay consumer, the run state of
+checkpoints, metrics, the audit trail and the broadcast — and ranks 1…N−1 hold only the engines. What the engines do
+is collective (DeepSpeed's gradient reduction, ZeRO-3's parameter gathers, checkpoint saves), so before rank 0 does
+any of it, it tells the others with one command on a gloo group of its own (:func:`lead`), and they do the same
+(:func:`follow`)::
+
+    train     the step's whole TrainBatch    every rank: π_old and advantages over the batch, then its shard's
+                                             backward (learner/update.py); the gradient is the sum of the shards'
+    params    (ZeRO-3 only)                  every rank takes part in the bucket-by-bucket gather for the broadcast
+    save      the SavedState                 every rank writes its DeepSpeed shard; rank 0 the rest and the manifest
+    restore   the verified Checkpoint        every rank loads its shard, the KL coefficient and its own RNG
+    lr        a factor                       health's lr cut, applied to every rank's scheduler
+    stop      —                              the followers return
+
+The commands are pickled Python objects sent with ``broadcast_object_list`` from rank 0 only: the ranks of one
+learner trust each other (the group is the launcher's, on the learner's own hosts). A follower whose leader died
+sees the gloo connection close and exits non-zero, and the launcher (torchrun) ends the others; a dead follower
+makes rank 0's next collective fail the same way. Either way the run resumes from its last checkpoint with the same
+number of ranks (a checkpoint records its ranks; another number is refused: DeepSpeed's ZeRO state is partitioned
+by rank).
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from common.logs import get_logger
+from learner import dist
+
+if TYPE_CHECKING:
+    from common.config import RunConfig
+
+log = get_logger("learner")
+
+COMMANDS = ("train", "params", "save", "restore", "lr", "stop")
+_group: Any = None  # the gloo group the commands travel on (made by start(), on every rank)
+
+
+def start() -> None:
+    """Start the process group and the command group; collective: every rank calls it once, before any engine."""
+    global _group
+    dist.init_distributed()
+    if dist.world_size() > 1 and _group is None:
+        # gloo whatever the training backend: commands are small pickles, and NCCL would need them on a GPU
+        _group = torch.distributed.new_group(backend="gloo")
+
+
+def leading() -> bool:
+    """This process is rank 0 of several: what it does to the engines, it must first :func:`lead`."""
+    return _group is not None and dist.rank() == 0
+
+
+def lead(command: str, payload: Any = None) -> None:
+    """On rank 0 of several: tell every follower to do ``command`` with ``payload`` now. Elsewhere: nothing."""
+    if command not in COMMANDS:
+        raise ValueError(f"unknown rank command {command!r}; known: {', '.join(COMMANDS)}")
+    if leading():
+        torch.distributed.broadcast_object_list([command, payload], src=0, group=_group)
+
+
+def _receive() -> tuple[str, Any]:
+    message: list[Any] = [None, None]
+    torch.distributed.broadcast_object_list(message, src=0, group=_group)
+    return message[0], message[1]
+
+
+def follow(config: RunConfig) -> None:
+    """A follower's whole life (ranks 1…N−1): the same engines as rank 0's, driven by its commands until ``stop``."""
+    from transformers import AutoTokenizer
+
+    from learner.checkpoint import Checkpointer, restore_rng
+    from learner.health import scale_lr_schedule
+    from learner.update import PolicyUpdate, assemble
+
+    # A launcher's SIGTERM reaches every rank; rank 0 answers it with a checkpoint, which needs the followers.
+    signal.signal(signal.SIGTERM, lambda signum, frame: log.info("SIGTERM: following rank 0 to its checkpoint"))
+    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+    update = PolicyUpdate(config, assemble(config), tokenizer.pad_token_id or 0)
+    checkpointer = Checkpointer(config, update.engine, update.critic, tokenizer)
+    log.info("learner rank following rank 0", rank=dist.rank(), world_size=dist.world_size())
+    steps = 0
+    while True:
+        command, payload = _receive()
+        if command == "train":
+            update.train(payload)
+            steps += 1
+        elif command == "params":
+            update.params()
+        elif command == "save":
+            checkpointer.save(payload)
+        elif command == "restore":
+            state = checkpointer.load(payload)
+            update.restore_kl_coef(state.kl_coef)
+            restore_rng(state.rank_rngs[dist.rank() - 1])
+        elif command == "lr":
+            scale_lr_schedule(update.engine.engine.lr_scheduler, [config.learner.lr], payload)
+        elif command == "stop":
+            log.info("learner rank stopped with rank 0", rank=dist.rank(), steps=steps)
+            return
+        else:  # a newer rank 0 than this code: stopping beats training on something else
+            raise RuntimeError(f"rank 0 sent an unknown command {command!r}; run the same asyncrl on every rank")

@@ -1,0 +1,108 @@
+"""Steps of :class:`learner.update.PolicyUpdate` on every learner rank, led by rank 0 as in a run (learner/ranks.py).
+
+Run from the repository root, one rank or several::
+
+    python -m tests.helpers.update_ranks MODEL_DIR OUT_DIR --zero-stage 2
+    torchrun --nproc_per_node 2 --master_port PORT -m tests.helpers.update_ranks MODEL_DIR OUT_DIR --zero-stage 3
+
+Rank 0 trains step 1 on :func:`groups` ``(seed 1)``, saves a checkpoint of it (every rank writes its shard), trains
+step 2 on ``groups(2)`` and takes the broadcast weights (``params()``: a gather on every rank under ZeRO-3); then
+restores the checkpoint and trains step 2 again. The batch has 9 rows, so two ranks get shards of 5 and 4. Rank 0
+writes ``OUT_DIR/stats.json`` (loss and grad norm of each step, the world size) and ``OUT_DIR/step2.safetensors``,
+``OUT_DIR/step2-again.safetensors`` (the weights after step 2, and after step 2 trained again from the checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+from safetensors.torch import save_file
+
+from common.config import RunConfig
+from common.tasks import TASK_ALPHABET
+from common.wire import RolloutGroup, ScoredGroup
+from learner import dist, ranks
+from learner.checkpoint import Checkpointer, SavedState, capture_rng, open_checkpoint
+from learner.update import PolicyUpdate, assemble
+
+SAMPLES = 3  # responses per group; 3 groups a step: 9 rows
+FIRST_TOKEN_ID = 4  # ids 0..3 are <pad> <s> </s> <unk> in the tiny model's tokenizer
+
+
+def run_config(model_dir: str, out_dir: Path, zero_stage: int) -> RunConfig:
+    return RunConfig.model_validate(
+        {
+            "run": {"name": "ranks", "root": str(out_dir / "runs")},
+            "model": {"path": model_dir},
+            "rollout": {"num_samples": SAMPLES, "max_new_tokens": 6},
+            "learner": {"groups_per_step": 3, "micro_batch_size": 2, "lr": 1e-3, "zero_stage": zero_stage},
+            "staleness": {"max_staleness": 0},
+            "checkpoint": {"export_hf": False},
+        }
+    )
+
+
+def groups(seed: int) -> list[ScoredGroup]:
+    """3 scored groups of 3 responses with different prompt and response lengths and rewards."""
+    rng = np.random.default_rng(seed)
+    high = FIRST_TOKEN_ID + len(TASK_ALPHABET)
+    made = []
+    for index in range(3):
+        prompt_ids = rng.integers(FIRST_TOKEN_ID, high, 3 + index).astype(np.int32)
+        lengths = rng.integers(2, 7, SAMPLES).astype(np.int32)
+        total = int(lengths.sum())
+        rollout = RolloutGroup(
+            group_id=f"g{seed}-{index}",
+            task="arithmetic",
+            prompt="x" * len(prompt_ids),
+            prompt_ids=prompt_ids,
+            answer="1",
+            token_ids=rng.integers(FIRST_TOKEN_ID, high, total).astype(np.int32),
+            logprobs=rng.uniform(-3, -0.5, total).astype(np.float32),
+            versions=np.zeros(total, np.int32),
+            lengths=lengths,
+            texts=["?"] * SAMPLES,
+            finish_reasons=["stop"] * SAMPLES,
+        )
+        made.append(ScoredGroup(rollout=rollout, rewards=rng.uniform(0, 1, SAMPLES).astype(np.float32)))
+    return made
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model_dir")
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--zero-stage", type=int, default=2)
+    args = parser.parse_args(argv)
+    config = run_config(args.model_dir, args.out_dir, args.zero_stage)
+    ranks.start()
+    if dist.world_size() > 1 and not ranks.leading():
+        ranks.follow(config)
+        return
+    update = PolicyUpdate(config, assemble(config), pad_token_id=0)
+    checkpointer = Checkpointer(config, update.engine, update.critic)
+    try:
+        first = update.train(update.collate(groups(1)))
+        saved = checkpointer.save(SavedState(step=1, version=1, rng=capture_rng()))
+        second = update.train(update.collate(groups(2)))
+        after = {name: t.detach().cpu().clone() for name, t in update.params().items()}
+        update.restore_kl_coef(checkpointer.load(open_checkpoint(saved)).kl_coef)
+        again = update.train(update.collate(groups(2)))
+        after_again = {name: t.detach().cpu().clone() for name, t in update.params().items()}
+    finally:
+        ranks.lead("stop")
+    stats = {
+        "world_size": dist.world_size(),
+        "steps": [{"loss": s["loss"], "grad_norm": s["grad_norm"]} for s in (first, second, again)],
+    }
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "stats.json").write_text(json.dumps(stats))
+    save_file(after, str(args.out_dir / "step2.safetensors"))
+    save_file(after_again, str(args.out_dir / "step2-again.safetensors"))
+
+
+if __name__ == "__main__":
+    main()
