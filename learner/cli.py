@@ -206,7 +206,11 @@ def train(
         learner.run()
     except Exception as exc:
         from common.outage import exit_for_outage, outage_in
+        from learner import ranks
 
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and ranks.lost_rank(exc):
+            ranks.say_lost(exc)
+            raise typer.Exit(1) from None
         if (outage := outage_in(exc)) is None:
             raise
         raise typer.Exit(exit_for_outage(outage, "learner")) from None

@@ -116,7 +116,7 @@ class Learner:
             self.batches.finish_eval(self.version, self._stop)  # the last policy's eval round (learner/evaluation.py)
             outcome = "stopped" if self._stop.is_set() else "completed"
         finally:
-            ranks.lead("stop")  # the other learner ranks (learner/ranks.py) return
+            ranks.release()  # the other learner ranks (learner/ranks.py) return
             self.broadcaster.close()
             self.health.close()
             self.recorder.close(self.version, outcome)  # run.finished; the learner leaves; audit.jsonl complete

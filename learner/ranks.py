@@ -64,6 +64,36 @@ def lead(command: str, payload: Any = None) -> None:
         torch.distributed.broadcast_object_list([command, payload], src=0, group=_group)
 
 
+def release() -> None:
+    """Rank 0 at its end, however it ends: the followers stop (a rank already gone cannot be told: nothing to do)."""
+    try:
+        lead("stop")
+    except Exception as exc:
+        if not lost_rank(exc):
+            raise
+
+
+def lost_rank(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective that failed because another rank is gone (gloo: the connection closed; NCCL:
+    a communicator error or timeout)."""
+    if isinstance(exc, torch.distributed.DistError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(word in text for word in ("gloo", "Gloo", "NCCL", "Connection closed"))
+
+
+def say_lost(exc: BaseException) -> None:
+    """The error a person reads when a learner rank is gone: which rank saw it, and how to go on."""
+    log.error(
+        "a learner rank failed; stopping every rank",
+        rank=dist.rank(),
+        world_size=dist.world_size(),
+        error=str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__,
+        action=f"find the failed rank in the launcher's summary, then resume with {dist.world_size()} ranks: "
+        "torchrun … rl-learner train CONFIG --resume latest",
+    )
+
+
 def _receive() -> tuple[str, Any]:
     message: list[Any] = [None, None]
     torch.distributed.broadcast_object_list(message, src=0, group=_group)
@@ -86,7 +116,12 @@ def follow(config: RunConfig) -> None:
     log.info("learner rank following rank 0", rank=dist.rank(), world_size=dist.world_size())
     steps = 0
     while True:
-        command, payload = _receive()
+        try:
+            command, payload = _receive()
+        except Exception as exc:
+            if lost_rank(exc):
+                say_lost(exc)
+            raise
         if command == "train":
             update.train(payload)
             steps += 1
