@@ -1,0 +1,160 @@
+"""The paths CPUs cannot exercise, checked on a machine with CUDA GPUs (on CPUs it runs the same checks with gloo).
+
+    python bench/gpu_check.py [--mb 256]
+
+1. ``learner_ranks``: ``tests/helpers/update_ranks.py`` — PolicyUpdate's steps, a checkpoint and a restore, led by
+   rank 0 (learner/ranks.py) — with one rank (ZeRO-2), then with two ranks under ZeRO-2 and ZeRO-3 (NCCL, one GPU
+   each; needs 2 GPUs, else gloo on CPU). Two ranks must equal one within 1e-4: loss and grad norm of each step and
+   every weight the broadcaster sends (``params()``, ZeRO-3's bucket-by-bucket gather).
+2. ``weight_group``: :class:`common.weights.WeightGroup` (the learner → actors broadcast) between two processes —
+   NCCL when there are 2 GPUs (NCCL refuses two ranks on one GPU), else gloo — sending ``--mb`` MiB of sealed
+   buckets; the receiver checks every bucket's digest. Prints GB/s.
+3. ``tensor_parallel``: a vLLM engine with ``rollout.tensor_parallel_size = 2`` whose two workers each join the
+   weight group as their own rank; needs vLLM and 2 GPUs (the device image has neither vLLM nor room to carry it),
+   so it is reported ``skipped`` with the reason where they are missing.
+
+Expected on a 2-GPU machine: ``"learner_ranks": {"backend": "nccl", "ok": true, "max_weight_diff": <1e-4 …}``,
+``"weight_group": {"backend": "nccl", "ok": true, "gbps": …}``; on CPUs the same with ``"backend": "gloo"``. Prints
+one JSON object last; exits 1 when a check that ran failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+TOLERANCE = 1e-4
+LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _free_port() -> int:
+    from common.redis_server import free_port
+
+    return free_port()
+
+
+def _launch(nproc: int, model: Path, out: Path, zero_stage: int) -> float:
+    started = time.perf_counter()
+    torchrun = Path(sys.executable).parent / "torchrun"
+    command = [str(torchrun), "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1"]
+    command += ["--master_port", str(_free_port()), "-m", "tests.helpers.update_ranks"]
+    command += [str(model), str(out), "--zero-stage", str(zero_stage)]
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise RuntimeError(f"{nproc} rank(s), ZeRO-{zero_stage} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    return time.perf_counter() - started
+
+
+def check_learner_ranks(work: Path) -> dict:
+    from safetensors.torch import load_file
+
+    from common.tasks import TASK_ALPHABET
+    from common.tiny_model import init_model
+
+    gpus = torch.cuda.device_count()
+    if 0 < gpus < 2:
+        os.environ["DS_ACCELERATOR"] = "cpu"  # NCCL refuses two ranks on one GPU: gloo on CPU instead
+    model = init_model(work / "model", alphabet=TASK_ALPHABET, seed=0)
+    result: dict = {"backend": "nccl" if gpus >= 2 else "gloo", "gpus": gpus}
+    result["one_rank_s"] = _launch(1, model, work / "one", 2)
+    one = json.loads((work / "one" / "stats.json").read_text())
+    weights_one = load_file(work / "one" / "step2.safetensors")
+    ok = True
+    for zero_stage in (2, 3):
+        out = work / f"two-zero{zero_stage}"
+        seconds = _launch(2, model, out, zero_stage)
+        two = json.loads((out / "stats.json").read_text())
+        weights = load_file(out / "step2.safetensors")
+        diff = max((weights[n].float() - t.float()).abs().max().item() for n, t in weights_one.items())
+        steps = max(abs(a[k] - b[k]) for a, b in zip(two["steps"], one["steps"], strict=True) for k in a)
+        result[f"zero{zero_stage}"] = {"seconds": seconds, "max_weight_diff": diff, "max_loss_or_norm_diff": steps}
+        ok &= diff <= TOLERANCE and steps <= TOLERANCE
+    result["ok"] = ok
+    return result
+
+
+def _weight_group_member(rank: int, port: int, backend: str, mb: int, queue) -> None:
+    from common.weights import GroupAddress, WeightGroup, digest_mismatch, pack_sealed
+
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    store = torch.distributed.TCPStore("127.0.0.1", port, 2, rank == 0, timedelta(seconds=120))
+    group = WeightGroup(GroupAddress("", "check", 1, rank, 2, 120.0, backend), store)
+    generator = torch.Generator().manual_seed(0)
+    params = {f"layer{i}.weight": torch.randn(mb * 2**20 // 4 // 8, generator=generator) for i in range(8)}
+    sealed = pack_sealed(params, 64 * 2**20, "cuda" if backend == "nccl" else "cpu")
+    group.self_check()
+    started = time.perf_counter()
+    if rank == 0:
+        sent = group.send_packed(sealed.flats)
+        seconds = time.perf_counter() - started
+        queue.put({"bytes": sent, "seconds": seconds, "gbps": sent / seconds / 1e9})
+    else:
+        received = group.receive_all(sealed.buckets)
+        queue.put({"mismatch": digest_mismatch(sealed.buckets, [f.cpu() for f in received])})
+
+
+def check_weight_group(mb: int) -> dict:
+    backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    port = _free_port()
+    members = [context.Process(target=_weight_group_member, args=(r, port, backend, mb, queue)) for r in (0, 1)]
+    for member in members:
+        member.start()
+    reports = [queue.get(timeout=600) for _ in members]
+    for member in members:
+        member.join(60)
+    sender = next(r for r in reports if "gbps" in r)
+    receiver = next(r for r in reports if "mismatch" in r)
+    return {"backend": backend, **sender, "ok": not receiver["mismatch"], "mismatch": receiver["mismatch"]}
+
+
+def check_tensor_parallel() -> dict:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return {"skipped": "vLLM is not installed here (run tests/integration/test_rollout_actor.py where it is)"}
+    if torch.cuda.device_count() < 2:
+        return {"skipped": f"{torch.cuda.device_count()} GPU(s): tensor_parallel_size = 2 needs 2"}
+    command = [sys.executable, "-m", "pytest", "-q", "tests/integration/test_rollout_actor.py", "-k", "tensor_parallel"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    return {"ok": done.returncode == 0, "output": done.stdout[-1500:]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mb", type=int, default=256, help="MiB the weight-group check sends")
+    args = parser.parse_args()
+    figures: dict = {"cuda": torch.cuda.is_available(), "gpus": torch.cuda.device_count(), "torch": torch.__version__}
+    with tempfile.TemporaryDirectory(prefix="asyncrl-gpu-check-") as work:
+        for name, check in (
+            ("learner_ranks", lambda: check_learner_ranks(Path(work))),
+            ("weight_group", lambda: check_weight_group(args.mb)),
+            ("tensor_parallel", check_tensor_parallel),
+        ):
+            try:
+                figures[name] = check()
+            except Exception as exc:  # one failed check must not hide the others' figures
+                figures[name] = {"ok": False, "error": str(exc)[-2000:]}
+            print(f"{name}: {json.dumps(figures[name])}", file=sys.stderr, flush=True)
+    print(json.dumps(figures))
+    sys.exit(1 if any(isinstance(v, dict) and v.get("ok") is False for v in figures.values()) else 0)
+
+
+if __name__ == "__main__":
+    main()
