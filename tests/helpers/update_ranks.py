@@ -10,12 +10,14 @@ step 2 on ``groups(2)`` and takes the broadcast weights (``params()``: a gather 
 restores the checkpoint and trains step 2 again. The batch has 9 rows, so two ranks get shards of 5 and 4. Rank 0
 writes ``OUT_DIR/stats.json`` (loss and grad norm of each step, the world size) and ``OUT_DIR/step2.safetensors``,
 ``OUT_DIR/step2-again.safetensors`` (the weights after step 2, and after step 2 trained again from the checkpoint).
+``--preset ppo`` trains the critic beside the policy (GAE, with the reference's KL in the reward).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -30,9 +32,13 @@ from learner.update import PolicyUpdate, assemble
 
 SAMPLES = 3  # responses per group; 3 groups a step: 9 rows
 FIRST_TOKEN_ID = 4  # ids 0..3 are <pad> <s> </s> <unk> in the tiny model's tokenizer
+FIGURES = ("loss", "grad_norm", "critic/loss", "critic/grad_norm")  # a step's, compared across rank counts
+REPO = Path(__file__).resolve().parents[2]
 
 
-def run_config(model_dir: str, out_dir: Path, zero_stage: int) -> RunConfig:
+def run_config(model_dir: str, out_dir: Path, zero_stage: int, preset: str = "grpo") -> RunConfig:
+    """A small step on the tiny model; ``preset`` ``ppo`` brings the critic (GAE) and the reference (KL reward)."""
+    algorithm = tomllib.loads((REPO / "configs" / f"{preset}.toml").read_text())
     return RunConfig.model_validate(
         {
             "run": {"name": "ranks", "root": str(out_dir / "runs")},
@@ -41,6 +47,7 @@ def run_config(model_dir: str, out_dir: Path, zero_stage: int) -> RunConfig:
             "learner": {"groups_per_step": 3, "micro_batch_size": 2, "lr": 1e-3, "zero_stage": zero_stage},
             "staleness": {"max_staleness": 0},
             "checkpoint": {"export_hf": False},
+            **{section: algorithm[section] for section in ("algorithm", "critic") if section in algorithm},
         }
     )
 
@@ -76,8 +83,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("model_dir")
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--zero-stage", type=int, default=2)
+    parser.add_argument("--preset", default="grpo", help="configs/<preset>.toml's [algorithm] (ppo: a critic too)")
     args = parser.parse_args(argv)
-    config = run_config(args.model_dir, args.out_dir, args.zero_stage)
+    config = run_config(args.model_dir, args.out_dir, args.zero_stage, args.preset)
     ranks.start()
     if dist.world_size() > 1 and not ranks.leading():
         ranks.follow(config)
@@ -86,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     checkpointer = Checkpointer(config, update.engine, update.critic)
     try:
         first = update.train(update.collate(groups(1)))
-        saved = checkpointer.save(SavedState(step=1, version=1, rng=capture_rng()))
+        saved = checkpointer.save(SavedState(1, 1, kl_coef=update.kl_control.coef, rng=capture_rng()))
         second = update.train(update.collate(groups(2)))
         after = {name: t.detach().cpu().clone() for name, t in update.params().items()}
         update.restore_kl_coef(checkpointer.load(open_checkpoint(saved)).kl_coef)
@@ -96,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         ranks.lead("stop")
     stats = {
         "world_size": dist.world_size(),
-        "steps": [{"loss": s["loss"], "grad_norm": s["grad_norm"]} for s in (first, second, again)],
+        "steps": [{k: s[k] for k in FIGURES if k in s} for s in (first, second, again)],
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "stats.json").write_text(json.dumps(stats))
