@@ -102,7 +102,7 @@ class Broadcaster:
         self._early = {}
         if version % self.config.weight_sync.sync_every:
             return figures | {"skipped": 1.0}
-        self._start(version, params())
+        self._start(version, params)
         return figures if self.overlap else self.finish()
 
     def welcome(self, version: int, params: Callable[[], Mapping[str, torch.Tensor]]) -> None:
@@ -116,11 +116,11 @@ class Broadcaster:
             return
         self._early = self.finish()
         log.info("re-sending the current weights to actors that joined", version=version)
-        self._start(version, params())
+        self._start(version, params)
 
     def resend(self, version: int, params: Callable[[], Mapping[str, torch.Tensor]]) -> None:
         """Send ``version`` now (after a resume, actors hold weights of the discarded steps, or none)."""
-        self._start(version, params())
+        self._start(version, params)
 
     def finish(self) -> dict[str, float]:
         """Wait for the transfer in flight, if any, then publish its version as the actors' current one."""
@@ -133,7 +133,7 @@ class Broadcaster:
         self.plane.run.set_version(version)
         return figures | {"version": float(version), "wait_s": time.perf_counter() - waited}
 
-    def _start(self, version: int, params: Mapping[str, torch.Tensor]) -> None:
+    def _start(self, version: int, params_of: Callable[[], Mapping[str, torch.Tensor]]) -> None:
         """Snapshot ``params``, then seal, publish ``version``'s manifest and send in the background.
 
         When this returns, ``params`` may change (the next optimizer step): the buckets are copies. Hashing them
@@ -145,9 +145,9 @@ class Broadcaster:
             self._in_flight[1].result()
         start = time.perf_counter()
         self._update_membership()
+        params = dict(params_of())  # its only holder: packing lets each parameter go (see _pack)
         buckets = plan_buckets(params, int(self.config.weight_sync.bucket_mb * 2**20))
-        device = "cuda" if self.backend == "nccl" else "cpu"
-        flats = [pack_bucket(bucket, params, device) for bucket in buckets] if self.members else []
+        flats = self._pack(buckets, params) if self.members else []
         unsealed = WeightManifest(
             version=version,
             world_size=1 + sum(self.member_ranks),
@@ -160,6 +160,18 @@ class Broadcaster:
         figures = {"members": float(len(self.members)), "bytes": 0.0, "self_check_s": 0.0}
         figures["snapshot_s"] = time.perf_counter() - start
         self._in_flight = (version, self._pool.submit(self._transfer, unsealed, flats, figures, start))
+
+    def _pack(self, buckets: list, params: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """The buckets' flat copies. Each parameter is let go once packed: under ZeRO-3 ``params`` are rank 0's
+        gathered CPU copies and nothing else holds them, so the model is never whole twice on the host (gathered
+        and packed); under ZeRO 0–2 they are views of the live weights and letting go costs nothing."""
+        device = "cuda" if self.backend == "nccl" else "cpu"
+        flats = []
+        for bucket in buckets:
+            flats.append(pack_bucket(bucket, params, device))
+            for name in bucket.names:
+                del params[name]
+        return flats
 
     def _announce(self, manifest: WeightManifest, flats: list[torch.Tensor]) -> float:
         """Seal the manifest's buckets (each member verifies every one before it loads any: ``common/weights.py``)
