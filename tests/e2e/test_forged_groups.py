@@ -25,7 +25,7 @@ from common.control import ControlPlane
 from common.keys import connect
 from common.replay import ReplayWriter
 from common.wire import Decoder, PromptGroup, RolloutGroup, ScoredGroup, decode_blob
-from tests.e2e.test_resume import Processes, _wait
+from tests.e2e.test_resume import DEMO, Processes, _wait
 from tests.e2e.test_system import BIN, ROOT, model_dir  # noqa: F401 - model_dir is a fixture
 from tests.helpers.runs import step_rows
 
@@ -86,13 +86,10 @@ def forgeries(plane: ControlPlane) -> list[tuple[str, str, RolloutGroup]]:
 
 def test_forged_groups_are_refused_and_every_real_group_is_trained_once(tmp_path: Path, model_dir: Path) -> None:  # noqa: F811
     run_dir = tmp_path / RUN
-    overrides = [f"run.root={tmp_path}", f"run.name={RUN}", f"model.path={model_dir}", f"learner.steps={STEPS}"]
-    sets = [arg for override in overrides for arg in ("--set", override)]
-    config = ROOT / "configs/demo.toml"
     procs = Processes(tmp_path / "logs")
     try:
-        run_args = procs.start_run(config, sets, run_dir)
-        url = run_args[1]
+        sets, run_args = procs.start_demo(run_dir, model_dir, f"learner.steps={STEPS}")
+        config, url = DEMO, run_args[1]
         learner = procs.start("learner", [BIN / "rl-learner", "train", config, *sets, "--redis", url])
         plane = ControlPlane(connect(url), RUN)
         _wait(lambda: len(queued_ids(plane, 4)) == 4, "the first prompt groups released", learner)

@@ -22,8 +22,8 @@ from common.control import ControlPlane
 from common.keys import connect
 from common.redis_server import free_port
 from learner.checkpoint import complete_checkpoints, open_checkpoint
-from tests.e2e.test_resume import Processes, _steps, _wait
-from tests.e2e.test_system import BIN, ROOT, model_dir  # noqa: F401 - model_dir is a fixture
+from tests.e2e.test_resume import DEMO, Processes, _steps, _wait
+from tests.e2e.test_system import BIN, model_dir  # noqa: F401 - model_dir is a fixture
 from tests.helpers.runs import step_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -52,14 +52,11 @@ def rank_pid(launcher_pid: int, rank: int) -> int | None:
 
 def test_two_ranks_train_in_the_loop_and_resume_after_one_is_killed(tmp_path: Path, model_dir: Path) -> None:  # noqa: F811
     run_dir = tmp_path / RUN
-    overrides = [f"run.root={tmp_path}", f"run.name={RUN}", f"model.path={model_dir}", "learner.zero_stage=3"]
-    overrides += [f"learner.steps={STEPS}", f"checkpoint.every={EVERY}", "eval.every=0", "learner.group_deadline_s=60"]
-    sets = [arg for override in overrides for arg in ("--set", override)]
-    config = ROOT / "configs/demo.toml"
     procs = Processes(tmp_path / "logs")
     try:
-        run_args = procs.start_run(config, sets, run_dir)
-        url = run_args[1]
+        steps = [f"learner.steps={STEPS}", f"checkpoint.every={EVERY}", "eval.every=0", "learner.group_deadline_s=60"]
+        sets, run_args = procs.start_demo(run_dir, model_dir, "learner.zero_stage=3", *steps)
+        config, url = DEMO, run_args[1]
         procs.start("actor-0", [BIN / "rl-actor", *run_args, "--id", "actor-0"], {"VLLM_CPU_OMP_THREADS_BIND": "1"})
         train = ["train", config, *sets, "--redis", url]
 

@@ -28,6 +28,7 @@ from tests.helpers.runs import step_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 RUN, STEPS, EVERY = "resume", 12, 3
+DEMO = ROOT / "configs/demo.toml"
 """Until the broadcaster records weights.* events, the audit-trail check leaves them out."""
 
 
@@ -62,6 +63,13 @@ class Processes:
         run_args = ["--redis", url, "--run", run_dir.name]
         self.start("reward", [BIN / "rl-actor", "reward", *run_args, "--id", "reward-0"])
         return run_args
+
+    def start_demo(self, run_dir: Path, model: Path, *overrides: str) -> tuple[list[str], list[str]]:
+        """:meth:`start_run` for configs/demo.toml as run ``run_dir`` on the model folder ``model`` with
+        ``overrides``; returns the learner's ``--set`` arguments and ``--redis URL --run NAME``."""
+        run = [f"run.root={run_dir.parent}", f"run.name={run_dir.name}", f"model.path={model}", *overrides]
+        sets = [arg for override in run for arg in ("--set", override)]
+        return sets, self.start_run(DEMO, sets, run_dir)
 
     def log(self, name: str) -> str:
         return (self.log_dir / f"{name}.log").read_text()
@@ -101,14 +109,11 @@ def _steps(run_dir: Path) -> list[int]:
 
 def test_a_killed_learner_resumes_and_every_group_is_trained_once(tmp_path: Path, model_dir: Path) -> None:  # noqa: F811
     run_dir = tmp_path / RUN
-    overrides = [f"run.root={tmp_path}", f"run.name={RUN}", f"model.path={model_dir}"]
-    overrides += [f"learner.steps={STEPS}", f"checkpoint.every={EVERY}", "learner.group_deadline_s=60"]
-    sets = [arg for override in overrides for arg in ("--set", override)]
-    config = ROOT / "configs/demo.toml"
     procs = Processes(tmp_path / "logs")
     try:
-        run_args = procs.start_run(config, sets, run_dir)
-        url = run_args[1]
+        steps = [f"learner.steps={STEPS}", f"checkpoint.every={EVERY}", "learner.group_deadline_s=60"]
+        sets, run_args = procs.start_demo(run_dir, model_dir, *steps)
+        config, url = DEMO, run_args[1]
         procs.start("actor-0", [BIN / "rl-actor", *run_args, "--id", "actor-0"], {"VLLM_CPU_OMP_THREADS_BIND": "1"})
         train = [BIN / "rl-learner", "train", config, *sets, "--redis", url]
 
