@@ -265,6 +265,9 @@ class LearnerSection(Section):
     """A prompt group not back in the replay stream this long after issue is re-issued once, then counted lost."""
     wait_for_batch_s: float = Field(600.0, gt=0)
     """Longest wait for one training batch before the learner stops with an error (actors or reward workers gone)."""
+    max_minutes: float | None = Field(None, gt=0)
+    """Wall-clock budget: this many minutes after it started, the learner stops after the step in progress (a wait
+    for a batch ends at once), saves a checkpoint (reason ``max_minutes``) and exits 0; unset = no budget."""
 
 
 class CriticSection(Section):

@@ -109,7 +109,7 @@ class SavedState:
     rank_rngs: list[dict[str, Any]] = field(default_factory=list)
     """The RNG states of ranks 1…N−1 (:func:`capture_rng` on each), in rank order."""
     reason: str = "every"
-    """Why it was saved: ``every``, ``end`` or ``sigterm``."""
+    """Why it was saved: ``every``, ``end``, ``sigterm`` or ``max_minutes`` (the time budget)."""
     saved_at: float = field(default_factory=time.time)
 
     def to_json(self) -> str:

@@ -118,7 +118,7 @@ def fields(
     if markdown:
         print("| field | default | meaning |\n| --- | --- | --- |")
         for name, default, doc in rows:
-            escaped = doc.replace("|", r"\|")
+            escaped = " ".join(doc.split()).replace("|", r"\|")  # one table row per field
             print(f"| `{name}` | `{default}` | {escaped} |")
         return
     for name, default, doc in rows:

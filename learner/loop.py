@@ -81,7 +81,8 @@ class Learner:
         )
         self.health = HealthMonitor.for_run(config, checkpoints=self.state, set_alert=set_alert)
         self.recorder.health = self.health
-        self._stop = threading.Event()  # set by SIGTERM: finish the step, save a checkpoint, exit
+        self._stop = threading.Event()  # set by SIGTERM or the time budget: finish the step, save a checkpoint, exit
+        self._stop_reason = "sigterm"  # the checkpoint's reason when _stop is set ("max_minutes": the budget)
         if resume is not None:
             self.state.restore(resume)
         else:
@@ -101,6 +102,7 @@ class Learner:
         self.state.resume()
         log.info("learner started", run=self.config.run.name, steps=self.config.learner.steps, version=self.version)
         previous = self._stop_on_sigterm()
+        budget = self._stop_at_budget()
         outcome = "failed"
         try:
             every = self.config.checkpoint.every
@@ -112,10 +114,12 @@ class Learner:
                 if every and self.version % every == 0:
                     self.save_checkpoint("every")
             self.broadcaster.finish()
-            self.save_checkpoint("sigterm" if self._stop.is_set() else "end")
+            self.save_checkpoint(self._stop_reason if self._stop.is_set() else "end")
             self.batches.finish_eval(self.version, self._stop)  # the last policy's eval round (learner/evaluation.py)
             outcome = "stopped" if self._stop.is_set() else "completed"
         finally:
+            if budget is not None:
+                budget.cancel()
             ranks.release()  # the other learner ranks (learner/ranks.py) return
             self.broadcaster.close()
             self.health.close()
@@ -123,6 +127,26 @@ class Learner:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
         log.info("learner finished", run=self.config.run.name, version=self.version, stopped=self._stop.is_set())
+
+    def _stop_at_budget(self) -> threading.Timer | None:
+        """With ``learner.max_minutes``: a timer that stops the run like SIGTERM does when the budget is spent."""
+        minutes = self.config.learner.max_minutes
+        if minutes is None:
+            return None
+
+        def time_is_up() -> None:
+            log.info(
+                "learner.max_minutes reached: stopping after the step in progress, then saving a checkpoint",
+                minutes=minutes,
+                step=self.version + 1,
+            )
+            self._stop_reason = "max_minutes"
+            self._stop.set()
+
+        timer = threading.Timer(minutes * 60, time_is_up)
+        timer.daemon = True
+        timer.start()
+        return timer
 
     def _stop_on_sigterm(self) -> signal.Handlers | None:
         """SIGTERM sets :attr:`_stop`: the step in progress finishes (a wait for a batch ends at once), a checkpoint

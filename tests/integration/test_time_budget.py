@@ -1,0 +1,32 @@
+"""``learner.max_minutes``: the learner stops by itself when its wall-clock budget is spent — here while it waits for
+a batch no actor will send — saying so, and exits 0 like after SIGTERM; the run is recorded as stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.audit import entry_line
+from common.keys import RunKeys
+
+pytestmark = pytest.mark.integration
+BIN = Path(sys.executable).parent
+
+
+def test_the_learner_stops_when_its_time_budget_is_spent(tmp_path: Path, tiny_model_dir, redis_server, redis_client):
+    settings = [f"run.root={tmp_path}", "run.name=budget", f"model.path={json.dumps(str(tiny_model_dir))}"]
+    settings += ["learner.max_minutes=0.05", "learner.wait_for_batch_s=600"]  # 3 s; the wait alone would be 10 min
+    args = [str(BIN / "rl-learner"), "train", "--redis", redis_server.url]
+    args += [arg for setting in settings for arg in ("--set", setting)]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    result = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "learner.max_minutes reached: stopping after the step in progress" in result.stderr
+    events = [entry_line(i.decode(), f) for i, f in redis_client.xrange(RunKeys("budget").audit)]
+    [finished] = [e for e in events if e["event"] == "run.finished"]
+    assert finished["outcome"] == "stopped" and finished["version"] == 0
