@@ -44,6 +44,7 @@ def test_curve_run_trains_and_an_unauthorised_actor_is_refused(tmp_path: Path, m
     keys = make_keys(tmp_path / "keys", procs)
     stranger = dict(arg.split("=", 1) for arg in make_keys(tmp_path / "strangers", procs) if "=" in arg)
     overrides = [f"run.root={tmp_path}", f"run.name={RUN}", f"model.path={model_dir}", f"learner.steps={STEPS}"]
+    overrides.append("eval.every=0")  # eval rounds: tests/e2e/test_eval.py's
     sets = [*keys, *(arg for override in overrides for arg in ("--set", override))]
     config = ROOT / "configs/demo.toml"
     try:

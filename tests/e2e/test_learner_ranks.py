@@ -54,7 +54,7 @@ def test_two_ranks_train_in_the_loop_and_resume_after_one_is_killed(tmp_path: Pa
     run_dir = tmp_path / RUN
     procs = Processes(tmp_path / "logs")
     try:
-        steps = [f"learner.steps={STEPS}", f"checkpoint.every={EVERY}", "eval.every=0", "learner.group_deadline_s=60"]
+        steps = [f"learner.steps={STEPS}", f"checkpoint.every={EVERY}", "learner.group_deadline_s=60"]
         sets, run_args = procs.start_demo(run_dir, model_dir, "learner.zero_stage=3", *steps)
         config, url = DEMO, run_args[1]
         procs.start("actor-0", [BIN / "rl-actor", *run_args, "--id", "actor-0"], {"VLLM_CPU_OMP_THREADS_BIND": "1"})

@@ -114,7 +114,9 @@ def steps_done(run_dir: Path) -> int:
 def test_every_process_serves_metrics_and_rl_top_shows_the_run(tmp_path: Path, model_dir: Path) -> None:
     run_dir = tmp_path / RUN
     args = [BIN / "rl-launch", "run", ROOT / "configs/demo.toml", "--actors", "2", "--rewards", "1"]
-    for override in (f"run.root={tmp_path}", f"run.name={RUN}", f"model.path={model_dir}", "learner.steps=30"):
+    settings = [f"run.root={tmp_path}", f"run.name={RUN}", f"model.path={model_dir}", "learner.steps=30"]
+    settings.append("eval.every=0")  # eval rounds: tests/e2e/test_eval.py's
+    for override in settings:
         args += ["--set", override]
     proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, "DS_ACCELERATOR": "cpu"})
     try:

@@ -67,7 +67,8 @@ class Processes:
     def start_demo(self, run_dir: Path, model: Path, *overrides: str) -> tuple[list[str], list[str]]:
         """:meth:`start_run` for configs/demo.toml as run ``run_dir`` on the model folder ``model`` with
         ``overrides``; returns the learner's ``--set`` arguments and ``--redis URL --run NAME``."""
-        run = [f"run.root={run_dir.parent}", f"run.name={run_dir.name}", f"model.path={model}", *overrides]
+        run = [f"run.root={run_dir.parent}", f"run.name={run_dir.name}", f"model.path={model}", "eval.every=0"]
+        run += overrides  # eval rounds off: tests/e2e/test_eval.py's
         sets = [arg for override in run for arg in ("--set", override)]
         return sets, self.start_run(DEMO, sets, run_dir)
 

@@ -61,7 +61,7 @@ def launch(
         "--set",
         f"model.path={model_dir}",
     ]
-    for override in overrides:
+    for override in ("eval.every=0", *overrides):  # the demo's eval rounds: tests/e2e/test_eval.py's
         args += ["--set", override]
     return subprocess.Popen(args, cwd=ROOT, env={**os.environ, "DS_ACCELERATOR": "cpu"})
 
