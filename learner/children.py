@@ -24,6 +24,48 @@ log = get_logger("launch")
 _PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
 
 
+PIN_ROLES = ("learner", "actors", "rewards")
+
+
+def parse_pins(values: list[str], allowed: set[int] | None = None) -> dict[str, str]:
+    """``ROLE=CPUS`` settings (``rl-launch run --pin``) → {role: CPU list}; ``ValueError`` names a bad one. A CPU
+    list is taskset's: ``0``, ``1-3``, ``0,2-3``; every CPU must be one this process may run on."""
+    allowed = set(os.sched_getaffinity(0)) if allowed is None else allowed
+    pins: dict[str, str] = {}
+    for value in values:
+        role, sep, cpus = value.partition("=")
+        if not sep or role not in PIN_ROLES:
+            raise ValueError(f"--pin {value!r}: expected ROLE=CPUS with ROLE one of {', '.join(PIN_ROLES)}")
+        wanted = cpu_list(cpus)
+        if not wanted or not wanted <= allowed:
+            raise ValueError(
+                f"--pin {value!r}: CPUs {sorted(wanted - allowed) or cpus!r} are not among this machine's "
+                f"{_ranges(allowed)}"
+            )
+        pins[role] = cpus
+    return pins
+
+
+def cpu_list(text: str) -> set[int]:
+    """The CPUs of a list like ``0,2-3`` (empty for a malformed one)."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        if not low.isdigit() or (high and not high.isdigit()) or int(high or low) < int(low):
+            return set()
+        cpus |= set(range(int(low), int(high or low) + 1))
+    return cpus
+
+
+def _ranges(cpus: set[int]) -> str:
+    return ",".join(str(c) for c in sorted(cpus))
+
+
+def pinned(cmd: list[str], cpus: str | None) -> list[str]:
+    """``cmd`` run on ``cpus`` (through ``taskset``), or as it is."""
+    return ["taskset", "--cpu-list", cpus, *cmd] if cpus else cmd
+
+
 class Children:
     """The processes one launcher started; ``stop_all`` ends them (SIGTERM, then SIGKILL) and only them."""
 
@@ -34,17 +76,21 @@ class Children:
         self.subreaper = _become_subreaper()
         self._others = set(child_pids(os.getpid()))  # started before us (the embedded Redis): never adopted strays
 
-    def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    def start(
+        self, name: str, cmd: list[str], env: dict[str, str] | None = None, cpus: str | None = None
+    ) -> subprocess.Popen:
+        """Start ``cmd`` as ``name``; with ``cpus`` (a CPU list such as ``1-3,5``) pinned to those cores from its
+        first instruction (``taskset`` execs it), so every thread and process it starts later stays on them."""
         log_file = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - the child owns it
         proc = subprocess.Popen(
-            cmd,
+            pinned(cmd, cpus),
             stdout=log_file,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
             start_new_session=True,  # our Ctrl-C is handled here, and then passed on as SIGTERM
         )
         self.procs[name] = proc
-        log.info("started", process=name, pid=proc.pid, log=self.log_dir / f"{name}.log")
+        log.info("started", process=name, pid=proc.pid, log=self.log_dir / f"{name}.log", cpus=cpus or "any")
         return proc
 
     def keep(self, pid: int) -> None:

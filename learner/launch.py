@@ -123,18 +123,30 @@ def run(
         str | None, typer.Option(help="Passed on to the learner: 'latest' or a checkpoint folder to continue from.")
     ] = None,
     curve: CurveOpt = False,
+    pin: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Pin processes to CPUs, ROLE=CPUS (repeatable): ROLE learner, actors or rewards; CPUS a list "
+            "such as 0 or 1-3 (taskset's). E.g. --pin learner=0 --pin actors=1 --pin rewards=1."
+        ),
+    ] = None,
 ) -> None:
     """Start embedded Redis, the learner, rollout actors and reward workers; show progress; Ctrl-C stops all
     (the learner saves a checkpoint first). A redis-server that dies is started again on its AOF, with the same
     port and password, while the other processes wait for it (transport.redis_outage_s)."""
-    from learner.children import Children
+    from common.cliutil import fail
+    from learner.children import Children, parse_pins
 
+    try:
+        pins = parse_pins(pin or [])
+    except ValueError as exc:
+        fail(str(exc))
     code = 1
     with _run_redis(config, set_, curve) as (resolved, server, overrides):
         learner_args = ["--resume", str(_checkpoint_folder(resolved, resume))] if resume else []
         children = Children(resolved.run_dir / "logs")
         try:
-            code = _run_children(children, resolved, server, config, overrides, actors, rewards, learner_args)
+            code = _run_children(children, resolved, server, config, overrides, (actors, rewards, pins), learner_args)
         finally:
             children.stop_all()
     raise typer.Exit(code)
@@ -151,7 +163,7 @@ def _checkpoint_folder(resolved: RunConfig, spec: str) -> Path:
         fail(f"cannot resume: {exc}")
 
 
-def _run_children(children, resolved, server, config, overrides, actors, rewards, learner_args) -> int:
+def _run_children(children, resolved, server, config, overrides, counts, learner_args) -> int:
     import os
     import sys
 
@@ -160,15 +172,19 @@ def _run_children(children, resolved, server, config, overrides, actors, rewards
     bin_dir = Path(sys.executable).parent
     # The URL holds the Redis password: children read it from the server's 0600 file, never from argv (ps shows argv).
     run_args = ["--redis-url-file", str(resolved.run_dir / "redis" / "url"), "--run", resolved.run.name]
+    actors, rewards, pins = counts
     cores = sorted(os.sched_getaffinity(0))
     for i in range(rewards):
-        children.start(f"reward-{i}", [str(bin_dir / "rl-actor"), "reward", *run_args, "--id", f"reward-{i}"])
+        reward = [str(bin_dir / "rl-actor"), "reward", *run_args, "--id", f"reward-{i}"]
+        children.start(f"reward-{i}", reward, cpus=pins.get("rewards"))
     for i in range(actors):
-        env = {"VLLM_CPU_OMP_THREADS_BIND": str(cores[i % len(cores)])}
-        children.start(f"actor-{i}", [str(bin_dir / "rl-actor"), *run_args, "--id", f"actor-{i}"], env)
+        # vLLM binds its CPU threads itself: to the pinned cores, else one core an actor round the machine's
+        env = {"VLLM_CPU_OMP_THREADS_BIND": pins.get("actors") or str(cores[i % len(cores)])}
+        actor = [str(bin_dir / "rl-actor"), *run_args, "--id", f"actor-{i}"]
+        children.start(f"actor-{i}", actor, env, cpus=pins.get("actors"))
     learner_cmd = [str(bin_dir / "rl-learner"), "train", *([str(config)] if config else [])]
     learner_cmd += [a for o in overrides for a in ("--set", o)] + [*run_args[:2], *learner_args]
-    learner = children.start("learner", learner_cmd)
+    learner = children.start("learner", learner_cmd, cpus=pins.get("learner"))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -67,3 +67,41 @@ def test_stop_all_ends_and_reaps_what_a_child_left_in_another_session(tmp_path: 
             launcher.wait()
         if stray and alive(stray):
             subprocess.run(["kill", "-9", str(stray)], check=False)
+
+
+PINNING_LAUNCHER = """
+import sys
+from pathlib import Path
+from learner.children import Children
+
+children = Children(Path(sys.argv[1]))
+script = "import subprocess, sys; p = subprocess.Popen(['sleep', '300']); print(p.pid, flush=True); sys.stdin.read()"
+child = children.start("pinned", [sys.executable, "-c", script], cpus="0")
+print(child.pid, flush=True)
+sys.stdin.readline()
+children.stop_all()
+"""
+
+
+def test_a_pinned_child_and_what_it_starts_run_on_their_cpus(tmp_path: Path) -> None:
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", PINNING_LAUNCHER, str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        child = int(launcher.stdout.readline())
+        deadline = time.monotonic() + 30
+        while not (log := (tmp_path / "pinned.log").read_text().split()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        grandchild = int(log[0])
+        for pid in (child, grandchild):  # taskset exec'd the child: what it starts inherits the pinning
+            assert _allowed(pid) == "0", pid
+    finally:
+        launcher.communicate("\n", timeout=60)
+
+
+def _allowed(pid: int) -> str:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return next(line.split(":", 1)[1].strip() for line in status.splitlines() if line.startswith("Cpus_allowed_list"))
