@@ -3,8 +3,9 @@ through its commands, the other ranks follow; real ``torchrun``, DeepSpeed and g
 
 Two ranks train the same batches as one rank — loss, grad norm and the weights the broadcaster sends agree within
 1e-4 — with ZeRO 2 and ZeRO 3 (whose broadcast is a gather every rank takes part in), and PPO's critic with them
-(its loss and grad norm too), with a batch that does not split evenly (9 rows: shards of 5 and 4, padded to the same number of micro-batches). A checkpoint saved by two
-ranks restores on two (the step trained again gives the same weights), and is refused by one.
+(its loss and grad norm too), with a batch that does not split evenly (9 rows: shards of 5 and 4, padded to the
+same number of micro-batches). A checkpoint saved by two ranks restores on two (the step trained again gives the
+same weights), and is refused by one.
 """
 
 from __future__ import annotations
