@@ -1,4 +1,4 @@
-"""Two learner ranks in the loop: ``torchrun --nproc-per-node 2 --no-python rl-learner train`` with ZeRO-3 on gloo,
+"""Two learner ranks in the loop: ``torchrun --nproc-per-node 2 --no-python rl-learner train`` (ZeRO-2, ZeRO-3; gloo)
 against a real actor (vLLM) and reward worker, as a person would run it on a multi-GPU host.
 
 Rank 1 is killed with SIGKILL between two checkpoints: the run stops (every rank and the launcher exit, none hangs)
@@ -50,12 +50,17 @@ def rank_pid(launcher_pid: int, rank: int) -> int | None:
     return None
 
 
-def test_two_ranks_train_in_the_loop_and_resume_after_one_is_killed(tmp_path: Path, model_dir: Path) -> None:  # noqa: F811
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_two_ranks_train_in_the_loop_and_resume_after_one_is_killed(
+    tmp_path: Path,
+    model_dir: Path,  # noqa: F811
+    zero_stage: int,
+) -> None:
     run_dir = tmp_path / RUN
     procs = Processes(tmp_path / "logs")
     try:
         steps = [f"learner.steps={STEPS}", f"checkpoint.every={EVERY}", "learner.group_deadline_s=60"]
-        sets, run_args = procs.start_demo(run_dir, model_dir, "learner.zero_stage=3", *steps)
+        sets, run_args = procs.start_demo(run_dir, model_dir, f"learner.zero_stage={zero_stage}", *steps)
         config, url = DEMO, run_args[1]
         procs.start("actor-0", [BIN / "rl-actor", *run_args, "--id", "actor-0"], {"VLLM_CPU_OMP_THREADS_BIND": "1"})
         train = ["train", config, *sets, "--redis", url]
