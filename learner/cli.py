@@ -168,6 +168,10 @@ def train(
     resume: Annotated[
         str | None, typer.Option(help="Continue from a checkpoint: 'latest' or a checkpoint folder (step-<N>).")
     ] = None,
+    profile: Annotated[
+        int | None,
+        typer.Option(min=1, help="Profile step N (cProfile): runs/<name>/profile-step-N.txt and .prof."),
+    ] = None,
 ) -> None:
     """Run the learner: admit prompts, train on scored groups, broadcast weights, until step learner.steps.
     SIGTERM finishes the step, saves a checkpoint and exits 0. Redis down for longer than transport.redis_outage_s:
@@ -200,7 +204,7 @@ def train(
         from learner.loop import Learner
 
         try:
-            learner = Learner(resolved, url or server.url, resume=checkpoint)
+            learner = Learner(resolved, url or server.url, resume=checkpoint, profile_step=profile)
         except (CheckpointError, TaskError) as exc:  # a bad data file is named with its row
             fail(str(exc))
         learner.run()

@@ -43,6 +43,7 @@ from learner.batch_source import BatchSource, StepInterrupted
 from learner.broadcaster import Broadcaster
 from learner.checkpoint import Checkpoint
 from learner.health import HealthMonitor
+from learner.profile import profiled
 from learner.recorder import Recorder, StepRecord
 from learner.run_state import RunState
 from learner.update import PolicyUpdate, assemble
@@ -53,10 +54,13 @@ log = get_logger("learner")
 class Learner:
     """Wires the five owners of one run's learner and drives them step by step (see the module docstring)."""
 
-    def __init__(self, config: RunConfig, redis_url: str, resume: Checkpoint | None = None) -> None:
+    def __init__(
+        self, config: RunConfig, redis_url: str, resume: Checkpoint | None = None, profile_step: int | None = None
+    ) -> None:
         from transformers import AutoTokenizer
 
         self.config = config
+        self.profile_step = profile_step  # this step runs under cProfile (learner/profile.py)
         algorithm = assemble(config)  # a bad option fails here, before DeepSpeed starts
         self.plane = ControlPlane(connect(redis_url, config.transport.redis_outage_s), config.run.name)
         write_resolved(config)
@@ -108,7 +112,10 @@ class Learner:
             every = self.config.checkpoint.every
             while self.version < self.config.learner.steps and not self._stop.is_set():
                 try:
-                    self.step()
+                    if self.version + 1 == self.profile_step:
+                        profiled(self.profile_step, self.config.run_dir, self.step)
+                    else:
+                        self.step()
                 except StepInterrupted:
                     break
                 if every and self.version % every == 0:

@@ -5,7 +5,8 @@ Rank 1 is killed with SIGKILL between two checkpoints: the run stops (every rank
 and rank 0 says which rank it lost and how to resume. ``--resume latest`` with two ranks then trains to the end:
 steps 1..N once each in metrics.jsonl, each step's groups trained once in the surviving history (Redis), and the
 actor loaded the weights the two ranks sent — gathered bucket by bucket under ZeRO-3 — the restored ones included.
-The equality of two ranks and one on the same batches is tests/integration/test_learner_ranks.py's.
+The first learner profiles its step 2 (``--profile 2``). The equality of two ranks and one on the same batches is
+tests/integration/test_learner_ranks.py's.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def test_two_ranks_train_in_the_loop_and_resume_after_one_is_killed(
         train = ["train", config, *sets, "--redis", url]
 
         # 1. kill -9 of rank 1 after a checkpoint and before the next
-        first = procs.start("learner-1", torchrun(2, *train))
+        first = procs.start("learner-1", torchrun(2, *train, "--profile", "2"))
         _wait(lambda: len(steps := _steps(run_dir)) >= 3 and steps[-1] % EVERY, "step 3 or 5", first)
         follower = rank_pid(first.pid, 1)
         assert follower is not None, procs.log("learner-1")[-3000:]
@@ -75,6 +76,9 @@ def test_two_ranks_train_in_the_loop_and_resume_after_one_is_killed(
         log = procs.log("learner-1")
         assert "a learner rank failed; stopping every rank rank=0" in log and "--resume latest" in log, log[-3000:]
         killed_at = _steps(run_dir)[-1]
+        profile = (run_dir / "profile-step-2.txt").read_text()  # rank 0's step 2, under cProfile
+        assert "most cumulative time" in profile and "loop.py" in profile and "train_step" in profile
+        assert (run_dir / "profile-step-2.prof").stat().st_size > 0
         saved = complete_checkpoints(run_dir / "checkpoints")[-1]
         assert saved[0] < STEPS and open_checkpoint(saved[1]).state.world_size == 2
 
