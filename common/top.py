@@ -217,8 +217,12 @@ def main_command(
 
 def _watch(plane, interval: float) -> None:
     """Redraw every ``interval`` seconds until Ctrl-C; a Redis outage is shown, not fatal."""
+    import signal
+
     import redis
 
+    # Ctrl-C is the way out even when a shell started us with SIGINT ignored (a non-interactive `cmd &` does)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     print(_HIDE_CURSOR + "\x1b[2J", end="", flush=True)
     try:
         while True:
