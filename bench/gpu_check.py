@@ -37,23 +37,16 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 TOLERANCE = 1e-4
-LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def _free_port() -> int:
-    from common.redis_server import free_port
-
-    return free_port()
 
 
 def _launch(nproc: int, model: Path, out: Path, zero_stage: int) -> float:
+    from tests.helpers.torchrun import launcher_env, torchrun_command
+
     started = time.perf_counter()
-    torchrun = Path(sys.executable).parent / "torchrun"
-    command = [str(torchrun), "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1"]
-    command += ["--master_port", str(_free_port()), "-m", "tests.helpers.update_ranks"]
-    command += [str(model), str(out), "--zero-stage", str(zero_stage)]
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    command = torchrun_command(
+        nproc, "tests.helpers.update_ranks", str(model), str(out), "--zero-stage", str(zero_stage)
+    )
+    done = subprocess.run(command, cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise RuntimeError(f"{nproc} rank(s), ZeRO-{zero_stage} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
     return time.perf_counter() - started
@@ -109,10 +102,12 @@ def _weight_group_member(rank: int, port: int, backend: str, mb: int, queue) -> 
 
 
 def check_weight_group(mb: int) -> dict:
+    from common.redis_server import free_port
+
     backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
     context = mp.get_context("spawn")
     queue = context.Queue()
-    port = _free_port()
+    port = free_port()
     members = [context.Process(target=_weight_group_member, args=(r, port, backend, mb, queue)) for r in (0, 1)]
     for member in members:
         member.start()

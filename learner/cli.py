@@ -212,7 +212,7 @@ def train(
         from common.outage import exit_for_outage, outage_in
         from learner import ranks
 
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and ranks.lost_rank(exc):
+        if ranks.leading() and ranks.lost_rank(exc):
             ranks.say_lost(exc)
             raise typer.Exit(1) from None
         if (outage := outage_in(exc)) is None:

@@ -11,6 +11,7 @@ tests/integration/test_learner_ranks.py's.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -21,6 +22,7 @@ import pytest
 
 from common.control import ControlPlane
 from common.keys import connect
+from common.procs import child_pids
 from common.redis_server import free_port
 from learner.checkpoint import complete_checkpoints, open_checkpoint
 from tests.e2e.test_resume import DEMO, Processes, _steps, _wait
@@ -38,16 +40,10 @@ def torchrun(nproc: int, *args: object) -> list[object]:
 
 def rank_pid(launcher_pid: int, rank: int) -> int | None:
     """The PID of the launcher's child whose environment says ``RANK=rank``."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, ValueError, IndexError):
-            continue
-        if parent == launcher_pid and f"RANK={rank}".encode() in environ:
-            return int(entry.name)
+    for pid in child_pids(launcher_pid):
+        with contextlib.suppress(OSError):  # gone meanwhile
+            if f"RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                return pid
     return None
 
 

@@ -33,6 +33,17 @@ print("stopped", flush=True)
 """
 
 
+def start_launcher(script: str, log_dir: Path) -> subprocess.Popen[str]:
+    """``script`` as a launcher process of its own (stdin and stdout piped), its children's logs in ``log_dir``."""
+    return subprocess.Popen(
+        [sys.executable, "-c", script, str(log_dir)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+
+
 def alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
@@ -41,13 +52,7 @@ def alive(pid: int) -> bool:
 
 
 def test_stop_all_ends_and_reaps_what_a_child_left_in_another_session(tmp_path: Path) -> None:
-    launcher = subprocess.Popen(
-        [sys.executable, "-c", LAUNCHER, str(tmp_path)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=Path(__file__).resolve().parents[2],
-    )
+    launcher = start_launcher(LAUNCHER, tmp_path)
     stray = 0
     try:
         assert launcher.stdout.readline().strip() == "subreaper"
@@ -84,12 +89,7 @@ children.stop_all()
 
 
 def test_a_pinned_child_and_what_it_starts_run_on_their_cpus(tmp_path: Path) -> None:
-    launcher = subprocess.Popen(
-        [sys.executable, "-c", PINNING_LAUNCHER, str(tmp_path)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    launcher = start_launcher(PINNING_LAUNCHER, tmp_path)
     try:
         child = int(launcher.stdout.readline())
         deadline = time.monotonic() + 30

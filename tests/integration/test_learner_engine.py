@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,9 +18,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from common.redis_server import free_port
 from learner.engine import PolicyEngine, ReferenceModel, split_micro_batches
 from tests.helpers.engine_ranks import LENGTHS, fixed_batch, nll_loss, predicted_tokens, run_config
+from tests.helpers.torchrun import launcher_env, torchrun_command
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_rank_world")]
 
@@ -29,7 +28,6 @@ REPO = Path(__file__).resolve().parents[2]
 TIGHT = 1e-5  # same process, same maths, different summation order
 RANKS_RTOL = 1e-4  # two processes: gloo reduction order differs
 RANKS_TIMEOUT_S = 300  # imports and engine start of two ranks on two shared cores take ≈ 20 s
-LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 @pytest.fixture(scope="module")
@@ -114,11 +112,8 @@ def stop(proc: subprocess.Popen[str]) -> None:
 def run_ranks(module: str, nproc: int, *args: str) -> str:
     """``torchrun --nproc_per_node nproc -m module args`` from the repository root on loopback (gloo, CPU); fails
     the test with the output's tail unless every rank exits 0. Returns the output."""
-    torchrun = Path(sys.executable).parent / "torchrun"
-    command = [str(torchrun), "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1"]
-    command += ["--master_port", str(free_port()), "-m", module, *args]
-    env = {key: value for key, value in os.environ.items() if key not in LAUNCHER_VARS}
-    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    command = torchrun_command(nproc, module, *args)
+    env = launcher_env(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     proc = subprocess.Popen(
         command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
