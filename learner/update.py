@@ -8,8 +8,14 @@ Built in two stages, so that a typo costs a second, not a DeepSpeed start-up:
 - :class:`PolicyUpdate` then starts the engines the algorithm needs (policy, and only when its variants require
   them: a frozen reference, a critic) and runs one step::
 
-      π_old (unless correction = none)  ->  advantages over the whole batch  ->  optimizer step on micro-batches
-      ->  (with a critic) the critic's step
+      π_old (only where the advantages need it)  ->  advantages over the whole batch  ->  optimizer step on
+      micro-batches  ->  (with a critic) the critic's step
+
+π_old is the policy at the start of the step. Every batch makes exactly one optimizer step (the micro-batches
+accumulate into it) and the policy runs without dropout, so the training forward of each micro-batch *is* π_old's:
+its log-probs, detached, are π_old exactly, and a separate no-grad pass over the batch would recompute the same
+numbers (verl's ``on_policy`` shortcut in ``dp_actor.py``: ``old_log_prob = log_prob.detach()``). That pass runs only
+when something needs π_old before the update: a KL penalty in the reward (k1 = log π_old − log π_ref).
 
 Offline DPO (:mod:`learner.dpo`) assembles its loss and aggregation through the same :func:`assemble`.
 """
@@ -101,7 +107,8 @@ def _loss_options(config: RunConfig) -> dict[str, Any]:
     """The loss's own options, plus the run's off-policy correction where the loss takes one."""
     options = dict(config.algorithm.loss_options)
     staleness = config.staleness
-    correction = {"correction": staleness.correction, "level": staleness.level, "cap": staleness.cap}
+    fields = ("correction", "level", "cap", "max_sequence_kl", "veto")
+    correction = {name: getattr(staleness, name) for name in fields}
     settings = loss_settings(config.algorithm.loss, options)
     if "off_policy" in type(settings).model_fields and "off_policy" not in options:
         options["off_policy"] = correction
@@ -169,7 +176,8 @@ class PolicyUpdate:
         advantages over all of it, and runs backward on its shard (:func:`learner.engine.rank_micro_batches`)."""
         ranks.lead("train", batch)
         tensors = batch.tensors()
-        tensors["old_logprobs"] = self._old_logprobs(batch)
+        if "token_kl" in self.needs:  # the one consumer of π_old before the update (module docstring)
+            tensors["old_logprobs"] = self._old_logprobs(batch)
         if self.reference is not None:
             tensors["ref_logprobs"] = self.reference.token_logprobs(
                 batch.input_ids, batch.attention_mask, self.temperature
@@ -219,6 +227,7 @@ class PolicyUpdate:
     def _loss_fn(self, counts: GlobalCounts, metrics: dict[str, list[float]]):
         """The policy's loss of one micro-batch: its share of the batch loss (engine convention, global counts)."""
         with_entropy, temperature = "entropy" in self.needs, self.temperature
+        off_policy = self.config.staleness.correction != "none"
 
         def loss_fn(engine: PolicyEngine, mb: dict[str, torch.Tensor]) -> torch.Tensor:
             entropy = None
@@ -231,7 +240,7 @@ class PolicyUpdate:
             out = self.algorithm.loss(
                 LossInput(
                     logprobs=logprobs,
-                    old_logprobs=mb["old_logprobs"],
+                    old_logprobs=_proximal(mb, logprobs, off_policy),
                     behaviour_logprobs=mb["behaviour_logprobs"],
                     advantages=mb["advantages"],
                     response_mask=mb["response_mask"],
@@ -265,7 +274,8 @@ class PolicyUpdate:
         return {"critic/loss": stats.loss, "critic/grad_norm": stats.grad_norm, "critic/seconds": stats.seconds}
 
     def _old_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """π_old: recomputed by the current weights at the start of the step, or μ when correction = none."""
+        """π_old [B, T] before the update: a no-grad pass of the current weights over the whole batch, or μ when the
+        correction is ``none``."""
         if self.config.staleness.correction == "none":
             return batch.behaviour_logprobs
         parts = [
@@ -273,3 +283,11 @@ class PolicyUpdate:
             for mb in split_micro_batches(batch.tensors(), self.engine.micro_batch_size)
         ]
         return torch.cat(parts) * batch.response_mask
+
+
+def _proximal(mb: dict[str, torch.Tensor], logprobs: torch.Tensor, off_policy: bool) -> torch.Tensor:
+    """log π_old of one micro-batch: the pass before the update when there was one, else the training forward's own
+    log-probs detached (the same weights: one optimizer step per batch); μ when the correction is ``none``."""
+    if "old_logprobs" in mb:
+        return mb["old_logprobs"]
+    return logprobs.detach() if off_policy else mb["behaviour_logprobs"]

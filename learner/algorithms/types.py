@@ -96,8 +96,9 @@ class LossInput:
     """What a policy loss sees for one micro-batch; every tensor is [B, T].
 
     logprobs: log π_θ, the current policy, carrying the graph (the only input that gets a gradient);
-    old_logprobs: log π_old, the proximal policy recomputed at the start of the step (or μ itself when
-    the off-policy correction is ``none``); behaviour_logprobs: log μ, shipped by vLLM with each token;
+    old_logprobs: log π_old, the proximal policy: the weights at the start of the step (the training forward's
+    own log-probs detached, since a batch makes one optimizer step; see ``learner/update.py``), or μ itself when
+    the off-policy correction is ``none``; behaviour_logprobs: log μ, shipped by vLLM with each token;
     advantages: from the estimator; response_mask: bool; ref_logprobs: log π_ref of the frozen
     reference model, or None when no KL term is used; entropy: the per-token entropy of π_θ carrying the
     graph (:func:`~learner.algorithms.entropy.token_entropy`), or None when no entropy bonus is used.

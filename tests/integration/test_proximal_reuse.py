@@ -1,0 +1,69 @@
+"""π_old without its own pass: the loss gets the training forward's log-probs, detached, and they are the numbers the
+pass before the update would have computed (one optimizer step per batch, no dropout: learner/update.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from learner.update import PolicyUpdate, assemble
+from tests.helpers.update_ranks import groups, run_config
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_rank_world")]
+TIGHT = 1e-5  # the same weights; only the padding of a micro-batch differs from the whole batch's
+
+
+def spying_update(config, seen: list[torch.Tensor]) -> PolicyUpdate:
+    """A PolicyUpdate whose loss records the π_old of each micro-batch it is given."""
+    algorithm = assemble(config)
+    loss = algorithm.loss
+
+    def recording_loss(inp):
+        seen.append(inp.old_logprobs.detach().clone())
+        return loss(inp)
+
+    return PolicyUpdate(config, dataclasses.replace(algorithm, loss=recording_loss), pad_token_id=0)
+
+
+def test_the_loss_gets_the_proximal_log_probs_without_a_pass_of_their_own(tiny_model_dir: Path, tmp_path) -> None:
+    config = run_config(str(tiny_model_dir), tmp_path, zero_stage=0)
+    seen: list[torch.Tensor] = []
+    update = spying_update(config, seen)
+    batch = update.collate(groups(1))
+    expected = update._old_logprobs(batch)  # what the pass before the update gives, at the same weights
+
+    passes = 0
+    no_grad = update.engine.token_logprobs_no_grad
+
+    def counting(*args, **kwargs):
+        nonlocal passes
+        passes += 1
+        return no_grad(*args, **kwargs)
+
+    update.engine.token_logprobs_no_grad = counting
+    figures = update.train(batch)
+
+    assert passes == 0  # grpo needs π_old only in the loss
+    assert len(seen) == 5  # 9 rows, micro-batches of 2
+    width = batch.response_mask.shape[1]
+    got = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in seen])
+    mask = batch.response_mask
+    torch.testing.assert_close(got[mask], expected[mask], atol=TIGHT, rtol=0)
+    # μ is random in these groups, so the off-policy weights read π_old: the metric is π_old/μ's, not 1's
+    assert figures["offpolicy/mismatch_kl"] > 0.1
+    assert figures["loss/ratio_mean"] == pytest.approx(1.0, abs=1e-6)  # π_θ/π_old before the one update
+
+
+def test_a_kl_penalty_in_the_reward_still_computes_proximal_first(tiny_model_dir: Path, tmp_path) -> None:
+    config = run_config(str(tiny_model_dir), tmp_path, zero_stage=0, preset="ppo")
+    seen: list[torch.Tensor] = []
+    update = spying_update(config, seen)
+    assert "token_kl" in update.needs
+    batch = update.collate(groups(1))
+    expected = update._old_logprobs(batch)
+    update.train(batch)
+    got = torch.cat([torch.nn.functional.pad(t, (0, batch.response_mask.shape[1] - t.shape[1])) for t in seen])
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)  # the pass's own tensor, handed on
