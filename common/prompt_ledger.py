@@ -43,6 +43,15 @@ class LedgerEntry:
     attempts: int = 1
 
 
+@dataclass(frozen=True)
+class Standing:
+    """What the learner needs to know of an arriving group's id: trained before, and what was issued under it."""
+
+    completed: bool
+    issued: PromptGroup | None
+    """The issue record while the group is in flight; None once completed or lost (or when never issued)."""
+
+
 class PromptLedger:
     """Prompt queue, in-flight ledger, issue records and dispatcher counters (``plane.prompts``)."""
 
@@ -152,7 +161,24 @@ class PromptLedger:
 
     def load_group(self, group_id: str) -> PromptGroup | None:
         """The stored payload of an issued group; None when there is none (or it is unreadable: dead-lettered)."""
-        blob = self.client.hget(self.keys.groups, group_id)
+        return self._decode_stored(group_id, self.client.hget(self.keys.groups, group_id))
+
+    def lookup(self, group_ids: Iterable[str]) -> dict[str, Standing]:
+        """Each group's :class:`Standing` (completed before? its issue record) in one round trip: ``SMISMEMBER``
+        and ``HMGET`` pipelined, where :meth:`was_completed` and :meth:`load_group` take one each per group."""
+        ids = list(dict.fromkeys(group_ids))
+        if not ids:
+            return {}
+        pipe = self.client.pipeline(transaction=False)
+        pipe.smismember(self.keys.done, ids)
+        pipe.hmget(self.keys.groups, ids)
+        done, blobs = pipe.execute()
+        return {
+            gid: Standing(bool(completed), self._decode_stored(gid, blob))
+            for gid, completed, blob in zip(ids, done, blobs, strict=True)
+        }
+
+    def _decode_stored(self, group_id: str, blob: bytes | None) -> PromptGroup | None:
         if blob is None:
             return None
         try:

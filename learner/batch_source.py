@@ -34,6 +34,7 @@ from common.config import RunConfig
 from common.control import ControlPlane
 from common.keys import dead_letter
 from common.logs import get_logger, worth_logging
+from common.prompt_ledger import Standing
 from common.prompts import Prompter, model_vocab_size
 from common.provenance import issue_mismatch
 from common.replay import ReplayEntry, ReplayReader
@@ -122,13 +123,15 @@ class BatchSource:
                 self._close_eval_rounds()
                 on_wait()
                 candidates = self.reader.read(want - len(taken.entries), block_ms=500)
+            candidates = [entry for entry in candidates if not self._is_eval(entry)]  # eval: scored, never trained
+            wanted = candidates[: want - len(taken.entries)]  # beyond: carried, or looked up one by one
+            standings = self.dispatcher.standings(e.group.rollout.group_id for e in wanted)
             for entry in candidates:
-                if self._is_eval(entry):
-                    continue  # scored for its eval round, never trained
                 if len(taken.entries) == want:
                     self._carry.append(entry)  # recovered beyond one batch: next step's
                     continue
-                verdict = self.admit(entry, version, {e.group.rollout.group_id for e in taken.entries})
+                in_batch = {e.group.rollout.group_id for e in taken.entries}
+                verdict = self.admit(entry, version, in_batch, standings.get(entry.group.rollout.group_id))
                 if verdict == "ok":
                     taken.entries.append(entry)
                 else:
@@ -179,14 +182,17 @@ class BatchSource:
                 "are actors and reward workers running?"
             )
 
-    def admit(self, entry: ReplayEntry, version: int, in_batch: set[str]) -> str:
-        """``ok`` or one of :data:`VERDICTS` for ``entry`` arriving while the learner is at ``version``."""
+    def admit(self, entry: ReplayEntry, version: int, in_batch: set[str], standing: Standing | None = None) -> str:
+        """``ok`` or one of :data:`VERDICTS` for ``entry`` arriving while the learner is at ``version``; ``standing``:
+        its id's record, looked up with the rest of a read (one round trip per read, not two per group)."""
         group_id = entry.group.rollout.group_id
-        if group_id in in_batch or self.dispatcher.was_completed(group_id):
+        if standing is None:
+            standing = self.dispatcher.standings([group_id])[group_id]
+        if group_id in in_batch or standing.completed:
             self.dispatcher.note_duplicate(group_id)
             return "duplicate"
         if group_id not in self._retrain:  # a group trained again after a resume was checked when first trained
-            issued, rollout = self.dispatcher.issued(group_id), entry.group.rollout
+            issued, rollout = standing.issued, entry.group.rollout
             reason = issue_mismatch(issued, rollout, self.config.rollout.max_new_tokens, self.newest_version)
             if reason is not None:
                 self._refuse(entry, reason)

@@ -44,7 +44,7 @@ from common.metrics import (
     DISPATCHER_SKIPPED_ROWS,
 )
 from common.outage import outage_clock
-from common.prompt_ledger import LedgerEntry
+from common.prompt_ledger import LedgerEntry, Standing
 from common.prompts import Prompter
 from common.staleness import StalenessBound
 from common.tasks import Task, check_task_options, get_task, prompt_group, task_label
@@ -289,6 +289,10 @@ class Dispatcher:
     def is_known(self, group_id: str) -> bool:
         """Whether ``group_id`` is in flight: released by this run, neither completed nor lost."""
         return self.plane.prompts.has_group(group_id)
+
+    def standings(self, group_ids: Iterable[str]) -> dict[str, Standing]:
+        """:meth:`was_completed` and :meth:`issued` of many groups in one Redis round trip."""
+        return self.plane.prompts.lookup(group_ids)
 
     def was_completed(self, group_id: str) -> bool:
         """Whether ``group_id`` was completed before (a second arrival is a re-issued group's twin)."""

@@ -105,6 +105,38 @@ def test_max_staleness_2_releases_three_steps_ahead(redis_client) -> None:
         d.release(-1)
 
 
+def command_calls(client, *names: str) -> dict[str, int]:
+    """How many times the server ran each command (``INFO commandstats``; 0 for one it never ran)."""
+    stats = client.info("commandstats")
+    return {name: int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in names}
+
+
+def test_standings_of_a_read_take_one_round_trip_and_agree_with_the_single_lookups(redis_client) -> None:
+    d = make_dispatcher(redis_client, make_config(max_staleness=0, groups_per_step=4))
+    d.release(0)
+    held = [d.plane.prompts.take_prompt("a1", timeout_s=1).group_id for _ in range(3)]
+    d.complete(held[:1])
+    ids = [*held, "never-issued", held[1]]  # a repeated id is looked up once
+    names = ("smismember", "hmget", "sismember", "hget")
+    before = command_calls(redis_client, *names)
+    standings = d.standings(ids)
+    after = command_calls(redis_client, *names)
+    assert {n: after[n] - before[n] for n in names} == {"smismember": 1, "hmget": 1, "sismember": 0, "hget": 0}
+    assert list(standings) == [*held, "never-issued"]
+    for gid, standing in standings.items():
+        assert standing.completed == d.was_completed(gid)
+        single = d.issued(gid)
+        assert (standing.issued is None) == (single is None)
+        if single is not None:
+            assert (
+                standing.issued.prompt == single.prompt
+                and standing.issued.prompt_ids.tolist() == single.prompt_ids.tolist()
+            )
+    assert standings[held[0]].completed and standings[held[0]].issued is None
+    assert standings[held[1]].issued.group_id == held[1] and not standings[held[1]].completed
+    assert d.standings([]) == {}
+
+
 def test_completing_groups_frees_no_admission(redis_client) -> None:
     d = make_dispatcher(redis_client, make_config(max_staleness=0, groups_per_step=4))
     assert d.release(0) == 4  # capacity(0) = 4
