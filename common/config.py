@@ -318,6 +318,11 @@ class StalenessSection(Section):
     """Level at which the importance weight is computed."""
     cap: float = Field(2.0, gt=1.0)
     """Upper cap (truncate) or upper band edge (mask) of the importance weight."""
+    max_sequence_kl: float | None = Field(None, gt=0.0)
+    """Mismatch guard: drop from the loss each sequence whose mean per-token KL(μ ‖ π_old) is above this (counted in
+    ``train/offpolicy/dropped_frac``); unset = off."""
+    veto: float | None = Field(None, gt=0.0, lt=1.0)
+    """Token veto: drop each sequence with a token whose π_old/μ is below this (e.g. 1e-4); unset = off."""
 
 
 class TransportSection(Section):

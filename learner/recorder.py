@@ -163,6 +163,15 @@ class Recorder:
             sync_s=round(v.get("sync/seconds", 0.0), 3),
             step_s=round(v["step/seconds"], 2),
         )
+        if v.get("train/offpolicy/dropped_frac", 0.0) > 0:
+            log.warning(
+                "the mismatch guard dropped sequences from this step's loss",
+                step=version,
+                dropped_frac=round(v["train/offpolicy/dropped_frac"], 4),
+                mismatch_kl=round(v.get("train/offpolicy/mismatch_kl", 0.0), 4),
+                action="actors sampled with weights far from the learner's (a bad load, or too much staleness); "
+                "see staleness.max_sequence_kl and staleness.veto, and lower staleness.max_staleness if it persists",
+            )
 
 
 def rollout_figures(version: int, taken: Taken, batch: TrainBatch) -> dict[str, float]:

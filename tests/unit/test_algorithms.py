@@ -356,6 +356,37 @@ def test_off_policy_corrections_by_hand_sequence_level() -> None:
     torch.testing.assert_close(masked.per_token_loss, -torch.tensor([[0.0, 0.0], [0.6, 0.6]], dtype=torch.float64))
 
 
+def test_mismatch_guard_and_token_veto_drop_whole_sequences_by_hand() -> None:
+    # Two sequences of two tokens, r = 1, A = 1, token w = [1.5, 2] and [0.5, 1.2], token-level truncation at 2.
+    # k3 = w − 1 − ln w: 1.5 → 0.094535, 2 → 0.306853 (mean 0.200694); 0.5 → 0.193147, 1.2 → 0.017678 (mean 0.105413).
+    inp = _loss_input([1, 1, 1, 1], [1, 1, 1, 1], weights=[1.5, 2, 0.5, 1.2], rows=2)
+    rows = lambda *r: -torch.tensor(r, dtype=torch.float64)  # noqa: E731
+    guard = _ppo(inp, off_policy={"cap": 2.0, "max_sequence_kl": 0.15})  # the first sequence only: 0.2007 > 0.15
+    torch.testing.assert_close(guard.per_token_loss, rows([0.0, 0.0], [0.5, 1.2]))
+    assert guard.metrics["offpolicy/dropped_frac"].item() == pytest.approx(0.5)
+    both = _ppo(inp, off_policy={"cap": 2.0, "max_sequence_kl": 0.1})  # 0.1054 > 0.1 too
+    torch.testing.assert_close(both.per_token_loss, rows([0.0, 0.0], [0.0, 0.0]))
+    assert both.metrics["offpolicy/dropped_frac"].item() == pytest.approx(1.0)
+    veto = _ppo(inp, off_policy={"cap": 2.0, "veto": 0.6})  # the second sequence has w = 0.5 < 0.6
+    torch.testing.assert_close(veto.per_token_loss, rows([1.5, 2.0], [0.0, 0.0]))
+    assert veto.metrics["offpolicy/dropped_frac"].item() == pytest.approx(0.5)
+    off = _ppo(inp, off_policy={"cap": 2.0})
+    torch.testing.assert_close(off.per_token_loss, rows([1.5, 2.0], [0.5, 1.2]))
+    assert off.metrics["offpolicy/dropped_frac"].item() == 0.0
+    # The mismatch KL reported is still every token's: (0.094535 + 0.306853 + 0.193147 + 0.017678)/4 = 0.153053.
+    assert guard.metrics["offpolicy/mismatch_kl"].item() == pytest.approx(0.153053, abs=1e-6)
+
+
+def test_mismatch_guard_judges_real_tokens_only() -> None:
+    # Padding holds a wild log-weight that must not count; a sequence without tokens is neither dropped nor counted.
+    inp = _loss_input([1, 1, 1, 1], [1, 1, 1, 1], weights=[1.5, 1e-6, 1.2, 1.0], rows=2)
+    mask = torch.tensor([[True, False], [False, False]])
+    padded = LossInput(inp.logprobs, inp.old_logprobs, inp.behaviour_logprobs, inp.advantages, mask)
+    out = _ppo(padded, off_policy={"max_sequence_kl": 0.2, "veto": 1e-3})
+    torch.testing.assert_close(out.per_token_loss, -torch.tensor([[1.5, 0.0], [0.0, 0.0]], dtype=torch.float64))
+    assert out.metrics["offpolicy/dropped_frac"].item() == 0.0
+
+
 def test_kl_term_is_added_only_with_a_reference_and_a_coefficient() -> None:
     # r = 1, A = 0 → surrogate 0; π_ref = 2·π_θ → k3 = 0.306853; kl_coef 0.5 → 0.153426 per token.
     base = _loss_input([1.0, 1.0], [0.0, 0.0])
