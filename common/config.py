@@ -374,7 +374,9 @@ class TransportSection(Section):
 
 class WeightSyncSection(Section):
     sync_every: int = Field(1, ge=1)
-    """Broadcast new weights every this many optimizer steps."""
+    """Broadcast new weights every this many optimizer steps (actors reload that much less often); needs
+    ``staleness.max_staleness`` ≥ sync_every − 1, or ≥ sync_every with ``overlap``: the versions the actors' weights
+    may trail."""
     bucket_mb: float = Field(256.0, gt=0)
     """Size of one flat broadcast bucket."""
     timeout_s: float = Field(60.0, gt=0)
@@ -484,6 +486,17 @@ class RunConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _sync_every_fits_the_staleness_bound(self) -> RunConfig:
+        lag = weights_lag(self)
+        if lag > self.staleness.max_staleness:
+            raise ValueError(
+                f"weight_sync.sync_every = {self.weight_sync.sync_every}: the actors' weights would lag the learner "
+                f"by up to {lag} versions, beyond staleness.max_staleness = {self.staleness.max_staleness}, so their "
+                f"groups would be dropped as stale; set staleness.max_staleness >= {lag} or lower sync_every"
+            )
+        return self
+
     @property
     def run_dir(self) -> Path:
         return Path(self.run.root) / self.run.name
@@ -497,6 +510,13 @@ class RunConfig(Section):
 
 
 # --------------------------------------------------------------------------- loading
+
+
+def weights_lag(config: RunConfig) -> int:
+    """Most versions the actors' weights trail the learner's: (sync_every − 1) versions are never sent, and with
+    overlap (``max_staleness`` ≥ 1) the newest one is still on the wire while the next step trains."""
+    overlap = config.weight_sync.overlap and config.staleness.max_staleness >= 1
+    return config.weight_sync.sync_every - 1 + int(overlap)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:

@@ -55,6 +55,34 @@ def test_invalid_values_name_the_field_and_what_is_allowed(override: str, expect
     assert expected in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("sets", "lag"),
+    [
+        (["weight_sync.sync_every=1", "staleness.max_staleness=0"], 0),  # synchronous: no overlap
+        (["weight_sync.sync_every=1", "staleness.max_staleness=1"], 1),  # the newest version is on the wire
+        (["weight_sync.sync_every=3", "staleness.max_staleness=3"], 3),  # two versions never sent, one on the wire
+        (["weight_sync.sync_every=3", "weight_sync.overlap=false", "staleness.max_staleness=2"], 2),
+    ],
+)
+def test_sync_every_within_the_staleness_bound_is_accepted(sets: list[str], lag: int) -> None:
+    from common.config import weights_lag
+
+    assert weights_lag(load_config(None, sets)) == lag
+
+
+@pytest.mark.parametrize(
+    ("sets", "needed"),
+    [
+        (["weight_sync.sync_every=2", "staleness.max_staleness=1"], 2),
+        (["weight_sync.sync_every=2", "staleness.max_staleness=0"], 1),  # synchronous waits: lag 1, bound 0
+        (["weight_sync.sync_every=4", "weight_sync.overlap=false", "staleness.max_staleness=2"], 3),
+    ],
+)
+def test_sync_every_beyond_the_staleness_bound_is_refused_naming_the_bound_to_set(sets: list[str], needed: int) -> None:
+    with pytest.raises(ConfigError, match=rf"set staleness.max_staleness >= {needed} or lower sync_every"):
+        load_config(None, sets)
+
+
 def test_malformed_override_and_missing_files_are_explained(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"section\.field=value"):
         load_config(None, ["learner.lr"])
