@@ -1,0 +1,63 @@
+"""A planted mismatch spike: with ``$ASYNCRL_SPIKE_VERSION`` set, a vLLM worker adds Gaussian noise of standard
+deviation ``$ASYNCRL_SPIKE_SIGMA`` (default 0.05) to the weights of that one policy version as it loads them, so the
+actor samples that version with weights the learner never had: μ drifts far from π_old for the groups it samples, and
+only for them (the next version loads clean).
+
+Python imports ``sitecustomize`` at start-up from the first folder on ``sys.path`` that has one, so a test puts this
+folder first on ``PYTHONPATH`` of the processes it starts (every process of a run inherits it, vLLM's worker too); the
+patch arms itself only in a process that imports ``actors.weight_receiver`` and only when the variable is set. Nothing
+here is imported by asyncrl itself.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import os
+import sys
+
+MODULE = "actors.weight_receiver"
+
+
+def _plant(module) -> None:
+    import torch
+
+    version, sigma = int(os.environ["ASYNCRL_SPIKE_VERSION"]), float(os.environ.get("ASYNCRL_SPIKE_SIGMA", "0.05"))
+    extension = module.WeightReceiverExtension
+    load = extension.asyncrl_load
+
+    def asyncrl_load(self, load_it: bool) -> float:
+        received = self._asyncrl_received
+        if load_it and received is not None and received[0].version == version:
+            noise = torch.Generator().manual_seed(version)
+            for flat in received[1]:
+                if flat.is_floating_point():
+                    flat.add_(torch.randn(flat.shape, generator=noise, dtype=flat.dtype) * sigma)
+            print(f"planted a mismatch spike: version {version} loaded with noise sigma {sigma}", flush=True)
+        return load(self, load_it)
+
+    extension.asyncrl_load = asyncrl_load
+
+
+class _PlantOnImport(importlib.abc.MetaPathFinder):
+    """Finds ``actors.weight_receiver`` once, through the normal finders, and patches it right after it executes."""
+
+    def find_spec(self, name, path, target=None):
+        if name != MODULE:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        execute = spec.loader.exec_module
+
+        def exec_module(module) -> None:
+            execute(module)
+            _plant(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if os.environ.get("ASYNCRL_SPIKE_VERSION"):
+    sys.meta_path.insert(0, _PlantOnImport())
