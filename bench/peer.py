@@ -327,12 +327,14 @@ def pinned(cores: str, cmd: list[str]) -> list[str]:
     return ["taskset", "-c", cores, *cmd]
 
 
-def run_asyncrl(tmp: Path, overrides: list[str], staleness: int, threshold: float) -> dict[str, Any]:
+def run_asyncrl(tmp: Path, overrides: list[str], staleness: int, threshold: float, name: str = "") -> dict[str, Any]:
+    """One asyncrl run (learner on core 0, actor and reward worker on core 1) and its figures; ``name``: the run's
+    folder under ``tmp`` (default ``asyncrl-staleness-<staleness>``)."""
     from common.control import ControlPlane
     from common.keys import connect
     from common.redis_server import EmbeddedRedis
 
-    name = f"asyncrl-staleness-{staleness}"
+    name = name or f"asyncrl-staleness-{staleness}"
     overrides = [*overrides, f"run.root={tmp}", f"run.name={name}", f"staleness.max_staleness={staleness}"]
     config = resolved(overrides)
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "1", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
@@ -378,6 +380,19 @@ def asyncrl_figures(metrics: Path, started: float, threshold: float) -> dict[str
         "idle_fraction": sum(r["step/idle_fraction"] for r in train[1:]) / max(len(train) - 1, 1),
         "staleness_max": max(r["rollout/staleness_max"] for r in train),
         "eval_missing": sum(r.get("eval/missing", 0) for r in rows if "eval/step" in r),
+        **offpolicy_figures(train),
+    }
+
+
+def offpolicy_figures(train: list[dict[str, Any]]) -> dict[str, float]:
+    """The mismatch between μ and π_old over a run's steps, and what the guard dropped."""
+    kl = [r.get("train/offpolicy/mismatch_kl", 0.0) for r in train]
+    dropped = [r.get("train/offpolicy/dropped_frac", 0.0) for r in train]
+    return {
+        "mismatch_kl_mean": sum(kl) / len(kl),
+        "mismatch_kl_max": max(kl),
+        "dropped_frac_mean": sum(dropped) / len(dropped),
+        "steps_with_drops": float(sum(d > 0 for d in dropped)),
     }
 
 

@@ -1,0 +1,138 @@
+"""Stability study (issue 13.3): asynchronous runs (staleness 1 and 2) against synchronous ones, over seeds and
+off-policy corrections, on the peer benchmark's task and warm model.
+
+Each configuration trains the same warm model (``rl-learner init-model configs/demo.toml --warm-steps 120``: the
+demo's task, one-digit sums, at partial skill) once per seed (``run.seed``: prompt order and sampling), with the
+peer benchmark's process split and evaluation (``bench/peer.py``: learner on core 0, actor and reward worker on
+core 1; greedy accuracy on 64 held-out prompts every ``--eval-every`` steps). The demo and the peer task are the
+same task here; the demo's own start (a cold model) learns too little in a short run to show a collapse.
+
+    python bench/stability.py [--seeds 1,2,3] [--steps 60] [--configs sync,async1,...]
+
+Per configuration: collapses (runs whose last two evaluations are both more than ``COLLAPSE_DROP`` below their
+step-0 accuracy), median seconds to the threshold (runs that never reach it count as not reached), mean final
+accuracy, mean and max of the step mismatch KL(μ ‖ π_old) and the fraction of sequences the guard dropped.
+The last line of stdout is one JSON object with every run's figures; the table goes to stderr. A benchmark:
+nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.peer import init_model, rounded, run_asyncrl, say
+
+GUARD = ("staleness.max_sequence_kl=0.5", "staleness.veto=1e-4")
+CONFIGS: dict[str, tuple[int, tuple[str, ...]]] = {
+    "sync": (0, ()),
+    "async1": (1, ()),
+    "async2": (2, ()),
+    "async1-none": (1, ("staleness.correction=none",)),
+    "async1-mask": (1, ("staleness.correction=mask",)),
+    "async1-sequence": (1, ("staleness.level=sequence",)),
+    "async1-guard": (1, GUARD),
+    "async2-guard": (2, GUARD),
+}
+"""name -> (max_staleness, overrides): the [staleness] defaults (token truncation at 2) unless overridden."""
+COLLAPSE_DROP = 0.1
+"""A run collapsed when its last two evaluations are both this far below its step-0 accuracy."""
+
+
+def collapsed(accuracy: dict[str, float]) -> bool:
+    steps = sorted(accuracy, key=int)
+    start, last_two = accuracy[steps[0]], [accuracy[s] for s in steps[-2:]]
+    return all(a < start - COLLAPSE_DROP for a in last_two)
+
+
+def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    reached = [r["time_to_accuracy_s"] for r in runs if r["time_to_accuracy_s"] is not None]
+    return {
+        "runs": len(runs),
+        "collapses": sum(collapsed(r["accuracy"]) for r in runs),
+        "reached": len(reached),
+        "time_to_accuracy_median_s": statistics.median(reached) if reached else None,
+        "final_accuracy_mean": statistics.mean(r["final_accuracy"] for r in runs),
+        "s_per_step_mean": statistics.mean(r["s_per_step"] for r in runs),
+        "mismatch_kl_mean": statistics.mean(r["mismatch_kl_mean"] for r in runs),
+        "mismatch_kl_max": max(r["mismatch_kl_max"] for r in runs),
+        "dropped_frac_mean": statistics.mean(r["dropped_frac_mean"] for r in runs),
+    }
+
+
+def table(results: dict[str, dict[str, Any]], threshold: float) -> str:
+    head = (
+        f"| config | collapses | reached {threshold} | median s to {threshold} | final accuracy | s/step "
+        "| mismatch KL mean / max | dropped |"
+    )
+    lines = [head, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, r in results.items():
+        t = r["time_to_accuracy_median_s"]
+        lines.append(
+            f"| {name} | {r['collapses']}/{r['runs']} | {r['reached']}/{r['runs']} | "
+            f"{'—' if t is None else f'{t:.1f}'} | {r['final_accuracy_mean']:.3f} | {r['s_per_step_mean']:.3f} | "
+            f"{r['mismatch_kl_mean']:.2e} / {r['mismatch_kl_max']:.2e} | {r['dropped_frac_mean']:.4f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", default="1,2,3")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--threshold", type=float, default=0.7)
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
+    parser.add_argument("--warm-steps", type=int, default=120)
+    parser.add_argument("--keep", type=Path, help="keep the runs' folders (logs, metrics) here")
+    args = parser.parse_args()
+    seeds = [int(s) for s in args.seeds.split(",")]
+    names = args.configs.split(",")
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = args.keep or Path(tmp_name)
+        model = tmp / "model"
+        init_model(model, [], args.warm_steps)
+        base = [
+            f"model.path={model.resolve()}",
+            f"learner.steps={args.steps}",
+            f"eval.every={args.eval_every}",
+            "eval.limit=64",
+            "eval.temperature=0",
+            "eval.num_samples=1",
+        ]
+        for seed in seeds:  # seeds outermost: a config's runs are spread over the whole study's load
+            for name in names:
+                staleness, overrides = CONFIGS[name]
+                say(f"[stability] {name} seed {seed} ...")
+                run = f"{name}-seed-{seed}"
+                figures = run_asyncrl(tmp, [*base, f"run.seed={seed}", *overrides], staleness, args.threshold, run)
+                runs[name].append(figures | {"seed": seed})
+    results = {name: summary(r) for name, r in runs.items()}
+    say(table(results, args.threshold))
+    print(
+        json.dumps(
+            rounded(
+                {
+                    "bench": "stability",
+                    "steps": args.steps,
+                    "seeds": seeds,
+                    "threshold": args.threshold,
+                    "collapse_drop": COLLAPSE_DROP,
+                    "configs": {n: {"overrides": list(CONFIGS[n][1]), **results[n]} for n in names},
+                    "runs": runs,
+                }
+            )
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
