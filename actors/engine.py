@@ -23,6 +23,7 @@ import numpy as np
 from actors.lifeline import export_actor_pid
 from common.config import RolloutSection, RunConfig
 from common.logs import get_logger
+from common.procs import cpu_list
 from common.wire import PromptGroup, RolloutGroup
 
 log = get_logger("engine")
@@ -45,7 +46,9 @@ class RolloutEngine:
 
     def __init__(self, config: RunConfig, seed: int = 0) -> None:
         self.config = config
-        if config.rollout.cpu_threads:
+        if single_process(config.rollout, _has_gpu()):
+            use_single_process(config.rollout.cpu_threads)
+        elif config.rollout.cpu_threads:
             # Read by vLLM's CPU worker when it starts: keeps engines on one machine off each other's cores.
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.rollout.cpu_threads
         from vllm import AsyncEngineArgs
@@ -190,6 +193,24 @@ def engine_settings(rollout: RolloutSection, engine_args_cls: type, has_gpu: boo
             + (f" (did you mean {', '.join(close)}?)" if close else "")
         )
     return settings | rollout.engine_args
+
+
+def single_process(rollout: RolloutSection, has_gpu: bool) -> bool:
+    """Whether vLLM's worker runs inside its engine-core process (``rollout.cpu_single_process``, CPUs, one rank)."""
+    return rollout.cpu_single_process and not has_gpu and rollout.tensor_parallel_size == 1
+
+
+def use_single_process(cpu_threads: str) -> None:
+    """Keep vLLM's ``uni`` executor on CPUs, and pin the engine to ``cpu_threads`` (e.g. ``1`` or ``0-3``).
+
+    vLLM's CPU platform swaps ``uni`` for its multiprocess executor unless ``VLLM_ENABLE_V1_MULTIPROCESSING`` is 0
+    (``vllm/platforms/cpu.py``: its per-thread OpenMP binding needs a fresh worker process); ``AsyncLLM`` runs its
+    engine core in a process of its own either way, so the variable changes only that choice. Without vLLM's
+    binding, the engine-core process inherits this thread's CPU affinity, and torch sizes its threads to it.
+    """
+    if cpu_threads:  # a valid list: the config checked it
+        os.sched_setaffinity(0, cpu_list(cpu_threads))
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
 def check_engine_settings(config: RunConfig) -> None:

@@ -102,9 +102,24 @@ class RolloutSection(Section):
     """Other ``vllm.AsyncEngineArgs`` fields, passed through as given (checked against vLLM's when the actor starts);
     fields asyncrl sets itself are refused here, naming the setting to use."""
     cpu_threads: str = ""
-    """vLLM CPU cores to bind, e.g. ``0`` or ``0-3`` (``VLLM_CPU_OMP_THREADS_BIND``); empty = vLLM's choice."""
+    """vLLM CPU cores to bind, e.g. ``0`` or ``0-3`` (``VLLM_CPU_OMP_THREADS_BIND``; with ``cpu_single_process`` the
+    engine's process is pinned to them); empty = vLLM's choice."""
+    cpu_single_process: bool = False
+    """On CPUs with ``tensor_parallel_size`` 1, run vLLM's model worker inside its engine-core process (vLLM's
+    ``uni`` executor) instead of a process of its own: one process fewer, and no engine core polling its worker
+    while the model runs. vLLM's own per-thread binding needs the separate worker, so ``cpu_threads`` then pins
+    the engine's process instead. No effect on GPUs (vLLM runs one GPU's worker in the engine core already)."""
     enforce_eager: bool = True
     """Disable CUDA graphs / compilation (required on CPUs, faster start everywhere)."""
+
+    @field_validator("cpu_threads")
+    @classmethod
+    def _cpu_list(cls, text: str) -> str:
+        from common.procs import cpu_list
+
+        if text and not cpu_list(text):
+            raise ValueError(f"{text!r} is not a CPU list such as 1, 0-3 or 0,2-3")
+        return text
 
     @field_validator("kv_cache_bytes")
     @classmethod

@@ -1,4 +1,4 @@
-"""Reading the process tree from ``/proc`` (Linux): who is whose parent, and which processes a process has."""
+"""Reading the process tree from ``/proc`` (Linux): whose parent is who, which processes a process has; CPU lists."""
 
 from __future__ import annotations
 
@@ -62,3 +62,14 @@ def descendants(pid: int) -> set[int]:
         frontier = {child for child, parent in tree.items() if parent in frontier} - below
         below |= frontier
     return below
+
+
+def cpu_list(text: str) -> set[int]:
+    """The CPUs of a list like ``0,2-3`` (empty for a malformed one)."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        if not low.isdigit() or (high and not high.isdigit()) or int(high or low) < int(low):
+            return set()
+        cpus |= set(range(int(low), int(high or low) + 1))
+    return cpus

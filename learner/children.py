@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from common.logs import get_logger
-from common.procs import child_pids
+from common.procs import child_pids, cpu_list
 
 log = get_logger("launch")
 _PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
@@ -44,17 +44,6 @@ def parse_pins(values: list[str], allowed: set[int] | None = None) -> dict[str, 
             )
         pins[role] = cpus
     return pins
-
-
-def cpu_list(text: str) -> set[int]:
-    """The CPUs of a list like ``0,2-3`` (empty for a malformed one)."""
-    cpus: set[int] = set()
-    for part in text.split(","):
-        low, _, high = part.partition("-")
-        if not low.isdigit() or (high and not high.isdigit()) or int(high or low) < int(low):
-            return set()
-        cpus |= set(range(int(low), int(high or low) + 1))
-    return cpus
 
 
 def _ranges(cpus: set[int]) -> str:

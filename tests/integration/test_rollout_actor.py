@@ -23,7 +23,7 @@ import torch
 from common.channel import PullChannel
 from common.config import load_config
 from common.control import ControlPlane
-from common.procs import child_pids, descendants
+from common.procs import child_pids, descendants, name_and_state
 from common.rendezvous import RedisStore
 from common.tasks import TASK_ALPHABET, get_task, prompt_group
 from common.tiny_model import init_model
@@ -43,25 +43,24 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return init_model(tmp_path_factory.mktemp("model") / "tiny", alphabet=TASK_ALPHABET, seed=0)
 
 
+PLANE_SETTINGS = (
+    f"run.name={RUN}",
+    "model.max_model_len=128",
+    "rollout.num_samples=4",
+    "rollout.max_new_tokens=48",
+    "rollout.max_groups_in_flight=4",
+    "rollout.kv_cache_bytes=67108864",
+    "staleness.max_staleness=4",
+    "transport.heartbeat_s=0.5",
+    "transport.heartbeat_ttl_s=5",
+    "weight_sync.timeout_s=120",
+)
+
+
 @pytest.fixture
 def plane(redis_client, model_dir: Path) -> ControlPlane:
     plane = ControlPlane(redis_client, RUN)
-    config = load_config(
-        None,
-        [
-            f"run.name={RUN}",
-            f"model.path={model_dir}",
-            "model.max_model_len=128",
-            "rollout.num_samples=4",
-            "rollout.max_new_tokens=48",
-            "rollout.max_groups_in_flight=4",
-            "rollout.kv_cache_bytes=67108864",
-            "staleness.max_staleness=4",
-            "transport.heartbeat_s=0.5",
-            "transport.heartbeat_ttl_s=5",
-            "weight_sync.timeout_s=120",
-        ],
-    )
+    config = load_config(None, [*PLANE_SETTINGS, f"model.path={model_dir}"])
     plane.run.publish_config(config)
     return plane
 
@@ -383,5 +382,44 @@ def test_a_tensor_parallel_actor_takes_one_weight_group_rank_per_worker(redis_se
         plane.run.set_version(1)
         after = collect(rollouts, lambda got: sum(bool(np.all(g.versions == 1)) for g in got) >= 2, timeout_s=600)
         assert_served_by(new, [g for g in after if np.all(g.versions == 1)])
+    finally:
+        assert stop(actor) == 0
+
+
+def engine_core_of(actor_pid: int) -> int:
+    """The PID of the actor's vLLM engine-core process (its command name is ``VLLM::EngineCor``, cut by the kernel)."""
+    cores = [pid for pid in child_pids(actor_pid) if (name_and_state(pid) or ("", ""))[0].startswith("VLLM::Engine")]
+    assert len(cores) == 1, f"expected one engine core under the actor, found {cores}"
+    return cores[0]
+
+
+@pytest.mark.parametrize("single_process", [True, False])
+def test_the_engines_worker_runs_in_its_engine_core_or_its_own_process_and_loads_new_weights(
+    redis_server, plane, rollouts, model_dir, single_process: bool
+) -> None:
+    """``rollout.cpu_single_process``: the worker inside the engine core (pinned to ``cpu_threads``), or vLLM's
+    separate worker; either way a broadcast version loads and is served (log-probs of a transformers forward)."""
+    from transformers import AutoModelForCausalLM
+
+    mode = f"rollout.cpu_single_process={str(single_process).lower()}"
+    own = [f"model.path={model_dir}", "rollout.cpu_threads=0", mode]
+    plane.run.publish_config(load_config(None, [*PLANE_SETTINGS, *own]))
+    groups = prompt_groups(model_dir, 3000)
+    plane.prompts.record_issued(groups)
+    plane.prompts.push_prompts(groups)
+    actor = subprocess.Popen([ACTOR, "--redis", redis_server.url, "--run", RUN, "--id", "a1"])
+    try:
+        collect(rollouts, lambda got: len(got) >= 1)
+        core = engine_core_of(actor.pid)
+        below = [(name_and_state(pid) or ("", ""))[0] for pid in child_pids(core)]
+        workers = [name for name in below if name.startswith("VLLM::Worker")]
+        assert len(workers) == (0 if single_process else 1), below
+        if single_process:
+            assert os.sched_getaffinity(core) == {0}
+        new = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        sealed = pack_sealed(perturbed(new), bucket_bytes=256 * 1024)
+        publish_weights(plane, 1, sealed)
+        loaded = collect(rollouts, lambda got: sum(bool(np.all(g.versions == 1)) for g in got) >= 2)
+        assert_served_by(new, [g for g in loaded if np.all(g.versions == 1)])
     finally:
         assert stop(actor) == 0

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from learner.children import cpu_list, parse_pins, pinned
+from common.procs import cpu_list
+from learner.children import parse_pins, pinned
 
 
 def test_cpu_lists_are_tasksets() -> None:
