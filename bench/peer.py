@@ -5,6 +5,7 @@ hyper-parameters: TRL ``GRPOTrainer`` (HF ``generate``), asyncrl synchronous (``
 asyncrl asynchronous (``max_staleness = 1``). Install TRL with ``pip install -e .[bench]``.
 
     python bench/peer.py [--steps 100] [--threshold 0.7] [--eval-every 5] [--tasks arithmetic,reverse] [--trl-threads 2]
+                         [--split learner=0,actor=1,reward=1] [--set SECTION.FIELD=VALUE ...]
 
 About 9 minutes on 2 cores with the defaults (both tasks); ``--tasks arithmetic`` about 4.
 
@@ -71,10 +72,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 CONFIG = ROOT / "configs/demo.toml"
-CORES = (
-    "asyncrl: learner on core 0 (1 torch thread); 1 rollout actor (vLLM on core 1) + 1 reward worker on core 1, "
-    "pinned with taskset by bench/peer.py; TRL: one process on cores 0-1 (2 torch threads)"
-)
+
+
+def cores_used(threads: int) -> str:
+    """The process split of this invocation, in words (the summary's ``cores``)."""
+    return (
+        f"asyncrl: learner on core {SPLIT['learner']} (1 torch thread), 1 rollout actor (vLLM) on core "
+        f"{SPLIT['actor']}, 1 reward worker on core {SPLIT['reward']}, pinned with taskset by bench/peer.py; "
+        f"TRL: one process on cores 0-1 ({threads} torch threads)"
+    )
 
 
 @dataclass(frozen=True)
@@ -327,8 +333,20 @@ def pinned(cores: str, cmd: list[str]) -> list[str]:
     return ["taskset", "-c", cores, *cmd]
 
 
+SPLIT = {"learner": "0", "actor": "1", "reward": "1"}
+"""The cores each asyncrl process is pinned to (``--split``)."""
+
+
+def parse_split(text: str) -> dict[str, str]:
+    """``learner=0,actor=1,reward=1`` → the cores of each role (every role named once)."""
+    split = dict(part.split("=", 1) for part in text.split(","))
+    if set(split) != set(SPLIT):
+        raise SystemExit(f"--split names each of {', '.join(SPLIT)} once, e.g. learner=0,actor=1,reward=1")
+    return split
+
+
 def run_asyncrl(tmp: Path, overrides: list[str], staleness: int, threshold: float, name: str = "") -> dict[str, Any]:
-    """One asyncrl run (learner on core 0, actor and reward worker on core 1) and its figures; ``name``: the run's
+    """One asyncrl run (each process pinned to its cores of :data:`SPLIT`) and its figures; ``name``: the run's
     folder under ``tmp`` (default ``asyncrl-staleness-<staleness>``)."""
     from common.control import ControlPlane
     from common.keys import connect
@@ -337,7 +355,7 @@ def run_asyncrl(tmp: Path, overrides: list[str], staleness: int, threshold: floa
     name = name or f"asyncrl-staleness-{staleness}"
     overrides = [*overrides, f"run.root={tmp}", f"run.name={name}", f"staleness.max_staleness={staleness}"]
     config = resolved(overrides)
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "1", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": SPLIT["actor"], "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     logs = tmp / name / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     started = time.time()
@@ -345,13 +363,13 @@ def run_asyncrl(tmp: Path, overrides: list[str], staleness: int, threshold: floa
         ControlPlane(connect(redis.url), name).run.publish_config(config)
         common = ["--redis", redis.url, "--run", name]
         helpers = [
-            start(logs / "reward.log", pinned("1", [str(BIN / "rl-actor"), "reward", *common]), env),
-            start(logs / "actor.log", pinned("1", [str(BIN / "rl-actor"), *common, "--id", "a0"]), env),
+            start(logs / "reward.log", pinned(SPLIT["reward"], [str(BIN / "rl-actor"), "reward", *common]), env),
+            start(logs / "actor.log", pinned(SPLIT["actor"], [str(BIN / "rl-actor"), *common, "--id", "a0"]), env),
         ]
         learner_cmd = [str(BIN / "rl-learner"), "train", str(CONFIG), "--redis", redis.url]
         learner_cmd += [a for o in overrides for a in ("--set", o)]
         try:
-            learner = start(logs / "learner.log", pinned("0", learner_cmd), env)
+            learner = start(logs / "learner.log", pinned(SPLIT["learner"], learner_cmd), env)
             code = learner.wait(3600)
         finally:
             for proc in helpers:
@@ -424,7 +442,7 @@ def compare(tmp: Path, task: str, args: argparse.Namespace, first: bool) -> dict
         if key == "trl":
             runs[key] = run_trl(tmp / task, overrides, threshold, args.trl_threads)
         else:
-            runs[key] = run_asyncrl(tmp / task, overrides, 0 if key == "asyncrl_sync" else 1, threshold)
+            runs[key] = run_asyncrl(tmp / task, [*overrides, *args.set], 0 if key == "asyncrl_sync" else 1, threshold)
     trl_time = runs["trl"]["time_to_accuracy_s"]
     ratios: dict[str, Any] = {
         f"ratio_{mode}": _ratio(runs[f"asyncrl_{mode}"]["time_to_accuracy_s"], trl_time) for mode in ("sync", "async")
@@ -510,16 +528,19 @@ def main() -> None:
     parser.add_argument("--tasks", default="arithmetic,reverse", help=f"comma-separated, of {', '.join(TASKS)}")
     parser.add_argument("--model", type=Path, help="a warm model folder to use (first task only)")
     parser.add_argument("--keep", type=Path, help="keep the runs' folders (logs, metrics) here")
+    parser.add_argument("--split", default="learner=0,actor=1,reward=1", help="cores of each asyncrl process")
+    parser.add_argument("--set", action="append", default=[], help="a config override of the asyncrl runs only")
     parser.add_argument("--trl-child", nargs=2, type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trl_child:
         trl_child(*args.trl_child)
         return
+    SPLIT.update(parse_split(args.split))
     tasks = args.tasks.split(",")
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = args.keep or Path(tmp_name)
         results = [compare(tmp, task, args, i == 0) for i, task in enumerate(tasks)]
-    cores = CORES.replace("(2 torch threads)", f"({args.trl_threads} torch threads)")
+    cores = cores_used(args.trl_threads)
     for result in results:
         say(table(result, args))
     say(f"cores: {cores}")
@@ -527,6 +548,7 @@ def main() -> None:
     summary = {
         "bench": "peer",
         "cores": cores,
+        "asyncrl_overrides": args.set,
         "steps": args.steps,
         "threshold": first["threshold"],
         "eval_every": args.eval_every,
