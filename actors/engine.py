@@ -54,17 +54,7 @@ class RolloutEngine:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = AsyncEngineArgs(
-            model=config.model.path,
-            dtype=config.model.dtype,
-            max_model_len=config.model.max_model_len,
-            enforce_eager=config.rollout.enforce_eager,
-            seed=seed,
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls=EXTENSION,
-            disable_log_stats=True,
-            **engine_settings(config.rollout, AsyncEngineArgs, _has_gpu()),
-        )
+        args = AsyncEngineArgs(**engine_keywords(config, AsyncEngineArgs, _has_gpu(), seed))
         export_actor_pid()  # vLLM's processes end with this one, even on kill -9 (actors/lifeline.py)
         self.llm = AsyncLLM.from_engine_args(args)
         self._request_seed = seed * 1_000_003
@@ -165,6 +155,24 @@ def _stop_ids(config: RunConfig) -> tuple[int, ...]:
 
 class EngineSettingsError(ValueError):
     """``[rollout]`` settings this machine's vLLM cannot take; the message names the setting."""
+
+
+def engine_keywords(
+    config: RunConfig, engine_args_cls: type, has_gpu: bool, seed: int = 0, extension: str = EXTENSION
+) -> dict[str, Any]:
+    """Every keyword an actor gives vLLM's engine arguments: the model, μ as the sampled distribution's log-probs,
+    the weight receiver (``extension``: a worker extension class by import path), and ``[rollout]``'s settings."""
+    return {
+        "model": config.model.path,
+        "dtype": config.model.dtype,
+        "max_model_len": config.model.max_model_len,
+        "enforce_eager": config.rollout.enforce_eager,
+        "seed": seed,
+        "logprobs_mode": "processed_logprobs",
+        "worker_extension_cls": extension,
+        "disable_log_stats": True,
+        **engine_settings(config.rollout, engine_args_cls, has_gpu),
+    }
 
 
 def engine_settings(rollout: RolloutSection, engine_args_cls: type, has_gpu: bool) -> dict[str, Any]:

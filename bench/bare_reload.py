@@ -57,19 +57,11 @@ def reload_seconds(folder: Path, weights_path: Path, repeats: int) -> list[float
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     from vllm import LLM, EngineArgs
 
-    from actors.engine import engine_settings
+    from actors.engine import engine_keywords
     from common.config import load_config
 
     config = load_config(None, engine_overrides(folder))
-    llm = LLM(
-        model=config.model.path,
-        dtype=config.model.dtype,
-        max_model_len=config.model.max_model_len,
-        enforce_eager=config.rollout.enforce_eager,
-        worker_extension_cls=EXTENSION,
-        disable_log_stats=True,
-        **engine_settings(config.rollout, EngineArgs, has_gpu=False),
-    )
+    llm = LLM(**engine_keywords(config, EngineArgs, has_gpu=False, extension=EXTENSION))
     return llm.collective_rpc("bench_reload", args=(str(weights_path), repeats))[0]
 
 
