@@ -41,12 +41,12 @@ class OffPolicySettings(BaseModel):
     """``token``: w per token; ``sequence``: every token of a sequence gets exp(Σ_t (log π_old − log μ))."""
     cap: float = Field(2.0, gt=1.0)
     """Truncation cap, or upper edge of the kept band [1/cap, cap]."""
-    max_sequence_kl: float | None = Field(None, gt=0.0)
+    max_sequence_kl: float = Field(0.5, ge=0.0)
     """The mismatch guard: a sequence whose mean per-token k3 estimate of KL(μ ‖ π_old) is above this is dropped
-    (every token's w = 0); None disables it. Acts on the sequences a spike hit, not the whole step."""
-    veto: float | None = Field(None, gt=0.0, lt=1.0)
+    (every token's w = 0); 0 disables it. Acts on the sequences a spike hit, not the whole step."""
+    veto: float = Field(1e-4, ge=0.0, lt=1.0)
     """Token veto: a sequence with any token whose π_old/μ is below this is dropped (verl's rollout correction and
-    slime veto such sequences: one token μ sampled but π_old all but forbids); None disables it."""
+    slime veto such sequences: one token μ sampled but π_old all but forbids); 0 disables it."""
 
     @property
     def recompute_proximal(self) -> bool:
@@ -303,10 +303,10 @@ def guarded_sequences(log_w: Tensor, mask: Tensor, settings: OffPolicySettings) 
     makes the sequence's ratio meaningless, so the sequence is not trained rather than merely truncated).
     """
     dropped = torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
-    if settings.max_sequence_kl is not None:
+    if settings.max_sequence_kl > 0:
         per_sequence = zero_masked(_k3(log_w), mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
         dropped |= per_sequence > settings.max_sequence_kl
-    if settings.veto is not None:
+    if settings.veto > 0:
         lowest = torch.where(mask, log_w, torch.zeros_like(log_w)).min(dim=-1).values
         dropped |= lowest < math.log(settings.veto)
     return dropped & mask.any(dim=-1)

@@ -361,17 +361,21 @@ def test_mismatch_guard_and_token_veto_drop_whole_sequences_by_hand() -> None:
     # k3 = w − 1 − ln w: 1.5 → 0.094535, 2 → 0.306853 (mean 0.200694); 0.5 → 0.193147, 1.2 → 0.017678 (mean 0.105413).
     inp = _loss_input([1, 1, 1, 1], [1, 1, 1, 1], weights=[1.5, 2, 0.5, 1.2], rows=2)
     rows = lambda *r: -torch.tensor(r, dtype=torch.float64)  # noqa: E731
-    guard = _ppo(inp, off_policy={"cap": 2.0, "max_sequence_kl": 0.15})  # the first sequence only: 0.2007 > 0.15
+    # the first sequence only: 0.2007 > 0.15
+    guard = _ppo(inp, off_policy={"cap": 2.0, "max_sequence_kl": 0.15, "veto": 0})
     torch.testing.assert_close(guard.per_token_loss, rows([0.0, 0.0], [0.5, 1.2]))
     assert guard.metrics["offpolicy/dropped_frac"].item() == pytest.approx(0.5)
-    both = _ppo(inp, off_policy={"cap": 2.0, "max_sequence_kl": 0.1})  # 0.1054 > 0.1 too
+    both = _ppo(inp, off_policy={"cap": 2.0, "max_sequence_kl": 0.1, "veto": 0})  # 0.1054 > 0.1 too
     torch.testing.assert_close(both.per_token_loss, rows([0.0, 0.0], [0.0, 0.0]))
     assert both.metrics["offpolicy/dropped_frac"].item() == pytest.approx(1.0)
-    veto = _ppo(inp, off_policy={"cap": 2.0, "veto": 0.6})  # the second sequence has w = 0.5 < 0.6
+    # the second sequence has w = 0.5 < 0.6
+    veto = _ppo(inp, off_policy={"cap": 2.0, "max_sequence_kl": 0, "veto": 0.6})
     torch.testing.assert_close(veto.per_token_loss, rows([1.5, 2.0], [0.0, 0.0]))
     assert veto.metrics["offpolicy/dropped_frac"].item() == pytest.approx(0.5)
-    off = _ppo(inp, off_policy={"cap": 2.0})
+    off = _ppo(inp, off_policy={"cap": 2.0, "max_sequence_kl": 0, "veto": 0})
     torch.testing.assert_close(off.per_token_loss, rows([1.5, 2.0], [0.5, 1.2]))
+    defaults = _ppo(inp, off_policy={"cap": 2.0})  # 0.5 and 1e-4: neither sequence is near them
+    torch.testing.assert_close(defaults.per_token_loss, off.per_token_loss)
     assert off.metrics["offpolicy/dropped_frac"].item() == 0.0
     # The mismatch KL reported is still every token's: (0.094535 + 0.306853 + 0.193147 + 0.017678)/4 = 0.153053.
     assert guard.metrics["offpolicy/mismatch_kl"].item() == pytest.approx(0.153053, abs=1e-6)
