@@ -31,13 +31,14 @@ apart as ``startup_s``). Time-to-accuracy is the clock at the first evaluated st
 pauses training), asyncrl's eval rounds stay on ours (they share the actor with training). s/step and tokens/s
 (response tokens sampled per second) are over steps 2..N.
 
-Cores (DESIGN.md, "Measuring on a 2-core machine"): asyncrl's learner on core 0 (1 torch thread), its one rollout
-actor (vLLM bound to core 1) and reward worker on core 1, pinned by this script with ``taskset`` (rl-launch only
-binds vLLM threads, so the processes are started here as ``bench/pipeline.py`` starts them); TRL, one process, on
-the same two cores (``--trl-threads`` torch threads, 2 by default).
+Cores (DESIGN.md, "Measuring on a 2-core machine"; ``--split``): asyncrl's learner and reward worker on core 0
+(1 torch thread), its one rollout actor (vLLM bound to core 1) alone on core 1, pinned by this script with
+``taskset`` (the same split as ``rl-launch run --pin learner=0 --pin rewards=0 --pin actors=1``); the actor keeps a
+whole step's 16 groups in flight (``rollout.max_groups_in_flight = 16``). TRL, one process, on the same two cores
+(``--trl-threads`` torch threads, 2 by default). ``--set`` passes a config override to the asyncrl runs.
 
-Not like-for-like: asyncrl recomputes π_old and (async) trains one version stale with the token-truncated
-correction; TRL's group std has ε = 1e-4, asyncrl's 1e-6; generation engines differ (vLLM vs HF ``generate``),
+Not like-for-like: asyncrl (async) trains one version stale with the token-truncated correction and the mismatch
+guard; TRL's group std has ε = 1e-4, asyncrl's 1e-6; generation engines differ (vLLM vs HF ``generate``),
 which is part of what is measured; TRL's sampling RNG is its own, so the two sample different responses to the
 same prompts. Accuracy is on 64 prompts (one prompt = 0.016) and read every 5 steps, so time-to-accuracy moves
 by a step or two between runs: read it together with s/step and the accuracy rows.
@@ -45,8 +46,11 @@ by a step or two between runs: read it together with s/step and the accuracy row
 Measured (2026-12, 2 cores, defaults; TRL 2 threads, 0.100 s/step against 0.121 at 1 thread in a 30-step pilot):
 
     task        TRL s/step  sync s/step  async s/step  seconds to 0.7: TRL / sync / async  ratio sync / async
-    arithmetic  0.096       0.471        0.427         2.1 / 23.0 / 8.1                     10.8 / 3.8
-    reverse     0.204       0.745        0.560         16.3 / 59.8 / 45.2                   3.7 / 2.8
+    arithmetic  0.074       0.370        0.256         1.9 / 10.8 / 9.6                     5.8 / 5.2
+    reverse     0.197       0.621        0.412         15.9 / 36.1 / 31.4                   2.3 / 2.0
+
+Before issue 13's overhead work (π_old's own pass, two Redis commands per arriving group, the reward worker on the
+actor's core, 8 groups in flight): arithmetic 0.096 / 0.471 / 0.427 s/step, reverse 0.204 / 0.745 / 0.560.
 
 The last line of stdout is one JSON object: every figure, and ``ratio_sync`` / ``ratio_async`` = asyncrl's
 time-to-accuracy over TRL's (null when either run did not reach the threshold). The table goes to stderr. A
@@ -333,8 +337,9 @@ def pinned(cores: str, cmd: list[str]) -> list[str]:
     return ["taskset", "-c", cores, *cmd]
 
 
-SPLIT = {"learner": "0", "actor": "1", "reward": "1"}
-"""The cores each asyncrl process is pinned to (``--split``)."""
+SPLIT = {"learner": "0", "actor": "1", "reward": "0"}
+"""The cores each asyncrl process is pinned to (``--split``). The actor gets a core of its own: the learner idles
+most of a step (70% with the reward worker on the actor's core), and generation is what a step waits for."""
 
 
 def parse_split(text: str) -> dict[str, str]:
@@ -435,6 +440,7 @@ def compare(tmp: Path, task: str, args: argparse.Namespace, first: bool) -> dict
         f"eval.limit={args.eval_limit}",
         "eval.temperature=0",
         "eval.num_samples=1",
+        "rollout.max_groups_in_flight=16",  # a whole step's groups in one engine batch (the demo keeps 8)
     ]
     runs = {"trl": None, "asyncrl_sync": None, "asyncrl_async": None}
     for key in runs:
@@ -528,7 +534,7 @@ def main() -> None:
     parser.add_argument("--tasks", default="arithmetic,reverse", help=f"comma-separated, of {', '.join(TASKS)}")
     parser.add_argument("--model", type=Path, help="a warm model folder to use (first task only)")
     parser.add_argument("--keep", type=Path, help="keep the runs' folders (logs, metrics) here")
-    parser.add_argument("--split", default="learner=0,actor=1,reward=1", help="cores of each asyncrl process")
+    parser.add_argument("--split", default="learner=0,actor=1,reward=0", help="cores of each asyncrl process")
     parser.add_argument("--set", action="append", default=[], help="a config override of the asyncrl runs only")
     parser.add_argument("--trl-child", nargs=2, type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -108,7 +108,9 @@ class RolloutSection(Section):
     """On CPUs with ``tensor_parallel_size`` 1, run vLLM's model worker inside its engine-core process (vLLM's
     ``uni`` executor) instead of a process of its own: one process fewer, and no engine core polling its worker
     while the model runs. vLLM's own per-thread binding needs the separate worker, so ``cpu_threads`` then pins
-    the engine's process instead. No effect on GPUs (vLLM runs one GPU's worker in the engine core already)."""
+    the engine's process instead. No effect on GPUs (vLLM runs one GPU's worker in the engine core already). Off by
+    default: a step's generation alone was 10–20% faster, a whole peer run was not (bench/peer.py: 0.392 / 0.277
+    s/step sync / async against 0.377 / 0.244 with the separate worker)."""
     enforce_eager: bool = True
     """Disable CUDA graphs / compilation (required on CPUs, faster start everywhere)."""
 
