@@ -366,12 +366,13 @@ def run_asyncrl(tmp: Path, overrides: list[str], staleness: int, threshold: floa
     started = time.time()
     with EmbeddedRedis(tmp / name / "redis") as redis:
         ControlPlane(connect(redis.url), name).run.publish_config(config)
-        common = ["--redis", redis.url, "--run", name]
+        env["ASYNCRL_REDIS_URL"] = redis.url  # not in argv: the URL carries the password
+        common = ["--run", name]
         helpers = [
             start(logs / "reward.log", pinned(SPLIT["reward"], [str(BIN / "rl-actor"), "reward", *common]), env),
             start(logs / "actor.log", pinned(SPLIT["actor"], [str(BIN / "rl-actor"), *common, "--id", "a0"]), env),
         ]
-        learner_cmd = [str(BIN / "rl-learner"), "train", str(CONFIG), "--redis", redis.url]
+        learner_cmd = [str(BIN / "rl-learner"), "train", str(CONFIG)]
         learner_cmd += [a for o in overrides for a in ("--set", o)]
         try:
             learner = start(logs / "learner.log", pinned(SPLIT["learner"], learner_cmd), env)

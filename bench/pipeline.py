@@ -56,14 +56,15 @@ def run(tmp: Path, model: Path, staleness: int, steps: int, overlap: bool = True
     config = load_config(ROOT / "configs/demo.toml", overrides)
     with EmbeddedRedis(tmp / name / "redis") as redis:
         ControlPlane(connect(redis.url), name).run.publish_config(config)
-        common = ["--redis", redis.url, "--run", name]
+        common = ["--run", name]
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "1", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+        env["ASYNCRL_REDIS_URL"] = redis.url  # not in argv: the URL carries the password
         quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "env": env}
         helpers = [subprocess.Popen(pinned(1, [str(BIN / "rl-actor"), "reward", *common]), **quiet)]
         helpers += [
             subprocess.Popen(pinned(1, [str(BIN / "rl-actor"), *common, "--id", f"a{i}"]), **quiet) for i in range(2)
         ]
-        learner_cmd = [str(BIN / "rl-learner"), "train", str(ROOT / "configs/demo.toml"), "--redis", redis.url]
+        learner_cmd = [str(BIN / "rl-learner"), "train", str(ROOT / "configs/demo.toml")]
         learner_cmd += [a for o in overrides for a in ("--set", o)]
         try:
             code = subprocess.run(pinned(0, learner_cmd), timeout=3600, **quiet).returncode

@@ -49,10 +49,10 @@ def prompt_groups(tokenizer, n: int, samples: int) -> list[PromptGroup]:
 
 
 def start_actor(url: str, actor_id: str, core: str) -> subprocess.Popen:
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": core}
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": core, "ASYNCRL_REDIS_URL": url}  # the password stays out of argv
     actor = str(Path(sys.executable).parent / "rl-actor")
     return subprocess.Popen(
-        [actor, "--redis", url, "--run", RUN, "--id", actor_id],
+        [actor, "--run", RUN, "--id", actor_id],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -129,8 +129,8 @@ def start_actors(url: str, n: int, logs: Path) -> list[subprocess.Popen]:
         with open(logs / f"a{i}.log", "wb") as log:
             procs.append(
                 subprocess.Popen(
-                    [actor, "--redis", url, "--run", RUN, "--id", f"a{i}"],
-                    env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(i % os.cpu_count())},
+                    [actor, "--run", RUN, "--id", f"a{i}"],  # the URL (with its password) in the environment
+                    env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(i % os.cpu_count()), "ASYNCRL_REDIS_URL": url},
                     stdout=subprocess.DEVNULL,
                     stderr=log,
                 )
