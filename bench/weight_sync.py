@@ -44,7 +44,7 @@ save, not vLLM itself.
 
 Prints one JSON object last: seconds (``*_s``, medians of the repeats) and the ratios above, per size. No figure is
 asserted. Measured here, 64 MB buckets, one run each of ``python bench/weight_sync.py --sizes 50 --repeats 3`` and
-``--sizes 200 --repeats 3``, 2 CPU cores shared with another engineer's benchmarks (an earlier 50 M run under heavier
+``--sizes 200 --repeats 3``, 2 CPU cores shared with other benchmarks (an earlier 50 M run under heavier
 load gave asyncrl 0.94 s, asyncrl_loaded 1.23 s and ratios 3.0 and 2.6: read these as noisy):
 
     figure (seconds)                            50 M (203 MB)   200 M (810 MB)
