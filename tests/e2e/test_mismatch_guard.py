@@ -43,14 +43,13 @@ def test_a_planted_mismatch_spike_is_dropped_by_the_guard_and_the_run_goes_on(
 
     dropped = {int(r["step"]): r["train/offpolicy/dropped_frac"] for r in rows}
     kl = {int(r["step"]): r["train/offpolicy/mismatch_kl"] for r in rows}
-    spiked = [step for step, frac in dropped.items() if frac > 0]
-    assert spiked, f"the guard dropped nothing; mismatch KL by step: {kl}"
-    assert set(spiked) <= {SPIKE + 1, SPIKE + 2, SPIKE + 3}, dropped  # only steps that trained version-4 tokens
-    # A spike, not noise: the step's KL (over kept and dropped sequences) is past the alert's 0.1 (measured: 0.47, with
-    # 29% of the step's sequences dropped; the steps without version-4 tokens stay below 0.03).
-    assert max(kl[s] for s in spiked) > 0.1 and max(dropped.values()) > 0.1
-    clean = [s for s in kl if s <= SPIKE or s > SPIKE + 3]
-    assert all(kl[s] < 0.05 and dropped[s] == 0 for s in clean), (kl, dropped)
+    hit = {SPIKE + 1, SPIKE + 2}  # the steps that may train version-4 tokens (max_staleness 1)
+    assert max(kl, key=kl.get) in hit, kl
+    # The spike, not noise: past the alert's 0.1, with a tenth of a step's sequences dropped (measured: KL 0.46-0.47,
+    # 22-29% dropped, at step 6). The other steps stay under the alert and lose at most a few sequences: the largest
+    # natural drift is step 2's, the first update from the warm start (measured: KL 0.02-0.07, up to 3% dropped).
+    assert max(kl[s] for s in hit) > 0.1 and max(dropped[s] for s in hit) > 0.1, (kl, dropped)
+    assert all(kl[s] < 0.1 and dropped[s] < 0.05 for s in kl if s not in hit), (kl, dropped)
     assert all(r["train/applied"] == 1.0 and math.isfinite(r["train/grad_norm"]) for r in rows)
 
     learner_log = (logs / "learner.log").read_text()
