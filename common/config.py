@@ -338,7 +338,8 @@ class StalenessSection(Section):
     max_sequence_kl: float = Field(0.5, ge=0.0)
     """Mismatch guard: drop from the loss each sequence whose mean per-token KL(μ ‖ π_old) is above this (counted in
     ``train/offpolicy/dropped_frac``); 0 = off. Normal runs stay below 0.5 (bench/stability.py: ≤ 0.01% of a run's
-    sequences dropped, ≤ 3% of one step's); a bad weight load does not (tests/e2e/test_mismatch_guard.py)."""
+    sequences dropped; at most 3% of one step's, the first update from a warm start); a bad weight load does not
+    (tests/e2e/test_mismatch_guard.py)."""
     veto: float = Field(1e-4, ge=0.0, lt=1.0)
     """Token veto: drop each sequence with a token whose π_old/μ is below this; 0 = off."""
 
