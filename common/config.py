@@ -531,11 +531,16 @@ class RunConfig(Section):
 # --------------------------------------------------------------------------- loading
 
 
+def broadcast_overlaps(config: RunConfig) -> bool:
+    """Whether a version's broadcast runs while the next step trains: ``weight_sync.overlap`` with ``max_staleness``
+    ≥ 1 (synchronous training needs the new weights before its next batch)."""
+    return config.weight_sync.overlap and config.staleness.max_staleness >= 1
+
+
 def weights_lag(config: RunConfig) -> int:
     """Most versions the actors' weights trail the learner's: (sync_every − 1) versions are never sent, and with
-    overlap (``max_staleness`` ≥ 1) the newest one is still on the wire while the next step trains."""
-    overlap = config.weight_sync.overlap and config.staleness.max_staleness >= 1
-    return config.weight_sync.sync_every - 1 + int(overlap)
+    overlap the newest one is still on the wire while the next step trains."""
+    return config.weight_sync.sync_every - 1 + int(broadcast_overlaps(config))
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:

@@ -33,7 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from common.audit import Audit
-from common.config import RunConfig
+from common.config import RunConfig, broadcast_overlaps
 from common.control import ControlPlane
 from common.logs import get_logger
 from common.rendezvous import RedisStore
@@ -75,7 +75,7 @@ class Broadcaster:
         self.group: WeightGroup | None = None
         self.evicted: dict[str, int] = {}  # actor id -> syncs left out
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync")
-        self.overlap = config.weight_sync.overlap and config.staleness.max_staleness >= 1
+        self.overlap = broadcast_overlaps(config)
         self._in_flight: tuple[int, Future[dict[str, float]]] | None = None  # (version, its transfer)
         self._early: dict[str, float] = {}  # figures of a transfer finished before its step's broadcast
 

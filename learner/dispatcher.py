@@ -282,21 +282,14 @@ class Dispatcher:
         )
 
     # -- completion and duplicates
-    def issued(self, group_id: str) -> PromptGroup | None:
-        """The issue record of ``group_id`` while it is in flight (released, neither completed nor lost), else None."""
-        return self.plane.prompts.load_group(group_id)
-
     def is_known(self, group_id: str) -> bool:
         """Whether ``group_id`` is in flight: released by this run, neither completed nor lost."""
         return self.plane.prompts.has_group(group_id)
 
     def standings(self, group_ids: Iterable[str]) -> dict[str, Standing]:
-        """:meth:`was_completed` and :meth:`issued` of many groups in one Redis round trip."""
+        """Whether each group was completed before (a second arrival is a re-issued group's twin) and its issue record
+        while it is in flight (released, neither completed nor lost), in one Redis round trip."""
         return self.plane.prompts.lookup(group_ids)
-
-    def was_completed(self, group_id: str) -> bool:
-        """Whether ``group_id`` was completed before (a second arrival is a re-issued group's twin)."""
-        return self.plane.prompts.was_completed(group_id)
 
     def complete(self, group_ids: Iterable[str]) -> int:
         """Mark groups trained: remove their ledger entries, payloads and queued copies, remember them as done.

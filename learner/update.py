@@ -36,6 +36,7 @@ from learner.algorithms import (
     AdvantageInput,
     GlobalCounts,
     LossInput,
+    OffPolicySettings,
     advantage_settings,
     build_advantage,
     build_aggregation,
@@ -107,8 +108,7 @@ def _loss_options(config: RunConfig) -> dict[str, Any]:
     """The loss's own options, plus the run's off-policy correction where the loss takes one."""
     options = dict(config.algorithm.loss_options)
     staleness = config.staleness
-    fields = ("correction", "level", "cap", "max_sequence_kl", "veto")
-    correction = {name: getattr(staleness, name) for name in fields}
+    correction = {name: getattr(staleness, name) for name in OffPolicySettings.model_fields}
     settings = loss_settings(config.algorithm.loss, options)
     if "off_policy" in type(settings).model_fields and "off_policy" not in options:
         options["off_policy"] = correction

@@ -286,7 +286,7 @@ def importance_weights(inp: LossInput, settings: OffPolicySettings) -> tuple[Ten
         corrected = torch.zeros_like(mask)
         weight = torch.ones_like(raw)
     weight = zero_masked(weight, mask & ~dropped[:, None])
-    metrics["offpolicy/dropped_frac"] = _sequence_mean(dropped[:, None].expand_as(mask).float(), mask)
+    metrics["offpolicy/dropped_frac"] = dropped.sum() / mask.any(dim=-1).sum().clamp(min=1)
     metrics["offpolicy/weight_mean"] = masked_mean(weight, mask)
     metrics["offpolicy/weight_max"] = masked_max(raw, mask)
     metrics["offpolicy/corrected_frac"] = masked_mean(corrected.float(), mask)
@@ -304,18 +304,20 @@ def guarded_sequences(log_w: Tensor, mask: Tensor, settings: OffPolicySettings) 
     """
     dropped = torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
     if settings.max_sequence_kl > 0:
-        per_sequence = zero_masked(_k3(log_w), mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
-        dropped |= per_sequence > settings.max_sequence_kl
-    if settings.veto > 0:
-        lowest = torch.where(mask, log_w, torch.zeros_like(log_w)).min(dim=-1).values
-        dropped |= lowest < math.log(settings.veto)
+        dropped |= _per_sequence_mean(_k3(log_w), mask) > settings.max_sequence_kl
+    if settings.veto > 0:  # ``log_w`` is 0 (w = 1) on padding, which no veto below 1 reaches
+        dropped |= log_w.min(dim=-1).values < math.log(settings.veto)
     return dropped & mask.any(dim=-1)
+
+
+def _per_sequence_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Each sequence's mean of ``x`` [B, T] over its tokens: [B] (0 for a sequence without tokens)."""
+    return zero_masked(x, mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
 
 
 def _sequence_mean(x: Tensor, mask: Tensor) -> Tensor:
     """Each sequence's mean of ``x`` over its tokens [B, T], averaged over the sequences that have tokens."""
-    per_sequence = zero_masked(x, mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
-    return per_sequence.sum() / mask.any(dim=-1).sum().clamp(min=1)
+    return _per_sequence_mean(x, mask).sum() / mask.any(dim=-1).sum().clamp(min=1)
 
 
 def _mean(x: Tensor) -> Tensor:

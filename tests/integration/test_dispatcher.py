@@ -124,8 +124,8 @@ def test_standings_of_a_read_take_one_round_trip_and_agree_with_the_single_looku
     assert {n: after[n] - before[n] for n in names} == {"smismember": 1, "hmget": 1, "sismember": 0, "hget": 0}
     assert list(standings) == [*held, "never-issued"]
     for gid, standing in standings.items():
-        assert standing.completed == d.was_completed(gid)
-        single = d.issued(gid)
+        assert standing.completed == d.plane.prompts.was_completed(gid)
+        single = d.plane.prompts.load_group(gid)
         assert (standing.issued is None) == (single is None)
         if single is not None:
             assert (
@@ -147,7 +147,7 @@ def test_completing_groups_frees_no_admission(redis_client) -> None:
     assert d.release(0) == 0
     stats = d.stats()
     assert (stats["released_total"], stats["in_flight"], stats["completed_total"]) == (4, 2, 2)
-    assert not d.is_known(trained[0]) and d.was_completed(trained[0])
+    assert not d.is_known(trained[0]) and d.plane.prompts.was_completed(trained[0])
     assert d.plane.prompts.load_group(trained[0]) is None  # payload gone with the ledger entry
     assert d.complete(trained) == 0  # completing again changes nothing
 
@@ -194,7 +194,7 @@ def test_a_group_overdue_twice_is_lost_and_replaced(redis_client) -> None:
     stats = d.stats()
     assert (stats["released_total"], stats["in_flight"], stats["queued"], stats["lost_total"]) == (0, 0, 0, 4)
     assert metric("asyncrl_dispatcher_lost_groups_total") - lost_before == 4
-    assert not d.is_known(held.group_id) and not d.was_completed(held.group_id)
+    assert not d.is_known(held.group_id) and not d.plane.prompts.was_completed(held.group_id)
     # capacity(0) = 4, released_total = 4 − 4 lost = 0 → 4 replacements with new ids
     assert d.release(0) == 4
     assert sorted(d.plane.prompts.ledger()) == [d.group_id(n) for n in range(4, 8)]
@@ -213,7 +213,7 @@ def test_a_reissued_group_completed_by_its_first_holder_is_a_known_duplicate(red
     assert d.is_known(held.group_id) and d.complete([held.group_id]) == 1
     assert d.plane.prompts.queue_depth() == 1
     # had an actor taken the copy, it arrives later: the learner sees it was completed and drops it
-    assert not d.is_known(held.group_id) and d.was_completed(held.group_id)
+    assert not d.is_known(held.group_id) and d.plane.prompts.was_completed(held.group_id)
     d.note_duplicate(held.group_id)
     assert d.stats()["duplicates_total"] == 1
     assert metric("asyncrl_dispatcher_duplicate_groups_total") - duplicates_before == 1
@@ -318,7 +318,7 @@ def test_a_discarded_group_is_replaced_and_its_twin_is_a_duplicate(redis_client)
     stale = d.plane.prompts.take_prompt("a1", timeout_s=1).group_id
     # the learner drops it (too stale): without a replacement, step 0 could never get its 2 groups
     assert d.discard([stale, stale]) == 1 and d.discard([stale]) == 0
-    assert d.was_completed(stale) and not d.is_known(stale)
+    assert d.plane.prompts.was_completed(stale) and not d.is_known(stale)
     # released_total = 2 − 1 discarded = 1 ≤ capacity(0) = 2 → 1 replacement
     assert d.release(0) == 1
     stats = d.stats()
