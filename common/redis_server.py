@@ -280,15 +280,29 @@ def _previous_address(url_file: Path) -> tuple[int, str | None]:
         return 0, None
 
 
-def _free_or_zero(port: int) -> int:
-    """``port`` when it can be bound on loopback now, else 0 (a new one is picked; old clients cannot reconnect)."""
+def _free_or_zero(port: int, wait_s: float = 3.0) -> int:
+    """``port`` when it can be bound on loopback within ``wait_s``, else 0 (a new one is picked; old clients cannot
+    reconnect).
+
+    Why wait: a killed multi-threaded redis-server shows as a zombie before its last thread has closed the listening
+    socket, so the port of a server that crashed a moment ago can be taken for a few milliseconds more.
+    """
     if not port:
         return 0
+    deadline = time.monotonic() + wait_s
+    while not _bindable(port):
+        if time.monotonic() > deadline:
+            log.warning("the previous server's port is taken; the new server gets another", port=port, waited_s=wait_s)
+            return 0
+        time.sleep(0.05)
+    return port
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as redis-server binds: TIME_WAIT is no obstacle
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
-            log.warning("the previous server's port is taken; the new server gets another", port=port)
-            return 0
-    return port
+            return False
+    return True
