@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import gc
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,10 +21,11 @@ from typing import Any
 
 import numpy as np
 
+from actors import ipc_folder
 from actors.lifeline import export_actor_pid
 from common.config import RolloutSection, RunConfig
 from common.logs import get_logger
-from common.procs import cpu_list
+from common.procs import cpu_list, move_process
 from common.wire import PromptGroup, RolloutGroup
 
 log = get_logger("engine")
@@ -56,7 +58,18 @@ class RolloutEngine:
 
         args = AsyncEngineArgs(**engine_keywords(config, AsyncEngineArgs, _has_gpu(), seed))
         export_actor_pid()  # vLLM's processes end with this one, even on kill -9 (actors/lifeline.py)
-        self.llm = AsyncLLM.from_engine_args(args)
+        self._ipc_folder = ipc_folder.claim()  # vLLM's sockets: removed at shutdown (actors/ipc_folder.py)
+        try:
+            self.llm = AsyncLLM.from_engine_args(args)
+        except BaseException:
+            ipc_folder.release(self._ipc_folder)
+            raise
+        if config.rollout.frontend_cpus:  # after the start: vLLM's processes keep the CPUs they started on
+            try:
+                move_frontend(config.rollout.frontend_cpus)
+            except EngineSettingsError:
+                self.shutdown()
+                raise
         self._request_seed = seed * 1_000_003
         self.stop_ids = _stop_ids(config)
 
@@ -138,6 +151,7 @@ class RolloutEngine:
 
     def shutdown(self) -> None:
         self.llm.shutdown()
+        ipc_folder.release(self._ipc_folder)
         # Drop the engine now: AsyncLLM.__del__ at interpreter exit would try to shut it down again.
         self.llm = None
         gc.collect()
@@ -221,11 +235,48 @@ def use_single_process(cpu_threads: str) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
+def move_frontend(frontend_cpus: str) -> None:
+    """Move this process (the actor: vLLM's ``AsyncLLM`` frontend) to ``rollout.frontend_cpus``."""
+    move_frontend_error(frontend_cpus, move_process)
+    log.info("actor frontend moved off its engine's CPUs", cpus=frontend_cpus)
+
+
+def move_frontend_error(frontend_cpus: str, move: Callable[[set[int]], None]) -> None:
+    """``move(cpus)``, an ``OSError`` (no CPU of the list can run us) told as the setting's fault."""
+    try:
+        move(cpu_list(frontend_cpus))  # a valid list: the config checked it
+    except OSError as exc:
+        raise EngineSettingsError(
+            f"rollout.frontend_cpus = {frontend_cpus!r}: the actor cannot run there ({exc.strerror}); this machine "
+            f"has CPUs 0-{(os.cpu_count() or 1) - 1}, and a container or cpuset may allow fewer"
+        ) from exc
+
+
 def check_engine_settings(config: RunConfig) -> None:
     """Raise :class:`EngineSettingsError` before anything starts when the engine could not take ``[rollout]``."""
     from vllm import AsyncEngineArgs
 
     engine_settings(config.rollout, AsyncEngineArgs, _has_gpu())
+    if config.rollout.frontend_cpus:
+        probe_frontend_cpus(config.rollout.frontend_cpus)
+
+
+def probe_frontend_cpus(frontend_cpus: str) -> None:
+    """Move a throwaway thread to ``rollout.frontend_cpus``: the kernel's answer, cpusets and containers included,
+    before the engine starts (moving a thread leaves the rest of the process where it is)."""
+    failed: list[EngineSettingsError] = []
+
+    def probe() -> None:
+        try:
+            move_frontend_error(frontend_cpus, lambda cpus: os.sched_setaffinity(0, cpus))
+        except EngineSettingsError as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=probe, name="frontend-cpus-probe")
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
 
 
 def _has_gpu() -> bool:

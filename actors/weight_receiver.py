@@ -10,8 +10,11 @@ on CPUs vLLM repacks weights after loading and only ``reload_weights`` handles t
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
+
+import torch
 
 from actors.lifeline import follow_actor
 from common.weights import GroupAddress, WeightGroup, digest_mismatch, unpack_bucket
@@ -76,6 +79,7 @@ class WeightReceiverExtension:
             manifest, flats = received
             pairs = zip(manifest.buckets, flats, strict=True)
             weights = (pair for bucket, flat in pairs for pair in unpack_bucket(bucket, flat))
+            quiet_buffer_only_layers(self.model_runner.model)
             self.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
         return time.perf_counter() - start
 
@@ -84,6 +88,37 @@ class WeightReceiverExtension:
         if self._asyncrl_group is not None:
             self._asyncrl_group.close()
         self._asyncrl_group = None
+
+
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class BufferOnlyLayers(logging.Filter):
+    """Drops vLLM's ``<Layer>: Failed to load weights`` for layer classes that hold no parameters.
+
+    vLLM's layer-wise reload says so for every layer that received none of its tensors. A rotary embedding's only
+    tensor is its cos/sin cache, a buffer no checkpoint carries (HF's ``inv_freq`` is not persistent) and no
+    broadcast sends; vLLM puts it back as it was. Said on every reload, once a step, the warning is noise; for a
+    layer with parameters it still means a weight was not sent, and passes.
+    """
+
+    def __init__(self, classes: frozenset[str]) -> None:
+        super().__init__()
+        self.classes = classes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        unloaded = record.msg == "%s: Failed to load weights" and isinstance(record.args, tuple) and record.args
+        return not (unloaded and record.args[0] in self.classes)
+
+
+def quiet_buffer_only_layers(model: torch.nn.Module) -> None:
+    """Install :class:`BufferOnlyLayers` on vLLM's reload logger for ``model``'s classes without parameters (once)."""
+    logger = logging.getLogger(RELOAD_LOGGER)
+    if any(isinstance(f, BufferOnlyLayers) for f in logger.filters):
+        return
+    with_parameters = {type(m).__name__ for m in model.modules() if next(m.parameters(), None) is not None}
+    without = {type(m).__name__ for m in model.modules()} - with_parameters
+    logger.addFilter(BufferOnlyLayers(frozenset(without)))
 
 
 # vLLM imports this module in every process that hosts one of its workers: from here on, that process ends when the

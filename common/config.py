@@ -111,10 +111,16 @@ class RolloutSection(Section):
     the engine's process instead. No effect on GPUs (vLLM runs one GPU's worker in the engine core already). Off by
     default: a step's generation alone was 10–20% faster, a whole peer run was not (bench/peer.py: 0.392 / 0.277
     s/step sync / async against 0.377 / 0.244 with the separate worker)."""
+    frontend_cpus: str = ""
+    """CPUs for the actor's own process once its engine has started, e.g. ``0`` (every thread of it; vLLM's engine
+    processes keep the CPUs they started on); empty = where it was started. On CPUs the actor's frontend (vLLM's
+    ``AsyncLLM``, streaming every token) shares a core with the engine it waits for unless moved: 16 × 8 short
+    responses on one core took 0.13–0.17 s with it there and 0.086–0.117 s with it on another core
+    (bench/peer.py: the learner's core, which idles most of a step)."""
     enforce_eager: bool = True
     """Disable CUDA graphs / compilation (required on CPUs, faster start everywhere)."""
 
-    @field_validator("cpu_threads")
+    @field_validator("cpu_threads", "frontend_cpus")
     @classmethod
     def _cpu_list(cls, text: str) -> str:
         from common.procs import cpu_list

@@ -73,3 +73,11 @@ def cpu_list(text: str) -> set[int]:
             return set()
         cpus |= set(range(int(low), int(high or low) + 1))
     return cpus
+
+
+def move_process(cpus: set[int]) -> None:
+    """Move every thread of this process to ``cpus`` (``os.sched_setaffinity(0, ...)`` moves only the calling one;
+    threads started later inherit their starter's CPUs). Raises ``OSError`` when none of ``cpus`` can run it."""
+    for tid in sorted(int(t) for t in os.listdir("/proc/self/task")):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(tid, cpus)

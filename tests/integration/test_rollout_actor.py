@@ -7,11 +7,14 @@ rollout groups on a real PULL socket registered like a reward worker's.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -86,8 +89,8 @@ def prompt_groups(model_dir: Path, n: int, prefix: str = "g") -> list[PromptGrou
     ]
 
 
-def start_actor(url: str, actor_id: str, core: str) -> subprocess.Popen:
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": core}
+def start_actor(url: str, actor_id: str, core: str, temp: Path | None = None) -> subprocess.Popen:
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": core, **({"TMPDIR": str(temp)} if temp else {})}
     return subprocess.Popen([ACTOR, "--redis", url, "--run", RUN, "--id", actor_id], env=env)
 
 
@@ -202,8 +205,11 @@ def test_weights_broadcast_mid_request_match_a_transformers_forward(redis_server
 
 
 def test_second_actor_shares_the_work_and_sigterm_returns_unfinished_groups(
-    redis_server, plane, rollouts, model_dir
+    redis_server, plane, rollouts, model_dir, request
 ) -> None:
+    """Also: the actors' temp folder (``TMPDIR``) holds none of vLLM's IPC sockets once they have stopped."""
+    temp = Path(tempfile.mkdtemp(prefix="ipc-", dir="/tmp"))  # short: socket paths below it must fit 107 bytes
+    request.addfinalizer(lambda: shutil.rmtree(temp, ignore_errors=True))
     groups = prompt_groups(model_dir, 3000)  # more than the first actor can finish while the second starts
     pushed: list[PromptGroup] = []
 
@@ -216,11 +222,11 @@ def test_second_actor_shares_the_work_and_sigterm_returns_unfinished_groups(
             pushed.extend(batch)
 
     top_up([])
-    first = start_actor(redis_server.url, "first", "0")
+    first = start_actor(redis_server.url, "first", "0", temp)
     second = None
     try:
         got = collect(rollouts, lambda got: top_up(got) or len(got) >= 4)
-        second = start_actor(redis_server.url, "second", "1")
+        second = start_actor(redis_server.url, "second", "1", temp)
         got += collect(rollouts, lambda more: top_up(more) or any(g.actor_id == "second" for g in more))
         assert stop(first) == 0  # SIGTERM mid-run: its groups in flight go back to the queue
         assert "first" not in [h.process_id for h in plane.registry.processes()[0]]
@@ -234,6 +240,8 @@ def test_second_actor_shares_the_work_and_sigterm_returns_unfinished_groups(
     assert len(ids) == len(set(ids)), "a returned group was delivered twice"
     assert {g.actor_id for g in got} == {"first", "second"}
     assert plane.prompts.queue_depth() == 0
+    left = [p for p in temp.rglob("*") if p.is_socket() or p.name.startswith("asyncrl-vllm-")]
+    assert not left, f"vLLM's sockets outlived the actors: {left}"
 
 
 def publish_weights(plane: ControlPlane, version: int, sealed, flats=None, root: WeightGroup | None = None):
@@ -386,6 +394,15 @@ def test_a_tensor_parallel_actor_takes_one_weight_group_rank_per_worker(redis_se
         assert stop(actor) == 0
 
 
+def thread_cpus(pid: int) -> dict[int, frozenset[int]]:
+    """The CPUs of each thread of ``pid`` (threads that end meanwhile left out)."""
+    cpus = {}
+    for tid in map(int, os.listdir(f"/proc/{pid}/task")):
+        with contextlib.suppress(ProcessLookupError):
+            cpus[tid] = frozenset(os.sched_getaffinity(tid))
+    return cpus
+
+
 def engine_core_of(actor_pid: int) -> int:
     """The PID of the actor's vLLM engine-core process (its command name is ``VLLM::EngineCor``, cut by the kernel)."""
     cores = [pid for pid in child_pids(actor_pid) if (name_and_state(pid) or ("", ""))[0].startswith("VLLM::Engine")]
@@ -398,11 +415,13 @@ def test_the_engines_worker_runs_in_its_engine_core_or_its_own_process_and_loads
     redis_server, plane, rollouts, model_dir, single_process: bool
 ) -> None:
     """``rollout.cpu_single_process``: the worker inside the engine core (pinned to ``cpu_threads``), or vLLM's
-    separate worker; either way a broadcast version loads and is served (log-probs of a transformers forward)."""
+    separate worker; either way a broadcast version loads and is served (log-probs of a transformers forward).
+    ``rollout.frontend_cpus``: every thread of the actor itself moves there once the engine is up; the engine core
+    stays where it started."""
     from transformers import AutoModelForCausalLM
 
     mode = f"rollout.cpu_single_process={str(single_process).lower()}"
-    own = [f"model.path={model_dir}", "rollout.cpu_threads=0", mode]
+    own = [f"model.path={model_dir}", "rollout.cpu_threads=0", mode, "rollout.frontend_cpus=1"]
     plane.run.publish_config(load_config(None, [*PLANE_SETTINGS, *own]))
     groups = prompt_groups(model_dir, 3000)
     plane.prompts.record_issued(groups)
@@ -414,8 +433,8 @@ def test_the_engines_worker_runs_in_its_engine_core_or_its_own_process_and_loads
         below = [(name_and_state(pid) or ("", ""))[0] for pid in child_pids(core)]
         workers = [name for name in below if name.startswith("VLLM::Worker")]
         assert len(workers) == (0 if single_process else 1), below
-        if single_process:
-            assert os.sched_getaffinity(core) == {0}
+        assert os.sched_getaffinity(core) == ({0} if single_process else os.sched_getaffinity(0))
+        assert set(thread_cpus(actor.pid).values()) == {frozenset({1})}, thread_cpus(actor.pid)
         new = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         sealed = pack_sealed(perturbed(new), bucket_bytes=256 * 1024)
         publish_weights(plane, 1, sealed)

@@ -48,6 +48,7 @@ def test_file_overlays_its_preset_then_overrides_apply(tmp_path: Path) -> None:
         ("transport.heartbeat_ttl_s=1", "heartbeat_ttl_s must exceed heartbeat_s"),
         ("run.name=../etc", "run.name: String should match pattern"),
         ("rollout.cpu_threads=3-1", "rollout.cpu_threads: Value error, '3-1' is not a CPU list"),
+        ("rollout.frontend_cpus=a", "rollout.frontend_cpus: Value error, 'a' is not a CPU list"),
     ],
 )
 def test_invalid_values_name_the_field_and_what_is_allowed(override: str, expected: str) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import threading
+
 import pytest
 
 from actors.engine import EngineSettingsError, engine_settings
@@ -75,3 +78,33 @@ def test_a_kv_cache_sized_from_gpu_memory_needs_a_gpu(engine_args_cls) -> None:
 def test_settings_asyncrl_owns_or_out_of_range_are_refused_by_the_config(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         rollout(override)
+
+
+def test_frontend_cpus_that_cannot_run_the_actor_are_refused_before_the_engine_starts() -> None:
+    """CPU 1023 is on no machine this runs on: the kernel refuses it, and the error names the setting."""
+    from actors.engine import probe_frontend_cpus
+
+    before = os.sched_getaffinity(0)
+    probe_frontend_cpus("0")  # a CPU every machine has
+    with pytest.raises(EngineSettingsError, match=r"rollout.frontend_cpus = '1023': the actor cannot run there"):
+        probe_frontend_cpus("1023")
+    assert os.sched_getaffinity(0) == before  # a probe moves only its own thread
+
+
+def test_moving_the_process_moves_every_thread() -> None:
+    from common.procs import move_process
+
+    before = os.sched_getaffinity(0)
+    started, done = threading.Event(), threading.Event()
+    thread = threading.Thread(target=lambda: (started.set(), done.wait(10)))
+    thread.start()
+    started.wait(10)
+    try:
+        move_process({0})
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+        assert thread.native_id in tids
+        assert {tid: frozenset(os.sched_getaffinity(tid)) for tid in tids} == {tid: frozenset({0}) for tid in tids}
+    finally:
+        move_process(before)
+        done.set()
+        thread.join()
