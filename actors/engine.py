@@ -13,9 +13,9 @@ import dataclasses
 import difflib
 import gc
 import os
-import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +70,7 @@ class RolloutEngine:
             except EngineSettingsError:
                 self.shutdown()
                 raise
+            log.info("actor frontend moved off its engine's CPUs", cpus=config.rollout.frontend_cpus)
         self._request_seed = seed * 1_000_003
         self.stop_ids = _stop_ids(config)
 
@@ -235,14 +236,9 @@ def use_single_process(cpu_threads: str) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
-def move_frontend(frontend_cpus: str) -> None:
-    """Move this process (the actor: vLLM's ``AsyncLLM`` frontend) to ``rollout.frontend_cpus``."""
-    move_frontend_error(frontend_cpus, move_process)
-    log.info("actor frontend moved off its engine's CPUs", cpus=frontend_cpus)
-
-
-def move_frontend_error(frontend_cpus: str, move: Callable[[set[int]], None]) -> None:
-    """``move(cpus)``, an ``OSError`` (no CPU of the list can run us) told as the setting's fault."""
+def move_frontend(frontend_cpus: str, move: Callable[[set[int]], None] = move_process) -> None:
+    """``move`` (by default: this whole process, the actor's ``AsyncLLM`` frontend) to ``rollout.frontend_cpus``; an
+    ``OSError`` (no CPU of the list can run it) is told as the setting's fault."""
     try:
         move(cpu_list(frontend_cpus))  # a valid list: the config checked it
     except OSError as exc:
@@ -264,19 +260,8 @@ def check_engine_settings(config: RunConfig) -> None:
 def probe_frontend_cpus(frontend_cpus: str) -> None:
     """Move a throwaway thread to ``rollout.frontend_cpus``: the kernel's answer, cpusets and containers included,
     before the engine starts (moving a thread leaves the rest of the process where it is)."""
-    failed: list[EngineSettingsError] = []
-
-    def probe() -> None:
-        try:
-            move_frontend_error(frontend_cpus, lambda cpus: os.sched_setaffinity(0, cpus))
-        except EngineSettingsError as exc:
-            failed.append(exc)
-
-    thread = threading.Thread(target=probe, name="frontend-cpus-probe")
-    thread.start()
-    thread.join()
-    if failed:
-        raise failed[0]
+    with ThreadPoolExecutor(1, thread_name_prefix="frontend-cpus-probe") as probe:
+        probe.submit(move_frontend, frontend_cpus, lambda cpus: os.sched_setaffinity(0, cpus)).result()
 
 
 def _has_gpu() -> bool:
