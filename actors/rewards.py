@@ -238,9 +238,11 @@ def code_tests_reward(group: RolloutGroup, options: dict[str, Any]) -> list[floa
     """1.0 per response whose program passes the tests in ``group.answer`` in the sandbox, else 0.0.
 
     The program is the response's first fenced code block, else the whole response
-    (:func:`actors.verifiers.verify_code_tests`). Each run is a separate subprocess with CPU, memory
-    and wall-clock limits (``actors/sandbox.py``: 5 s wall by default), so even an abandoned call ends
-    by itself — though an abandoned call still delays the process's exit until its sandboxes have ended.
+    (:func:`actors.verifiers.verify_code_tests`); the tests, not the program's exit status, decide the
+    score (``sys.exit(0)`` or ``os._exit(0)`` before the tests end scores 0). Each run is a separate
+    subprocess with CPU, memory and wall-clock limits (``actors/sandbox.py``: 5 s wall by default), so even
+    an abandoned call ends by itself — though an abandoned call still delays the process's exit until its
+    sandboxes have ended.
     Up to ``options["workers"]`` (default: the CPU count) sandboxes run at once; size the worker's
     ``reward.timeout_s`` for ``ceil(K / workers)`` sandbox runs.
     """

@@ -1,14 +1,15 @@
 """Run untrusted Python (a model's program plus its tests) behind the strongest fence this machine allows.
 
-Each call writes ``main.py`` into a fresh temporary folder and runs ``python -I main.py`` (isolated mode: no
-``PYTHON*`` variables, no user site-packages) with an environment of only ``PATH`` and ``HOME``. The process tree::
+Each call writes the program to ``main.py`` and the tests to ``tests.py`` in a fresh temporary folder and runs the
+test harness (:data:`_HARNESS`) under ``python -I`` (isolated mode: no ``PYTHON*`` variables, no user site-packages)
+with an environment of only ``PATH`` and ``HOME``. The process tree::
 
     worker thread
       setpriv --pdeathsig KILL            the worker dies -> this dies (a new session: one process group)
         unshare ... --fork --kill-child   only with namespaces; it dies -> the namespace's init dies
           stage 2 (python -I -S)          init of the PID namespace: builds the private root, forks, waits,
-                                          reports on a pipe (ready / exit status and CPU seconds)
-            python -I main.py             the untrusted program, with the limits below
+                                          reports on a pipe (ready / exit status, CPU seconds, tests passed)
+            python -I -c <harness>        the untrusted program, then its tests, with the limits below
 
 Which fence runs is decided once per process (:func:`isolation`, logged at first use); the strongest that starts:
 
@@ -53,6 +54,25 @@ Not isolated, under any fence: the kernel (no seccomp filter: a kernel exploit e
 binds above (nothing secret, but readable); the clock; the host's CPU and memory beyond the limits — ``RLIMIT_AS`` is
 per process, so a run holds at most ``MAX_PROCESSES`` x ``memory_mb`` of memory (no cgroup bounds the sum), and
 ``cpu_s`` bounds each process's CPU time, ``wall_s`` the whole run. A fence for one untrusted program, not a VM.
+
+The verdict: the tests decide, never the program's exit status. Stage 2 draws a random token per run and hands it,
+with the tests, to the harness on a pipe once the program's process has exec'd; the harness runs the program, then
+the tests, and writes the token back on a second pipe only after the tests' last statement has run, then exits at
+once (``os._exit(0)``). A run passes when the token came back and the process exited with status 0. So exiting early
+(``sys.exit()``, ``raise SystemExit(0)``, ``os._exit(0)``, in a ``finally``, an ``atexit`` handler, a signal), killing
+itself or its parent, forking a child to carry on, printing or writing anything to any descriptor, rebinding
+``AssertionError`` or the builtins (an ``assert`` raises the real ``AssertionError``: CPython 3.9+ loads it directly)
+or a trace or profile function left to skip the tests' lines (cleared before the tests) all score 0. The tests are
+never in the program's folder, and ``python -O`` does not apply to them (compiled with ``optimize=0``).
+
+Not prevented — the program and the tests share one interpreter, as they must (the tests call the program's
+functions and read its objects), and nothing in an interpreter is private from code running in it: a program that
+reads the harness's own state — the frames below its own (``sys._getframe``, a signal handler's frame, a
+traceback), the garbage collector's objects, or raw memory through ``ctypes`` — can find the token and its
+descriptor, and one that rewrites a running frame can skip a test. Nor a program that meets the tests' checks
+dishonestly: an object whose ``__eq__`` always says yes, or a name the tests call rebound in the namespace they share.
+Tests should compare plain values (``type(x) is int and x == 5``). The defence is against a program that ends or
+fakes its run, not against one written against this harness.
 """
 
 from __future__ import annotations
@@ -147,7 +167,10 @@ def isolation() -> Isolation:
 def run_python_tests(
     code: str, tests: str, *, cpu_s: float = 2, memory_mb: int = 256, wall_s: float = 5
 ) -> SandboxResult:
-    """Run ``code`` followed by ``tests`` as one script; it passes when the script exits with status 0.
+    """Run ``code``, then ``tests`` in its namespace; it passes when the tests' last statement has run.
+
+    The program's exit status alone never passes a run: exiting before the tests end (with any status) fails it
+    (the module docstring says how, and what a program can still do).
 
     The script is killed when it uses ``cpu_s`` CPU seconds (rounded up to whole seconds), ``memory_mb``
     MiB of address space (an allocation beyond it fails with ``MemoryError``), or ``wall_s`` seconds of
@@ -190,13 +213,17 @@ class _Outcome:
     returncode: int | None  # the program's (negative: the signal that killed it); None: its init died first
     cpu_used: float
     stderr: str
+    tests_passed: bool = False  # the harness handed back the run's token: the tests ran to their end
 
 
 def _run_python_tests(fence: Isolation, code: str, tests: str, limits: _Limits) -> SandboxResult:
     with tempfile.TemporaryDirectory(prefix="asyncrl-sandbox-") as tmp:
         folder = Path(tmp).resolve()
         # errors="replace": a lone surrogate in model output must fail the test, not this process.
-        (folder / "main.py").write_text(f"{code}\n\n{tests}\n", encoding="utf-8", errors="replace")
+        (folder / "main.py").write_text(f"{code}\n", encoding="utf-8", errors="replace")
+        # Stage 2 reads and removes the tests before the program starts; 0600: a per-run uid cannot read them first.
+        (folder / "tests.py").touch(mode=0o600)
+        (folder / "tests.py").write_text(f"{tests}\n", encoding="utf-8", errors="replace")
         start = time.monotonic()
         outcome = _run(fence, folder, limits)
         seconds = time.monotonic() - start
@@ -279,7 +306,8 @@ def _reap(proc: subprocess.Popen[bytes]) -> None:
 
 def _read_report(fd: int) -> dict[str, str]:
     """Stage 2's report, ``{word: rest of line}``: ``ready`` (written before the program may exec), then
-    ``exit <wait status> <CPU s>``; ``error ...`` when something failed before the program ran.
+    ``exit <wait status> <CPU s> <1 when the tests ran to their end, else 0>``; ``error ...`` when something failed
+    before the program ran.
 
     Read once the launcher is reaped: every writer is gone by then (the program never had the pipe), so whatever
     is not in the pipe now never will be.
@@ -301,19 +329,21 @@ def _outcome(fence: Isolation, report: dict[str, str], timed_out: bool, stderr: 
         raise RuntimeError(f"the sandbox did not start{late} ({fence.fence}): {detail}")
     if "exit" not in report:  # its init was killed: the wall clock, or a program that killed its launcher
         return _Outcome(timed_out, None, 0.0, stderr)
-    status, cpu = report["exit"].split()
-    return _Outcome(timed_out, os.waitstatus_to_exitcode(int(status)), float(cpu), stderr)
+    status, cpu, tested = report["exit"].split()
+    return _Outcome(timed_out, os.waitstatus_to_exitcode(int(status)), float(cpu), stderr, tested == "1")
 
 
 def _verdict(outcome: _Outcome, limits: _Limits) -> tuple[bool, str]:
-    """``(passed, reason)`` from how the program ended."""
+    """``(passed, reason)`` from how the program ended: passed only when its tests ran to the end and it exited 0."""
     returncode, stderr = outcome.returncode, outcome.stderr
     if outcome.timed_out:
         return False, f"timeout: wall-clock limit of {limits.wall_s} s exceeded"
     if returncode is None:
         return False, "failed: the sandbox was killed before the program ended"
     if returncode == 0:
-        return True, "passed"
+        if outcome.tests_passed:
+            return True, "passed"
+        return False, "failed: exit status 0 before the tests had run to their end (the program exited early)"
     if returncode == -signal.SIGXCPU or (returncode == -signal.SIGKILL and outcome.cpu_used >= limits.cpu_s):
         return False, f"timeout: CPU-time limit of {limits.cpu_s} s exceeded ({outcome.cpu_used:.2f} s used)"
     if "MemoryError" in stderr or "Cannot allocate memory" in stderr:
@@ -358,6 +388,7 @@ def _stage2_config(folder: Path, rlimits: list[tuple[int, int, int]], uid: int |
     return {
         "folder": str(folder),
         "python": sys.executable,
+        "harness": _HARNESS,
         "path": os.environ.get("PATH", os.defpath),
         "uid": uid,
         "rlimits": rlimits,
@@ -393,7 +424,7 @@ def _visible_paths() -> tuple[list[str], list[tuple[str, str]]]:
 # Stage 2 runs in a bare interpreter (``python -I -S``: this project is not importable there, and importing it would
 # slow every run), so it is source text. Between namespaces it is the PID namespace's init; it never runs the
 # program's code itself, holds no capability once the program runs, and writes its report to ``report_fd``, which
-# the program never holds (close-on-exec).
+# the program never holds (close-on-exec). It alone knows the run's token until the harness has started.
 _STAGE2 = r'''
 import ctypes, marshal, os, resource, sys
 
@@ -425,6 +456,16 @@ def bind(source, target, read_only):
     mount(source, target, MS_BIND)
     kept = os.statvfs(target).f_flag & (MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)  # maybe locked: keep them
     mount("none", target, MS_REMOUNT | MS_BIND | MS_NOSUID | kept | (MS_RDONLY | MS_NODEV if read_only else 0))
+
+
+def take_tests(cfg):
+    """The run's token (33 bytes: 32 hex digits and a newline, what the harness reads first) and the tests, read
+    and removed from the host folder before the program can look there."""
+    path = cfg["folder"] + "/tests.py"
+    with open(path, "rb") as f:
+        tests = f.read()
+    os.unlink(path)
+    return os.urandom(16).hex().encode() + b"\n", tests
 
 
 def enter_private_root(cfg):
@@ -482,28 +523,34 @@ def drop_capabilities():
     call("capset", libc.capset, (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)())
 
 
-def spawn(cfg, cwd, report):
+def spawn(cfg, cwd, report, feed):
     """Fork the program's process; it execs only once this one holds no capability and has reported ``ready``, so
-    the program never meets a privileged parent. Returns its pid once it has exec'd, raises if it could not."""
+    the program never meets a privileged parent. Once it has exec'd, hand its harness ``feed`` (the token, then the
+    tests) and return ``(pid, verdict pipe)``; raises if it could not start."""
     parent = os.getpid()
     go_read, go_write = os.pipe()
     errors_read, errors_write = os.pipe()  # close-on-exec: EOF without a word once the exec succeeded
+    feed_read, feed_write = os.pipe()
+    verdict_read, verdict_write = os.pipe()  # the token comes back here once the tests have run to their end
     child = os.fork()
     if child == 0:
         try:
-            os.close(go_write)
-            os.close(errors_read)
+            for fd in (go_write, errors_read, feed_write, verdict_read):
+                os.close(fd)
             os.chdir(cwd)
             drop_privileges(cfg, parent)
             if os.read(go_read, 1) != b"g":
                 raise RuntimeError("stage 2 ended before the program started")
-            os.execve(cfg["python"], [cfg["python"], "-I", "main.py"], {"PATH": cfg["path"], "HOME": cwd})
+            os.set_inheritable(feed_read, True)
+            os.set_inheritable(verdict_write, True)
+            argv = [cfg["python"], "-I", "-c", cfg["harness"], str(feed_read), str(verdict_write)]
+            os.execve(cfg["python"], argv, {"PATH": cfg["path"], "HOME": cwd})
         except BaseException as error:
             os.write(errors_write, f"{type(error).__name__}: {error}".encode())
         finally:
             os._exit(127)
-    os.close(go_read)
-    os.close(errors_write)
+    for fd in (go_read, errors_write, feed_read, verdict_write):
+        os.close(fd)
     drop_capabilities()
     os.write(report, b"ready\n")  # a worker that died closed the other end: BrokenPipeError ends it all
     os.write(go_write, b"g")
@@ -513,7 +560,14 @@ def spawn(cfg, cwd, report):
     if message:
         os.waitpid(child, 0)
         raise RuntimeError(message)
-    return child
+    try:  # the harness reads it all before the program runs; one that died unread is a failed run, not an error
+        view = memoryview(feed)
+        while view:
+            view = view[os.write(feed_write, view):]
+    except BrokenPipeError:
+        pass
+    os.close(feed_write)
+    return child, verdict_read
 
 
 def reap(child):
@@ -524,24 +578,81 @@ def reap(child):
             return status, usage.ru_utime + usage.ru_stime
 
 
+def tests_passed(verdict, token):
+    """Whether the pipe holds the token and nothing else (a forked copy of a passing run may add it again). Read
+    without waiting: a stray the program left may still hold the write end, and what it writes later is too late."""
+    os.set_blocking(verdict, False)
+    try:
+        data = os.read(verdict, 4096)
+    except BlockingIOError:
+        return False
+    return bool(data) and data == token * (len(data) // len(token))
+
+
 def main(cfg):
     report = cfg["report_fd"]
     os.set_inheritable(report, False)
     try:
+        token, tests = take_tests(cfg)
         if cfg["private_root"]:
             enter_private_root(cfg)
         call("not dumpable", libc.prctl, PR_SET_DUMPABLE, 0, 0, 0, 0)  # nor traceable, nor its /proc readable
-        child = spawn(cfg, "/sandbox" if cfg["private_root"] else cfg["folder"], report)
+        child, verdict = spawn(cfg, "/sandbox" if cfg["private_root"] else cfg["folder"], report, token + tests)
     except Exception as error:
         os.write(report, f"error {type(error).__name__}: {error}\n".encode())
         return 125
     status, cpu = reap(child)
-    os.write(report, f"exit {status} {cpu:.3f}\n".encode())
+    os.write(report, f"exit {status} {cpu:.3f} {int(tests_passed(verdict, token))}\n".encode())
     return 0
 
 
 sys.exit(main(marshal.loads(bytes.fromhex(sys.argv[1]))))
 '''
+
+
+# The program's process runs this (``python -I -c``) with the two pipes' descriptors as its arguments: it reads the
+# token and the tests, closes that pipe, then runs the program and the tests as one ``__main__`` module. Everything it
+# uses once the program has run is bound beforehand (the program may rebind any global, builtin or module attribute),
+# and the token is written only on the path where the tests' code returned; every other way out (an exception,
+# ``SystemExit``, ``os._exit``, a signal, ``atexit``) leaves without it. Then ``os._exit(0)``: no ``atexit`` handler,
+# finaliser or non-daemon thread of the program runs after the token.
+_HARNESS = r"""
+import os, sys
+
+
+def harness(feed, verdict):
+    data = bytearray()
+    while chunk := os.read(feed, 65536):
+        data += chunk
+    os.close(feed)
+    token, tests = bytes(data[:33]), bytes(data[33:])
+    with open("main.py", "rb") as f:
+        program = compile(f.read(), os.path.abspath("main.py"), "exec", dont_inherit=True, optimize=0)
+    checks = compile(tests, "tests.py", "exec", dont_inherit=True, optimize=0)
+    run, write, leave, settrace, setprofile = exec, os.write, os._exit, sys.settrace, sys.setprofile
+    monitoring = getattr(sys, "monitoring", None)  # 3.12+: callbacks the program may have left on every line
+    get_tool, set_events = (monitoring.get_tool, monitoring.set_events) if monitoring else (None, None)
+    tools = tuple(range(6)) if monitoring else ()
+    streams = (sys.stdout, sys.stderr)
+    module = type(sys)("__main__")
+    module.__file__ = program.co_filename
+    namespace = module.__dict__
+    sys.modules["__main__"], sys.argv[:] = module, ["main.py"]
+    run(program, namespace)
+    settrace(None)
+    setprofile(None)
+    for tool in tools:
+        if get_tool(tool) is not None:
+            set_events(tool, 0)
+    run(checks, namespace)
+    for stream in streams:  # output beyond its limit fails the run here, before the token
+        stream.flush()
+    write(verdict, token)
+    leave(0)
+
+
+harness(int(sys.argv[1]), int(sys.argv[2]))
+"""
 
 
 # --------------------------------------------------------------------------- which fence

@@ -219,7 +219,8 @@ def verify_code_tests(response: str, answer: str) -> float:
     """1.0 when the response's program passes ``answer`` (test source) in the sandbox (``actors/sandbox.py``).
 
     The program is the response's first fenced block (opened by a line starting with three backticks)
-    when there is one, else the whole response.
+    when there is one, else the whole response. The tests decide: a program that exits early, with any status,
+    scores 0 (the sandbox's module docstring gives the threat model: what a program can and cannot fake).
     A sandbox that cannot start raises: that is the worker's failure, to be retried, not a zero score.
     """
     block = _FENCED.search(response)

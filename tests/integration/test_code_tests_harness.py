@@ -1,0 +1,256 @@
+"""The ``code_tests`` reward: the tests decide the score, never the program's exit status.
+
+Every attack runs against tests that cannot pass (their last line is ``assert False``) and must score 0 through the
+real sandbox; where the attack is a plain Python trick, a control runs the old scheme (program and tests as one script,
+judged by its exit status) unfenced, to show the attack is real. Honest programs still score 1.0 and 0.0.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from textwrap import dedent
+
+import numpy as np
+import pytest
+
+from actors import sandbox
+from actors.rewards import code_tests_reward
+from actors.sandbox import run_python_tests
+from actors.verifiers import verify_code_tests
+from common.wire import RolloutGroup
+
+pytestmark = pytest.mark.integration  # every test starts sandboxes
+
+ADD = "def add(a, b):\n    return a + b\n"
+TESTS = "assert add(2, 3) == 5, 'add(2, 3)'\n"
+FAILING = TESTS + "assert False, 'these tests never pass'\n"
+
+# name -> the program; each one tries to score on FAILING without passing it.
+ATTACKS = {
+    "os._exit(0)": "import os\nos._exit(0)\n",
+    "raise SystemExit(0)": "raise SystemExit(0)\n",
+    "sys.exit()": "import sys\nsys.exit()\n",
+    "sys.exit(0) in a finally": "import sys\ntry:\n    pass\nfinally:\n    sys.exit(0)\n",
+    "sys.exit(0) in a finally of the tested function": dedent("""
+        import sys
+        def add(a, b):
+            try:
+                return a + b
+            finally:
+                sys.exit(0)
+    """),
+    "an atexit handler that exits 0": "import atexit, os\natexit.register(os._exit, 0)\n" + ADD,
+    "sys.excepthook that exits 0": "import os, sys\nsys.excepthook = lambda *args: os._exit(0)\n" + ADD,
+    "AssertionError rebound in builtins": dedent("""
+        import builtins
+        class Quiet(Exception):
+            pass
+        builtins.AssertionError = Quiet
+        AssertionError = Quiet
+    """)
+    + ADD,
+    "__builtins__ replaced": "__builtins__ = {'AssertionError': StopIteration, 'print': print}\n" + ADD,
+    "a fake success marker on stdout and stderr": dedent("""
+        import sys
+        print("passed")
+        print("OK: all tests passed", file=sys.stderr)
+        sys.stdout.write("1.0\\n")
+    """)
+    + ADD,
+    "writes to every inherited descriptor": dedent("""
+        import os
+        for fd in range(64):
+            for forged in (b"passed\\n", b"0" * 32 + b"\\n", b"ready\\nexit 0 0.0 1\\n", os.urandom(16).hex().encode()):
+                try:
+                    os.write(fd, forged)
+                except OSError:
+                    pass
+    """)
+    + ADD,
+    "kills its parent": "import os\ntry:\n    os.kill(os.getppid(), 9)\nexcept OSError:\n    pass\n" + ADD,
+    "kills itself with SIGKILL": "import os\nos.kill(os.getpid(), 9)\n",
+    "kills itself with SIGTERM": "import os, signal\nos.kill(os.getpid(), signal.SIGTERM)\n",
+    "a SIGALRM handler that exits 0 during the tests": dedent("""
+        import os, signal
+        signal.signal(signal.SIGALRM, lambda *args: os._exit(0))
+        signal.setitimer(signal.ITIMER_REAL, 0.01)
+        def add(a, b):
+            import time
+            time.sleep(1)
+            return a + b
+    """),
+    "a forked child that outlives it and reports success": dedent("""
+        import os, sys, time
+        if os.fork() == 0:
+            time.sleep(0.3)
+            print("passed")
+            for fd in range(64):
+                try:
+                    os.write(fd, b"passed\\n")
+                except OSError:
+                    pass
+            os._exit(0)
+    """)
+    + ADD,
+    "the parent exits 0 and a forked child carries on": "import os\nif os.fork():\n    os._exit(0)\n" + ADD,
+    "a thread that exits 0 while the tests run": dedent("""
+        import os, threading, time
+        def leave():
+            time.sleep(0.05)
+            os._exit(0)
+        threading.Thread(target=leave).start()
+        def add(a, b):
+            time.sleep(1)
+            return a + b
+    """),
+    "a trace function that skips every assert of the tests": dedent("""
+        import dis, sys
+        def skip(frame, event, arg):
+            if event == "line":
+                code = dis.get_instructions(frame.f_code)
+                asserts = {i.positions.lineno for i in code if i.opname == "LOAD_ASSERTION_ERROR"}
+                if frame.f_lineno in asserts:
+                    try:
+                        frame.f_lineno += 1
+                    except ValueError:
+                        pass
+            return skip
+        sys.settrace(skip)
+    """)
+    + "def add(a, b):\n    return 0\n",
+}
+# The plain-Python tricks whose control (the old scheme, unfenced) exits 0: each one beat an exit-status verdict.
+BEAT_THE_OLD_SCHEME = [
+    "os._exit(0)",
+    "raise SystemExit(0)",
+    "sys.exit()",
+    "sys.exit(0) in a finally",
+    "sys.exit(0) in a finally of the tested function",
+    "an atexit handler that exits 0",
+    "sys.excepthook that exits 0",
+    "a SIGALRM handler that exits 0 during the tests",
+    "the parent exits 0 and a forked child carries on",
+    "a thread that exits 0 while the tests run",
+]
+
+
+def program(name: str) -> str:
+    return ATTACKS[name]
+
+
+def group(texts: list[str], tests: str) -> RolloutGroup:
+    """One group of these responses to ``tests`` (token fields are zeros of the right sizes: the reward reads text)."""
+    lengths = np.asarray([len(t) for t in texts], np.int32)
+    n = int(lengths.sum())
+    return RolloutGroup(
+        group_id="harness",
+        task="code_tests",
+        prompt="write add",
+        prompt_ids=np.zeros(9, np.int32),
+        answer=tests,
+        token_ids=np.zeros(n, np.int32),
+        logprobs=np.zeros(n, np.float32),
+        versions=np.zeros(n, np.int32),
+        lengths=lengths,
+        texts=texts,
+        finish_reasons=["stop"] * len(texts),
+    )
+
+
+def old_scheme(code: str, tests: str) -> int:
+    """The exit status of program and tests as one script, unfenced: what the verdict used to read."""
+    return subprocess.run(
+        [sys.executable, "-I", "-c", f"{code}\n\n{tests}\n"], capture_output=True, timeout=30
+    ).returncode
+
+
+@pytest.mark.parametrize("name", list(ATTACKS))
+def test_every_attack_is_a_valid_program(name: str) -> None:
+    """An attack that does not compile would score 0 for the wrong reason."""
+    compile(program(name), "main.py", "exec")
+
+
+@pytest.mark.parametrize("name", list(ATTACKS))
+def test_an_attack_scores_zero_against_failing_tests(name: str) -> None:
+    assert verify_code_tests(f"```python\n{program(name)}```\n", FAILING) == 0.0
+    result = run_python_tests(program(name), FAILING)
+    assert not result.passed and result.reason.startswith(("failed:", "timeout:")), result
+
+
+@pytest.mark.parametrize("name", BEAT_THE_OLD_SCHEME)
+def test_the_attack_is_real_against_an_exit_status_verdict(name: str) -> None:
+    assert old_scheme(program(name), FAILING) == 0
+
+
+def test_every_fence_that_starts_here_judges_by_the_tests() -> None:
+    """The weaker fences run the harness in the host folder as another uid (or none): the same verdicts there."""
+    limits = sandbox._Limits(cpu_s=2, memory_mb=256, wall_s=5)
+    started = 0
+    for fence in sandbox._candidates():
+        try:
+            honest = sandbox._run_python_tests(fence, ADD, TESTS, limits)
+        except RuntimeError:  # e.g. the per-run uid cannot reach an interpreter under /root
+            continue
+        started += 1
+        assert honest.passed, (fence, honest)
+        for name in (
+            "os._exit(0)",
+            "the parent exits 0 and a forked child carries on",
+            "writes to every inherited descriptor",
+        ):
+            result = sandbox._run_python_tests(fence, program(name), FAILING, limits)
+            assert not result.passed, (fence.fence, name, result)
+        peek = "import os\nassert 'tests.py' not in os.listdir('.'), os.listdir('.')\n"
+        assert sandbox._run_python_tests(fence, peek, "", limits).passed, fence
+    assert started
+
+
+def test_an_early_exit_is_named_in_the_reason() -> None:
+    result = run_python_tests("import sys\nsys.exit(0)\n", FAILING)
+    assert not result.passed and result.reason.startswith("failed: exit status 0 before the tests"), result
+
+
+def test_the_assert_statement_ignores_a_rebound_assertion_error() -> None:
+    """CPython 3.9+ compiles ``assert`` to LOAD_ASSERTION_ERROR: rebinding the name changes nothing, in or out."""
+    code = program("AssertionError rebound in builtins")
+    result = run_python_tests(code, "assert add(2, 3) == 6, 'caught'\n")
+    assert not result.passed and "AssertionError: caught" in result.reason, result
+
+
+def test_a_trace_function_left_by_the_program_would_skip_the_tests_unfenced() -> None:
+    """The control of the trace attack: program then tests in one interpreter, without the harness's clearing, skip
+    the failing assertion (one followed by a statement: an ``assert False`` makes what follows dead code, with no line
+    to jump to) — so the harness must clear the hook, and does."""
+    code, tests = program("a trace function that skips every assert of the tests"), "assert add(2, 3) == 5\nx = 1\n"
+    runner = f"code = compile({code!r}, 'main.py', 'exec')\ntests = compile({tests!r}, 'tests.py', 'exec')\n"
+    runner += "namespace = {}\nexec(code, namespace)\nexec(tests, namespace)\n"
+    assert subprocess.run([sys.executable, "-I", "-c", runner], capture_output=True, timeout=30).returncode == 0
+    assert not run_python_tests(code, tests).passed
+
+
+def test_the_program_cannot_read_its_tests() -> None:
+    """The tests are not in the program's folder: it cannot read them to special-case them."""
+    result = run_python_tests("import os\nassert 'tests.py' not in os.listdir('.'), 'the tests are here'\n", "")
+    assert result.passed, result
+    result = run_python_tests(
+        "secret = open('main.py').read()\nassert 'NEE' + 'DLE' not in secret, 'read'\n", "x = 'NEEDLE'"
+    )
+    assert result.passed, result
+
+
+def test_honest_programs_score_on_their_merits() -> None:
+    assert verify_code_tests(f"```python\n{ADD}```\n", TESTS) == 1.0
+    assert verify_code_tests("def add(a, b):\n    return a - b\n", TESTS) == 0.0
+    main_block = ADD + "if __name__ == '__main__':\n    print(add(1, 2))\n"  # runs, as a script's would
+    assert verify_code_tests(main_block, TESTS + "assert __name__ == '__main__'\n") == 1.0
+    assert verify_code_tests("import sys\n" + ADD, TESTS + "assert sys.argv == ['main.py'], sys.argv\n") == 1.0
+    assert verify_code_tests(ADD, "") == 1.0  # no tests: the program ran to its end
+
+
+def test_the_reward_scores_each_response_of_a_group() -> None:
+    # The marker program defines a correct add: against passing tests it earns its 1.0 honestly.
+    responses = [f"```python\n{ADD}```", program("os._exit(0)"), program("a fake success marker on stdout and stderr")]
+    responses += ["def add(a, b):\n    return 0\n"]
+    assert code_tests_reward(group(responses, TESTS), {"workers": 2}) == [1.0, 0.0, 1.0, 0.0]
+    assert code_tests_reward(group(responses, FAILING), {"workers": 2}) == [0.0] * len(responses)
