@@ -10,13 +10,24 @@ A config file may name a ``preset`` (a TOML file in ``configs/``) that it overla
 from __future__ import annotations
 
 import json
+import math
 import os
+import sys
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from common.redact import redact
 
@@ -27,8 +38,39 @@ class ConfigError(ValueError):
     """A config that cannot be used; the message names each bad field and what is allowed."""
 
 
+Int = Annotated[int, Strict()]
+"""An integer setting: ``true`` is not a count and ``1e9`` (a TOML float) is not an integer, so both are refused."""
+
+
+def _not_a_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("a number is needed, not true or false")
+    return value
+
+
+ZeroStage = Annotated[Literal[0, 1, 2, 3], BeforeValidator(_not_a_bool)]
+"""A DeepSpeed ZeRO stage (``true`` would pass as stage 1)."""
+
+WEEK_S = 7 * 24 * 3600
+"""Upper bound of every time limit in seconds: a process never waits longer than this for anything."""
+MAX_STEPS = 10_000_000
+"""Upper bound of step counts and periods in steps."""
+MAX_TOKENS = 2**24
+"""Upper bound of token lengths (16M: beyond the longest context of any released model)."""
+MAX_SEED = 2**32 - 1
+"""Largest seed (NumPy's bound; actors add their process id to it)."""
+MAX_DEPTH = 32
+"""Deepest nesting of tables and arrays in a config (free-form option tables included)."""
+MAX_CONFIG_BYTES = 16 * 2**20
+"""Largest config file read."""
+GROUP_BASELINE_ADVANTAGES = frozenset({"grpo", "dr_grpo", "rloo"})
+"""Advantage estimators whose baseline is the response's own group: a group of one response has advantage 0."""
+
+
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+    model_config = ConfigDict(
+        extra="forbid", use_attribute_docstrings=True, validate_assignment=True, allow_inf_nan=False
+    )
 
 
 class RunSection(Section):
@@ -36,7 +78,7 @@ class RunSection(Section):
     """Run name: the Redis namespace and the folder under ``root``."""
     root: str = "runs"
     """Folder that holds one sub-folder per run."""
-    seed: int = 0
+    seed: Int = Field(0, ge=0, le=MAX_SEED)
     """Seed for prompt order, sampling and initialisation."""
 
 
@@ -45,7 +87,7 @@ class ModelSection(Section):
     """Hugging Face checkpoint folder (local; nothing is fetched from a hub)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Precision of the policy weights on actors and learner."""
-    max_model_len: int = Field(512, ge=16)
+    max_model_len: Int = Field(512, ge=16, le=MAX_TOKENS)
     """Longest prompt + response in tokens."""
 
 
@@ -72,28 +114,28 @@ ENGINE_ARGS_OWNED = {
 
 
 class RolloutSection(Section):
-    num_samples: int = Field(8, ge=1, le=4096)
+    num_samples: Int = Field(8, ge=1, le=4096)
     """Responses sampled per prompt (the group size K)."""
-    max_new_tokens: int = Field(64, ge=1)
+    max_new_tokens: Int = Field(64, ge=1, le=MAX_TOKENS)
     """Longest response in tokens."""
-    temperature: float = Field(1.0, ge=0.0)
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
     """Sampling temperature; 1.0 keeps the behaviour log-probs those of the policy itself."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     """Nucleus sampling mass."""
     stop: list[str] = Field(default_factory=list)
     """Strings that end a response."""
-    max_groups_in_flight: int = Field(16, ge=1)
+    max_groups_in_flight: Int = Field(16, ge=1, le=65536)
     """Prompt groups one actor generates at once."""
-    kv_cache_bytes: int = Field(256 * 2**20, ge=0)
+    kv_cache_bytes: Int = Field(256 * 2**20, ge=0, le=2**50)
     """KV-cache size per vLLM engine in bytes (required on CPUs, where vLLM misjudges free memory); 0 = vLLM sizes it
     from ``gpu_memory_utilization`` (GPUs)."""
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
     """Share of each GPU's memory vLLM may take (weights, activations, KV cache) when ``kv_cache_bytes = 0``; lower it
     when the learner shares the GPUs."""
-    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    tensor_parallel_size: Int = Field(1, ge=1, le=64)
     """GPUs one actor's engine spans (vLLM tensor parallelism); each of its workers joins the weight group as its own
     rank."""
-    max_num_seqs: int = Field(0, ge=0)
+    max_num_seqs: Int = Field(0, ge=0, le=65536)
     """Most sequences the engine runs at once (vLLM's ``max_num_seqs``); 0 = vLLM's default."""
     enable_prefix_caching: bool | None = None
     """Reuse the KV cache of shared prompt prefixes (the K samples of a group share their prompt); unset = vLLM's
@@ -148,7 +190,7 @@ class RolloutSection(Section):
 class RewardFunction(Section):
     name: str
     """Registered reward function, e.g. ``task``, ``format``, ``overlong``, ``code_tests``, ``reward_model``."""
-    weight: float = 1.0
+    weight: float = Field(1.0, ge=-1e6, le=1e6)
     """Weight of this function in the summed reward."""
     options: dict[str, Any] = Field(default_factory=dict)
     """Settings passed to the function."""
@@ -157,9 +199,9 @@ class RewardFunction(Section):
 class RewardSection(Section):
     functions: list[RewardFunction] = Field(default_factory=lambda: [RewardFunction(name="task")])
     """Reward functions summed with their weights."""
-    timeout_s: float = Field(10.0, gt=0)
+    timeout_s: float = Field(10.0, gt=0, le=WEEK_S)
     """Per-call time limit of a reward function."""
-    retries: int = Field(2, ge=0)
+    retries: Int = Field(2, ge=0, le=100)
     """Retries of a call that timed out or failed before the group is dead-lettered."""
 
 
@@ -176,7 +218,7 @@ class TaskSection(Section):
     """Field of a data row holding the reference answer the verifier checks; a dotted path reads a nested field (``reward_model.ground_truth``). The row's other fields reach reward functions as ``extra``."""  # noqa: E501
     split: str = ""
     """Split of a ``DatasetDict`` folder (``train``); empty = its only split."""
-    limit: int = Field(0, ge=0)
+    limit: Int = Field(0, ge=0, le=10**12)
     """Use only the first this many rows of the data file (0 = all)."""
     shuffle: bool = True
     """Serve a data file's rows in a seeded shuffled order, reshuffled every pass; false = in file order."""
@@ -200,7 +242,7 @@ class EvalSection(Section):
     """Evaluation during the run on held-out prompts (``common/evaluation.py``): never trained on, scored by the run's
     reward functions, written as ``eval/*`` rows of metrics.jsonl."""
 
-    every: int = Field(0, ge=0)
+    every: Int = Field(0, ge=0, le=MAX_STEPS)
     """Evaluate the policy of every this many steps (at step 0, every N-th step and the last); 0 = no evaluation."""
     name: str = "file"
     """Held-out prompts: ``file`` (a data file, read as ``[task]`` reads one) or a built-in task drawn with ``seed``."""
@@ -214,19 +256,19 @@ class EvalSection(Section):
     """Field of a data row holding the reference answer, as ``task.answer_key``."""
     split: str = ""
     """Split of a ``DatasetDict`` folder; empty = its only split."""
-    limit: int = Field(64, ge=1)
+    limit: Int = Field(64, ge=1, le=10_000_000)
     """Eval prompts per round: the first this many rows of the file (or draws of a built-in task)."""
-    seed: int = 1_000_003
+    seed: Int = Field(1_000_003, ge=0, le=MAX_SEED)
     """Seed of a built-in task's draws (differs from ``run.seed``, so the eval set is not the training stream)."""
-    num_samples: int = Field(1, ge=1, le=4096)
+    num_samples: Int = Field(1, ge=1, le=4096)
     """Responses per eval prompt (k of pass@k and mean@k)."""
-    temperature: float = Field(0.0, ge=0.0)
+    temperature: float = Field(0.0, ge=0.0, le=100.0)
     """Sampling temperature of eval prompts; 0 = greedy (then ``num_samples`` must be 1)."""
-    max_new_tokens: int = Field(0, ge=0)
+    max_new_tokens: Int = Field(0, ge=0, le=MAX_TOKENS)
     """Longest eval response in tokens; 0 = ``rollout.max_new_tokens``."""
-    success_threshold: float = 1.0
+    success_threshold: float = Field(1.0, ge=-1e9, le=1e9)
     """A response with reward at least this counts as solved (for pass@k and ``eval/accuracy``)."""
-    deadline_s: float = Field(600.0, gt=0)
+    deadline_s: float = Field(600.0, gt=0, le=WEEK_S)
     """A round not back this long after its issue is recorded with what came back (``eval/missing`` counts the rest)."""
 
     @model_validator(mode="after")
@@ -262,21 +304,21 @@ class AlgorithmSection(Section):
 
 
 class LearnerSection(Section):
-    steps: int = Field(50, ge=1)
+    steps: Int = Field(50, ge=1, le=MAX_STEPS)
     """Optimizer steps in the run."""
-    groups_per_step: int = Field(8, ge=1)
+    groups_per_step: Int = Field(8, ge=1, le=65536)
     """Prompt groups in one training batch."""
-    micro_batch_size: int = Field(8, ge=1)
+    micro_batch_size: Int = Field(8, ge=1, le=65536)
     """Sequences per forward/backward pass."""
-    lr: float = Field(1e-5, gt=0.0)
+    lr: float = Field(1e-5, gt=0.0, le=1.0)
     """Peak learning rate."""
-    weight_decay: float = Field(0.0, ge=0.0)
+    weight_decay: float = Field(0.0, ge=0.0, le=10.0)
     """AdamW weight decay."""
-    grad_clip: float = Field(1.0, ge=0.0)
+    grad_clip: float = Field(1.0, ge=0.0, le=1e6)
     """Gradient norm clip (0 disables)."""
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: Int = Field(0, ge=0, le=MAX_STEPS)
     """Linear learning-rate warm-up."""
-    zero_stage: Literal[0, 1, 2, 3] = 0
+    zero_stage: ZeroStage = 0
     """DeepSpeed ZeRO stage."""
     precision: Literal["float32", "bfloat16", "float16"] = "float32"
     """Training precision."""
@@ -284,11 +326,11 @@ class LearnerSection(Section):
     """Precision of the frozen reference model (KL terms, DPO); unset = ``precision``. bfloat16 halves its memory."""
     offload: bool = False
     """Offload optimizer state to CPU memory (ZeRO 1-3; no effect on CPU-only machines)."""
-    group_deadline_s: float = Field(300.0, gt=0)
+    group_deadline_s: float = Field(300.0, gt=0, le=WEEK_S)
     """A prompt group not back in the replay stream this long after issue is re-issued once, then counted lost."""
-    wait_for_batch_s: float = Field(600.0, gt=0)
+    wait_for_batch_s: float = Field(600.0, gt=0, le=WEEK_S)
     """Longest wait for one training batch before the learner stops with an error (actors or reward workers gone)."""
-    max_minutes: float | None = Field(None, gt=0)
+    max_minutes: float | None = Field(None, gt=0, le=366 * 24 * 60)
     """Wall-clock budget: this many minutes after it started, the learner stops after the step in progress (a wait
     for a batch ends at once), saves a checkpoint (reason ``max_minutes``) and exits 0; unset = no budget."""
 
@@ -301,17 +343,17 @@ class CriticSection(Section):
 
     path: str = ""
     """Value-model folder written by ``ValueModel.save`` (backbone + ``value_head.safetensors``), or a causal-LM checkpoint that gets a fresh zero head; empty = ``model.path`` with a fresh zero head."""  # noqa: E501
-    lr: float = Field(1e-5, gt=0.0)
+    lr: float = Field(1e-5, gt=0.0, le=1.0)
     """Peak learning rate of the critic (warm-up, weight decay and gradient clip follow ``[learner]``)."""
-    value_clip: float = Field(0.2, ge=0.0)
+    value_clip: float = Field(0.2, ge=0.0, le=1e6)
     """ε of the clipped value loss: V is kept within ±ε of the values at the start of the step (PPO2); 0 = no clipping."""  # noqa: E501
     precision: Literal["float32", "bfloat16", "float16"] | None = None
     """Training precision of the critic; unset = ``learner.precision``."""
-    zero_stage: Literal[0, 1, 2, 3] | None = None
+    zero_stage: ZeroStage | None = None
     """DeepSpeed ZeRO stage of the critic; unset = ``learner.zero_stage``."""
     offload: bool | None = None
     """Offload the critic's optimizer state to CPU memory; unset = ``learner.offload``."""
-    micro_batch_size: int | None = Field(None, ge=1)
+    micro_batch_size: Int | None = Field(None, ge=1, le=65536)
     """Sequences per critic forward/backward pass; unset = ``learner.micro_batch_size``."""
 
 
@@ -320,9 +362,9 @@ class DataSection(Section):
     """Training data: ``rollouts`` (actors sample and reward workers score, through Redis) or ``preferences`` (offline DPO on ``path``: no Redis, no actors)."""  # noqa: E501
     path: str = ""
     """JSONL or Parquet file of preference pairs with text fields ``prompt``, ``chosen``, ``rejected`` (``source = "preferences"``)."""  # noqa: E501
-    epochs: int = Field(1, ge=1)
+    epochs: Int = Field(1, ge=1, le=1_000_000)
     """Passes over the preference pairs; the run ends after these or after ``learner.steps``, whichever comes first."""
-    batch_pairs: int = Field(8, ge=1)
+    batch_pairs: Int = Field(8, ge=1, le=65536)
     """Preference pairs per optimizer step (two sequences each; micro-batches hold whole pairs)."""
 
     @model_validator(mode="after")
@@ -333,15 +375,15 @@ class DataSection(Section):
 
 
 class StalenessSection(Section):
-    max_staleness: int = Field(1, ge=0)
+    max_staleness: Int = Field(1, ge=0, le=1000)
     """Versions a token may lag the policy being trained; 0 = synchronous on-policy training."""
     correction: Literal["none", "truncate", "mask"] = "truncate"
     """Off-policy correction by π_old/μ: ``none`` uses μ as π_old; ``truncate`` caps the weight; ``mask`` drops tokens outside the band."""  # noqa: E501
     level: Literal["token", "sequence"] = "token"
     """Level at which the importance weight is computed."""
-    cap: float = Field(2.0, gt=1.0)
+    cap: float = Field(2.0, gt=1.0, le=1e6)
     """Upper cap (truncate) or upper band edge (mask) of the importance weight."""
-    max_sequence_kl: float = Field(0.5, ge=0.0)
+    max_sequence_kl: float = Field(0.5, ge=0.0, le=1e6)
     """Mismatch guard: drop from the loss each sequence whose mean per-token KL(μ ‖ π_old) is above this (counted in
     ``train/offpolicy/dropped_frac``); 0 = off. Normal runs stay below 0.5 (bench/stability.py: ≤ 0.01% of a run's
     sequences dropped; at most 3% of one step's, the first update from a warm start); a bad weight load does not
@@ -357,7 +399,7 @@ class TransportSection(Section):
     folder."""
     zmq_endpoint: str = "tcp://127.0.0.1:0"
     """Where reward workers bind their PULL socket for rollouts (port 0 = pick a free one)."""
-    zmq_hwm: int = Field(64, ge=1)
+    zmq_hwm: Int = Field(64, ge=1, le=1_000_000)
     """ZeroMQ high-water mark in messages: senders block beyond it (back-pressure)."""
     curve_server_key: str = ""
     """Path of the CURVE server secret key file (required when binding beyond loopback)."""
@@ -366,14 +408,16 @@ class TransportSection(Section):
     curve_client_key: str = ""
     """Path of a rollout actor's CURVE client secret key file (``name.key_secret``); needed to send to reward workers
     that bind with CURVE (their public key comes from their heartbeat)."""
-    max_message_mb: float = Field(64.0, gt=0)
+    max_message_mb: float = Field(64.0, gt=0, le=4096)
     """Largest accepted message; a bigger one is refused and counted, except one single frame over it, which ZeroMQ
     itself drops with the sender's connection (``ZMQ_MAXMSGSIZE``): the process never sees it."""
-    replay_maxlen: int = Field(10_000, ge=10)
+    replay_maxlen: Int = Field(10_000, ge=10, le=100_000_000)
     """Approximate cap of the replay stream (``XADD MAXLEN ~``)."""
-    heartbeat_s: float = Field(2.0, gt=0)
+    redis_maxmemory_mb: Int = Field(2048, ge=0, le=2**24)
+    """Memory limit of the embedded redis-server (``maxmemory``, with ``noeviction``: past it a write fails loudly, nothing of the run is evicted); 0 = none. Size it above ``replay_maxlen`` × a scored group's bytes, plus about 30 MB for the dead-letter stream."""  # noqa: E501
+    heartbeat_s: float = Field(2.0, gt=0, le=3600)
     """Seconds between heartbeats."""
-    heartbeat_ttl_s: float = Field(10.0, gt=0)
+    heartbeat_ttl_s: float = Field(10.0, gt=0, le=86_400)
     """A process whose heartbeat is older than this is considered dead."""
     redis_outage_s: float = Field(60.0, gt=0, le=86_400)
     """How long every process waits for Redis when it stops answering (killed, restarting on its AOF), retrying with back-off; past this it exits with status 75 and says what to do (restart Redis, then resume with ``--resume latest``)."""  # noqa: E501
@@ -398,13 +442,13 @@ class TransportSection(Section):
 
 
 class WeightSyncSection(Section):
-    sync_every: int = Field(1, ge=1)
+    sync_every: Int = Field(1, ge=1, le=1000)
     """Broadcast new weights every this many optimizer steps (actors reload that much less often); needs
     ``staleness.max_staleness`` ≥ sync_every − 1, or ≥ sync_every with ``overlap``: the versions the actors' weights
     may trail."""
-    bucket_mb: float = Field(256.0, gt=0)
+    bucket_mb: float = Field(256.0, gt=0, le=65536)
     """Size of one flat broadcast bucket."""
-    timeout_s: float = Field(60.0, gt=0)
+    timeout_s: float = Field(60.0, gt=0, le=WEEK_S)
     """Time limit of one collective; an actor that misses it is evicted."""
     overlap: bool = True
     """Send a copy of the new weights while the next step trains (needs ``staleness.max_staleness`` ≥ 1; with 0
@@ -415,9 +459,9 @@ class WeightSyncSection(Section):
 
 
 class CheckpointSection(Section):
-    every: int = Field(0, ge=0)
+    every: Int = Field(0, ge=0, le=MAX_STEPS)
     """Save every this many steps (0 = only at the end and on SIGTERM); a resume re-trains the steps after it."""
-    keep: int = Field(2, ge=1)
+    keep: Int = Field(2, ge=1, le=10_000)
     """Most recent checkpoints kept (plus the best by reward)."""
     keep_best: bool = True
     """Also keep the checkpoint with the highest mean reward over its steps (those since the one before)."""
@@ -426,13 +470,15 @@ class CheckpointSection(Section):
 
 
 class MonitoringSection(Section):
-    metrics_port: int = Field(0, ge=0, le=65535)
+    metrics_port: Int = Field(0, ge=0, le=65535)
     """Prometheus /metrics port; 0 = pick a free one and register it in Redis."""
+    metrics_host: str = "127.0.0.1"
+    """Address the /metrics servers bind: loopback by default; ``0.0.0.0`` (every interface) where Prometheus scrapes from another host or pod (the Kubernetes manifests set it)."""  # noqa: E501
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     """Log level of every process."""
-    samples_every: int = Field(5, ge=0)
+    samples_every: Int = Field(5, ge=0, le=MAX_STEPS)
     """Every this many steps, append responses the learner trained on to samples.jsonl (0 = never)."""
-    samples_per_step: int = Field(4, ge=0, le=1000)
+    samples_per_step: Int = Field(4, ge=0, le=1000)
     """Responses drawn at random for samples.jsonl each time, besides the step's worst and best."""
 
 
@@ -440,25 +486,25 @@ class HealthSection(Section):
     """Run health (``learner/health.py``): non-finite steps are skipped, repeated ones roll the run back, and alert
     rules watch each step's metrics. An alert's threshold of 0 turns it off."""
 
-    max_skipped_steps: int = Field(3, ge=1)
+    max_skipped_steps: Int = Field(3, ge=1, le=10_000)
     """Consecutive optimizer steps skipped for a non-finite loss or gradient (their update is never applied) after which the learner rolls back to the last healthy checkpoint."""  # noqa: E501
     rollback_lr_factor: float = Field(0.5, gt=0.0, le=1.0)
     """Each rollback multiplies the learning rate by this (cumulative: after two rollbacks at 0.5 the run trains at 0.25 × the schedule)."""  # noqa: E501
-    max_rollbacks: int = Field(3, ge=0)
+    max_rollbacks: Int = Field(3, ge=0, le=1000)
     """Rollbacks allowed in one run; when one more is due the learner stops with an error instead."""
-    kl_ref_max: float = Field(0.5, ge=0.0)
+    kl_ref_max: float = Field(0.5, ge=0.0, le=1e6)
     """Alert ``kl_ref_high`` while the per-token KL to the reference policy (``train/loss/kl_ref``, or ``train/kl_reward/kl`` with the KL in the reward) is above this."""  # noqa: E501
-    mismatch_kl_max: float = Field(0.1, ge=0.0)
+    mismatch_kl_max: float = Field(0.1, ge=0.0, le=1e6)
     """Alert ``mismatch_kl_high`` while KL(μ ‖ π_old) between the actors' sampling policy and the learner's (``train/offpolicy/mismatch_kl``) is above this."""  # noqa: E501
-    entropy_floor: float = Field(0.01, ge=0.0)
+    entropy_floor: float = Field(0.01, ge=0.0, le=1e6)
     """Alert ``entropy_collapse`` while the mean token entropy (``train/loss/entropy``, nats) is below this."""
-    entropy_drop_factor: float = Field(10.0, ge=0.0)
+    entropy_drop_factor: float = Field(10.0, ge=0.0, le=1e6)
     """Alert ``entropy_collapse`` also while the entropy is below 1/this of its highest value in the last ``entropy_window`` steps (0 = off; else above 1)."""  # noqa: E501
-    entropy_window: int = Field(20, ge=2)
+    entropy_window: Int = Field(20, ge=2, le=1_000_000)
     """Steps over which ``entropy_drop_factor`` compares."""
-    reward_flat_window: int = Field(20, ge=2)
+    reward_flat_window: Int = Field(20, ge=2, le=1_000_000)
     """Alert ``reward_flat`` while the standard deviation of the last this many steps' mean rewards (``rollout/reward_mean``) is below ``reward_flat_epsilon``."""  # noqa: E501
-    reward_flat_epsilon: float = Field(1e-3, ge=0.0)
+    reward_flat_epsilon: float = Field(1e-3, ge=0.0, le=1e6)
     """See ``reward_flat_window``."""
     reward_error_rate: float = Field(0.05, ge=0.0, le=1.0)
     """Alert ``reward_errors`` while the reward service's failures (dead-lettered groups, failed calls) since the last step exceed this fraction of them plus the step's groups."""  # noqa: E501
@@ -466,7 +512,7 @@ class HealthSection(Section):
     """Alert ``stale_drops`` while the groups a step dropped as too stale (``groups/dropped_stale``) exceed this fraction of them plus the groups it trained."""  # noqa: E501
     starving_idle_fraction: float = Field(0.5, ge=0.0, le=1.0)
     """Alert ``learner_starving`` while the learner's mean idle fraction (``step/idle_fraction``, time spent waiting for a batch) over the last ``starving_window`` steps is above this."""  # noqa: E501
-    starving_window: int = Field(10, ge=1)
+    starving_window: Int = Field(10, ge=1, le=1_000_000)
     """Steps averaged by ``starving_idle_fraction``."""
     webhook_url: str = Field("", pattern=r"^(https?://\S+)?$")
     """POST each alert transition as JSON (``alert``, ``state``, ``step``, ``value``, ``message``) to this URL from a background thread; empty = none. Failures are logged, never raised."""  # noqa: E501
@@ -522,6 +568,36 @@ class RunConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _responses_leave_room_for_the_prompt(self) -> RunConfig:
+        limit = self.model.max_model_len
+        for name, tokens in (("rollout", self.rollout.max_new_tokens), ("eval", self.eval.max_new_tokens)):
+            if tokens >= limit:
+                raise ValueError(
+                    f"{name}.max_new_tokens = {tokens} leaves no token for the prompt in model.max_model_len = "
+                    f"{limit}; set {name}.max_new_tokens below {limit} or raise model.max_model_len"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _group_signals_need_a_group(self) -> RunConfig:
+        # A group of one response is its own baseline (advantage 0) and has equal rewards (dropped as no signal).
+        samples, algorithm = self.rollout.num_samples, self.algorithm
+        if self.data.source != "rollouts" or samples >= 2:
+            return self
+        if algorithm.advantage in GROUP_BASELINE_ADVANTAGES:
+            raise ValueError(
+                f"rollout.num_samples = {samples} with algorithm.advantage = {algorithm.advantage!r}: a group "
+                "baseline compares each response with the others of its prompt, so every advantage would be 0; "
+                "set rollout.num_samples >= 2 or an estimator without a group baseline (batch_mean, reinforce_pp, gae)"
+            )
+        if algorithm.dynamic_sampling:
+            raise ValueError(
+                f"rollout.num_samples = {samples} with algorithm.dynamic_sampling: a group of one response has "
+                "equal rewards and would always be dropped; set rollout.num_samples >= 2 or dynamic_sampling = false"
+            )
+        return self
+
     @property
     def run_dir(self) -> Path:
         return Path(self.run.root) / self.run.name
@@ -531,7 +607,17 @@ class RunConfig(Section):
 
     @classmethod
     def from_json(cls, text: str | bytes) -> RunConfig:
-        return _validated(json.loads(text))
+        try:
+            data = json.loads(text)
+        except RecursionError:
+            raise ConfigError(f"config JSON: nested more than {MAX_DEPTH} levels deep") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config JSON: {exc}") from None
+        except ValueError:  # a number beyond Python's int-string conversion limit
+            raise ConfigError(f"config JSON: a number of over {sys.get_int_max_str_digits()} digits") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config JSON: a JSON object is needed, not {type(data).__name__}")
+        return _validated(data)
 
 
 # --------------------------------------------------------------------------- loading
@@ -554,6 +640,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     data: dict[str, Any] = _read_toml_with_preset(Path(path)) if path else {}
     for item in overrides:
         key, value = _parse_override(item)
+        _check_values(value, key.split("."))
         _set_dotted(data, key, value)
     return _validated(data)
 
@@ -561,17 +648,67 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 def _read_toml_with_preset(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     if path in seen:
         raise ConfigError(f"{path}: preset cycle through {' -> '.join(map(str, seen))}")
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such config file") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    data = _parse_toml(path, _read_config_file(path))
+    _check_values(data, [], f"{path}: ")
     base_name = data.pop("preset", None)
     if base_name is None:
         return data
     base_path = _preset_path(str(base_name), path.parent)
     return _deep_merge(_read_toml_with_preset(base_path, (*seen, path)), data)
+
+
+def _read_config_file(path: Path) -> str:
+    """The text of a config file, at most :data:`MAX_CONFIG_BYTES` of it (``/dev/zero`` never ends)."""
+    try:
+        with path.open("rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config file: {exc.strerror or exc}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: a config file of over {MAX_CONFIG_BYTES // 2**20} MiB; give a TOML file")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: not UTF-8 text at byte {exc.start}") from None
+
+
+def _parse_toml(path: Path, text: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(text)
+    except RecursionError:
+        raise ConfigError(f"{path}: not valid TOML: nested more than {MAX_DEPTH} levels deep") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    except ValueError:  # a number beyond Python's int-string conversion limit
+        raise ConfigError(
+            f"{path}: a number of over {sys.get_int_max_str_digits()} digits; no setting takes one"
+        ) from None
+
+
+def _check_values(value: Any, where: list[str], prefix: str = "invalid config: ") -> None:
+    """Refuse tables and arrays nested deeper than :data:`MAX_DEPTH` and non-finite numbers anywhere in ``value``
+    (free-form option tables included: JSON has no infinity, so one would reach other processes as null). Iterative,
+    so that no nesting depth can exhaust the stack; the error names the setting (the first levels of its path)."""
+    stack: list[tuple[Any, list[str]]] = [(value, where)]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, float) and not math.isfinite(node):
+            raise ConfigError(f"{prefix}{_dotted(path)}: {node} is not a finite number; give a finite value")
+        if not isinstance(node, (dict, list)):
+            continue
+        if len(path) >= MAX_DEPTH:  # the whole config is the first level
+            raise ConfigError(
+                f"{prefix}{_dotted(path[: max(2, len(where))])}: nested more than {MAX_DEPTH} levels deep (tables "
+                "and arrays); flatten it"
+            )
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        stack.extend((child, [*path, str(key)]) for key, child in items)
+
+
+def _dotted(path: list[str]) -> str:
+    return ".".join(path) or "(top level)"
 
 
 def _preset_path(name: str, relative_to: Path) -> Path:
@@ -609,7 +746,9 @@ def _parse_override(item: str) -> tuple[str, Any]:
         return key, raw.strip()  # a name such as run.name=nan, not a float: no field takes NaN or infinity
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
+    except RecursionError:
+        raise ConfigError(f"invalid config: {key}: nested more than {MAX_DEPTH} levels deep; flatten it") from None
+    except ValueError:  # not TOML (or a number beyond Python's int-string limit): the text itself
         value = raw.strip()
     if not isinstance(value, str) and _field_type(key) is str:
         value = raw.strip()
@@ -641,6 +780,7 @@ def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
 
 
 def _validated(data: dict[str, Any]) -> RunConfig:
+    _check_values(data, [])
     try:
         return RunConfig.model_validate(data)
     except ValidationError as exc:
@@ -648,15 +788,38 @@ def _validated(data: dict[str, Any]) -> RunConfig:
 
 
 def _explain(exc: ValidationError) -> str:
-    lines = [f"invalid config ({exc.error_count()} problem{'s' * (exc.error_count() > 1)}):"]
+    """One line per problem, naming the field, what is allowed and what was given (one line in all for one)."""
+    lines = []
     for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        where = ".".join(str(p) for p in err["loc"])
         msg = err["msg"]
+        given = err.get("input")
         if err["type"] == "extra_forbidden":
             msg = f"unknown field; allowed here: {', '.join(_allowed_fields(err['loc'][:-1]))}"
-        got = "" if err["type"] == "missing" else f" (got {redact(repr(err.get('input')))})"
-        lines.append(f"  {where}: {msg}{got}")
-    return "\n".join(lines)
+        elif err["type"] == "int_type" and isinstance(given, bool):
+            msg = "a whole number is needed, not true or false"
+        elif err["type"] == "int_type" and isinstance(given, float):
+            msg = "a whole number is needed: write it without a decimal point or exponent (TOML reads 1e9 as a float)"
+        # A section's own rule was given the whole section: its message names the fields instead.
+        got = "" if err["type"] == "missing" or isinstance(given, (dict, BaseModel)) else f" (got {_shown(given)})"
+        if not where and msg.startswith("Value error, "):
+            lines.append(f"{msg.removeprefix('Value error, ')}{got}")
+        else:
+            lines.append(f"{where or '(top level)'}: {msg}{got}")
+    if len(lines) == 1:
+        return f"invalid config: {lines[0]}"
+    return "\n  ".join([f"invalid config ({len(lines)} problems):", *lines])
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    """``value`` as given, secrets redacted, cut to about ``limit`` characters."""
+    if isinstance(value, str) and len(value) > 4 * limit:
+        value = value[: 4 * limit]
+    try:
+        text = redact(repr(value))
+    except ValueError:  # an integer beyond Python's int-string conversion limit
+        return "a number of over 4300 digits"
+    return text if len(text) <= limit else f"{text[: limit - 5]}...{text[-1:]}"
 
 
 def _allowed_fields(loc: tuple[Any, ...]) -> list[str]:

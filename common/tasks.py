@@ -35,11 +35,13 @@ from __future__ import annotations
 
 import copy
 import inspect
+import itertools
 import json
 import random
+import sys
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -290,6 +292,12 @@ class TaskFileError(TaskError):
 
 MAX_NAMED_SKIPS = 20
 """Skipped rows named one log line each; beyond these one line counts the rest."""
+MAX_LINE_BYTES = 64 * 2**20
+"""Longest JSONL line read: a file with no line end (``/dev/zero``) would otherwise be read into memory forever."""
+MAX_ROW_DEPTH = 64
+"""Deepest nesting of objects and arrays in a data row (deeper ones exhaust the stack when copied or encoded)."""
+MAX_JSON_FILE_BYTES = 16 * 2**20
+"""Largest ``state.json`` / ``dataset_dict.json`` read from a ``save_to_disk`` folder."""
 
 
 @register_task("file")
@@ -439,19 +447,61 @@ def read_rows(path: Path, split: str = "") -> list[tuple[str, Any]]:
 def _jsonl_rows(path: Path) -> list[tuple[str, Any]]:
     """``(line N, parsed object)`` for every non-blank line."""
     rows = []
-    with path.open("rb") as f:  # decoded line by line, so that a bad byte is reported with its line
-        for number, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise TaskFileError(f"{path}:line {number}: not valid UTF-8 (byte {e.start + 1}: {e.reason})") from None
-            if not line.strip():
-                continue
-            try:
-                rows.append((f"line {number}", json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise TaskFileError(f"{path}:line {number}: not valid JSON ({e.msg})") from None
+    for number, raw in jsonl_lines(path):  # decoded line by line, so that a bad byte is reported with its line
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise TaskFileError(f"{path}:line {number}: not valid UTF-8 (byte {e.start + 1}: {e.reason})") from None
+        if line.strip():
+            rows.append((f"line {number}", json_row(line, f"{path}:line {number}")))
     return rows
+
+
+def jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """``(line number, bytes)`` of every line; a line longer than :data:`MAX_LINE_BYTES` raises
+    :class:`TaskFileError` naming it, having read no more than that."""
+    try:
+        with path.open("rb") as f:
+            for number in itertools.count(1):
+                raw = f.readline(MAX_LINE_BYTES + 1)
+                if not raw:
+                    return
+                if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                    raise TaskFileError(
+                        f"{path}:line {number}: longer than {MAX_LINE_BYTES // 2**20} MiB without a line end "
+                        "(a JSONL file holds one JSON object per line)"
+                    )
+                yield number, raw
+    except OSError as exc:
+        raise TaskFileError(f"{path}: cannot read the file: {exc.strerror or exc}") from None
+
+
+def json_row(text: str, where: str) -> Any:
+    """One JSON row parsed, or :class:`TaskFileError` naming ``where``: not JSON, nested deeper than
+    :data:`MAX_ROW_DEPTH`, or a number longer than Python converts (``sys.get_int_max_str_digits``)."""
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise TaskFileError(f"{where}: not valid JSON ({e.msg})") from None
+    except RecursionError:
+        raise TaskFileError(f"{where}: nested more than {MAX_ROW_DEPTH} levels deep") from None
+    except ValueError:  # an integer beyond the int-string conversion limit
+        raise TaskFileError(
+            f"{where}: a number of over {sys.get_int_max_str_digits()} digits; write it as a string"
+        ) from None
+    check_row_depth(row, where)
+    return row
+
+
+def check_row_depth(row: Any, where: str) -> None:
+    """Refuse a row with objects or arrays nested deeper than :data:`MAX_ROW_DEPTH` (checked without recursion)."""
+    stack = [(row, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            if depth > MAX_ROW_DEPTH:
+                raise TaskFileError(f"{where}: nested more than {MAX_ROW_DEPTH} levels deep")
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
 
 
 def _pyarrow(path: Path) -> Any:
@@ -512,8 +562,15 @@ def _dataset_folder_rows(path: Path, split: str) -> list[tuple[str, Any]]:
 
 def _json_file(path: Path) -> dict[str, Any]:
     try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
+        with path.open("rb") as f:
+            raw = f.read(MAX_JSON_FILE_BYTES + 1)
+    except OSError as exc:
+        raise TaskFileError(f"{path}: not readable JSON ({exc})") from None
+    if len(raw) > MAX_JSON_FILE_BYTES:
+        raise TaskFileError(f"{path}: over {MAX_JSON_FILE_BYTES // 2**20} MiB, not a save_to_disk index")
+    try:
+        value = json_row(raw.decode("utf-8"), str(path))
+    except UnicodeDecodeError as exc:
         raise TaskFileError(f"{path}: not readable JSON ({exc})") from None
     if not isinstance(value, dict):
         raise TaskFileError(f"{path}: expected a JSON object")
@@ -531,6 +588,8 @@ def _table_rows(path: Path, table: Any) -> list[tuple[str, Any]]:
             except UnicodeDecodeError as e:
                 raise TaskFileError(f"{path}:row {number}: not valid UTF-8 ({e.reason})") from None
         raise
+    for number, row in enumerate(rows, start=1):
+        check_row_depth(row, f"{path}:row {number}")
     return [(f"row {number}", row) for number, row in enumerate(rows, start=1)]
 
 

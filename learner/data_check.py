@@ -26,7 +26,6 @@ response (a LaTeX answer a response must box); ``strict`` makes warnings fail to
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -35,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 # common.tasks reads and checks rows for the run, stopping at the first bad one; its per-row checks are used here
 # row by row, so that check-data and the run cannot disagree about a row.
-from common.tasks import TaskExample, TaskFileError, _example, _Keys, _prompt_tokens, read_rows
+from common.tasks import TaskExample, TaskFileError, _example, _Keys, _prompt_tokens, json_row, jsonl_lines, read_rows
 
 if TYPE_CHECKING:
     from common.config import RunConfig
@@ -282,18 +281,20 @@ def file_rows(path: Path, split: str = "") -> tuple[list[tuple[str, Any]], list[
         except TaskFileError as exc:  # the message names the file, and the first bad row where there is one
             return [], [("file", str(exc).removeprefix(f"{path}:").strip())]
     rows, unreadable = [], []
-    with path.open("rb") as f:
-        for number, raw in enumerate(f, start=1):
+    try:
+        for number, raw in jsonl_lines(path):  # a line without an end (/dev/zero) stops the read, naming it
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 unreadable.append((f"line {number}", f"not valid UTF-8 (byte {e.start + 1}: {e.reason})"))
                 continue
             if line.strip():
-                try:
-                    rows.append((f"line {number}", json.loads(line)))
-                except json.JSONDecodeError as e:
-                    unreadable.append((f"line {number}", f"not valid JSON ({e.msg})"))
+                try:  # the run's own row checks: JSON, nesting depth, number length
+                    rows.append((f"line {number}", json_row(line, f"line {number}")))
+                except TaskFileError as exc:
+                    unreadable.append((f"line {number}", str(exc).removeprefix(f"line {number}:").strip()))
+    except TaskFileError as exc:
+        unreadable.append(("file", str(exc).removeprefix(f"{path}:").strip()))
     return rows, unreadable
 
 

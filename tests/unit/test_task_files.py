@@ -258,3 +258,73 @@ def test_extra_is_appended_to_the_wire_format(tmp_path: Path) -> None:
     assert fields[fields.index("issued_at") + 1 :][:2] == ["extra", "purpose"]
     rollout_fields = [f.name for f in dataclasses.fields(RolloutGroup)]
     assert rollout_fields[rollout_fields.index("timings") + 1 :] == ["extra", "purpose"]
+
+
+def test_a_file_without_line_ends_is_refused_having_read_only_the_longest_line(tmp_path: Path) -> None:
+    """``/dev/zero`` never ends: the reader stops at MAX_LINE_BYTES and names the line."""
+    with pytest.raises(TaskFileError, match=r"^/dev/zero:line 1: longer than 64 MiB without a line end"):
+        FileTask("/dev/zero")
+
+
+def test_a_row_nested_too_deep_is_refused_naming_its_line(tmp_path: Path) -> None:
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text(
+        '{"prompt": "p", "answer": "a"}\n{"prompt": "p", "answer": ' + "[" * 100_000 + "]" * 100_000 + "}\n"
+    )
+    with pytest.raises(TaskFileError, match=rf"^{re.escape(str(deep))}:line 2: nested more than 64 levels deep$"):
+        FileTask(deep)
+    shallower = tmp_path / "shallower.jsonl"  # parses within the stack, refused all the same
+    shallower.write_text('{"prompt": "p", "answer": "a", "x": ' + "[" * 100 + "]" * 100 + "}\n")
+    with pytest.raises(TaskFileError, match=r"shallower\.jsonl:line 1: nested more than 64 levels deep"):
+        FileTask(shallower)
+
+
+def test_a_table_row_nested_too_deep_is_refused_naming_its_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parquet's own schema limit (100 levels) stops the deepest rows first; this bound is checked all the same."""
+    monkeypatch.setattr("common.tasks.MAX_ROW_DEPTH", 8)
+    table = tmp_path / "deep.parquet"
+    nested: object = "leaf"
+    for _ in range(10):
+        nested = [nested]
+    pq.write_table(
+        pa.Table.from_pylist([{"prompt": "p", "answer": "a", "x": nested}, {"prompt": "p", "answer": "a", "x": None}]),
+        table,
+    )
+    with pytest.raises(TaskFileError, match=r"deep\.parquet:row 1: nested more than 8 levels deep"):
+        FileTask(table)
+
+
+def test_a_number_longer_than_python_converts_is_refused_naming_its_line(tmp_path: Path) -> None:
+    huge = write_jsonl(tmp_path / "huge.jsonl", [{"prompt": "p", "answer": "a"}])
+    with huge.open("a") as f:
+        f.write('{"prompt": "p", "answer": ' + "9" * 100_001 + "}\n")
+    with pytest.raises(TaskFileError, match=r"huge\.jsonl:line 2: a number of over 4300 digits; write it as a string"):
+        FileTask(huge)
+
+
+def test_an_oversized_save_to_disk_index_is_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    with (folder / "state.json").open("wb") as f:
+        f.truncate(17 * 2**20)  # sparse: 17 MiB of zeros
+    with pytest.raises(TaskFileError, match=r"state\.json: over 16 MiB"):
+        FileTask(folder)
+
+
+def test_check_data_reads_hostile_jsonl_as_the_run_does_naming_each_row(tmp_path: Path) -> None:
+    """``rl-learner check-data`` keeps reading past a bad row (it reports them all) but refuses each as the run would:
+    a row nested too deep and a 100,001-digit number are named, and a file with no line end stops the read."""
+    from learner.data_check import file_rows
+
+    rows = tmp_path / "rows.jsonl"
+    deep = "[" * 100_000 + "]" * 100_000
+    rows.write_text(f'{{"q": "1+1=", "a": "2"}}\n{{"q": {deep}}}\n{{"q": {"9" * 100_001}}}\n{{"q": "2", "a": "4"}}\n')
+    good, bad = file_rows(rows)
+    assert [where for where, _ in good] == ["line 1", "line 4"]
+    assert [where for where, _ in bad] == ["line 2", "line 3"]
+    assert "nested more than" in bad[0][1] and "digits" in bad[1][1]
+    endless = tmp_path / "endless.jsonl"
+    with endless.open("wb") as f:  # /dev/zero, cut: a line longer than the limit without an end
+        f.truncate(65 * 2**20)
+    assert file_rows(endless) == ([], [("file", file_rows(endless)[1][0][1])])
+    assert "without a line end" in file_rows(endless)[1][0][1]
