@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 from common.keys import RunKeys
 from common.logs import get_logger, worth_logging
 from common.metrics import AUDIT_FAILURES, AUDIT_MIRRORED, AUDIT_SUPPRESSED
+from common.private import open_private, private_dir
 from common.redact import redact
 
 if TYPE_CHECKING:
@@ -356,8 +357,8 @@ class AuditMirror:
     Where it stands is the file itself — the ``id`` of its last complete line — so a mirror started on a file another
     (killed) learner wrote continues right after that entry: nothing twice, and nothing skipped while the stream
     still holds it (it keeps about :data:`AUDIT_MAXLEN`). A half-written last line (a crash mid-write) is cut off;
-    its entry is copied again. Lines are appended and flushed (and fsynced) per batch; the file is created 0644: it
-    holds no secret, and anyone who may read the run folder may read who did what in it.
+    its entry is copied again. Lines are appended and flushed (and fsynced) per batch; the file is 0600 in a 0700
+    folder (``common/private.py``): it holds no secret, but it reveals the run (its hosts, processes and refusals).
 
     :meth:`start` polls every ``period_s`` on a daemon thread; :meth:`close` stops it and copies what remains.
     """
@@ -414,8 +415,7 @@ class AuditMirror:
                 _failed("mirror", "poll", exc)
 
     def _append(self, lines: list[dict]) -> None:
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        with os.fdopen(fd, "a") as f:
+        with open_private(self.path, "a") as f:  # 0600 in a 0700 folder: the trail reveals the run
             f.writelines(json.dumps(line, default=str) + "\n" for line in lines)
             f.flush()
             os.fsync(f.fileno())
@@ -423,7 +423,7 @@ class AuditMirror:
     def _resume_point(self) -> str:
         """The ``id`` of the file's last complete line ("0-0" for a new file); a partial last line is cut off."""
         if not self.path.is_file():
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            private_dir(self.path.parent)
             return "0-0"
         last_id, end = _last_line_id(self.path)
         size = self.path.stat().st_size

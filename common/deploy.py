@@ -59,12 +59,15 @@ must need no quoting in a Redis config (``openssl rand -hex 32`` makes one)."""
 REDIS_CONF = """\
 # asyncrl's Redis: bound where the run's other hosts reach it (in a pod every interface: who may connect is the
 # NetworkPolicy's business), a password (requirepass, fed on standard input: it is in no file), and AOF so a restart
-# loses nothing (always: everysec lost acknowledged writes on a kill -9 of the server, common/outage.py).
+# loses nothing (always: everysec lost acknowledged writes on a kill -9 of the server, common/outage.py). Past
+# maxmemory a write fails loudly (noeviction): nothing of the run is ever evicted.
 bind {bind}
 port {port}
 dir {data_dir}
 appendonly yes
 appendfsync always
+maxmemory {maxmemory_mb}mb
+maxmemory-policy noeviction
 """
 """The Redis config file (holds no secret: a ConfigMap on Kubernetes)."""
 
@@ -90,6 +93,9 @@ class Site:
     """How long torchrun lets its ranks finish the step and checkpoint after SIGTERM before it kills them."""
     metrics_port: int = 9400
     """``monitoring.metrics_port``: the same on every process (each host or pod has its own address)."""
+    metrics_host: str = "0.0.0.0"
+    """``monitoring.metrics_host``: every interface, since Prometheus scrapes from another host or pod (the config's
+    default is loopback)."""
     zmq_port: int = 5555
     """Port of the reward workers' PULL socket (``transport.zmq_endpoint`` = every interface, this port)."""
     curve_server_key: str = ""
@@ -121,6 +127,7 @@ def learner(site: Site) -> Process:
         "--set", f"run.name={site.run}",
         "--set", f"run.root={site.root}",
         "--set", f"monitoring.metrics_port={site.metrics_port}",
+        "--set", f"monitoring.metrics_host={site.metrics_host}",
         "--set", f"transport.zmq_endpoint=tcp://0.0.0.0:{site.zmq_port}",
         "--redis-url-file", site.redis_url_file,
     )  # fmt: skip
@@ -151,10 +158,11 @@ def redis(site: Site) -> Process:
     return Process(("sh", "-c", REDIS_START, "redis", site.redis_conf, site.redis_password_file))
 
 
-def redis_conf(data_dir: str, port: int = 6379, bind: str = "* -::*") -> str:
+def redis_conf(data_dir: str, port: int = 6379, bind: str = "* -::*", maxmemory_mb: int = 3072) -> str:
     """The text of the Redis config file for data in ``data_dir`` (``* -::*``: every IPv4 and, where there is one,
-    IPv6 interface; Redis 7 syntax)."""
-    return REDIS_CONF.format(bind=bind, port=port, data_dir=data_dir)
+    IPv6 interface; Redis 7 syntax). ``maxmemory_mb``: below the Redis pod's memory limit (4 GiB), with room for the
+    AOF rewrite's buffers."""
+    return REDIS_CONF.format(bind=bind, port=port, data_dir=data_dir, maxmemory_mb=maxmemory_mb)
 
 
 def shell(process: Process) -> str:

@@ -40,6 +40,11 @@ CHANNEL_REFUSED_CLIENTS = Counter(
     "CURVE handshakes refused on a ZeroMQ channel because the client's public key is not authorised.",
     ["channel"],
 )
+CHANNEL_UNSEALED = Counter(
+    "asyncrl_channel_unsealed_messages_total",
+    "Messages refused on a ZeroMQ channel before decoding because their seal (the run secret's MAC) did not verify.",
+    ["channel"],
+)
 REPLAY_ENTRIES_ADDED = Counter("asyncrl_replay_entries_added_total", "Scored groups added to the replay stream.")
 REPLAY_ENTRIES_READ = Counter("asyncrl_replay_entries_read_total", "Scored groups read from the replay stream.")
 REPLAY_DEAD_LETTERS = Counter(
@@ -58,6 +63,10 @@ REWARD_REFUSED_GROUPS = Counter(
     "asyncrl_reward_refused_groups_total",
     "Rollout groups a reward worker refused without scoring (moved to the dead-letter stream), by reason.",
     ["reason"],
+)
+REWARD_REPLACED_TEXTS = Counter(
+    "asyncrl_reward_replaced_texts_total",
+    "Responses whose text, as sent, differed from the decode of their token ids; the decode was scored.",
 )
 REWARD_FAILED_CALLS = Counter(
     "asyncrl_reward_failed_calls_total",
@@ -286,14 +295,18 @@ def start_metrics_server(
     kind: str,
     port: int = 0,
     *,
-    addr: str = "0.0.0.0",
+    addr: str = "127.0.0.1",
     registry: CollectorRegistry = REGISTRY,
 ) -> MetricsServer:
-    """Serve ``/metrics`` on ``port`` (0 = a free one); put its :attr:`MetricsServer.url` in the heartbeat.
+    """Serve ``/metrics`` on ``addr``:``port`` (0 = a free port); put its :attr:`MetricsServer.url` in the heartbeat.
+
+    ``addr`` is ``monitoring.metrics_host``: loopback unless the config says otherwise (``0.0.0.0`` where Prometheus
+    scrapes from another host or pod), so a run on a shared machine does not show its metrics to the network.
 
     A fixed port already taken on this machine (two workers with one ``monitoring.metrics_port``) falls back to a
     free port, with a warning: the heartbeat, not the configured number, says where the endpoint is. The advertised
-    host is ``ASYNCRL_ADVERTISE_HOST`` when set (e.g. a pod IP), else this machine's host name.
+    host is ``addr`` itself when it is one address (loopback by default), else (every interface)
+    ``ASYNCRL_ADVERTISE_HOST`` when set (e.g. a pod IP), else this machine's host name.
     """
     try:
         server, thread = start_http_server(port, addr, registry=registry)
@@ -304,9 +317,17 @@ def start_metrics_server(
         server, thread = start_http_server(0, addr, registry=registry)
     if registry is REGISTRY:
         PROCESS_INFO.labels(run=run, process=process_id, kind=kind).set(1)
-    metrics_server = MetricsServer(server, thread, advertise_host())
-    log.info("serving metrics", process=process_id, url=metrics_server.url)
+    metrics_server = MetricsServer(server, thread, _metrics_host(addr))
+    log.info("serving metrics", process=process_id, url=metrics_server.url, bound=addr)
     return metrics_server
+
+
+def _metrics_host(addr: str) -> str:
+    """The host of the advertised URL: ``advertise_host()`` for a server on every interface, else the one address it
+    is bound to (a loopback server advertised by host name would be unreachable through it)."""
+    if addr in ("", "0.0.0.0", "::"):
+        return advertise_host()
+    return f"[{addr}]" if ":" in addr else addr
 
 
 def serve(port: int = 0, addr: str = "0.0.0.0") -> int:

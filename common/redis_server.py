@@ -17,6 +17,12 @@ runs there, and a start is refused while that process is alive and is a redis-se
 was killed (``kill -9``) or by a launcher that died names a process that is gone: it is stale, and the new server
 starts on the old AOF. A server started again on a folder takes the port and password of its ``url`` file (when the
 port is free), so the clients of the one that died reconnect to it as if it had never gone (``common/outage.py``).
+
+Only the run's user reads its data: the folder is 0700 and the server runs with umask 077, so the AOF it creates is
+0600 (``common/private.py``). ``maxmemory`` (``transport.redis_maxmemory_mb``) with ``maxmemory-policy noeviction``:
+past the limit a write fails with Redis's ``OOM command not allowed`` error, which every writer sees, instead of Redis
+evicting keys of the run (a lost manifest or prompt ledger would corrupt it silently) or the machine running out of
+memory.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from common.logs import get_logger
+from common.private import PRIVATE_UMASK, open_private, private_dir
 from common.procs import alive, name_and_state
 
 log = get_logger("redis")
@@ -67,13 +74,22 @@ class EmbeddedRedis:
     """A private redis-server in ``directory``; use as a context manager or call start()/stop().
 
     ``appendfsync``: Redis's AOF fsync policy (``always``: see the module docstring; a benchmark on tmpfs may pass
-    ``everysec``)."""
+    ``everysec``). ``maxmemory_mb``: Redis's memory limit, past which writes fail (0 = none; default
+    ``transport.redis_maxmemory_mb``'s)."""
 
     def __init__(
-        self, directory: str | Path, port: int = 0, password: str | None = None, appendfsync: str = "always"
+        self,
+        directory: str | Path,
+        port: int = 0,
+        password: str | None = None,
+        appendfsync: str = "always",
+        maxmemory_mb: int | None = None,
     ) -> None:
+        from common.config import TransportSection
+
         self.directory = Path(directory).resolve()
         self.appendfsync = appendfsync
+        self.maxmemory_mb = TransportSection().redis_maxmemory_mb if maxmemory_mb is None else maxmemory_mb
         previous_port, previous_password = _previous_address(self.directory / "url")
         self.port = port
         self._previous_port = previous_port  # taken at start when no port is given and it is free then
@@ -92,14 +108,19 @@ class EmbeddedRedis:
 
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
         """Start the server; refused (:class:`EmbeddedRedisError`) while another one runs on the folder."""
-        self.directory.mkdir(parents=True, exist_ok=True)
+        private_dir(self.directory)
         with self._locked() as fd:
             self._refuse_if_running(fd)
             self._spawn(timeout_s, fd)
-        url_file = self.directory / "url"
-        url_file.touch(mode=0o600)
-        url_file.write_text(self.url + "\n")
-        log.info("embedded redis started", dir=self.directory, port=self.port, pid=self.process.pid)
+        with open_private(self.directory / "url", "w") as url_file:
+            url_file.write(self.url + "\n")
+        log.info(
+            "embedded redis started",
+            dir=self.directory,
+            port=self.port,
+            pid=self.process.pid,
+            maxmemory_mb=self.maxmemory_mb or "none",
+        )
         return self
 
     def restart(self, timeout_s: float = 10.0) -> EmbeddedRedis:
@@ -173,15 +194,17 @@ class EmbeddedRedis:
         if not self.port:
             self.port = _free_or_zero(self._previous_port) or free_port()
         conf = self.directory / "redis.conf"
-        conf.touch(mode=0o600)
-        conf.write_text(self._config_text())
+        with open_private(conf, "w") as f:
+            f.write(self._config_text())
         log_path = self.directory / "redis.log"
-        self.process = subprocess.Popen(
-            [find_redis_server(), str(conf)],
-            stdout=subprocess.DEVNULL,
-            stderr=open(log_path, "ab"),  # noqa: SIM115 - the child owns it
-            start_new_session=True,  # a Ctrl-C to the parent must not kill Redis before the AOF flush
-        )
+        with open_private(log_path, "ab") as stderr:
+            self.process = subprocess.Popen(
+                [find_redis_server(), str(conf)],
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+                start_new_session=True,  # a Ctrl-C to the parent must not kill Redis before the AOF flush
+                umask=PRIVATE_UMASK,  # the AOF, its rewrites and the log: 0600, whatever the caller's umask
+            )
         _write_pid(lock_fd, self.process.pid)  # at once: a server that runs is always named in the lock
         self._wait_ready(timeout_s, log_path)
 
@@ -195,6 +218,8 @@ class EmbeddedRedis:
                 f'dir "{self.directory}"',
                 "appendonly yes",
                 f"appendfsync {self.appendfsync}",
+                f"maxmemory {self.maxmemory_mb}mb",
+                "maxmemory-policy noeviction",
                 'save ""',
                 "daemonize no",
                 f'logfile "{self.directory / "redis.log"}"',

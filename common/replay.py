@@ -17,6 +17,9 @@ Delivery semantics (Redis streams, https://redis.io/docs/latest/develop/data-typ
 - **Bound**: ``XADD MAXLEN ~ n`` trims the oldest entries once the stream holds about ``n``.
   Trimming also removes entries that were read but not acknowledged — size ``n`` well above
   what the learner holds in flight.
+- **Redis full**: past Redis's ``maxmemory`` (``noeviction``: nothing is evicted) an ``XADD`` fails
+  with ``OOM command not allowed``; :meth:`ReplayWriter.add` logs which setting to raise and
+  re-raises it (the worker exits rather than dropping scored groups).
 - **Bad entries**: an entry that does not decode is copied to the dead-letter stream with the
   reason, acknowledged, counted (``asyncrl_replay_dead_letters_total``, by field) and skipped
   (logged at the 1st, 10th, 100th, … of each field); the reader keeps going.
@@ -56,10 +59,23 @@ class ReplayWriter:
 
     def add(self, groups: Sequence[ScoredGroup]) -> list[str]:
         """XADD every group in one round trip; returns their stream ids."""
+        import redis  # lazy: keeps --help fast
+
         pipe = self.client.pipeline(transaction=False)
         for group in groups:
             pipe.xadd(self.keys.replay, {_BLOB_FIELD: encode_blob(group)}, maxlen=self.maxlen, approximate=True)
-        ids = [i.decode() for i in pipe.execute()]
+        try:
+            replies = pipe.execute()
+        except redis.exceptions.OutOfMemoryError:
+            log.error(
+                "Redis is full (maxmemory): it refused the scored groups",
+                stream=self.keys.replay,
+                groups=len(groups),
+                action="raise Redis's maxmemory: now with redis-cli CONFIG SET maxmemory, and "
+                "transport.redis_maxmemory_mb for its next start (or lower transport.replay_maxlen)",
+            )
+            raise
+        ids = [i.decode() for i in replies]
         REPLAY_ENTRIES_ADDED.inc(len(ids))
         return ids
 

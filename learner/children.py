@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from common.logs import get_logger
+from common.private import PRIVATE_UMASK, open_private, private_dir
 from common.procs import child_pids, cpu_list
 
 log = get_logger("launch")
@@ -59,8 +60,7 @@ class Children:
     """The processes one launcher started; ``stop_all`` ends them (SIGTERM, then SIGKILL) and only them."""
 
     def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir = private_dir(log_dir)
         self.procs: dict[str, subprocess.Popen] = {}
         self.subreaper = _become_subreaper()
         self._others = set(child_pids(os.getpid()))  # started before us (the embedded Redis): never adopted strays
@@ -70,14 +70,15 @@ class Children:
     ) -> subprocess.Popen:
         """Start ``cmd`` as ``name``; with ``cpus`` (a CPU list such as ``1-3,5``) pinned to those cores from its
         first instruction (``taskset`` execs it), so every thread and process it starts later stays on them."""
-        log_file = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - the child owns it
-        proc = subprocess.Popen(
-            pinned(cmd, cpus),
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-            start_new_session=True,  # our Ctrl-C is handled here, and then passed on as SIGTERM
-        )
+        with open_private(self.log_dir / f"{name}.log", "ab") as log_file:  # the child has its own copy
+            proc = subprocess.Popen(
+                pinned(cmd, cpus),
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})},
+                start_new_session=True,  # our Ctrl-C is handled here, and then passed on as SIGTERM
+                umask=PRIVATE_UMASK,  # what it writes under the run folder is the run's user's only
+            )
         self.procs[name] = proc
         log.info("started", process=name, pid=proc.pid, log=self.log_dir / f"{name}.log", cpus=cpus or "any")
         return proc

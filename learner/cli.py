@@ -24,11 +24,16 @@ SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a fiel
 def resolve(
     config: ConfigArg = None,
     set_: SetOpt = None,
-    redis: Annotated[str | None, typer.Option(help="Also publish the resolved config to this Redis URL.")] = None,
+    redis: Annotated[
+        str | None,
+        typer.Option(help="Also publish the resolved config to this Redis URL (ps shows it: see --redis-url-file)."),
+    ] = None,
+    redis_file: RedisFileOpt = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and print only; write nothing.")] = False,
 ) -> None:
-    """Validate a config, write runs/<name>/config.json and (with --redis) publish it for actors."""
-    from common.cliutil import load
+    """Validate a config, write runs/<name>/config.json and (with --redis or --redis-url-file) publish it for
+    actors."""
+    from common.cliutil import given_redis_url, load
     from common.config import write_resolved
     from learner.update import check_config
 
@@ -38,12 +43,13 @@ def resolve(
         return
     path = write_resolved(resolved)
     typer.echo(f"wrote {path}", err=True)
-    if redis:
+    url = given_redis_url(redis, redis_file) if redis or redis_file else None
+    if url:
         from common.control import ControlPlane
         from common.keys import connect
 
-        ControlPlane(connect(redis), resolved.run.name).run.publish_config(resolved)
-        typer.echo(f"published to {redis.split('@')[-1]} as run {resolved.run.name!r}", err=True)
+        ControlPlane(connect(url), resolved.run.name).run.publish_config(resolved)
+        typer.echo(f"published to {url.split('@')[-1]} as run {resolved.run.name!r}", err=True)
 
 
 @app.command("check-data")
@@ -197,7 +203,8 @@ def train(
             ranks.follow(resolved)
             return
     url = given_redis_url(redis, redis_file) or resolved.transport.redis_url  # none: an embedded Redis
-    server = None if url else EmbeddedRedis(resolved.run_dir / "redis").start()
+    memory = resolved.transport.redis_maxmemory_mb
+    server = None if url else EmbeddedRedis(resolved.run_dir / "redis", maxmemory_mb=memory).start()
     try:
         from common.tasks import TaskError
         from learner.checkpoint import CheckpointError
@@ -275,6 +282,9 @@ def make_preferences(
 
 
 def main() -> None:
+    from common.private import private_umask
+
+    private_umask()  # what the run writes (checkpoints by DeepSpeed included) is its user's only
     app()
 
 

@@ -49,6 +49,7 @@ def _run_redis(
     from common.config import write_resolved
     from common.control import ControlPlane
     from common.keys import connect
+    from common.private import private_dir
     from common.redis_server import EmbeddedRedis, EmbeddedRedisError
     from learner.update import check_config
 
@@ -56,9 +57,11 @@ def _run_redis(
     if curve:
         overrides += _curve_overrides(load(config, overrides, check=check_config))
     resolved = load(config, overrides, check=check_config)
+    private_dir(resolved.run_dir)  # 0700, also a folder an older run left readable (common/private.py)
     write_resolved(resolved)
     try:
-        server = EmbeddedRedis(resolved.run_dir / "redis").start()
+        memory = resolved.transport.redis_maxmemory_mb
+        server = EmbeddedRedis(resolved.run_dir / "redis", maxmemory_mb=memory).start()
     except EmbeddedRedisError as exc:
         fail(str(exc))
     try:
@@ -235,6 +238,9 @@ def _serve(server: EmbeddedRedis, resolved: RunConfig) -> int:
 
 
 def main() -> None:
+    from common.private import private_umask
+
+    private_umask()  # the run's files are its user's only, its children's too (they inherit it)
     app()
 
 

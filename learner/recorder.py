@@ -20,13 +20,13 @@ import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from common.audit import Audit, AuditMirror
 from common.config import RunConfig
 from common.control import ControlPlane
 from common.logs import get_logger
 from common.outage import settling
+from common.private import open_private
 from learner.alerts import ProcessFacts
 from learner.batch import TrainBatch
 from learner.batch_source import Taken
@@ -150,8 +150,7 @@ class Recorder:
 
     def _write(self, version: int, record: StepRecord) -> None:
         record.values.update({"step": float(version), "version": float(version), "time": time.time()})
-        self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
-        with Path(self.metrics_path).open("a") as f:
+        with open_private(self.metrics_path, "a") as f:
             f.write(json.dumps(record.values) + "\n")
         v = record.values
         log.info(

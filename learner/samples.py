@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common.private import open_private
 from common.wire import ScoredGroup
 
 MAX_TEXT = 2000
@@ -62,8 +63,7 @@ class SampleLog:
         if not self.due(step):
             return []
         rows = self.rows(step, groups, advantages)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a") as f:
+        with open_private(self.path, "a") as f:  # 0600: prompts and responses
             f.writelines(json.dumps(row) + "\n" for row in rows)
         return rows
 

@@ -96,7 +96,11 @@ class StepTelemetry:
         self.process_id = process_id or learner_process_id()
         self.publishes_summary = self.process_id == "learner"
         self.server = m.start_metrics_server(
-            config.run.name, self.process_id, "learner", config.monitoring.metrics_port
+            config.run.name,
+            self.process_id,
+            "learner",
+            config.monitoring.metrics_port,
+            addr=config.monitoring.metrics_host,
         )
         self.state, self.version = "starting", 0
         transport = config.transport

@@ -24,6 +24,7 @@ from common.channel import ChannelBlocked, CurveClient, PushChannel, create_keyp
 from common.control import ControlPlane
 from common.keys import RunKeys, dead_letter
 from common.metrics import AUDIT_FAILURES
+from common.seal import run_seal
 from common.wire import Heartbeat
 from tests.helpers.rollouts import issue, make_group
 from tests.integration.test_reward_worker import heartbeat, publish, start, stop, wait_for
@@ -145,15 +146,9 @@ def test_the_mirror_copies_each_entry_once_across_a_restart(redis_client, tmp_pa
     lines = jsonl(path)
     assert [line["n"] for line in lines] == list(range(9))  # no duplicate, no gap, the partial line gone
     assert [line["id"] for line in lines] == [i.decode() for i, _ in redis_client.xrange(RunKeys("mirror").audit)]
-    assert oct(path.stat().st_mode & 0o777) == oct(0o644 & ~_umask())
+    assert oct(path.stat().st_mode & 0o777) == oct(0o600)  # it reveals the run: its user's only
     third = AuditMirror(redis_client, "mirror", path)
     assert third.last_id == lines[-1]["id"] and third.pump() == 0
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def test_a_mirror_copies_big_batches_and_the_stream_is_trimmed(redis_client, tmp_path: Path) -> None:
@@ -237,7 +232,7 @@ def test_a_reward_worker_records_its_life_and_what_it_refused(redis_server, redi
         senders.append(stranger)
         with contextlib.suppress(ChannelBlocked):
             stranger.send(make_group(["1"], group_id="never"))
-        friend = PushChannel("rollouts", send_timeout_s=10)
+        friend = PushChannel("rollouts", send_timeout_s=10, seal=run_seal(redis_client, RunKeys(run), "rollouts"))
         friend.connect(beat.endpoint, CurveClient(Path(settings["transport.curve_client_key"]), server_key))
         senders.append(friend)
         group = make_group(["19"], group_id=f"{run}-1")

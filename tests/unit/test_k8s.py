@@ -320,6 +320,7 @@ def test_the_run_settings_make_a_valid_learner_config(overlay: str, tmp_path: Pa
     config = load_config(tmp_path / "run.toml", overrides)
     assert config.run.name == settings["run"]
     assert config.monitoring.metrics_port == deploy.KUBE.metrics_port
+    assert config.monitoring.metrics_host == "0.0.0.0"  # Prometheus scrapes from its own pod; the default is loopback
     assert config.transport.zmq_endpoint == f"tcp://0.0.0.0:{deploy.KUBE.zmq_port}"
     learner = container(workloads(objects)["learner"])
     gpus = int(learner["resources"].get("limits", {}).get("nvidia.com/gpu", 0))
@@ -614,6 +615,7 @@ def test_the_redis_command_starts_a_redis_that_needs_its_password(tmp_path: Path
             except redis_lib.ConnectionError:
                 time.sleep(0.05)
         assert client.config_get("appendonly") == {"appendonly": "yes"}
+        assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
         with pytest.raises(redis_lib.AuthenticationError):
             redis_lib.Redis(port=port).set("k", "v")
         assert password not in Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode()
