@@ -14,6 +14,13 @@ It is written into ``.tmp-step-<N>/``, every file is fsynced and hashed into the
 renamed to ``step-<N>`` (atomic): a folder named ``step-<N>`` with a manifest is complete. A resume verifies every
 file against the manifest and refuses a checkpoint with a changed or missing file, naming it.
 
+**A save that fails** removes its ``.tmp-step-<N>/``; when the disk refused it (full, read-only, not writable: an
+``OSError`` such as ENOSPC, or torch's ``[enforce fail at inline_container.cc] unexpected pos`` from a short write)
+the learner stops with one line (:class:`CheckpointError`, also logged) that names the folder, its mount point and
+free bytes, and what to do. A ``.tmp-step-*`` left by a learner that died mid-save never blocks anything: the next
+learner removes it at start (or, where it cannot, ignores it: only ``step-<N>`` folders with a manifest count), and a
+save removes one of its own name before it starts.
+
 **What lives where.** The control plane and the replay stream live in Redis (AOF-persisted) and are *not* rolled back
 by a resume: group ids, the ``created``/``released`` counters (the prompt stream's position), the in-flight ledger,
 the queue, the replay stream and its consumer group hold groups that the discarded steps never saw, and rolling them
@@ -34,6 +41,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -41,6 +49,7 @@ import random
 import re
 import shutil
 import time
+import traceback
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -51,6 +60,7 @@ import torch
 
 from common.config import RunConfig
 from common.logs import get_logger
+from common.private import open_private, private_dir
 from learner import dist, ranks
 
 if TYPE_CHECKING:
@@ -318,33 +328,68 @@ class Checkpointer:
         self.critic = critic
         self.tokenizer = tokenizer
         self.root = config.run_dir / "checkpoints"
+        if dist.rank() == 0:
+            remove_partial_saves(self.root)
 
     def save(self, state: SavedState) -> Path:
-        """Write ``state`` and the engines to ``step-<N>`` (temporary folder, manifest, rename), then prune."""
+        """Write ``state`` and the engines to ``step-<N>`` (temporary folder, manifest, rename), then prune.
+
+        A failed save removes its temporary folder; a disk that refused it raises :class:`CheckpointError` naming
+        the disk (:func:`disk_refusal`). Collective: a rank whose DeepSpeed shard failed fails every rank's save.
+        """
         started = time.perf_counter()
         final, tmp = self.root / f"step-{state.step}", self.root / f".tmp-step-{state.step}"
         ranks.lead("save", state)
         state.has_critic = self.critic is not None
         state.world_size = dist.world_size()
         state.rank_rngs = dist.all_gather_object(capture_rng())[1:]
+        try:
+            entries = self._write(state, tmp, final)
+        except Exception as exc:
+            refusal = disk_refusal(exc, tmp)  # the free bytes at the failure, before the clean-up gives some back
+            if refusal is not None:
+                _release_files(exc)
+            if dist.rank() == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if refusal is None:
+                raise
+            if tmp.exists():
+                refusal += f"; {tmp} could not be removed either (ignored by a resume; delete it when you can)"
+            log.error("checkpoint not saved", step=state.step, reason=state.reason, problem=refusal)
+            raise CheckpointError(refusal) from exc
         if dist.rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
-            tmp.mkdir(parents=True)
+            self._log_saved(state, final, entries, time.perf_counter() - started)
+            prune(self.root, self.config.checkpoint.keep, self.config.checkpoint.keep_best)
         dist.barrier()
-        self.policy.engine.save_checkpoint(str(tmp / "policy"), tag=DS_TAG, save_latest=False)
-        if self.critic is not None:
-            self.critic.engine.save_checkpoint(str(tmp / "critic"), tag=DS_TAG, save_latest=False)
+        return final
+
+    def _write(self, state: SavedState, tmp: Path, final: Path) -> dict[str, dict[str, Any]]:
+        """The files of :meth:`save` into ``tmp``, then renamed to ``final`` (rank 0); the manifest's entries."""
+        if dist.rank() == 0:
+            _remove_partial(tmp)  # of a save of this step that died: a fresh folder, never a FileExistsError
+            private_dir(tmp)  # 0700 (the weights); what DeepSpeed writes in it follows the umask
+        dist.barrier()
+        failed = None
+        try:
+            self.policy.engine.save_checkpoint(str(tmp / "policy"), tag=DS_TAG, save_latest=False)
+            if self.critic is not None:
+                self.critic.engine.save_checkpoint(str(tmp / "critic"), tag=DS_TAG, save_latest=False)
+        except (OSError, RuntimeError) as exc:  # told to every rank first, so that none waits for a shard
+            failed = exc
+        problems = [p for p in dist.all_gather_object(None if failed is None else str(failed)) if p is not None]
+        if failed is not None:
+            raise failed
+        if problems:
+            raise RuntimeError(f"another learner rank could not write its checkpoint shard: {problems[0]}")
         params = self.policy.state_dict_for_broadcast() if self.config.checkpoint.export_hf else {}
+        entries: dict[str, dict[str, Any]] = {}
         if dist.rank() == 0:
             if self.config.checkpoint.export_hf:
                 export_hf(self.policy.module, params, self.tokenizer, tmp / "hf")
             (tmp / STATE).write_text(state.to_json())
             entries = write_manifest(tmp)
             _replace(tmp, final)
-            self._log_saved(state, final, entries, time.perf_counter() - started)
-            prune(self.root, self.config.checkpoint.keep, self.config.checkpoint.keep_best)
-        dist.barrier()
-        return final
+        return entries
 
     def _log_saved(self, state: SavedState, path: Path, entries: dict[str, dict[str, Any]], seconds: float) -> None:
         parts: dict[str, int] = {}
@@ -415,6 +460,113 @@ def _replace(tmp: Path, final: Path) -> None:
         _fsync(final.parent)
 
 
+PARTIAL_SAVE = ".tmp-step-*"
+"""The temporary folders of saves in progress (or of saves that died: no learner saves at its start)."""
+_DISK_FULL_TEXT = ("unexpected pos", "file write failed", "No space left", "Disk quota exceeded")
+"""How torch's zip writer (``[enforce fail at inline_container.cc] unexpected pos``, ``PytorchStreamWriter failed
+writing file … file write failed``) and the safetensors writer report a short write: without an errno."""
+_DISK_ERRNO_TEXT = {errno.EROFS: "Read-only file system", errno.EACCES: "Permission denied"}
+_OCTAL = re.compile(r"\\([0-7]{3})")  # mountinfo writes a space in a path as \040
+
+
+def _release_files(exc: BaseException) -> None:
+    """Drop the local variables of the frames ``exc`` (and what it was raised from) went through: a writer that
+    failed mid-file (torch's zip writer) still holds its file open from there, and a deleted file that is open keeps
+    its space on the disk until the error object is gone."""
+    seen: set[int] = set()
+    chain: BaseException | None = exc
+    while chain is not None and id(chain) not in seen:
+        seen.add(id(chain))
+        traceback.clear_frames(chain.__traceback__)
+        chain = chain.__cause__ or chain.__context__
+
+
+def _remove_partial(tmp: Path) -> None:
+    if tmp.exists():
+        shutil.rmtree(tmp)  # raises: a folder that cannot be removed is the disk's refusal, named by the caller
+        log.warning("removed a checkpoint folder that a save left unfinished", path=tmp)
+
+
+def remove_partial_saves(root: Path) -> list[Path]:
+    """Remove the ``.tmp-step-*`` folders under ``root`` (left by learners that died while saving); one that cannot
+    be removed (a read-only disk) is named in a warning and ignored: nothing reads or counts it."""
+    removed = []
+    for tmp in sorted(root.glob(PARTIAL_SAVE)) if root.is_dir() else []:
+        try:
+            shutil.rmtree(tmp)
+        except OSError as exc:
+            log.warning(
+                "left an unfinished checkpoint folder in place (it is ignored)",
+                path=tmp,
+                error=exc.strerror or exc,
+                action=f"delete it when its disk is writable: rm -r {tmp}",
+            )
+        else:
+            log.warning("removed a checkpoint folder that a save left unfinished", path=tmp)
+            removed.append(tmp)
+    return removed
+
+
+def disk_refusal(exc: BaseException, path: Path) -> str | None:
+    """The one line a person reads when the disk under ``path`` refused a write — full (ENOSPC, EDQUOT, or torch's
+    short-write error), read-only (EROFS) or not writable (EACCES, EPERM) — naming the path, its mount point, the
+    free bytes there and what to do; None when ``exc`` is something else."""
+    codes, texts = set(), []
+    chain: BaseException | None = exc
+    while chain is not None and len(texts) < 8:  # the errors it was raised from, too
+        if isinstance(chain, OSError) and chain.errno is not None:
+            codes.add(chain.errno)
+        texts.append(str(chain))
+        chain = chain.__cause__ or chain.__context__
+    text = " ".join(texts)
+    codes |= {code for code, words in _DISK_ERRNO_TEXT.items() if words in text}
+    mount, free, total = disk_of(path)
+    where = f"{path} (on the file system mounted at {mount}: {free} bytes free of {total})"
+    reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+    if codes & {errno.ENOSPC, errno.EDQUOT} or any(words in text for words in _DISK_FULL_TEXT):
+        what = (
+            f"the disk is full: free space on {mount}, keep fewer checkpoints (checkpoint.keep) or write smaller ones "
+            "(checkpoint.export_hf = false), or give the run a larger disk (run.root)"
+        )
+    elif errno.EROFS in codes:
+        what = f"{mount} is mounted read-only: remount it read-write, or give the run a writable disk (run.root)"
+    elif codes & {errno.EACCES, errno.EPERM}:
+        what = f"this user (uid {os.getuid()}) may not write there: fix the folder's owner or permissions"
+    else:
+        return None
+    return f"checkpoint not saved: writing {where} failed ({reason}); {what}"
+
+
+def disk_of(path: Path) -> tuple[Path, int, int]:
+    """``(mount point, free bytes, total bytes)`` of the file system holding ``path`` (or its nearest existing
+    parent); free is what this user may still write (``f_bavail``)."""
+    existing = Path(os.path.realpath(path))
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    mount = _mount_point(existing)
+    try:
+        usage = shutil.disk_usage(existing)
+    except OSError:
+        return mount, -1, -1
+    return mount, usage.free, usage.total
+
+
+def _mount_point(path: Path) -> Path:
+    """The longest mount point above ``path`` in ``/proc/self/mountinfo`` (which also knows bind mounts of a folder,
+    where ``os.path.ismount`` does not); ``os.path.ismount`` where there is no such file."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    points = [Path(_OCTAL.sub(lambda m: chr(int(m[1], 8)), line.split()[4])) for line in lines if len(line.split()) > 4]
+    if points:
+        return max((p for p in points if path == p or p in path.parents), key=lambda p: len(p.parts), default=path)
+    mount = path
+    while not os.path.ismount(mount) and mount != mount.parent:
+        mount = mount.parent
+    return mount
+
+
 def reward_of(path: Path) -> float | None:
     """The mean reward a checkpoint recorded, or None (none recorded, or unreadable)."""
     try:
@@ -472,10 +624,11 @@ def truncate_metrics(path: Path, step: int) -> tuple[int, int]:
         except (ValueError, KeyError, TypeError):
             moved.append(line)
     if moved:
-        with path.with_name(f"{path.stem}.discarded.jsonl").open("a") as f:
+        with open_private(path.with_name(f"{path.stem}.discarded.jsonl"), "a") as f:
             f.writelines(line + "\n" for line in moved)
         tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
+        with open_private(tmp, "w") as f:
+            f.write("".join(line + "\n" for line in kept))
         tmp.replace(path)
     return len(kept), len(moved)
 

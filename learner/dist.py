@@ -65,8 +65,32 @@ def init_distributed(timeout: timedelta = DEFAULT_TIMEOUT) -> str:
     _set_single_rank_defaults()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    if os.environ["WORLD_SIZE"] == "1":
+        _init_one_rank(backend, timeout)  # DeepSpeed then wraps this group
+    from learner.jit_lock import clear_stale_locks
+
+    clear_stale_locks()  # DeepSpeed builds its CPU op next: a dead build's lock would make it wait forever
     import_deepspeed().init_distributed(dist_backend=backend, timeout=timeout)
     return backend
+
+
+def _init_one_rank(backend: str, timeout: timedelta) -> None:
+    """The default group of a one-rank world, with nothing that listens beyond loopback.
+
+    ``env://`` would start a TCPStore server on MASTER_PORT, and that server listens on every interface whatever
+    MASTER_ADDR says: anyone who reaches the host could read and write its keys. One rank has nobody to meet, so an
+    in-process ``HashStore`` does. Gloo's own socket goes on loopback too (it otherwise binds the address the host name
+    resolves to); an operator's ``GLOO_SOCKET_IFNAME`` wins. Several ranks (torchrun) use the launcher's store.
+    """
+    own_ifname = "GLOO_SOCKET_IFNAME" not in os.environ and backend == "gloo"
+    if own_ifname:  # read when the group is made; the weight group, made later, chooses its own address
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # Linux's loopback interface
+    try:
+        store = torch.distributed.HashStore()
+        torch.distributed.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+    finally:
+        if own_ifname:
+            del os.environ["GLOO_SOCKET_IFNAME"]
 
 
 def rank() -> int:

@@ -13,7 +13,9 @@ DeepSpeed's division by the accumulation steps, and multiplies by the data-paral
 (not sums) gradients over ranks. One rank with one micro-batch, one rank with many, and many ranks all give the same
 gradient — ``tests/integration/test_learner_engine.py`` checks it.
 
-DeepSpeed is imported through :mod:`learner.dist` (its accelerator is fixed at first import).
+DeepSpeed is imported through :mod:`learner.dist` (its accelerator is fixed at first import). Before DeepSpeed builds
+or loads a JIT-compiled op, a build lock that a killed process left in torch's extension cache is cleared
+(:mod:`learner.jit_lock`): otherwise the build waits for it forever.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from transformers import AutoModelForCausalLM
 from common.config import LearnerSection, RunConfig
 from learner import dist
 from learner.health import step_is_finite
+from learner.jit_lock import clear_stale_locks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ADAM_BETAS = (0.9, 0.999)
@@ -223,6 +226,7 @@ class PolicyEngine:
             cpu=dist.configure_accelerator() == "cpu",
         )
         model = self._load_model()
+        clear_stale_locks()  # an op this config needs (cpu_adam for offload) is built on the next line
         self.engine, *_ = self.deepspeed.initialize(
             model=model,
             model_parameters=[p for p in model.parameters() if p.requires_grad],

@@ -21,6 +21,14 @@ sees the gloo connection close and exits non-zero, and the launcher (torchrun) e
 makes rank 0's next collective fail the same way. Either way the run resumes from its last checkpoint with the same
 number of ranks (a checkpoint records its ranks; another number is refused: DeepSpeed's ZeRO state is partitioned
 by rank).
+
+**Where the ranks meet.** One rank (``rl-learner train``, ``rl-launch``) starts its default group on an in-process
+store, with nothing listening beyond loopback (:func:`learner.dist.init_distributed`). Several ranks meet on the
+launcher's store: torchrun's agent runs a TCPStore on ``--master-port`` (static rendezvous) or on the
+``--rdzv-endpoint`` port (``--standalone`` picks a free one), and a TCPStore server accepts connections on every
+interface whatever ``--master-addr`` says, with no password. So on one host use ``--standalone`` (or
+``--master-addr 127.0.0.1``) and keep that port closed to other hosts (a firewall; on Kubernetes the learner's
+NetworkPolicy); across hosts, run the ranks on a network only the learner's hosts reach.
 """
 
 from __future__ import annotations
