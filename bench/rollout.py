@@ -35,6 +35,7 @@ from common.control import ControlPlane
 from common.keys import connect
 from common.redis_server import EmbeddedRedis
 from common.rendezvous import RedisStore
+from common.seal import run_seal
 from common.tasks import TASK_ALPHABET, get_task, prompt_group
 from common.weights import GroupAddress, WeightGroup, pack_sealed
 from common.wire import Heartbeat, PromptGroup, RolloutGroup, WeightManifest
@@ -157,7 +158,7 @@ def main() -> None:
                 ],
             )
         )
-        pull = PullChannel("rollouts", RolloutGroup, hwm=1000)
+        pull = PullChannel("rollouts", RolloutGroup, hwm=1000, seal=run_seal(plane.client, plane.keys, "rollouts"))
         endpoint = pull.bind("tcp://127.0.0.1:0")
         collector = Heartbeat(process_id="bench-collector", kind="reward", state="ready", endpoint=endpoint)
         plane.registry.beat(collector, 3600)

@@ -18,6 +18,10 @@ Delivery semantics (ZeroMQ PUSH/PULL, https://zguide.zeromq.org/docs/chapter2/):
   process, so it is not counted. libzmq queues a whole multi-frame message before the process
   sees its first frame and bounds only each frame, so a peer that may connect can still make one
   message large: beyond loopback only CURVE-authorised peers may.
+- **Membership**: a channel with a :class:`~common.seal.Seal` sends every message with the run secret's MAC as an
+  extra first frame, and its receiving end refuses a message whose seal does not verify before decoding any of it:
+  counted (``asyncrl_channel_unsealed_messages_total``), logged at the 1st, 10th, 100th, …, handed to
+  ``on_unsealed``, never dead-lettered (a stranger's bytes are not the run's to keep). Loopback included.
 - **Security**: CURVE encryption and authentication; required whenever a socket binds beyond
   loopback, optional on loopback. The binding side holds the server secret key and accepts only
   the client public keys found in its authorised-keys folder (re-read when an unknown key knocks, so
@@ -45,8 +49,10 @@ from common.metrics import (
     CHANNEL_REFUSED_CLIENTS,
     CHANNEL_SENT,
     CHANNEL_SENT_BYTES,
+    CHANNEL_UNSEALED,
     WIRE_MALFORMED,
 )
+from common.seal import Seal, absorb, finish
 from common.wire import Decoder, Limits, WireError, encode
 
 log = get_logger("channel")
@@ -270,15 +276,20 @@ class _Channel:
 class PushChannel(_Channel):
     """The sending end; blocks at the high-water mark for up to ``send_timeout_s`` (None = forever)."""
 
-    def __init__(self, name: str, hwm: int = 64, send_timeout_s: float | None = None) -> None:
+    def __init__(
+        self, name: str, hwm: int = 64, send_timeout_s: float | None = None, seal: Seal | None = None
+    ) -> None:
         super().__init__(zmq.PUSH, name, hwm)
         self.socket.sndtimeo = -1 if send_timeout_s is None else int(send_timeout_s * 1000)
+        self.seal = seal
 
     def send(self, message: Any) -> None:
         self.send_frames(encode(message))
 
     def send_frames(self, frames: Sequence[Any]) -> None:
-        """Send already-encoded frames; arrays go out without a copy."""
+        """Send already-encoded frames (sealed first when the channel has a seal); arrays go out without a copy."""
+        if self.seal is not None:
+            frames = self.seal.seal(frames)
         try:
             self.socket.send_multipart(frames, copy=False)
         except zmq.Again:
@@ -304,6 +315,8 @@ class PullChannel(_Channel):
         hwm: int = 64,
         limits: Limits | None = None,
         on_malformed: Callable[[list[Any], WireError], None] | None = None,
+        seal: Seal | None = None,
+        on_unsealed: Callable[[int], None] | None = None,
     ) -> None:
         super().__init__(zmq.PULL, name, hwm)
         self.limits = limits or Limits()
@@ -313,6 +326,9 @@ class PullChannel(_Channel):
         self.on_malformed = on_malformed
         self.malformed = 0
         self._malformed_by_label: dict[str, int] = {}  # keys: WireError.label, bounded by the schema
+        self.seal = seal
+        self.on_unsealed = on_unsealed
+        self.unsealed = 0
 
     def recv(self, timeout_s: float | None = None) -> Any | None:
         """The next well-formed message, or None when none arrived within ``timeout_s`` (malformed ones are counted
@@ -324,7 +340,12 @@ class PullChannel(_Channel):
                 wait_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
                 if not self.socket.poll(wait_ms, zmq.POLLIN):
                     return None
-            frames = self._recv_frames()
+            frames, sealed = self._recv_frames()
+            if not sealed:
+                self._count_unsealed()
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
+                continue
             try:
                 message = self.decoder.decode(frames)
             except WireError as exc:
@@ -335,19 +356,45 @@ class PullChannel(_Channel):
             CHANNEL_RECEIVED.labels(self.name).inc()
             return message
 
-    def _recv_frames(self) -> list[Any]:
-        """The frames of the next message. Past ``max_frames`` frames or ``max_bytes`` in all, the rest are read and
-        dropped: the decoder refuses what was kept (too many frames, too large) without this process holding more.
-        (libzmq itself queues a whole message before its first frame can be read, and bounds only each frame.)"""
-        frame = self.socket.recv(copy=False)
-        frames, size, more = [frame], len(frame), frame.more
+    def _recv_frames(self) -> tuple[list[Any], bool]:
+        """The frames of the next message, and whether its seal verified (always True on a channel without a seal).
+
+        Past ``max_frames`` frames or ``max_bytes`` in all, the rest are read and dropped: the decoder refuses what was
+        kept (too many frames, too large) without this process holding more. (libzmq itself queues a whole message
+        before its first frame can be read, and bounds only each frame.) The seal covers every frame, dropped ones
+        included, so membership is known for the whole message while only a bounded part of it is kept.
+        """
+        first = self.socket.recv(copy=False)
+        hasher = self.seal.hasher() if self.seal is not None else None
+        frames = [] if hasher is not None else [first]  # a sealed message's first frame is its tag
+        size, more, count = sum(len(f) for f in frames), first.more, 0
         while more:
             frame = self.socket.recv(copy=False)
-            more = frame.more
+            more, count = frame.more, count + 1
+            if hasher is not None:
+                absorb(hasher, frame)
             if len(frames) <= self.limits.max_frames and size <= self.limits.max_bytes:
                 frames.append(frame)
                 size += len(frame)
-        return frames
+        if hasher is None:
+            return frames, True
+        assert self.seal is not None
+        return frames, self.seal.verifies(first, finish(hasher, count))
+
+    def _count_unsealed(self) -> None:
+        """A message without a valid seal: refused before decoding, counted, logged at the 1st, 10th, 100th, …"""
+        self.unsealed += 1
+        CHANNEL_UNSEALED.labels(self.name).inc()
+        if self.on_unsealed is not None:
+            self.on_unsealed(self.unsealed)
+        if worth_logging(self.unsealed):
+            log.warning(
+                "refused a message without a valid seal",
+                channel=self.name,
+                refused=self.unsealed,
+                action="only processes that reach the run's Redis (and so its secret) may send here; "
+                "a flood of these is a local or remote peer that is not one of the run's processes",
+            )
 
     def _count_malformed(self, frames: list[Any], exc: WireError) -> None:
         """Count (by field label), hand to ``on_malformed``, and log the 1st, 10th, 100th, … of each field."""

@@ -44,6 +44,7 @@ import numpy as np
 
 from common.config import RunConfig
 from common.prompts import Prompter
+from common.seal import group_tag
 from common.tasks import FileTask, Task, TaskExample, get_task, prompt_group, task_label
 from common.wire import PromptGroup, ScoredGroup
 
@@ -75,9 +76,11 @@ def eval_examples(config: RunConfig, prompter: Prompter) -> list[TaskExample]:
     return [prompter.apply(task.sample(rng)) for _ in range(count)]
 
 
-def eval_group_id(run: str, step: int, index: int) -> str:
-    """The id of eval prompt ``index`` of the round at ``step`` (unique in the run; recognisable in Redis)."""
-    return f"{run}-eval{step:06d}-{index:05d}"
+def eval_group_id(run: str, step: int, index: int, secret: bytes = b"") -> str:
+    """The id of eval prompt ``index`` of the round at ``step`` (unique in the run; recognisable in Redis); with the
+    run ``secret``, it ends in a tag nobody without the secret can predict (``common/seal.py: group_tag``)."""
+    stem = f"{run}-eval{step:06d}-{index:05d}"
+    return f"{stem}-{group_tag(secret, ('eval', step, index))}" if secret else stem
 
 
 def eval_groups(
@@ -87,13 +90,16 @@ def eval_groups(
     step: int,
     version: int,
     now: float | None = None,
+    secret: bytes = b"",
 ) -> list[PromptGroup]:
-    """One round's prompt groups: ``purpose = "eval"`` with the round's own sampling settings."""
+    """One round's prompt groups: ``purpose = "eval"`` with the round's own sampling settings (ids keyed by the run
+    ``secret`` when given: :func:`eval_group_id`)."""
     now = time.time() if now is None else now
     label, section, longest = task_label(config.task), config.eval, eval_max_new_tokens(config)
+    ids = [eval_group_id(config.run.name, step, i, secret) for i in range(len(examples))]
     return [
         dataclasses.replace(
-            prompt_group(eval_group_id(config.run.name, step, i), label, ex, encode, section.num_samples, version, now),
+            prompt_group(ids[i], label, ex, encode, section.num_samples, version, now),
             purpose="eval",
             temperature=section.temperature,
             max_new_tokens=longest,

@@ -31,6 +31,7 @@ from common.logs import get_logger, worth_logging
 from common.prompts import Prompter
 from common.provenance import issue_mismatch
 from common.replay import ReplayEntry, ReplayReader
+from common.seal import run_secret
 from common.wire import PromptGroup, ScoredGroup
 
 log = get_logger("eval")
@@ -80,7 +81,8 @@ class EvalRounds:
         """Issue the round of ``version`` if one is due and not issued yet (by this learner)."""
         if not self.due(version):
             return False
-        groups = eval_groups(self.config, self.examples, self.encode, version, version)
+        secret = run_secret(self.plane.client, self.plane.keys)
+        groups = eval_groups(self.config, self.examples, self.encode, version, version, secret=secret)
         self.plane.prompts.issue_eval(groups)
         self.open[version] = Round(version, time.time(), {g.group_id: g for g in groups})
         self._issued.add(version)

@@ -7,7 +7,9 @@ ran a shell command in the reward worker), a group under an id the run never iss
 own prompt, and — as a forger who somehow read the live group's issue record — the right prompt with 12 KB
 responses, with a token version from the future, and with the wrong number of responses; and, as a reward worker
 that checked nothing would, three of them straight into the replay stream. Each is refused with its reason and
-dead-lettered, nothing is trained on them, and the run then trains every real group exactly once (the hijacked
+dead-lettered, nothing is trained on them. That forger holds the run secret (an insider who reached the run's Redis);
+a stranger on the same machine who sends the same groups, and a right-looking group under every live id, without it
+is refused before any of them is decoded, and the run then trains every real group exactly once (the hijacked
 ids included) and completes.
 """
 
@@ -22,12 +24,14 @@ import pytest
 
 from common.channel import PushChannel
 from common.control import ControlPlane
-from common.keys import connect
+from common.keys import DEAD_LETTER_EXCERPT, connect
 from common.replay import ReplayWriter
-from common.wire import Decoder, PromptGroup, RolloutGroup, ScoredGroup, decode_blob
+from common.seal import numbered_group_id, run_seal, run_secret
+from common.wire import PromptGroup, RolloutGroup, ScoredGroup
 from tests.e2e.test_resume import DEMO, Processes, _wait
 from tests.e2e.test_system import BIN, ROOT, model_dir  # noqa: F401 - model_dir is a fixture
 from tests.helpers.runs import step_rows
+from tests.helpers.scrape import metric
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 RUN, STEPS, GROUPS = "forged", 8, 16
@@ -51,6 +55,11 @@ def honest(issued: PromptGroup, lengths: list[int], versions: int = 0) -> Rollou
         actor_id="forger",
         issued_version=issued.issued_version,
     )
+
+
+def right_texts(plane: ControlPlane) -> list[RolloutGroup]:
+    """A group for every id in flight, as a stranger who predicted the ids would send them: K responses of token 0."""
+    return [honest(plane.prompts.load_group(g), [1] * 8) for g in sorted(plane.prompts.ledger())]
 
 
 def queued_ids(plane: ControlPlane, count: int) -> list[str]:
@@ -96,18 +105,30 @@ def test_forged_groups_are_refused_and_every_real_group_is_trained_once(tmp_path
         live, _ = plane.registry.processes()
         [endpoint] = [h.endpoint for h in live if h.kind == "reward"]
         sent = forgeries(plane)
-        push = PushChannel("rollouts", send_timeout_s=10)
+        # An insider: it holds the run secret (it reached the run's Redis), so its messages pass the seal and meet
+        # the issue-record checks. A stranger on the same machine sends the same groups and more without the seal.
+        push = PushChannel("rollouts", send_timeout_s=10, seal=run_seal(plane.client, plane.keys, "rollouts"))
         push.connect(endpoint)
+        stranger = PushChannel("rollouts", send_timeout_s=10)
+        stranger.connect(endpoint)
         try:
             for _, _, group in (f for f in sent if f[0] == "socket"):
                 push.send(group)
+                stranger.send(group)
+            sprayed = [dataclasses.replace(g, texts=["19"] * 8) for g in right_texts(plane)]
+            for group in sprayed:
+                stranger.send(group)  # right answers over other token ids, under every id it knows is in flight
             rigged = [ScoredGroup(rollout=g, rewards=np.ones(8, np.float32)) for w, _, g in sent if w == "replay"]
             ReplayWriter(plane.client, plane.keys).add(rigged)
             # the socket closes with linger 0: wait until every forgery was refused by the worker or the learner
             _wait(lambda: plane.client.xlen(plane.keys.dead) >= len(sent), "every refusal", learner)
         finally:
             push.close()
+            stranger.close()
         assert not (run_dir / "metrics.jsonl").exists()  # no step trained on them
+        [worker] = [h for h in plane.registry.processes()[0] if h.kind == "reward"]
+        unsealed = len([f for f in sent if f[0] == "socket"]) + len(sprayed)
+        _wait(lambda: metric(worker, "asyncrl_channel_unsealed_messages_total") == unsealed, "the stranger's", learner)
         procs.start("actor-0", [BIN / "rl-actor", *run_args, "--id", "actor-0"], {"VLLM_CPU_OMP_THREADS_BIND": "1"})
         assert learner.wait(900) == 0, procs.log("learner")[-3000:]
         assert procs.procs["reward"].poll() is None  # the worker lived through all of it
@@ -123,8 +144,8 @@ def test_forged_groups_are_refused_and_every_real_group_is_trained_once(tmp_path
 
 
 def _check_refusals(plane: ControlPlane, sent: list[tuple[str, str, RolloutGroup]]) -> None:
-    """Each forgery is in the dead-letter stream once, refused where expected, with its reason and whole payload;
-    nothing else is there (no real group)."""
+    """Each forgery is in the dead-letter stream once, refused where expected, with its reason and its payload (a
+    large one's first bytes, with its size and digest); nothing else is there (no real group)."""
     expected = Counter(
         ("learner:refused" if where == "replay" or "newest" in reason else "reward:refused", reason)
         for where, reason, _ in sent
@@ -135,11 +156,10 @@ def _check_refusals(plane: ControlPlane, sent: list[tuple[str, str, RolloutGroup
         matches = [key for key in expected if key[0] == source and key[1] in reason]
         assert len(matches) == 1, (source, reason)
         found[matches[0]] += 1
-        if source == "reward:refused":
-            group = decode_blob(Decoder(RolloutGroup), fields[b"payload"])
-        else:
-            group = decode_blob(Decoder(ScoredGroup), fields[b"payload"]).rollout
-        assert group.actor_id == "forger"
+        if int(fields[b"size"]) > len(fields[b"payload"]):  # the oversized forgery: its start is kept, not all of it
+            assert len(fields[b"payload"]) == DEAD_LETTER_EXCERPT and len(fields[b"digest"]) == 64
+            continue
+        assert b"forger" in fields[b"payload"]  # the excerpt kept holds the header, which names the sender
     assert found == expected
 
 
@@ -150,7 +170,8 @@ def _audit(plane: ControlPlane, hijacked: set[str]) -> None:
     counts = plane.prompts.dispatch_counts()
     done = {g.decode() for g in plane.client.smembers(plane.keys.done)}
     in_flight = {g.decode() for g in plane.client.hkeys(plane.keys.inflight)}
-    issued = {f"{RUN}-{n:08d}" for n in range(counts["created"])}
+    secret = run_secret(plane.client, plane.keys)
+    issued = {numbered_group_id(RUN, n, secret) for n in range(counts["created"])}
     assert set(trained) <= done and len(done - set(trained)) == counts.get("discarded", 0)
     assert len(issued - done - in_flight) == counts.get("lost", 0) == 0  # no real group lost to a forgery
     assert hijacked <= set(trained) | in_flight  # the real groups behind hijacked ids were not pushed out

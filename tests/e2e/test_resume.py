@@ -22,6 +22,7 @@ import pytest
 
 from common.control import ControlPlane
 from common.keys import connect
+from common.seal import numbered_group_id, run_secret
 from learner.checkpoint import complete_checkpoints
 from tests.e2e.test_system import BIN, ROOT, model_dir  # noqa: F401 - model_dir is a fixture
 from tests.helpers.runs import step_rows
@@ -205,6 +206,7 @@ def _audit(plane: ControlPlane, trained_expected: int, retrained: set[str]) -> N
     assert set(trained) <= done
     assert len(done - set(trained)) == counts.get("discarded", 0) + counts.get("restore_lost", 0)
     assert counts.get("restore_retrained", 0) == len(retrained)
-    issued = {f"{RUN}-{n:08d}" for n in range(counts["created"])}
+    secret = run_secret(plane.client, plane.keys)
+    issued = {numbered_group_id(RUN, n, secret) for n in range(counts["created"])}
     in_flight = {g.decode() for g in plane.client.hkeys(plane.keys.inflight)}
     assert len(issued - done - in_flight) == counts.get("lost", 0)  # lost after a re-issue, counted

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 
 from common.control import ControlPlane
+from common.seal import numbered_group_id, run_secret
 
 
 def account_groups(plane: ControlPlane, steps: int, groups_per_step: int) -> dict[str, int]:
@@ -20,7 +21,8 @@ def account_groups(plane: ControlPlane, steps: int, groups_per_step: int) -> dic
     per_step = Counter(trained.values())
     assert per_step == dict.fromkeys(range(1, steps + 1), groups_per_step), per_step
     counts = plane.prompts.dispatch_counts()
-    issued = {f"{run}-{n:08d}" for n in range(counts["created"])}
+    secret = run_secret(plane.client, plane.keys)
+    issued = {numbered_group_id(run, n, secret) for n in range(counts["created"])}
     done = {g.decode() for g in plane.client.smembers(plane.keys.done)}
     in_flight = {g.decode() for g in plane.client.hkeys(plane.keys.inflight)}
     assert set(trained) <= done <= issued and in_flight <= issued and not done & in_flight

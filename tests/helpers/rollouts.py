@@ -1,14 +1,46 @@
-"""Tiny hand-built rollout groups: the texts, finish reasons and lengths a reward function reads."""
+"""Tiny hand-built rollout groups: the texts, finish reasons and lengths a reward function reads, over token ids
+that decode to those texts under the tests' character tokenizer (:func:`tokenizer_dir`)."""
 
 from __future__ import annotations
 
+import atexit
+import functools
+import shutil
+import tempfile
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
 from common.control import ControlPlane
 from common.wire import PromptGroup, RolloutGroup
+
+
+@functools.cache
+def char_tokenizer():
+    """The character tokenizer of the tests' tiny models (one token per character of the task alphabet)."""
+    from common.tasks import TASK_ALPHABET
+    from common.tiny_model import build_char_tokenizer
+
+    return build_char_tokenizer(TASK_ALPHABET)
+
+
+@functools.cache
+def tokenizer_dir() -> Path:
+    """A folder holding only :func:`char_tokenizer`'s files: the ``model.path`` of a run whose reward workers decode
+    responses but load no model (removed when the test process exits)."""
+    from common.tiny_model import _save_tokenizer
+
+    folder = Path(tempfile.mkdtemp(prefix="asyncrl-test-tokenizer-"))
+    atexit.register(shutil.rmtree, folder, True)
+    _save_tokenizer(char_tokenizer(), folder)
+    return folder
+
+
+def encode(text: str) -> list[int]:
+    """``text``'s token ids under :func:`char_tokenizer` (no BOS): they decode back to ``text``."""
+    return list(char_tokenizer().encode(text, add_special_tokens=False))
 
 
 def make_group(
@@ -21,11 +53,16 @@ def make_group(
     answer: str = "19",
     group_id: str | None = None,
 ) -> RolloutGroup:
-    """A group with one response per text; lengths default to the character counts (a character-level model).
-
-    Token ids, log-probs and versions are zeros of the right sizes: no reward function reads them.
+    """A group with one response per text. Without ``lengths``, each response's token ids are its text's under the
+    character tokenizer (what a reward worker decodes and scores); with ``lengths``, they are zeros of those sizes
+    (for code that reads lengths, not texts). Log-probs and versions are zeros: no reward function reads them.
     """
-    lengths = [len(t) for t in texts] if lengths is None else list(lengths)
+    if lengths is None:
+        ids = [encode(t) for t in texts]
+        lengths, token_ids = [len(i) for i in ids], np.asarray([t for i in ids for t in i], np.int32)
+    else:
+        lengths = list(lengths)
+        token_ids = np.zeros(sum(lengths), np.int32)
     total = sum(lengths)
     return RolloutGroup(
         group_id=group_id or uuid.uuid4().hex,
@@ -33,7 +70,7 @@ def make_group(
         prompt=prompt,
         prompt_ids=np.zeros(len(prompt), np.int32),
         answer=answer,
-        token_ids=np.zeros(total, np.int32),
+        token_ids=token_ids,
         logprobs=np.zeros(total, np.float32),
         versions=np.zeros(total, np.int32),
         lengths=np.asarray(lengths, np.int32),

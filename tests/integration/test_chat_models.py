@@ -27,6 +27,7 @@ from common.config import RunConfig
 from common.control import ControlPlane
 from common.prompts import Prompter, model_vocab_size
 from common.replay import ReplayWriter
+from common.seal import run_seal
 from common.tasks import TaskExample
 from common.tiny_chat_model import ARCHITECTURES, IM_END, chat_examples, init_chat_model, warm_start_chat
 from common.wire import Heartbeat, RolloutGroup, ScoredGroup
@@ -121,7 +122,7 @@ def test_the_learner_trains_exactly_the_ids_the_actor_generated(
         expected = prompter.encode(prompter.text(TaskExample("", row["answer"], tuple(row["messages"]))))
         assert group.prompt_ids.tolist() == expected and group.prompt.endswith("<|im_start|>assistant\n")
 
-    pull = PullChannel("rollouts", RolloutGroup)
+    pull = PullChannel("rollouts", RolloutGroup, seal=run_seal(plane.client, plane.keys, "rollouts"))
     endpoint = pull.bind("tcp://127.0.0.1:0")
     plane.registry.beat(Heartbeat(process_id="collector", kind="reward", state="ready", endpoint=endpoint), 3600)
     actor = start_actor(redis_server.url)

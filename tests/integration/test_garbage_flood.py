@@ -30,6 +30,7 @@ import zmq
 from common import synthetic
 from common.control import ControlPlane
 from common.keys import DEAD_LETTER_MAXLEN, RunKeys
+from common.seal import run_seal
 from common.wire import encode, encode_blob
 from tests.helpers.garbage import bad_blob, bad_messages
 from tests.helpers.rollouts import issue, make_group
@@ -102,7 +103,11 @@ def test_reward_worker_survives_a_garbage_flood_on_its_pull_socket(redis_server,
     plane = ControlPlane(redis_client, run)
     first, last = make_group(["19"], group_id="before"), make_group(["19", "20"], group_id="after")
     issue(plane, first, last)
-    pool = list(itertools.islice(bad_messages(first, MAX_BYTES, seed=1, weights=WEIGHTS), 4000))
+    # Sealed with the run secret, as a member's buggy process would send it: a stranger's garbage is refused before
+    # decoding (test_reward_worker.py), this is the decoder's own flood.
+    seal = run_seal(redis_client, RunKeys(run), "rollouts")
+    bad = itertools.islice(bad_messages(first, MAX_BYTES, seed=1, weights=WEIGHTS), 4000)
+    pool = [(kind, seal.seal(frames)) for kind, frames in bad]
     with reward_worker(redis_server, redis_client, tmp_path, run) as (proc, endpoint):
         log = tmp_path / f"{run}.log"
         port = int(heartbeat(redis_client, run, "rw-1").metrics_url.rsplit(":", 1)[1].split("/")[0])
@@ -113,13 +118,13 @@ def test_reward_worker_survives_a_garbage_flood_on_its_pull_socket(redis_server,
         big.linger = 0
         big.connect(endpoint)
         try:
-            push.send_multipart(encode(first), copy=False)
+            push.send_multipart(seal.seal(encode(first)), copy=False)
             assert [e.group.rollout.group_id for e in read_replay(redis_client, run, 1)] == ["before"]
             rss_before = rss(proc.pid)
             sent, seconds = flood(push, pool)
             for _ in range(3):
                 big.send(bytes(MAX_BYTES + 1))
-            push.send_multipart(encode(last), copy=False)  # after every bad one on the same connection
+            push.send_multipart(seal.seal(encode(last)), copy=False)  # after every bad one on the same connection
             drained = time.perf_counter()
             scored = read_replay(redis_client, run, 1, timeout_s=300)
             drained = time.perf_counter() - drained

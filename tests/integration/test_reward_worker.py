@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -17,10 +18,11 @@ import pytest
 from common.channel import PushChannel
 from common.config import load_config
 from common.control import ControlPlane
-from common.keys import RunKeys
+from common.keys import DEAD_LETTER_EXCERPT, RunKeys
 from common.replay import ReplayEntry, ReplayReader
-from common.wire import Decoder, Heartbeat, RolloutGroup, decode_blob
-from tests.helpers.rollouts import issue, make_group
+from common.seal import Seal, run_seal
+from common.wire import Decoder, Heartbeat, RolloutGroup, decode_blob, encode_blob
+from tests.helpers.rollouts import issue, make_group, tokenizer_dir
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,9 +32,8 @@ STALL = "tests.helpers.slow_rewards:stall"
 
 def publish(redis_client, run: str, *overrides: str) -> None:
     """Publish a run config as the learner would (fast heartbeats, so the tests wait less)."""
-    config = load_config(
-        None, [f"run.name={run}", "transport.heartbeat_s=0.2", "transport.heartbeat_ttl_s=5", *overrides]
-    )
+    fast = ["transport.heartbeat_s=0.2", "transport.heartbeat_ttl_s=5", f"model.path={tokenizer_dir()}"]
+    config = load_config(None, [f"run.name={run}", *fast, *overrides])
     ControlPlane(redis_client, run).run.publish_config(config)
 
 
@@ -102,8 +103,11 @@ def metric(heartbeat_: Heartbeat, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
-def sender(endpoint: str) -> PushChannel:
-    push = PushChannel("rollouts", send_timeout_s=10)
+def sender(endpoint: str, redis_client=None, run: str = "") -> PushChannel:
+    """A PUSH socket connected to ``endpoint``; with a run, its messages are sealed with the run's secret (as an
+    actor's are), else they carry no seal (a stranger's)."""
+    seal = run_seal(redis_client, RunKeys(run), "rollouts") if run else None
+    push = PushChannel("rollouts", send_timeout_s=10, seal=seal)
     push.connect(endpoint)
     return push
 
@@ -117,10 +121,10 @@ def test_scores_right_and_wrong_answers_and_survives_malformed_messages(redis_se
     other = make_group(["7", "19"], finish_reasons=["stop", "length"], prompt="3+4=", answer="7", group_id="g-2")
     log = tmp_path / f"{run}.log"
     with reward_worker(redis_server, redis_client, tmp_path, run) as (proc, endpoint):
-        push = sender(endpoint)
+        push = sender(endpoint, redis_client, run)
         try:
-            push.socket.send_multipart([b"\x93garbage"])  # a malformed header
-            push.socket.send_multipart([b"\x01", b"\x02"])  # not msgpack at all
+            push.send_frames([b"\x93garbage"])  # a malformed header (sealed: a member's bug, not a stranger)
+            push.send_frames([b"\x01", b"\x02"])  # not msgpack at all
             issue(ControlPlane(redis_client, run), right_and_wrong, other)
             push.send(right_and_wrong)
             push.send(other)
@@ -149,13 +153,13 @@ def test_a_timing_out_function_is_retried_then_dead_lettered_while_others_are_sc
 ) -> None:
     run = "timeouts"
     calls = tmp_path / "calls.txt"
-    stall = f'{{name="{STALL}", options={{stall="stall-", seconds=2.0, log="{calls}"}}}}'
+    stall = f'{{name="{STALL}", options={{stall="stall-", seconds=60.0, log="{calls}"}}}}'
     publish(
         redis_client, run, f'reward.functions=[{{name="task"}}, {stall}]', "reward.timeout_s=0.3", "reward.retries=2"
     )
     log = tmp_path / f"{run}.log"
     with reward_worker(redis_server, redis_client, tmp_path, run) as (proc, endpoint):
-        push = sender(endpoint)
+        push = sender(endpoint, redis_client, run)
         try:
             group = make_group(["19", "18"], group_id="stall-1")
             issue(ControlPlane(redis_client, run), group)
@@ -183,7 +187,7 @@ def test_a_timing_out_function_is_retried_then_dead_lettered_while_others_are_sc
         assert metric(beat, "asyncrl_reward_dead_lettered_groups_total") == 1
         started = time.monotonic()
         stop(proc, log)  # abandoned calls still sleeping must not hold the exit
-        assert time.monotonic() - started < 1.5
+        assert time.monotonic() - started < 30  # the abandoned calls sleep 60 s: the exit did not wait for them
 
 
 def test_sigterm_finishes_the_group_in_hand_and_leaves_the_registry(redis_server, redis_client, tmp_path) -> None:
@@ -193,7 +197,7 @@ def test_sigterm_finishes_the_group_in_hand_and_leaves_the_registry(redis_server
     publish(redis_client, run, f"reward.functions=[{slow}]")
     log = tmp_path / f"{run}.log"
     with reward_worker(redis_server, redis_client, tmp_path, run) as (proc, endpoint):
-        push = sender(endpoint)
+        push = sender(endpoint, redis_client, run)
         try:
             group = make_group(["19"], group_id="slow-1")
             issue(ControlPlane(redis_client, run), group)
@@ -215,7 +219,7 @@ def test_a_worker_whose_calls_keep_hanging_dead_letters_the_group_and_exits_1(
     publish(redis_client, run, f"reward.functions=[{hang}]", "reward.timeout_s=0.1", "reward.retries=20")
     log = tmp_path / f"{run}.log"
     with reward_worker(redis_server, redis_client, tmp_path, run) as (proc, endpoint):
-        push = sender(endpoint)
+        push = sender(endpoint, redis_client, run)
         try:
             group = make_group(["19"], group_id="hang-1")
             issue(ControlPlane(redis_client, run), group)
@@ -260,7 +264,7 @@ def test_a_task_name_from_the_wire_never_selects_or_imports_anything(redis_serve
     hostile = [make_group([f"touch {marker}"], task=name, group_id=f"h-{i}") for i, name in enumerate(names)]
     log = tmp_path / f"{run}.log"
     with reward_worker(redis_server, redis_client, tmp_path, run) as (proc, endpoint):
-        push = sender(endpoint)
+        push = sender(endpoint, redis_client, run)
         try:
             real = make_group(["19"], group_id="g-real")
             issue(ControlPlane(redis_client, run), real, *hostile)  # even under ids in flight: the task decides
@@ -273,10 +277,11 @@ def test_a_task_name_from_the_wire_never_selects_or_imports_anything(redis_serve
         assert [e.group.rollout.group_id for e in entries] == ["g-real"]  # refused ones were never written
         assert entries[0].group.rewards.tolist() == [1.0]  # the real group still scored by the config's verifier
         wait_for(lambda: redis_client.xlen(RunKeys(run).dead) == len(names), proc, log, "every refusal")
-        for (_, fields), name in zip(redis_client.xrange(RunKeys(run).dead), names, strict=True):
+        for (_, fields), name, group in zip(redis_client.xrange(RunKeys(run).dead), names, hostile, strict=True):
             assert fields[b"source"] == b"reward:refused"
             assert f"task {name!r} is not this run's task 'arithmetic'" in fields[b"reason"].decode()
-            assert decode_blob(Decoder(RolloutGroup), fields[b"payload"]).group_id.startswith("h-")  # nothing lost
+            blob = encode_blob(group)  # its start is kept, and the whole one's size and digest
+            assert fields[b"payload"] == blob[:DEAD_LETTER_EXCERPT] and int(fields[b"size"]) == len(blob)
         assert metric(heartbeat(redis_client, run, "rw-1"), "asyncrl_reward_refused_groups_total") == len(names)
         assert not marker.exists()
         assert proc.poll() is None  # alive and serving
@@ -285,38 +290,95 @@ def test_a_task_name_from_the_wire_never_selects_or_imports_anything(redis_serve
 
 
 def test_only_groups_that_answer_an_issue_record_in_flight_are_scored(redis_server, redis_client, tmp_path) -> None:
-    """Issue 15: a forged group never reaches a reward function (with code_tests: the sandbox). A late twin of a
-    group already trained is still scored: the learner counts it as a duplicate, as before."""
+    """A forged group never reaches a reward function (with code_tests: the sandbox), whatever its id's state: a
+    group whose id was already trained is refused and counted too, a huge one included (it used to be scored)."""
     run = "issued-only"
     publish(redis_client, run, "rollout.max_new_tokens=8")
     plane = ControlPlane(redis_client, run)
     real, done = make_group(["19", "18"], group_id="g-real"), make_group(["19", "1"], group_id="g-done")
     issue(plane, real, done)
-    plane.prompts.retire_groups(["g-done"], completed=True)  # trained already; its re-issued twin may still arrive
+    plane.prompts.retire_groups(["g-done"], completed=True)  # trained already
     forged = {
         "never issued": make_group(["19", "19"], group_id="g-never"),
         "its prompt differs": make_group(["7", "7"], prompt="3+4=", answer="7", group_id="g-real"),
         "its answer differs": make_group(["18", "18"], answer="18", group_id="g-real"),
         "a response has 9 tokens": make_group(["19", "123456789"], group_id="g-real"),
         "it has 3 responses": make_group(["19", "19", "19"], group_id="g-real"),
+        "its id was already trained": make_group(["19", "1"], group_id="g-done"),
+        "its id was already trained ": make_group(["7"] * 2000, prompt="3+4=", answer="7", group_id="g-done"),
     }
     log = tmp_path / f"{run}.log"
     with reward_worker(redis_server, redis_client, tmp_path, run) as (proc, endpoint):
-        push = sender(endpoint)
+        push = sender(endpoint, redis_client, run)
         try:
             for group in forged.values():
                 push.send(group)
             push.send(real)
-            push.send(done)
-            entries = read_replay(redis_client, run, 2)
+            entries = read_replay(redis_client, run, 1)
         finally:
             push.close()
-        assert sorted(e.group.rollout.group_id for e in entries) == ["g-done", "g-real"]
-        assert {e.group.rollout.group_id: e.group.rewards.tolist() for e in entries}["g-real"] == [1.0, 0.0]
+        assert [e.group.rollout.group_id for e in entries] == ["g-real"]
+        assert entries[0].group.rewards.tolist() == [1.0, 0.0]
         wait_for(lambda: redis_client.xlen(RunKeys(run).dead) == len(forged), proc, log, "every refusal")
         reasons = [fields[b"reason"].decode() for _, fields in redis_client.xrange(RunKeys(run).dead)]
         for expected, reason in zip(forged, reasons, strict=True):
-            assert expected in reason
+            assert expected.strip() in reason
         assert metric(heartbeat(redis_client, run, "rw-1"), "asyncrl_reward_refused_groups_total") == len(forged)
         assert plane.prompts.has_group("g-real")  # the real group behind the hijacked id is still in flight
         stop(proc, log)
+
+
+def test_what_is_scored_is_the_decode_of_the_token_ids(redis_server, redis_client, tmp_path) -> None:
+    """Texts that say the right answer over token ids that say another are scored for the ids: the worker replaces
+    every text with the decode of its ids before any reward function reads it, and counts what it replaced."""
+    run = "decoded"
+    publish(redis_client, run)
+    plane = ControlPlane(redis_client, run)
+    honest, lying = make_group(["19", "7"], group_id="g-honest"), make_group(["99", "19"], group_id="g-lying")
+    lying = dataclasses.replace(lying, texts=["19", "19"])  # "19" is scored right; the ids under it say "99"
+    issue(plane, honest, lying)
+    log = tmp_path / f"{run}.log"
+    with reward_worker(redis_server, redis_client, tmp_path, run) as (proc, endpoint):
+        push = sender(endpoint, redis_client, run)
+        try:
+            push.send(honest)
+            push.send(lying)
+            entries = {e.group.rollout.group_id: e.group for e in read_replay(redis_client, run, 2)}
+        finally:
+            push.close()
+        assert entries["g-honest"].rewards.tolist() == [1.0, 0.0]
+        assert entries["g-lying"].rewards.tolist() == [0.0, 1.0]  # "99" scored wrong, "19" right
+        assert entries["g-lying"].rollout.texts == ["99", "19"]  # what the learner and samples.jsonl see
+        assert metric(heartbeat(redis_client, run, "rw-1"), "asyncrl_reward_replaced_texts_total") == 1
+        stop(proc, log)
+
+
+def test_a_message_without_the_run_seal_is_refused_before_decoding(redis_server, redis_client, tmp_path) -> None:
+    """A local process that reaches the worker's loopback socket but not the run's Redis cannot seal a message: a
+    well-formed group under a live id is refused unread, counted, and never dead-lettered; the real one is scored."""
+    run = "sealed"
+    publish(redis_client, run)
+    plane = ControlPlane(redis_client, run)
+    real = make_group(["19"], group_id="g-real")
+    issue(plane, real)
+    log = tmp_path / f"{run}.log"
+    with reward_worker(redis_server, redis_client, tmp_path, run) as (proc, endpoint):
+        stranger, member = sender(endpoint), sender(endpoint, redis_client, run)
+        wrong_key = PushChannel("rollouts", send_timeout_s=10, seal=Seal(b"x" * 32, "rollouts"))
+        wrong_key.connect(endpoint)
+        try:
+            for push in (stranger, wrong_key):
+                push.send(dataclasses.replace(real, texts=["19"]))
+                push.socket.send_multipart([b"\x93garbage"])
+            member.send(real)
+            entries = read_replay(redis_client, run, 1)
+        finally:
+            for push in (stranger, wrong_key, member):
+                push.close()
+        assert [e.group.rollout.group_id for e in entries] == ["g-real"]
+        beat = heartbeat(redis_client, run, "rw-1")
+        wait_for(lambda: metric(beat, "asyncrl_channel_unsealed_messages_total") == 4, proc, log, "4 refusals")
+        assert metric(beat, "asyncrl_wire_malformed_messages_total") == 0  # never decoded
+        assert redis_client.xlen(RunKeys(run).dead) == 0
+        stop(proc, log)
+    assert log.read_text().count("refused a message without a valid seal") == 1

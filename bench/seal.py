@@ -1,0 +1,97 @@
+"""What membership and scoring-what-is-trained cost per rollout group.
+
+Three figures for each group size (8 responses × ``--tokens`` tokens, int32 ids, float32 log-probs, int32 versions):
+
+- ``seal_us``: sealing one encoded group (keyed BLAKE2b over every frame) — the sender's added work;
+- ``push_pull_us`` with and without a seal: one group PUSHed and PULLed (decoded and validated) over loopback ZeroMQ
+  in one process, per group, the median of ``--rounds`` rounds; their difference is the whole per-message overhead
+  on the data plane (seal + verify);
+- ``decode_us``: the decode of a group's token ids with the tiny models' character tokenizer (what the reward worker
+  scores and the learner checks).
+
+Both sides of each ratio run in the same process, alternating, on the same core.
+
+    python bench/seal.py [--tokens 64 1024] [--groups 2000] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common import synthetic
+from common.channel import PullChannel, PushChannel
+from common.seal import Seal
+from common.wire import RolloutGroup, encode
+
+
+def per_group_us(fn, groups: int) -> float:
+    started = time.perf_counter()
+    for _ in range(groups):
+        fn()
+    return (time.perf_counter() - started) / groups * 1e6
+
+
+def push_pull_us(frames: list, seal: Seal | None, groups: int) -> float:
+    """Microseconds per group through PUSH → PULL (decode and validate included), in batches of 32."""
+    pull = PullChannel("bench", RolloutGroup, hwm=64, seal=seal)
+    push = PushChannel("bench", hwm=64, seal=seal)
+    push.connect(pull.bind("tcp://127.0.0.1:0"))
+    try:
+        push.send_frames(frames)
+        assert pull.recv(timeout_s=10) is not None  # connected
+        started = time.perf_counter()
+        for _ in range(groups // 32):
+            for _ in range(32):
+                push.send_frames(frames)
+            for _ in range(32):
+                assert pull.recv(timeout_s=10) is not None
+        return (time.perf_counter() - started) / (groups // 32 * 32) * 1e6
+    finally:
+        push.close()
+        pull.close()
+
+
+def measure(tokens: int, groups: int, rounds: int) -> dict[str, float]:
+    from common.response_text import ResponseTexts
+    from common.tasks import TASK_ALPHABET
+    from common.tiny_model import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer(TASK_ALPHABET)
+    group = synthetic.rollout_group(8, tokens, seed=0, vocab_size=len(tokenizer))
+    frames, seal = encode(group), Seal(bytes(32), "bench")
+    plain, sealed = [], []
+    for _ in range(rounds):
+        plain.append(push_pull_us(frames, None, groups))
+        sealed.append(push_pull_us(frames, seal, groups))
+    texts = ResponseTexts(tokenizer)
+    return {
+        "bytes": sum(memoryview(f).nbytes for f in frames),
+        "seal_us": round(per_group_us(lambda: seal.seal(frames), groups), 2),
+        "push_pull_us": round(statistics.median(plain), 2),
+        "push_pull_sealed_us": round(statistics.median(sealed), 2),
+        "seal_overhead": round(statistics.median(sealed) / statistics.median(plain), 3),
+        "decode_us": round(per_group_us(lambda: texts.decode(group), max(groups // 10, 10)), 2),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[64, 1024])
+    parser.add_argument("--groups", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    figures = {f"{t}_tokens": measure(t, args.groups, args.rounds) for t in args.tokens}
+    for name, row in figures.items():
+        print(name, row)
+    print(json.dumps({"responses_per_group": 8, "cores": "one process, one core", **figures}))
+
+
+if __name__ == "__main__":
+    main()
