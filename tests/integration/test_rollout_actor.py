@@ -26,8 +26,9 @@ import torch
 from common.channel import PullChannel
 from common.config import load_config
 from common.control import ControlPlane
-from common.procs import child_pids, descendants, name_and_state
+from common.procs import child_pids, descendants, name_and_state, parent_of
 from common.rendezvous import RedisStore
+from common.seal import run_seal
 from common.tasks import TASK_ALPHABET, get_task, prompt_group
 from common.tiny_model import init_model
 from common.weights import GroupAddress, WeightGroup, pack_sealed
@@ -71,7 +72,7 @@ def plane(redis_client, model_dir: Path) -> ControlPlane:
 @pytest.fixture
 def rollouts(plane: ControlPlane) -> Iterator[PullChannel]:
     """A PULL socket registered as a reward worker, so actors push their groups here."""
-    pull = PullChannel("rollouts", RolloutGroup)
+    pull = PullChannel("rollouts", RolloutGroup, seal=run_seal(plane.client, plane.keys, "rollouts"))
     endpoint = pull.bind("tcp://127.0.0.1:0")
     plane.registry.beat(Heartbeat(process_id="collector", kind="reward", state="ready", endpoint=endpoint), ttl_s=3600)
     yield pull
@@ -330,6 +331,30 @@ def test_kill_9_of_an_actor_leaves_no_vllm_process_behind(redis_server, plane) -
         while (left := {p for p in below if alive(p)}) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not left, f"{len(left)} of the actor's {len(below)} vLLM processes outlived it by 10 s: {sorted(left)}"
+    finally:
+        if actor.poll() is None:
+            actor.kill()
+            actor.wait()
+
+
+def test_kill_9_of_an_actor_while_its_engine_starts_leaves_no_vllm_process_behind(redis_server, plane) -> None:
+    """Killed the moment EngineCore has started its worker (loading the model, long before the worker loads the
+    weight receiver): EngineCore follows the actor from its own start (the lifeline plugin, ``actors/lifeline.py``)
+    and the worker follows EngineCore. (Killed before EngineCore's handshake with the actor, EngineCore gives up by
+    itself after vLLM's handshake timeout.)"""
+    actor = start_actor(redis_server.url, "a1", "0")
+    try:
+        workers = lambda: [p for p in descendants(actor.pid) if parent_of(p) != actor.pid]  # noqa: E731
+        wait_for(workers, "EngineCore's worker under the actor", 300)
+        seen = set(descendants(actor.pid))
+        actor.kill()
+        actor.wait()
+        deadline = time.monotonic() + 180  # the orphan imports vLLM (seconds) before it reaches the plugin
+        while (left := {p for p in seen if alive(p)}) and time.monotonic() < deadline:
+            for pid in left:  # whatever an orphan starts meanwhile is followed too
+                seen |= set(descendants(pid))
+            time.sleep(0.2)
+        assert not left, f"{len(left)} of the actor's {len(seen)} vLLM processes outlived it: {sorted(left)}"
     finally:
         if actor.poll() is None:
             actor.kill()

@@ -1,0 +1,72 @@
+"""Which processes an actor's vLLM process ends with it, and how vLLM reaches the lifeline (``actors/lifeline.py``)."""
+
+from __future__ import annotations
+
+import tomllib
+from importlib import import_module
+from pathlib import Path
+
+import pytest
+
+from actors import lifeline
+
+ROOT = Path(__file__).resolve().parents[2]
+ACTOR = 4242
+
+
+@pytest.fixture
+def watched(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int | None]]:
+    """What :func:`lifeline.follow_actor` decided, with no thread watching a real process and nothing killed."""
+    calls: list[tuple[str, int, int | None]] = []
+    monkeypatch.setattr(lifeline, "_following", None)
+    monkeypatch.setattr(lifeline, "_watch", lambda actor, core: calls.append(("watch", actor, core)))
+    monkeypatch.setattr(lifeline, "_end", lambda actor, core: calls.append(("end", actor, core)))
+    monkeypatch.setenv(lifeline.ACTOR_PID_ENV, str(ACTOR))
+    return calls
+
+
+def family(monkeypatch: pytest.MonkeyPatch, parent: int, grandparent: int) -> None:
+    monkeypatch.setattr(lifeline.os, "getppid", lambda: parent)
+    monkeypatch.setattr(lifeline, "parent_of", lambda pid: grandparent if pid == parent else 0)
+
+
+def test_vllm_loads_the_lifeline_as_a_general_plugin_in_every_engine_process() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    [(name, target)] = project["project"]["entry-points"]["vllm.general_plugins"].items()
+    module, _, function = target.partition(":")
+    assert name == "asyncrl_lifeline" and getattr(import_module(module), function) is lifeline.follow_actor
+
+
+def test_engine_core_watches_the_actor_that_is_its_parent(watched, monkeypatch) -> None:
+    family(monkeypatch, parent=ACTOR, grandparent=1)
+    lifeline.follow_actor().join(5)
+    assert watched == [("watch", ACTOR, None)]  # nothing above it to take down but itself
+
+
+def test_a_worker_under_engine_core_takes_engine_core_down_with_it(watched, monkeypatch) -> None:
+    family(monkeypatch, parent=777, grandparent=ACTOR)
+    lifeline.follow_actor().join(5)
+    assert watched == [("watch", ACTOR, 777)]
+
+
+def test_an_orphan_ends_alone_and_never_signals_the_reaper_that_adopted_it(watched, monkeypatch) -> None:
+    """The actor is gone before the process looked: its parent is PID 1 (or a subreaper), not EngineCore."""
+    family(monkeypatch, parent=1, grandparent=0)
+    assert lifeline.follow_actor() is None
+    assert watched == [("end", ACTOR, None)]
+
+
+def test_one_watch_per_process_however_often_it_is_asked(watched, monkeypatch) -> None:
+    family(monkeypatch, parent=ACTOR, grandparent=1)
+    first = lifeline.follow_actor()
+    assert lifeline.follow_actor() is first  # the plugin and the receiver extension both call it
+    first.join(5)
+    assert watched == [("watch", ACTOR, None)]
+
+
+def test_nothing_to_follow_outside_an_actors_engine(watched, monkeypatch) -> None:
+    monkeypatch.delenv(lifeline.ACTOR_PID_ENV)
+    assert lifeline.follow_actor() is None  # any other vLLM in the environment loads the plugin too
+    monkeypatch.setenv(lifeline.ACTOR_PID_ENV, str(lifeline.os.getpid()))
+    assert lifeline.follow_actor() is None  # the actor itself
+    assert watched == []
