@@ -338,10 +338,10 @@ def test_kill_9_of_an_actor_leaves_no_vllm_process_behind(redis_server, plane) -
 
 
 def test_kill_9_of_an_actor_while_its_engine_starts_leaves_no_vllm_process_behind(redis_server, plane) -> None:
-    """Killed the moment EngineCore has started its worker (loading the model, long before the worker loads the
-    weight receiver): EngineCore follows the actor from its own start (the lifeline plugin, ``actors/lifeline.py``)
-    and the worker follows EngineCore. (Killed before EngineCore's handshake with the actor, EngineCore gives up by
-    itself after vLLM's handshake timeout.)"""
+    """Killed the moment EngineCore has started its worker: every vLLM process ends (EngineCore follows the actor
+    from its own start through the lifeline plugin, ``actors/lifeline.py``; a worker that finds the actor gone ends
+    itself, and EngineCore ends with a dead worker). Killed before EngineCore's handshake with the actor, EngineCore
+    gives up by itself at vLLM's handshake timeout (5 minutes): not covered here."""
     actor = start_actor(redis_server.url, "a1", "0")
     try:
         workers = lambda: [p for p in descendants(actor.pid) if parent_of(p) != actor.pid]  # noqa: E731
