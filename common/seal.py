@@ -71,12 +71,12 @@ class Seal:
 
     def verifies(self, tag: Any, digest: bytes) -> bool:
         """Whether a received tag frame equals the digest computed over the frames that followed it (constant time)."""
-        return hmac.compare_digest(bytes(_view(tag)), digest)
+        return hmac.compare_digest(bytes(memoryview(getattr(tag, "buffer", tag))), digest)
 
 
 def absorb(hasher: Any, frame: Any) -> None:
     """Feed one frame, with its length, into a seal's hasher."""
-    view = _view(frame)
+    view = memoryview(getattr(frame, "buffer", frame))  # a zmq frame's buffer, else the bytes-like itself
     hasher.update(_LENGTH.pack(view.nbytes))
     hasher.update(view)
 
@@ -85,10 +85,6 @@ def finish(hasher: Any, frame_count: int) -> bytes:
     """The tag of the ``frame_count`` frames fed into ``hasher``."""
     hasher.update(_LENGTH.pack(frame_count))
     return hasher.digest()[:TAG_BYTES]
-
-
-def _view(frame: Any) -> memoryview:
-    return memoryview(getattr(frame, "buffer", frame)).cast("B")
 
 
 def run_secret(client: redis.Redis, keys: RunKeys) -> bytes:
