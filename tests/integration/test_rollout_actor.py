@@ -318,18 +318,27 @@ def alive(pid: int) -> bool:
         return False
 
 
+def kill_and_follow(actor: subprocess.Popen, seen: set[int], timeout_s: float) -> set[int]:
+    """``kill -9`` the actor, then wait up to ``timeout_s`` for every process in ``seen`` (and whatever they start
+    meanwhile) to end; returns those still alive."""
+    actor.kill()
+    actor.wait()
+    deadline = time.monotonic() + timeout_s
+    while (left := {p for p in seen if alive(p)}) and time.monotonic() < deadline:
+        for pid in left:
+            seen |= set(descendants(pid))
+        time.sleep(0.1)
+    return left
+
+
 def test_kill_9_of_an_actor_leaves_no_vllm_process_behind(redis_server, plane) -> None:
     """Issue 12: vLLM's EngineCore and workers end with the actor even when it cannot run a handler."""
     actor = start_actor(redis_server.url, "a1", "0")
     try:
         wait_for(lambda: (b := heartbeat_of(plane, "a1")) and b.state != "starting", "the actor's engine up", 300)
-        below = descendants(actor.pid)
+        below = set(descendants(actor.pid))
         assert below, "vLLM started no process under the actor"
-        actor.kill()
-        actor.wait()
-        deadline = time.monotonic() + 10
-        while (left := {p for p in below if alive(p)}) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        left = kill_and_follow(actor, below, 10)
         assert not left, f"{len(left)} of the actor's {len(below)} vLLM processes outlived it by 10 s: {sorted(left)}"
     finally:
         if actor.poll() is None:
@@ -347,13 +356,7 @@ def test_kill_9_of_an_actor_while_its_engine_starts_leaves_no_vllm_process_behin
         workers = lambda: [p for p in descendants(actor.pid) if parent_of(p) != actor.pid]  # noqa: E731
         wait_for(workers, "EngineCore's worker under the actor", 300)
         seen = set(descendants(actor.pid))
-        actor.kill()
-        actor.wait()
-        deadline = time.monotonic() + 180  # the orphan imports vLLM (seconds) before it reaches the plugin
-        while (left := {p for p in seen if alive(p)}) and time.monotonic() < deadline:
-            for pid in left:  # whatever an orphan starts meanwhile is followed too
-                seen |= set(descendants(pid))
-            time.sleep(0.2)
+        left = kill_and_follow(actor, seen, 180)  # an orphan may still be importing vLLM
         assert not left, f"{len(left)} of the actor's {len(seen)} vLLM processes outlived it: {sorted(left)}"
     finally:
         if actor.poll() is None:
