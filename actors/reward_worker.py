@@ -53,6 +53,7 @@ from common.metrics import (
     REWARD_DEAD_LETTERED_GROUPS,
     REWARD_FAILED_CALLS,
     REWARD_REFUSED_GROUPS,
+    REWARD_REPLACED_TEXTS,
     REWARD_SCORED_GROUPS,
     REWARD_SCORING_SECONDS,
     REWARD_TIMED_OUT_CALLS,
@@ -63,6 +64,8 @@ from common.net import advertise_host
 from common.outage import exit_for_outage, outage_clock, outage_in
 from common.provenance import issue_mismatch
 from common.replay import ReplayWriter
+from common.response_text import ResponseTexts
+from common.seal import run_seal
 from common.tasks import task_label
 from common.wire import Heartbeat, Limits, RolloutGroup, ScoredGroup, WireError, encode_blob, pack_frames
 
@@ -188,8 +191,16 @@ class RewardWorker:
         limits = Limits(max_bytes=int(config.transport.max_message_mb * 2**20))
         self.malformed = MalformedLetters(self.client, self.plane.keys)
         self.channel = PullChannel(
-            "rollouts", RolloutGroup, hwm=config.transport.zmq_hwm, limits=limits, on_malformed=self.malformed.add
+            "rollouts",
+            RolloutGroup,
+            hwm=config.transport.zmq_hwm,
+            limits=limits,
+            on_malformed=self.malformed.add,
+            seal=run_seal(self.client, self.plane.keys, "rollouts"),
+            on_unsealed=self._unsealed,
         )
+        # What is scored is the decode of the token ids the learner trains, never the texts a message carries.
+        self.texts = ResponseTexts.load(config.model.path)
         self.calls = TimedCalls()
         self.endpoint = ""
         self.metrics: MetricsServer | None = None
@@ -206,8 +217,9 @@ class RewardWorker:
         self.heartbeats.start()  # "starting": visible in rl-top before the socket is up
         bound = self.channel.bind(self.config.transport.zmq_endpoint, self._curve())
         self.endpoint = _advertised(bound)
+        monitoring = self.config.monitoring
         self.metrics = start_metrics_server(
-            self.config.run.name, self.worker_id, "reward", self.config.monitoring.metrics_port
+            self.config.run.name, self.worker_id, "reward", monitoring.metrics_port, addr=monitoring.metrics_host
         )
         self._ready = True
         self.heartbeats.beat()  # "ready", with the endpoint: actors may connect now
@@ -271,6 +283,7 @@ class RewardWorker:
         self.malformed.flush()
         if pending:
             self.replay.add(pending)
+            self.plane.prompts.stored(g.rollout.group_id for g in pending)  # in the stream: this worker holds none
             REWARD_SCORED_GROUPS.inc(len(pending))
             pending.clear()
 
@@ -280,6 +293,10 @@ class RewardWorker:
         if refusal is not None:
             self._refuse(group, *refusal)
             return None
+        self._hold(group)
+        group, replaced = self.texts.rewrite(group)
+        if replaced:
+            REWARD_REPLACED_TEXTS.inc(replaced)
         started = time.perf_counter()
         try:
             rewards, details = combine(group, self.functions, call=self._call)
@@ -341,17 +358,23 @@ class RewardWorker:
     def _refusal(self, group: RolloutGroup) -> tuple[str, str] | None:
         """(reason, detail) when ``group`` is not this run's to score (``common/provenance.py``), else None.
 
-        A group of another task is refused before anything else: its ``task`` is only ever compared, never used.
-        The id of a group already trained (or discarded) is let through: it is a re-issued group's late twin,
-        which the learner counts as a duplicate.
+        Every sealed message goes through the same checks in the same order, whatever its id's state: the id's
+        standing (a group already trained is refused: its re-issued twin won, and nothing more is learnt from
+        scoring it), then the issue record (id, task, prompt, K, versions), then the payload's bounds. Membership
+        (the seal) was checked before the message was decoded (``common/channel.py``).
         """
+        standing = self.plane.prompts.lookup([group.group_id])[group.group_id]
+        if standing.completed:
+            return "trained", "its id was already trained"
         if group.task != self.task:
             return "task", f"task {group.task[:80]!r} is not this run's task {self.task!r}"
-        issued = self.plane.prompts.load_group(group.group_id)
-        if issued is None and self.plane.prompts.was_completed(group.group_id):
-            return None
-        mismatch = issue_mismatch(issued, group, self.config.rollout.max_new_tokens)
+        mismatch = issue_mismatch(standing.issued, group, self.config.rollout.max_new_tokens)
         return ("issue_record", mismatch) if mismatch is not None else None
+
+    def _hold(self, group: RolloutGroup) -> None:
+        """This worker alone holds ``group`` now (the ledger's scorer): if it dies before the group is in the replay
+        stream, the learner re-issues it once this worker's heartbeat expires (``common/prompt_ledger.py``)."""
+        self.plane.prompts.received(group.group_id, self.worker_id)
 
     def _refuse(self, group: RolloutGroup, reason: str, detail: str) -> None:
         """Dead-letter a group that is not this run's to score; count it; log the 1st, 10th, 100th, … of a reason."""
@@ -401,6 +424,10 @@ class RewardWorker:
         if not transport.curve_client_keys:
             raise ValueError("transport.curve_client_keys must name the folder of authorised client public keys")
         return CurveServer(Path(transport.curve_server_key), Path(transport.curve_client_keys), self._key_refused)
+
+    def _unsealed(self, count: int) -> None:
+        """A message without a valid seal was refused: in the audit trail, the 1st, 10th, 100th, … of them."""
+        self.audit.refused("message.unsealed", "no valid seal", channel=self.channel.name, refused=count)
 
     def _key_refused(self, client_key: str) -> None:
         """A CURVE client key was refused: in the audit trail, the 1st, 10th, 100th, … refusal of each key."""

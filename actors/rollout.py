@@ -4,8 +4,9 @@ Started with only a Redis URL and a run name, it reads the run's config, starts 
 registers with a heartbeat, and then runs three loops side by side:
 
 - **work**: while its weights are recent enough (version ≥ published − max_staleness), keep up
-  to ``rollout.max_groups_in_flight`` groups generating; push each finished group to the reward
-  workers (PUSH connected to every live worker's endpoint: round-robin load balancing);
+  to ``rollout.max_groups_in_flight`` groups generating; push each finished group to a reward
+  worker (a PUSH socket per live worker, dealt round-robin: :class:`RewardPeers`) and record that
+  worker in the ledger as the group's scorer, so that the worker's death re-issues it at once;
 - **weights**: on a new manifest that lists this actor, pause generation (mode ``keep``), join the
   group if it was re-formed, receive and load the buckets, resume; later tokens carry the new version;
 - **peers**: follow reward workers joining and leaving.
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Literal
 
 import redis
+import zmq
 
 from common.audit import Audit
 from common.channel import ChannelBlocked, CurveClient, PushChannel
@@ -49,6 +51,7 @@ from common.metrics import (
 )
 from common.net import advertise_host
 from common.outage import exit_for_outage, outage_in, settling
+from common.seal import Seal, run_seal
 from common.staleness import StalenessBound
 from common.wire import Heartbeat, PromptGroup, RolloutGroup, WeightManifest
 
@@ -70,7 +73,9 @@ class RolloutActor:
         self.audit = Audit(self.plane.client, config.run.name, self.actor_id, "actor")
         self._refused: tuple[int, int, int] | None = None  # (epoch, restore, version) of weights refused on digest
         self.engine = None
-        self.push = PushChannel("rollouts", hwm=config.transport.zmq_hwm, send_timeout_s=30)
+        # Every message is sealed with the run secret: reward workers refuse anything else before decoding it.
+        seal = run_seal(self.plane.client, self.plane.keys, "rollouts")
+        self.push = RewardPeers(hwm=config.transport.zmq_hwm, send_timeout_s=30, seal=seal)
         # A ZeroMQ socket is not thread-safe: every send goes through this one thread, in order.
         self._sender = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="push")
         self._peers: set[str] = set()
@@ -121,7 +126,9 @@ class RolloutActor:
     def _serve_metrics(self) -> None:
         """/metrics on ``monitoring.metrics_port`` (0 = a free one); the heartbeat advertises it."""
         port = self.config.monitoring.metrics_port
-        self.metrics = start_metrics_server(self.config.run.name, self.actor_id, "actor", port)
+        self.metrics = start_metrics_server(
+            self.config.run.name, self.actor_id, "actor", port, addr=self.config.monitoring.metrics_host
+        )
         ACTOR_POLICY_VERSION.set_function(lambda: self.version)
         ACTOR_RUNNING_GROUPS.set_function(lambda: len(self._running))
 
@@ -184,10 +191,12 @@ class RolloutActor:
         self._running.pop(request_id, None)
         self._count(rollout)
         try:
-            await self._on_sender(self.push.send, rollout)
+            worker = await self._on_sender(self.push.send, rollout)
         except ChannelBlocked as exc:
             log.warning("reward workers not keeping up; returning the group", group=group.group_id, error=exc)
             await asyncio.to_thread(self.plane.prompts.return_prompts, [group])
+            return
+        await asyncio.to_thread(self.plane.prompts.pushed, group.group_id, self.actor_id, worker)
 
     async def _catch_up(self, version: int) -> None:
         """An eval group evaluates the policy it was issued at: wait for those weights (at most
@@ -306,19 +315,21 @@ class RolloutActor:
         """Connect to every live reward worker the actor can talk to (see :meth:`_curve_for`); drop the gone."""
         while not self._stopping.is_set():
             live, _ = await asyncio.to_thread(self.plane.registry.processes)
-            workers = {h.endpoint: h.curve_public_key for h in live if h.kind == "reward" and h.endpoint}
+            workers = {h.endpoint: h for h in live if h.kind == "reward" and h.endpoint}
+            for endpoint in workers.keys() & self._peers:  # a worker restarted on the same endpoint has a new id
+                self.push.workers[endpoint] = workers[endpoint].process_id
             for endpoint in workers.keys() - self._peers:
-                curve = self._curve_for(endpoint, workers[endpoint])
+                curve = self._curve_for(endpoint, workers[endpoint].curve_public_key)
                 if curve is False:
                     continue
-                await self._on_sender(self.push.connect, endpoint, curve)
+                await self._on_sender(self.push.connect, endpoint, workers[endpoint].process_id, curve)
                 self._peers.add(endpoint)
                 log.info("connected to reward worker", endpoint=endpoint, curve=curve is not None)
             gone = self._peers - workers.keys()
             if settling(self.plane.client, self.config.transport.heartbeat_ttl_s):
                 gone = set()  # Redis just came back: a worker's heartbeat that expired meanwhile is being renewed
             for endpoint in gone:
-                await self._on_sender(self.push.socket.disconnect, endpoint)
+                await self._on_sender(self.push.disconnect, endpoint)
                 self._peers.discard(endpoint)
                 log.info("reward worker gone; disconnected", endpoint=endpoint)
             await self._sleep(_PEER_REFRESH_S)
@@ -384,7 +395,7 @@ class RolloutActor:
                     error=exc,
                 )
         if self._tasks:  # let finished groups finish sending before the socket closes
-            await asyncio.wait(self._tasks, timeout=self.push.socket.sndtimeo / 1000 + 5)
+            await asyncio.wait(self._tasks, timeout=self.push.send_timeout_s + 5)
         self.heartbeat.stop(leave=True)
         self._sender.shutdown(wait=True)
         self.push.close()
@@ -398,6 +409,51 @@ class RolloutActor:
         if self.metrics is not None:
             self.metrics.close()
         log.info("actor stopped", actor=self.actor_id)
+
+
+class RewardPeers:
+    """A PUSH socket per reward worker, so that the actor knows which worker each group went to (its scorer in the
+    ledger: ``common/prompt_ledger.py``); one shared socket would deal groups among workers without saying to whom.
+
+    Delivery: a group goes to the next worker in turn whose queue has room (as ZeroMQ's own round robin skips a full
+    peer); when every queue is full it waits on the next in turn for up to ``send_timeout_s``, then raises
+    :class:`ChannelBlocked`, as it does at once when no worker is connected. Each socket is a :class:`PushChannel`
+    (sealed, CURVE per worker, linger 0: what is queued for a worker is dropped when it is disconnected or closed).
+    Not thread-safe: the actor calls it from its one sender thread.
+    """
+
+    def __init__(self, hwm: int, send_timeout_s: float, seal: Seal | None = None) -> None:
+        self.hwm, self.send_timeout_s, self.seal = hwm, send_timeout_s, seal
+        self.channels: dict[str, PushChannel] = {}  # endpoint -> its socket
+        self.workers: dict[str, str] = {}  # endpoint -> the id of the worker bound there (its heartbeat's)
+        self._turn = 0
+
+    def connect(self, endpoint: str, worker: str, curve: CurveClient | None = None) -> None:
+        channel = PushChannel("rollouts", hwm=self.hwm, send_timeout_s=self.send_timeout_s, seal=self.seal)
+        channel.connect(endpoint, curve)
+        self.channels[endpoint], self.workers[endpoint] = channel, worker
+
+    def disconnect(self, endpoint: str) -> None:
+        self.workers.pop(endpoint, None)
+        if (channel := self.channels.pop(endpoint, None)) is not None:
+            channel.close()
+
+    def send(self, message: object) -> str:
+        """Send ``message`` to one worker (see the class docstring); returns that worker's id."""
+        endpoints = list(self.channels)
+        if not endpoints:
+            raise ChannelBlocked("channel 'rollouts': no reward worker connected")
+        first = self._turn % len(endpoints)
+        order = endpoints[first:] + endpoints[:first]
+        ready = (e for e in order if self.channels[e].socket.get(zmq.EVENTS) & zmq.POLLOUT)
+        endpoint = next(ready, order[0])
+        self._turn = endpoints.index(endpoint) + 1
+        self.channels[endpoint].send(message)
+        return self.workers[endpoint]
+
+    def close(self) -> None:
+        for endpoint in list(self.channels):
+            self.disconnect(endpoint)
 
 
 class _Rate:

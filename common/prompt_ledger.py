@@ -35,12 +35,25 @@ log = get_logger("control")
 
 @dataclass(frozen=True)
 class LedgerEntry:
-    """Where one issued prompt group is: when and at which version it was issued, and by whom it is held."""
+    """Where one issued prompt group is: when and at which version it was issued, and by whom it is held.
+
+    Holders (process ids; "" for none) and when they change (:class:`PromptLedger`)::
+
+        taken by actor A            actor = A                 take_prompt
+        pushed by A to worker W     actor = A, scorer = W     pushed (only while A still holds it)
+        received by W               actor = "", scorer = W    received
+        written to the replay       actor = "", scorer = ""   stored (only the deadline applies from then on)
+
+    The dispatcher re-issues a group as soon as either holder's heartbeat is gone: a group queued in A's socket dies
+    with A, one queued in W's socket or in W's hands dies with W.
+    """
 
     issued_at: float
     version: int
     actor: str = ""
     attempts: int = 1
+    scorer: str = ""
+    """The reward worker the group was pushed to, until it is in the replay stream."""
 
 
 @dataclass(frozen=True)
@@ -78,14 +91,14 @@ class PromptLedger:
             log.warning("dead-lettered a malformed prompt group", field=exc.field, reason=exc.reason)
             dead_letter(self.client, self.keys, "prompts", str(exc), blob)
             return None
-        self._update_ledger(group.group_id, actor=actor)
+        self._update_ledger(group.group_id, actor=actor, scorer="")
         return group
 
     def return_prompts(self, groups: Iterable[PromptGroup]) -> None:
         """Give unfinished groups back; they are taken next (front of the queue)."""
         for group in groups:
             self.client.rpush(self._queue_of(group), encode_blob(group))
-            self._update_ledger(group.group_id, actor="")
+            self._update_ledger(group.group_id, actor="", scorer="")
 
     def _queue_of(self, group: PromptGroup) -> str:
         return self.keys.eval_prompts if group.purpose == "eval" else self.keys.prompts
@@ -124,12 +137,36 @@ class PromptLedger:
         if mapping:
             self.client.hset(self.keys.inflight, mapping=mapping)
 
-    def _update_ledger(self, group_id: str, **changes: Any) -> None:
-        raw = self.client.hget(self.keys.inflight, group_id)
-        if raw is None:
-            return  # issued by someone who keeps no ledger (e.g. a test or a tool)
-        entry = {**json.loads(raw), **changes}
-        self.client.hset(self.keys.inflight, group_id, json.dumps(entry))
+    def pushed(self, group_id: str, actor: str, worker: str) -> bool:
+        """``actor`` pushed the group to reward ``worker``: both hold it now (:class:`LedgerEntry`). Nothing changes
+        when ``actor`` no longer holds it (``worker`` already received it, or it was re-issued meanwhile)."""
+        return self._update_ledger(group_id, held_by=actor, scorer=worker)
+
+    def received(self, group_id: str, worker: str) -> bool:
+        """Reward ``worker`` took the group off its socket: it alone holds it (the actor's exit no longer matters)."""
+        return self._update_ledger(group_id, actor="", scorer=worker)
+
+    def stored(self, group_ids: Iterable[str]) -> int:
+        """The groups are in the replay stream: no process holds them (a scorer's later exit re-issues none of them;
+        only their deadline applies). Returns how many ledger entries changed."""
+        return sum(self._update_ledger(g, actor="", scorer="") for g in group_ids)
+
+    def _update_ledger(self, group_id: str, held_by: str | None = None, **changes: Any) -> bool:
+        """Change a ledger entry's fields, atomically: compare-and-set, so that a concurrent retirement is never undone
+        (a read-modify-write would write the entry of a group the learner just completed back into the ledger)."""
+        for _ in range(_CAS_TRIES):
+            raw = self.client.hget(self.keys.inflight, group_id)
+            if raw is None:
+                return False  # no longer in flight, or issued by someone who keeps no ledger (a test or a tool)
+            entry = json.loads(raw)
+            if held_by is not None and entry.get("actor", "") != held_by:
+                return False
+            updated = json.dumps({**entry, **changes})
+            swapped = int(self.client.eval(_COMPARE_AND_SET, 1, self.keys.inflight, group_id, raw, updated))
+            if swapped >= 0:
+                return swapped == 1
+        log.warning("gave up changing a ledger entry that kept changing", group=group_id, changes=changes)
+        return False
 
     def complete(self, group_ids: Iterable[str]) -> None:
         ids = list(group_ids)
@@ -242,6 +279,15 @@ class PromptLedger:
         pipe.execute()
 
 
+_CAS_TRIES = 8
+"""Attempts of a ledger entry's compare-and-set before giving up (each lost race is another writer's change)."""
+_COMPARE_AND_SET = """
+local current = redis.call('HGET', KEYS[1], ARGV[1])
+if not current then return 0 end
+if current ~= ARGV[2] then return -1 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+return 1
+"""
 ONCE_TTL_S = 86_400
 """How long a counted transaction's one-time token is kept (a retry comes within ``transport.redis_outage_s``)."""
 _ADD_ONCE = """

@@ -38,6 +38,7 @@ from common.prompt_ledger import Standing
 from common.prompts import Prompter, model_vocab_size
 from common.provenance import issue_mismatch
 from common.replay import ReplayEntry, ReplayReader
+from common.response_text import ResponseTexts
 from common.staleness import StalenessBound
 from common.wire import Limits, ScoredGroup, encode_blob
 from learner.dispatcher import Dispatcher
@@ -91,6 +92,7 @@ class BatchSource:
         limits = Limits(int(config.transport.max_message_mb * 2**20), model_vocab_size(config.model.path))
         self.reader = ReplayReader(plane.client, plane.keys, limits=limits)
         prompter = Prompter.for_tokenizer(tokenizer, config.task)
+        self.texts = ResponseTexts(tokenizer)
         self.dispatcher = Dispatcher(config, plane, prompter)
         self.evaluation = EvalRounds(config, plane, prompter, self.reader) if config.eval.every else None
         """The run's eval rounds (``learner/evaluation.py``); eval entries go there before admission."""
@@ -115,11 +117,13 @@ class BatchSource:
         want = self.config.learner.groups_per_step
         taken, started = Taken(), time.perf_counter()
         candidates, self._carry = self._carry, []
+        decided: set[str] = set()  # ids admitted or discarded by this batch: a later copy of one is a duplicate
         while len(taken.entries) < want:
             if not candidates:
                 self._check_waiting(taken, stop, started)
                 self.dispatcher.release(version)
-                self.dispatcher.reissue_overdue(self.config.learner.group_deadline_s)
+                held = {e.group.rollout.group_id for e in taken.entries}  # admitted: never lost or re-issued
+                self.dispatcher.reissue_overdue(self.config.learner.group_deadline_s, held=held)
                 self._close_eval_rounds()
                 on_wait()
                 candidates = self.reader.read(want - len(taken.entries), block_ms=500)
@@ -130,8 +134,11 @@ class BatchSource:
                 if len(taken.entries) == want:
                     self._carry.append(entry)  # recovered beyond one batch: next step's
                     continue
-                in_batch = {e.group.rollout.group_id for e in taken.entries}
-                verdict = self.admit(entry, version, in_batch, standings.get(entry.group.rollout.group_id))
+                group_id = entry.group.rollout.group_id
+                # the standings were read before this batch decided on any of them: `decided` is what changed since
+                verdict = self.admit(entry, version, decided, standings.get(group_id))
+                if verdict in ("ok", "stale", "zero_variance"):
+                    decided.add(group_id)
                 if verdict == "ok":
                     taken.entries.append(entry)
                 else:
@@ -184,7 +191,12 @@ class BatchSource:
 
     def admit(self, entry: ReplayEntry, version: int, in_batch: set[str], standing: Standing | None = None) -> str:
         """``ok`` or one of :data:`VERDICTS` for ``entry`` arriving while the learner is at ``version``; ``standing``:
-        its id's record, looked up with the rest of a read (one round trip per read, not two per group)."""
+        its id's record, looked up with the rest of a read (one round trip per read, not two per group).
+
+        ``in_batch``: ids this batch already decided on (admitted, or discarded as stale or zero-variance). Another copy
+        of one is a duplicate, also when ``standing`` was read before that decision: a re-issued group's second copy
+        in the same read must not be trained after its first was discarded (counted both discarded and trained).
+        """
         group_id = entry.group.rollout.group_id
         if standing is None:
             standing = self.dispatcher.standings([group_id])[group_id]
@@ -194,6 +206,7 @@ class BatchSource:
         if group_id not in self._retrain:  # a group trained again after a resume was checked when first trained
             issued, rollout = standing.issued, entry.group.rollout
             reason = issue_mismatch(issued, rollout, self.config.rollout.max_new_tokens, self.newest_version)
+            reason = reason or self.texts.mismatch(rollout)  # train only ids whose scored text is their decode
             if reason is not None:
                 self._refuse(entry, reason)
                 return "refused"

@@ -6,7 +6,10 @@ formation or broadcast that misses ``weight_sync.timeout_s`` raises inside :clas
 the actors that never announced themselves for the epoch are evicted (left out of the next
 ``EVICT_SYNCS`` formations) and the run goes on — nobody waits on a hung actor for longer than
 the timeout, and a failed sync is never announced as done: the version is only bumped after a
-broadcast that every member completed.
+broadcast that every member completed. A member that is gone (its heartbeat expired, e.g. after
+``kill -9``, or it left) is not waited for at all: while the group forms, the learner's rendezvous
+store looks at the registry every :data:`MEMBER_POLL_S` and ends the wait as soon as one is
+(:class:`MemberWatch`), so the formation fails about a heartbeat TTL after the death, not at the timeout.
 
 The broadcaster is the only owner of the transfer in flight and of the version the actors are told:
 
@@ -27,8 +30,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
 
 import torch
 
@@ -36,6 +40,7 @@ from common.audit import Audit
 from common.config import RunConfig, broadcast_overlaps
 from common.control import ControlPlane
 from common.logs import get_logger
+from common.outage import settling
 from common.rendezvous import RedisStore
 from common.weights import (
     GroupAddress,
@@ -50,7 +55,35 @@ from common.wire import WeightManifest, WireError
 
 log = get_logger("broadcaster")
 EVICT_SYNCS = 5
+MEMBER_POLL_S = 0.5
+"""How often a rendezvous wait looks at the registry for members that are gone."""
 _JOINABLE = ("starting", "draining")
+
+
+class MemberGone(TimeoutError):
+    """A member of the formation the learner waits for is gone from the registry: waiting longer is pointless."""
+
+
+class MemberWatch(RedisStore):
+    """The learner's rendezvous store: a blocking wait also ends, raising :class:`MemberGone`, once ``gone()`` names
+    a member (looked at every :data:`MEMBER_POLL_S`); the process group turns it into a failed formation."""
+
+    def __init__(self, client, run: str, timeout_s: float, gone: Callable[[], Sequence[str]]) -> None:
+        super().__init__(client, run, timeout_s)
+        self.gone = gone
+
+    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+        limit = self.timeout_s if timeout is None else timeout.total_seconds()
+        deadline = time.monotonic() + limit
+        while True:
+            remaining = max(deadline - time.monotonic(), 0.0)
+            try:
+                return super().wait(keys, timedelta(seconds=min(MEMBER_POLL_S, remaining)))
+            except TimeoutError:
+                if remaining <= MEMBER_POLL_S:
+                    raise TimeoutError(f"rendezvous keys {list(keys)} not set within {limit:g}s") from None
+            if gone := self.gone():
+                raise MemberGone(f"members {', '.join(gone)} are gone (heartbeat expired or left): not waited for")
 
 
 class Broadcaster:
@@ -59,7 +92,7 @@ class Broadcaster:
         self.plane = plane
         self.audit = audit  # records each version sent, with its digest and members (common/audit.py)
         # The rendezvous lives in the run's Redis: nothing listens for it, and only the run's processes can join.
-        self.store = RedisStore(plane.client, config.run.name, config.weight_sync.timeout_s)
+        self.store = MemberWatch(plane.client, config.run.name, config.weight_sync.timeout_s, self._members_gone)
         self.backend = "nccl" if torch.cuda.is_available() else "gloo"
         # A restarted learner goes on from the last published manifest: a reused epoch would look to the actors
         # like the formation they already joined (of the dead learner), so they would not join this one.
@@ -86,6 +119,14 @@ class Broadcaster:
         """Live actors that can join → the weight-group ranks each takes (from its heartbeat)."""
         live, _ = self.plane.registry.processes()
         return {h.process_id: h.weight_ranks for h in live if h.kind == "actor" and h.state not in _JOINABLE}
+
+    def _members_gone(self) -> list[str]:
+        """Members of the current formation whose heartbeat is gone (none while Redis has just come back: a heartbeat
+        that expired while it was down is being renewed)."""
+        if not self.members or settling(self.plane.client, self.config.transport.heartbeat_ttl_s):
+            return []
+        live = {h.process_id for h in self.plane.registry.processes()[0]}
+        return [member for member in self.members if member not in live]
 
     def has_newcomers(self) -> bool:
         """A live actor that is neither in the current group nor evicted: it holds no recent weights yet."""

@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 from common.config import RunConfig, TaskSection
 from common.control import ControlPlane
@@ -46,6 +46,7 @@ from common.metrics import (
 from common.outage import outage_clock
 from common.prompt_ledger import LedgerEntry, Standing
 from common.prompts import Prompter
+from common.seal import numbered_group_id, run_secret
 from common.staleness import StalenessBound
 from common.tasks import Task, check_task_options, get_task, prompt_group, task_label
 from common.wire import PromptGroup
@@ -92,12 +93,14 @@ def overdue_reason(
 ) -> str | None:
     """Why an in-flight group should be re-issued (or given up), or None while it is fine.
 
-    An empty holder means the group is still queued (or was never pushed): only the deadline applies. ``live`` is
+    Its holders are the actor that took it and the reward worker it was pushed to (:class:`LedgerEntry`); with neither
+    (still queued, or already in the replay stream) only the deadline applies. ``live`` is
     None while heartbeats cannot be trusted (Redis came back less than a heartbeat TTL ago: the holder's may not be
     renewed yet); ``paused_s`` seconds since the issue in which Redis was down do not count against the deadline.
     """
-    if entry.actor and live is not None and entry.actor not in live:
-        return f"holder {entry.actor} is gone (heartbeat expired or it left)"
+    for holder in (entry.actor, entry.scorer):  # the actor that generates it, the reward worker it was pushed to
+        if holder and live is not None and holder not in live:
+            return f"holder {holder} is gone (heartbeat expired or it left)"
     age = now - entry.issued_at - paused_s
     if age > deadline_s:
         return f"not back {age:.1f}s after issue (deadline {deadline_s:g}s)"
@@ -124,6 +127,7 @@ class Dispatcher:
         DISPATCHER_SKIPPED_ROWS.set(len(self.task.skipped))
         self._rng = random.Random(config.run.seed)
         self._drawn = 0  # examples drawn from the task so far (its position in the prompt stream)
+        self._secret = run_secret(plane.client, plane.keys)
 
     # -- admission
     def capacity(self, version: int) -> int:
@@ -167,8 +171,9 @@ class Dispatcher:
         return True
 
     def group_id(self, number: int) -> str:
-        """The id of the run's ``number``-th group: unique within the run, across learner restarts."""
-        return f"{self.config.run.name}-{number:08d}"
+        """The id of the run's ``number``-th group: unique within the run, across learner restarts, and ending in a tag
+        keyed by the run secret (``common/seal.py: group_tag``), so that nobody outside the run can predict it."""
+        return numbered_group_id(self.config.run.name, number, self._secret)
 
     def _new_groups(self, first: int, count: int, version: int) -> list[PromptGroup]:
         """Groups number ``first`` .. ``first + count - 1``, drawing their prompts from the task."""
@@ -204,12 +209,17 @@ class Dispatcher:
         self._drawn = position
 
     # -- re-issue
-    def reissue_overdue(self, deadline_s: float, now: float | None = None) -> tuple[int, int]:
+    def reissue_overdue(
+        self, deadline_s: float, now: float | None = None, held: Collection[str] = ()
+    ) -> tuple[int, int]:
         """Re-issue every in-flight group whose holder died or that is older than ``deadline_s``.
 
         A group's first time overdue re-issues it (front of the queue, fresh issue time, attempts 2); its
         second counts it lost (ledger entry and payload removed, no longer counted by admission, so the
         next :meth:`release` replaces it). Returns (re-issued, lost).
+
+        ``held``: ids of groups the learner already holds (admitted into the batch it is assembling, to be completed
+        when that step settles). They are never judged: a group is trained, discarded or lost, never two of them.
 
         A Redis restart re-issues nothing by itself: for a heartbeat TTL after Redis came back, holders whose
         heartbeat expired while it was down are not judged yet, and the time it was down does not count against
@@ -225,6 +235,8 @@ class Dispatcher:
         ledger = self.plane.prompts.ledger().items()
         newest_first = sorted(ledger, key=lambda kv: (kv[1].issued_at, kv[0]), reverse=True)
         for group_id, entry in newest_first:
+            if group_id in held:
+                continue
             paused_s = clock.down_between(entry.issued_at, now) if clock is not None else 0.0
             reason = overdue_reason(entry, live, deadline_s, now, paused_s)
             if reason is None:

@@ -4,6 +4,7 @@ that decode to those texts under the tests' character tokenizer (:func:`tokenize
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import shutil
 import tempfile
@@ -14,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from common.control import ControlPlane
-from common.wire import PromptGroup, RolloutGroup
+from common.wire import PromptGroup, RolloutGroup, ScoredGroup
 
 
 @functools.cache
@@ -97,3 +98,25 @@ def issue(plane: ControlPlane, *groups: RolloutGroup) -> None:
     ]
     plane.prompts.record_issued(records)
     plane.prompts.save_groups(records, {})
+
+
+def answer(issued: PromptGroup, rewards=(1.0, 0.0), version: int = 0, **changes) -> ScoredGroup:
+    """What an actor and a reward worker make of ``issued``: two responses of 3 and 2 tokens (ids 5..7, then the end
+    of a sequence: "123" and "2" under the tiny models' character tokenizer), scored ``rewards``."""
+    lengths = [3, 2]
+    rollout = RolloutGroup(
+        group_id=issued.group_id,
+        task=issued.task,
+        prompt=issued.prompt,
+        prompt_ids=issued.prompt_ids,
+        answer=issued.answer,
+        token_ids=np.array([5, 6, 7, 6, 2], np.int32),
+        logprobs=np.full(5, -1.5, np.float32),
+        versions=np.full(5, version, np.int32),
+        lengths=np.asarray(lengths, np.int32),
+        texts=["123", "2"],  # the decode of the ids: the learner trains only ids whose scored text it checked
+        finish_reasons=["stop", "stop"],
+        issued_version=issued.issued_version,
+    )
+    rollout = dataclasses.replace(rollout, **changes)
+    return ScoredGroup(rollout=rollout, rewards=np.asarray(rewards, np.float32))

@@ -33,7 +33,7 @@ from common.tiny_chat_model import ARCHITECTURES, IM_END, chat_examples, init_ch
 from common.wire import Heartbeat, RolloutGroup, ScoredGroup
 from learner.batch import collate
 from learner.batch_source import BatchSource
-from tests.integration.test_learner_owners import answer
+from tests.helpers.rollouts import answer
 from tests.integration.test_rollout_actor import stop, transformers_logprobs
 
 pytestmark = pytest.mark.integration

@@ -260,7 +260,7 @@ def test_group_ids_are_unique_within_a_run(redis_client) -> None:
         seen += [g for g in d.plane.prompts.ledger() if g not in seen]
     created = d.stats()["created_total"]
     assert created == len(seen) == len(set(seen)) == 6 + (1 + 3 + 1) * 3
-    assert all(re.fullmatch(rf"{RUN}-\d{{8}}", g) for g in seen)
+    assert all(re.fullmatch(rf"{RUN}-\d{{8}}-[0-9a-f]{{16}}", g) for g in seen)  # number, then the keyed tag
     assert sorted(seen) == [d.group_id(n) for n in range(created)]
 
 

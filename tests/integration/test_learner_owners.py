@@ -3,7 +3,6 @@ the tiny model: BatchSource, the broadcaster's overlap, PolicyUpdate and RunStat
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import threading
 import time
@@ -19,12 +18,13 @@ from common.audit import flush as flush_audit
 from common.config import RunConfig
 from common.control import ControlPlane
 from common.replay import ReplayWriter
-from common.wire import Heartbeat, PromptGroup, RolloutGroup, ScoredGroup
+from common.wire import Heartbeat
 from learner.batch_source import BatchSource, StepInterrupted
 from learner.broadcaster import Broadcaster
 from learner.checkpoint import complete_checkpoints, open_checkpoint
 from learner.run_state import RunState
 from learner.update import PolicyUpdate, assemble
+from tests.helpers.rollouts import answer
 
 pytestmark = pytest.mark.integration
 
@@ -40,27 +40,6 @@ def run_config(tmp_path: Path, model_dir: Path | str = "unused", **sections: dic
     for name, values in sections.items():
         base[name] = {**base.get(name, {}), **values}
     return RunConfig.model_validate(base)
-
-
-def answer(issued: PromptGroup, rewards=(1.0, 0.0), version: int = 0, **changes) -> ScoredGroup:
-    """What an actor and a reward worker make of ``issued``: two responses of 3 and 2 tokens (ids 5..7)."""
-    lengths = [3, 2]
-    rollout = RolloutGroup(
-        group_id=issued.group_id,
-        task=issued.task,
-        prompt=issued.prompt,
-        prompt_ids=issued.prompt_ids,
-        answer=issued.answer,
-        token_ids=np.array([5, 6, 7, 6, 2], np.int32),
-        logprobs=np.full(5, -1.5, np.float32),
-        versions=np.full(5, version, np.int32),
-        lengths=np.asarray(lengths, np.int32),
-        texts=["ab", "c"],
-        finish_reasons=["stop", "stop"],
-        issued_version=issued.issued_version,
-    )
-    rollout = dataclasses.replace(rollout, **changes)
-    return ScoredGroup(rollout=rollout, rewards=np.asarray(rewards, np.float32))
 
 
 @pytest.fixture
