@@ -9,6 +9,7 @@ of turn) as vLLM sampled it — and vLLM's behaviour log-probs of those ids equa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -27,6 +28,7 @@ from common.config import RunConfig
 from common.control import ControlPlane
 from common.prompts import Prompter, model_vocab_size
 from common.replay import ReplayWriter
+from common.response_text import ResponseTexts
 from common.seal import run_seal
 from common.tasks import TaskExample
 from common.tiny_chat_model import ARCHITECTURES, IM_END, chat_examples, init_chat_model, warm_start_chat
@@ -132,8 +134,9 @@ def test_the_learner_trains_exactly_the_ids_the_actor_generated(
         assert stop(actor) == 0
         pull.close()
 
+    texts = ResponseTexts(tokenizer)  # as a reward worker does: what is scored is the decode of the ids
     ReplayWriter(redis_client, plane.keys).add(
-        [ScoredGroup(rollout=r, rewards=np.arange(r.num_samples, dtype=np.float32)) for r in rollouts]
+        [ScoredGroup(rollout=texts.rewrite(r)[0], rewards=np.arange(r.num_samples, dtype=np.float32)) for r in rollouts]
     )
     taken = source.take(0, threading.Event(), on_wait=lambda: None)
     assert taken.verdicts["refused"] == 0 and len(taken.entries) == 6
@@ -183,6 +186,8 @@ def test_a_group_that_sampled_a_padded_id_is_trained_not_dead_lettered(tmp_path:
     issued = plane.prompts.load_group(next(iter(plane.prompts.ledger())))
     padded_id = 350  # beyond the tokenizer, inside the embedding
     group = answer(issued, token_ids=np.array([5, padded_id, 7, padded_id, 2], np.int32), extra=issued.extra)
+    rollout, _ = ResponseTexts(tokenizer).rewrite(group.rollout)  # an id beyond the tokenizer decodes to nothing
+    group = dataclasses.replace(group, rollout=rollout)
     ReplayWriter(redis_client, plane.keys).add([group])
     taken = source.take(0, threading.Event(), on_wait=lambda: None)
     assert [e.group.rollout.group_id for e in taken.entries] == [issued.group_id]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import uuid
 
 import pytest
 
@@ -46,7 +47,7 @@ def test_a_small_payload_is_kept_whole_and_a_long_reason_is_cut(redis_client) ->
 
 def test_the_dead_stream_is_bounded_in_bytes_by_its_excerpts(redis_client) -> None:
     """8 refused 19 MB groups add about 8 excerpts to Redis, not 152 MB; the audit trail keeps each one's true size."""
-    keys = RunKeys("flood")
+    keys = RunKeys(f"flood-{uuid.uuid4().hex[:8]}")  # refusals are rate-limited per run in this process: a fresh one
     before = redis_client.info("memory")["used_memory"]
     dead_letters(redis_client, keys, [("reward:refused", "forged", forged(n)) for n in range(4)])
     for n in range(4, 8):
@@ -58,7 +59,7 @@ def test_the_dead_stream_is_bounded_in_bytes_by_its_excerpts(redis_client) -> No
     assert stream < 8 * 2 * DEAD_LETTER_EXCERPT  # the excerpts, the other fields and the stream nodes
     assert grown < 2**20
     assert len({fields[b"digest"] for _, fields in redis_client.xrange(keys.dead)}) == 8
-    assert audit_module.flush(30)
+    assert audit_module.flush(30, redis_client)  # this server's writer only: earlier tests' servers are gone
     audit = [json.loads(f[b"data"]) for _, f in redis_client.xrange(keys.audit) if f[b"event"] == b"message.refused"]
     [refusal] = audit  # rate-limited: the 1st of one source's refusals
     assert refusal["bytes"] == FORGED_BYTES  # the whole payload's size, though its letter keeps 1 KiB
