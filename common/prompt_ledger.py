@@ -148,8 +148,21 @@ class PromptLedger:
 
     def stored(self, group_ids: Iterable[str]) -> int:
         """The groups are in the replay stream: no process holds them (a scorer's later exit re-issues none of them;
-        only their deadline applies). Returns how many ledger entries changed."""
-        return sum(self._update_ledger(g, actor="", scorer="") for g in group_ids)
+        only their deadline applies). Returns how many ledger entries changed.
+
+        Two round trips for a whole batch (it runs on the reward worker's write path): one read, then one
+        compare-and-set per held entry, pipelined. An entry that changed in between (re-issued to a new holder) is
+        left as it is."""
+        ids = list(group_ids)
+        if not ids:
+            return 0
+        pipe = self.client.pipeline(transaction=False)
+        for group_id, raw in zip(ids, self.client.hmget(self.keys.inflight, ids), strict=True):
+            entry = json.loads(raw) if raw is not None else {}
+            if entry.get("actor") or entry.get("scorer"):
+                cleared = json.dumps({**entry, "actor": "", "scorer": ""})
+                pipe.eval(_COMPARE_AND_SET, 1, self.keys.inflight, group_id, raw, cleared)
+        return sum(int(reply) == 1 for reply in pipe.execute()) if len(pipe) else 0
 
     def _update_ledger(self, group_id: str, held_by: str | None = None, **changes: Any) -> bool:
         """Change a ledger entry's fields, atomically: compare-and-set, so that a concurrent retirement is never undone
