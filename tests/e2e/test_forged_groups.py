@@ -62,6 +62,11 @@ def right_texts(plane: ControlPlane) -> list[RolloutGroup]:
     return [honest(plane.prompts.load_group(g), [1] * 8) for g in sorted(plane.prompts.ledger())]
 
 
+def reward_endpoints(plane: ControlPlane) -> list[str]:
+    """The endpoints of the live reward workers in the run's registry."""
+    return [h.endpoint for h in plane.registry.processes()[0] if h.kind == "reward"]
+
+
 def queued_ids(plane: ControlPlane, count: int) -> list[str]:
     """``count`` released ids nobody has taken yet (no actor runs yet: their real groups come after any forgery)."""
     ledger = plane.prompts.ledger()
@@ -102,8 +107,8 @@ def test_forged_groups_are_refused_and_every_real_group_is_trained_once(tmp_path
         learner = procs.start("learner", [BIN / "rl-learner", "train", config, *sets, "--redis", url])
         plane = ControlPlane(connect(url), RUN)
         _wait(lambda: len(queued_ids(plane, 4)) == 4, "the first prompt groups released", learner)
-        live, _ = plane.registry.processes()
-        [endpoint] = [h.endpoint for h in live if h.kind == "reward"]
+        _wait(lambda: reward_endpoints(plane), "the reward worker's registration", learner)  # it may start last
+        [endpoint] = reward_endpoints(plane)
         sent = forgeries(plane)
         # An insider: it holds the run secret (it reached the run's Redis), so its messages pass the seal and meet
         # the issue-record checks. A stranger on the same machine sends the same groups and more without the seal.
