@@ -1,30 +1,102 @@
-"""Shared fixtures: a real embedded Redis per test, free ports, and the slow-tier switch."""
+"""Shared fixtures and the tiers.
+
+Tiers are selected by marker, never skipped: ``unit`` (no subprocess, no server, no vLLM), ``integration`` (real
+processes and servers on loopback), ``e2e`` (the whole system, ``tests/e2e``) and ``soak`` (long variants of
+properties a shorter test also checks). A plain run selects unit + integration; ``--slow`` adds e2e (what CI runs);
+``--soak`` adds soak. A test's tier is its folder's unless it is marked ``integration`` or ``soak`` itself.
+At the end the run prints what it started (vLLM engines, torchrun launches, warm starts, redis-servers) and its
+slowest tests.
+"""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from common import tiny_chat_model, tiny_model
 from common.keys import connect
 from common.redis_server import EmbeddedRedis
+from tests.helpers.costs import StartupCounter
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+TIERS = ("unit", "integration", "e2e", "soak")
+SLOWEST = 15
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--slow", action="store_true", help="also run the slow e2e tier (CI does)")
+    parser.addoption("--slow", action="store_true", help="also run the e2e tier (CI does)")
+    parser.addoption("--soak", action="store_true", help="also run the soak tier (long variants)")
+
+
+def tier_of(item: pytest.Item) -> str:
+    if item.get_closest_marker("soak"):
+        return "soak"
+    if "e2e" in Path(str(item.path)).relative_to(ROOT).parts:
+        return "e2e"
+    if item.get_closest_marker("integration") or "integration" in Path(str(item.path)).parts:
+        return "integration"
+    return "unit"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if config.getoption("--slow"):
-        return
-    skip = pytest.mark.skip(reason="slow e2e tier: run with --slow (CI runs it)")
+    wanted = {"unit", "integration"}
+    wanted |= {"e2e"} if config.getoption("--slow") else set()
+    wanted |= {"soak"} if config.getoption("--soak") else set()
+    kept, dropped = [], []
     for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
+        tier = tier_of(item)
+        item.add_marker(tier)
+        (kept if tier in wanted else dropped).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    counter = config.stash[_COUNTER] = StartupCounter().start()
+    config.stash[_STARTED] = time.monotonic()
+    counter.count_calls(tiny_model, "warm_start", "warm starts")  # the fixtures' in-process warm starts
+    counter.count_calls(tiny_chat_model, "warm_start_chat", "warm starts")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """The run's own cost: the start-ups it paid and its slowest tests (set-up, call and teardown together)."""
+    counter = config.stash.get(_COUNTER, None)
+    if counter is None:
+        return
+    counter.stop()
+    terminalreporter.section("cost of this run")
+    for line in counter.report(config.stash[_STARTED]):
+        terminalreporter.write_line(line)
+    spent: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if isinstance(report, pytest.TestReport):
+                spent[report.nodeid] = spent.get(report.nodeid, 0.0) + report.duration
+    for nodeid, seconds in sorted(spent.items(), key=lambda kv: -kv[1])[:SLOWEST]:
+        terminalreporter.write_line(f"{seconds:8.1f}s  {nodeid}")
+
+
+_COUNTER = pytest.StashKey[StartupCounter]()
+_STARTED = pytest.StashKey[float]()
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo's model, warm-started once per session on one-digit addition to partial skill (about 40% right).
+    Tests read it and never write it (runs keep their checkpoints in their own folders)."""
+    folder = tmp_path_factory.mktemp("model") / "tiny-arith"
+    command = [BIN / "rl-learner", "init-model", ROOT / "configs/demo.toml", "--set", f"model.path={folder}"]
+    subprocess.run([*command, "--warm-steps", "120"], check=True, timeout=300)
+    return folder
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import pytest
 from common.tiny_chat_model import ARCHITECTURES, chat_examples, init_chat_model, warm_start_chat
 from tests.e2e.test_system import finish, launch, metrics
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.e2e
 STEPS = 4
 
 

@@ -14,9 +14,9 @@ import pytest
 from common.control import ControlPlane
 from common.keys import connect
 from tests.e2e.test_resume import Processes, _wait
-from tests.e2e.test_system import BIN, ROOT, model_dir  # noqa: F401 - model_dir is a fixture
+from tests.e2e.test_system import BIN, ROOT
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.e2e
 RUN, STEPS, GROUPS = "curve", 6, 16
 
 
@@ -38,7 +38,7 @@ def refused_clients(plane: ControlPlane) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
 
 
-def test_curve_run_trains_and_an_unauthorised_actor_is_refused(tmp_path: Path, model_dir: Path) -> None:  # noqa: F811
+def test_curve_run_trains_and_an_unauthorised_actor_is_refused(tmp_path: Path, model_dir: Path) -> None:
     run_dir = tmp_path / RUN
     procs = Processes(tmp_path / "logs")
     keys = make_keys(tmp_path / "keys", procs)

@@ -14,13 +14,13 @@ import pytest
 from common.control import ControlPlane
 from common.keys import connect
 from tests.e2e.test_resume import Processes
-from tests.e2e.test_system import BIN, ROOT, model_dir  # noqa: F401 - model_dir is a fixture
+from tests.e2e.test_system import BIN, ROOT
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.e2e
 RUN, STEPS, GROUPS, PROMPTS = "evalrun", 4, 8, 12
 
 
-def test_eval_rounds_are_recorded_at_their_steps_and_never_trained(tmp_path: Path, model_dir: Path) -> None:  # noqa: F811
+def test_eval_rounds_are_recorded_at_their_steps_and_never_trained(tmp_path: Path, model_dir: Path) -> None:
     run_dir = tmp_path / RUN
     procs = Processes(tmp_path / "logs")
     overrides = [

@@ -29,11 +29,11 @@ from common.replay import ReplayWriter
 from common.seal import numbered_group_id, run_seal, run_secret
 from common.wire import PromptGroup, RolloutGroup, ScoredGroup
 from tests.e2e.test_resume import DEMO, Processes, _wait
-from tests.e2e.test_system import BIN, ROOT, model_dir  # noqa: F401 - model_dir is a fixture
+from tests.e2e.test_system import BIN
 from tests.helpers.runs import step_rows
 from tests.helpers.scrape import metric
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.e2e
 RUN, STEPS, GROUPS = "forged", 8, 16
 
 
@@ -98,7 +98,7 @@ def forgeries(plane: ControlPlane) -> list[tuple[str, str, RolloutGroup]]:
     ]
 
 
-def test_forged_groups_are_refused_and_every_real_group_is_trained_once(tmp_path: Path, model_dir: Path) -> None:  # noqa: F811
+def test_forged_groups_are_refused_and_every_real_group_is_trained_once(tmp_path: Path, model_dir: Path) -> None:
     run_dir = tmp_path / RUN
     procs = Processes(tmp_path / "logs")
     try:

@@ -9,12 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e import test_system
 from tests.e2e.test_system import ROOT, finish, launch, metrics
 
-model_dir = test_system.model_dir  # the demo's warm-started model (a fixture)
-
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.e2e
 
 
 def test_non_finite_steps_are_skipped_then_rolled_back_and_the_run_continues(

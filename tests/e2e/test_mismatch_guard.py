@@ -9,12 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e import test_system
 from tests.e2e.test_system import ROOT, finish, launch, metrics
 
-model_dir = test_system.model_dir  # the demo's warm-started model (a fixture)
-
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.e2e
 SPIKE = 4  # the version the actor loads perturbed; its tokens are trained at steps 5-6 (max_staleness 1)
 STEPS = 12
 

@@ -39,11 +39,11 @@ from common.control import ControlPlane
 from common.keys import connect
 from common.redis_server import find_redis_server
 from tests.e2e.test_resume import Processes
-from tests.e2e.test_system import BIN, ROOT, model_dir  # noqa: F401 - model_dir is a fixture
+from tests.e2e.test_system import BIN, ROOT
 from tests.helpers.accounting import account_groups
 from tests.unit.test_across_hosts import readme_block
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.e2e
 
 EXAMPLE = deploy.CLUSTER_EXAMPLE
 RUN, LEARNER_HOST = EXAMPLE["run"], EXAMPLE["learner_host"]
@@ -285,7 +285,7 @@ class Cluster:
         self.on_a.shutdown()
 
 
-def test_a_run_across_hosts_serves_every_actor_host(tmp_path: Path, model_dir: Path, hosts: Hosts) -> None:  # noqa: F811
+def test_a_run_across_hosts_serves_every_actor_host(tmp_path: Path, model_dir: Path, hosts: Hosts) -> None:
     started = time.monotonic()
     steps = deploy.cluster_steps(**EXAMPLE)
     assert readme_block() == deploy.cluster_readme(steps), "README's 'On a cluster' differs from common/deploy.py"

@@ -29,7 +29,7 @@ from tests.e2e.test_system import finish
 from tests.helpers.runs import step_rows
 from tests.helpers.secrets import files_exposing, pages_showing, processes_showing
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 RUN = "obs"
@@ -69,15 +69,6 @@ EXPECTED = {
         "asyncrl_dispatcher_released_groups_total",
     ],
 }
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The demo's tiny model, briefly warm-started (the reward level does not matter here)."""
-    folder = tmp_path_factory.mktemp("model") / "tiny-arith"
-    init = [BIN / "rl-learner", "init-model", ROOT / "configs/demo.toml", "--set", f"model.path={folder}"]
-    subprocess.run([*init, "--warm-steps", "40"], check=True, timeout=300)
-    return folder
 
 
 def scrape(url: str) -> dict[str, float]:

@@ -26,10 +26,10 @@ from common.procs import child_pids
 from common.redis_server import free_port
 from learner.checkpoint import complete_checkpoints, open_checkpoint
 from tests.e2e.test_resume import DEMO, Processes, _steps, _wait
-from tests.e2e.test_system import BIN, model_dir  # noqa: F401 - model_dir is a fixture
+from tests.e2e.test_system import BIN
 from tests.helpers.runs import step_rows
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.e2e
 RUN, STEPS, EVERY, GROUPS = "ranks", 6, 2, 16
 
 
@@ -50,7 +50,7 @@ def rank_pid(launcher_pid: int, rank: int) -> int | None:
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_two_ranks_train_in_the_loop_and_resume_after_one_is_killed(
     tmp_path: Path,
-    model_dir: Path,  # noqa: F811
+    model_dir: Path,
     zero_stage: int,
 ) -> None:
     run_dir = tmp_path / RUN

@@ -23,10 +23,10 @@ from common.control import ControlPlane
 from common.keys import connect
 from common.outage import OUTAGE_EXIT_CODE
 from tests.e2e.test_resume import Processes, _steps, _wait
-from tests.e2e.test_system import BIN, ROOT, model_dir  # noqa: F401 - model_dir is a fixture
+from tests.e2e.test_system import BIN, ROOT
 from tests.helpers.accounting import account_groups
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.e2e
 GROUPS = 16  # configs/demo.toml: learner.groups_per_step
 ACTOR_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "1"}
 CONFIG = ROOT / "configs/demo.toml"
@@ -76,7 +76,7 @@ def start_redis_again(run: Run) -> float:
     return time.monotonic()
 
 
-def test_a_run_lives_through_a_redis_kill_and_restart(tmp_path: Path, model_dir: Path) -> None:  # noqa: F811
+def test_a_run_lives_through_a_redis_kill_and_restart(tmp_path: Path, model_dir: Path) -> None:
     steps = 10
     run = Run(tmp_path, model_dir, "redisback", f"learner.steps={steps}")
     try:
@@ -105,7 +105,7 @@ def test_a_run_lives_through_a_redis_kill_and_restart(tmp_path: Path, model_dir:
         run.procs.stop_all()
 
 
-def test_redis_down_past_the_limit_stops_every_process_and_a_resume_completes(tmp_path: Path, model_dir: Path) -> None:  # noqa: F811
+def test_redis_down_past_the_limit_stops_every_process_and_a_resume_completes(tmp_path: Path, model_dir: Path) -> None:
     steps, every, limit_s = 9, 3, 15
     overrides = [f"learner.steps={steps}", f"checkpoint.every={every}", f"transport.redis_outage_s={limit_s}"]
     run = Run(tmp_path, model_dir, "redisgone", *overrides, "learner.group_deadline_s=60")

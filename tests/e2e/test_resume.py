@@ -24,10 +24,10 @@ from common.control import ControlPlane
 from common.keys import connect
 from common.seal import numbered_group_id, run_secret
 from learner.checkpoint import complete_checkpoints
-from tests.e2e.test_system import BIN, ROOT, model_dir  # noqa: F401 - model_dir is a fixture
+from tests.e2e.test_system import BIN, ROOT
 from tests.helpers.runs import step_rows
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.e2e
 RUN, STEPS, EVERY = "resume", 12, 3
 DEMO = ROOT / "configs/demo.toml"
 """Until the broadcaster records weights.* events, the audit-trail check leaves them out."""
@@ -109,7 +109,7 @@ def _steps(run_dir: Path) -> list[int]:
     return [int(row["step"]) for row in step_rows(run_dir)]
 
 
-def test_a_killed_learner_resumes_and_every_group_is_trained_once(tmp_path: Path, model_dir: Path) -> None:  # noqa: F811
+def test_a_killed_learner_resumes_and_every_group_is_trained_once(tmp_path: Path, model_dir: Path) -> None:
     run_dir = tmp_path / RUN
     procs = Processes(tmp_path / "logs")
     try:

@@ -20,29 +20,9 @@ import pytest
 
 from tests.helpers.runs import step_rows
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The demo's model: warm-started on one-digit addition to partial skill (about 40% right)."""
-    folder = tmp_path_factory.mktemp("model") / "tiny-arith"
-    subprocess.run(
-        [
-            BIN / "rl-learner",
-            "init-model",
-            ROOT / "configs/demo.toml",
-            "--set",
-            f"model.path={folder}",
-            "--warm-steps",
-            "120",
-        ],
-        check=True,
-        timeout=300,
-    )
-    return folder
 
 
 def launch(

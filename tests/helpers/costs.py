@@ -1,0 +1,92 @@
+"""What a test run spends its time on: the start-ups it pays (vLLM engines, torchrun launches, warm starts of the
+tiny model, redis-servers), counted by watching ``/proc`` from the pytest process, so every process any test starts
+is counted however it was started (by ``rl-launch``, by a fixture, by another process)."""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from types import ModuleType
+
+KINDS = {
+    "vLLM engines": lambda cmd: cmd.startswith("VLLM::EngineCore"),
+    "torchrun launches": lambda cmd: any(part.endswith("torchrun") for part in cmd.split(" ", 2)[:2])
+    or "torch.distributed.run" in cmd,
+    "warm starts": lambda cmd: "init-model" in cmd and "--warm-steps" in cmd,
+    "redis-servers": lambda cmd: cmd.startswith("redis-server") or "/redis-server " in cmd,
+}
+
+
+def _command(pid: str) -> str:
+    raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()
+
+
+def _start_time(pid: str) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]  # field 22: starttime
+
+
+class StartupCounter:
+    """Counts processes of each kind in :data:`KINDS`, each once (a PID with its start time), by polling ``/proc``
+    every ``poll_s`` from a daemon thread. An engine or a launcher lives for seconds, so none slips between polls;
+    vLLM renames its engine process (``VLLM::EngineCore``) a moment after it starts, so an unclassified process is
+    looked at again on the next poll."""
+
+    def __init__(self, poll_s: float = 0.25) -> None:
+        self.poll_s = poll_s
+        self.counts: Counter[str] = Counter()
+        self.in_process: Counter[str] = Counter()  # start-ups paid inside the pytest process (by the fixtures)
+        self._seen: set[tuple[str, str]] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="startup-counter", daemon=True)
+
+    def start(self) -> StartupCounter:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def count_calls(self, module: ModuleType, name: str, kind: str) -> None:
+        """Count each call of ``module.name`` as a start-up of ``kind`` (set before the tests import it)."""
+        original = getattr(module, name)
+
+        @functools.wraps(original)
+        def counted(*args, **kwargs):
+            self.in_process[kind] += 1
+            return original(*args, **kwargs)
+
+        setattr(module, name, counted)
+
+    def total(self, kind: str) -> int:
+        return self.counts[kind] + self.in_process[kind]
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self.poll()
+
+    def poll(self) -> None:
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                key = (entry.name, _start_time(entry.name))
+                if key in self._seen:
+                    continue
+                command = _command(entry.name)
+            except (OSError, IndexError):
+                continue  # gone between listing and reading
+            for kind, matches in KINDS.items():
+                if command and matches(command):
+                    self.counts[kind] += 1
+                    self._seen.add(key)
+                    break
+
+    def report(self, started: float) -> list[str]:
+        minutes = (time.monotonic() - started) / 60
+        parts = ", ".join(f"{self.total(kind)} {kind}" for kind in KINDS)
+        return [f"start-ups in {minutes:.1f} min: {parts}"]
