@@ -1,4 +1,4 @@
-"""Two learner ranks in the loop: ``torchrun --nproc-per-node 2 --no-python rl-learner train`` (ZeRO-2, ZeRO-3; gloo)
+"""Two learner ranks in the loop: ``torchrun --nproc-per-node 2 --no-python rl-learner train`` (ZeRO-3; gloo)
 against a real actor (vLLM) and reward worker, as a person would run it on a multi-GPU host.
 
 Rank 1 is killed with SIGKILL between two checkpoints: the run stops (every rank and the launcher exit, none hangs)
@@ -47,12 +47,10 @@ def rank_pid(launcher_pid: int, rank: int) -> int | None:
     return None
 
 
-@pytest.mark.parametrize("zero_stage", [2, 3])
-def test_two_ranks_train_in_the_loop_and_resume_after_one_is_killed(
-    tmp_path: Path,
-    model_dir: Path,
-    zero_stage: int,
-) -> None:
+def test_two_ranks_train_in_the_loop_and_resume_after_one_is_killed(tmp_path: Path, model_dir: Path) -> None:
+    """ZeRO-3, the stage that gathers each bucket before a broadcast; two ranks train like one under ZeRO-2 as well
+    in tests/integration/test_learner_ranks.py."""
+    zero_stage = 3
     run_dir = tmp_path / RUN
     procs = Processes(tmp_path / "logs")
     try:
