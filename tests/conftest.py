@@ -10,6 +10,7 @@ slowest tests.
 
 from __future__ import annotations
 
+import multiprocessing.process
 import os
 import subprocess
 import sys
@@ -27,7 +28,8 @@ from tests.helpers.costs import StartupCounter
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-TIERS = ("unit", "integration", "e2e", "soak")
+LIMIT_S = {"unit": 300, "integration": 900, "e2e": 1800, "soak": 3600}
+"""Each tier's per-test limit (pytest-timeout), unless a test sets its own: above the longest wait inside its tests."""
 SLOWEST = 15
 
 
@@ -54,6 +56,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         tier = tier_of(item)
         item.add_marker(tier)
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(LIMIT_S[tier]))
         (kept if tier in wanted else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
@@ -87,6 +91,23 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
 
 _COUNTER = pytest.StashKey[StartupCounter]()
 _STARTED = pytest.StashKey[float]()
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The unit tier's promise, kept: a unit test that starts a process fails, naming the tier it belongs to."""
+    if request.node.get_closest_marker("unit") is None:
+        yield
+        return
+
+    def refuse(self, *args, **kwargs) -> None:
+        raise AssertionError("a unit test starts no process: mark it `integration` (tests/conftest.py: tiers)")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "__init__", refuse)
+        patch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+        patch.setattr(os, "fork", refuse)
+        yield
 
 
 @pytest.fixture(scope="session")

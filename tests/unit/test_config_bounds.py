@@ -290,6 +290,7 @@ def test_each_command_exits_2_with_one_line_before_anything_starts(args: list[st
     assert result.stderr.count("\n") == 1 and message in result.stderr and result.stdout == ""
 
 
+@pytest.mark.integration  # it runs the console script
 def test_the_console_script_exits_2_with_one_line_and_no_traceback(tmp_path: Path) -> None:
     config = tmp_path / "run.toml"
     config.write_text("[learner]\nlr = inf\n")

@@ -37,6 +37,8 @@ from common import deploy
 from common.config import RewardSection, load_config
 from common.keys import RunKeys
 
+pytestmark = pytest.mark.integration  # kubectl kustomize and a redis-server run as processes
+
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 KEDA_SCHEMAS = ROOT / "tests" / "data" / "keda-v2.20.2-crd-schemas.json"

@@ -111,6 +111,7 @@ def test_overlong_refuses_options_without_a_valid_buffer(options: dict) -> None:
         score(RewardFunction(name="overlong", options=options), make_group(["x"]))
 
 
+@pytest.mark.integration  # it runs programs in the sandbox
 def test_code_tests_runs_each_program_against_the_answers_tests() -> None:
     responses = [
         "```python\ndef add(a, b):\n    return a + b\n```\nexplanation after the block",

@@ -23,6 +23,8 @@ from common.config import ConfigError, RewardFunction, load_config
 from common.tasks import task_label
 from tests.helpers.rollouts import make_group
 
+pytestmark = pytest.mark.integration  # the judge runs in a child process
+
 ROOT = Path(__file__).resolve().parents[2]
 BOUND_S = 30.0  # a hostile call must return at all; its real cost is printed
 FAST = {"timeout_s": 0.5}  # the hostile tables wait out fewer seconds than the 1 s default
