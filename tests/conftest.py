@@ -5,7 +5,8 @@ processes and servers on loopback), ``e2e`` (the whole system, ``tests/e2e``) an
 properties a shorter test also checks). A plain run selects unit + integration; ``--slow`` adds e2e (what CI runs);
 ``--soak`` adds soak. A test's tier is its folder's unless it is marked ``integration`` or ``soak`` itself.
 At the end the run prints what it started (vLLM engines, torchrun launches, warm starts, redis-servers) and its
-slowest tests.
+slowest tests. ``bin/test`` runs the whole suite on two xdist workers: one takes every test that starts heavy
+processes, one after another; the other the unit tier and the Redis-only modules (:data:`SHARED_CORES`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,12 @@ def tier_of(item: pytest.Item) -> str:
     return "unit"
 
 
+SHARED_CORES = {"test_control.py", "test_dispatcher.py", "test_audit.py", "test_channel.py", "test_replay.py"}
+"""Integration modules that need only a redis-server or ZeroMQ sockets: under ``-n 2`` they run beside the serial
+chain, like the unit tier. Everything else (vLLM, DeepSpeed, torchrun, sandboxes, the e2e runs) shares one worker,
+so no two of them ever compete for the two cores."""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     wanted = {"unit", "integration"}
     wanted |= {"e2e"} if config.getoption("--slow") else set()
@@ -58,6 +65,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(tier)
         if item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(LIMIT_S[tier]))
+        if tier != "unit" and Path(str(item.path)).name not in SHARED_CORES:
+            item.add_marker(pytest.mark.xdist_group("serial"))  # one worker runs these, one after another
         (kept if tier in wanted else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
@@ -65,6 +74,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config, "workerinput"):
+        return  # an xdist worker: the controller counts every process on the machine
     counter = config.stash[_COUNTER] = StartupCounter().start()
     config.stash[_STARTED] = time.monotonic()
     counter.count_calls(tiny_model, "warm_start", "warm starts")  # the fixtures' in-process warm starts
