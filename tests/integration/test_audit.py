@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -27,14 +28,15 @@ from common.metrics import AUDIT_FAILURES
 from common.seal import run_seal
 from common.wire import Heartbeat
 from tests.helpers.rollouts import issue, make_group
-from tests.integration.test_reward_worker import heartbeat, publish, start, stop, wait_for
+from tests.helpers.waits import wait_for
+from tests.integration.test_reward_worker import heartbeat, publish, start, stop
 
 pytestmark = pytest.mark.integration
 
 
 def entries(client, run: str) -> list[dict]:
     """The run's audit stream as audit.jsonl lines (once this process's writer has written what it recorded)."""
-    assert audit_module.flush(30)
+    assert audit_module.flush(30, client)
     return [audit_module.entry_line(i.decode(), f) for i, f in client.xrange(RunKeys(run).audit)]
 
 
@@ -45,7 +47,7 @@ def jsonl(path: Path) -> list[dict]:
 def test_an_entry_says_what_happened_when_and_who_recorded_it(redis_client) -> None:
     before = time.time()
     Audit(redis_client, "fields", "actor-3", "actor").record("weights.loaded", version=7, digest="ab" * 32)
-    assert audit_module.flush(30)
+    assert audit_module.flush(30, redis_client)
     [(entry_id, raw)] = redis_client.xrange(RunKeys("fields").audit)
     fields = {k.decode(): v.decode() for k, v in raw.items()}
     assert fields["event"] == "weights.loaded"
@@ -72,7 +74,7 @@ def test_no_secret_reaches_the_stream(redis_server, redis_client) -> None:
         tokens=1234,  # a count, not a secret
         event="not the event",  # a reserved name keeps its value under event_
     )
-    assert audit_module.flush(30)
+    assert audit_module.flush(30, redis_client)
     raw = json.dumps(
         [
             [i.decode(), {k.decode(): v.decode() for k, v in f.items()}]
@@ -100,40 +102,64 @@ def test_scrub_cuts_long_text_and_keeps_plain_values() -> None:
     assert len(scrub("y" * 10_000)) == audit_module.MAX_TEXT + 1
 
 
+class Gated(redis.Redis):
+    """A client whose every ``XADD`` first waits until :attr:`gate` is set: whoever calls one is stuck till then."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.gate, self.entered = threading.Event(), threading.Event()
+
+    def xadd(self, *args: object, **kwargs: object) -> object:
+        self.entered.set()
+        self.gate.wait(120)
+        return super().xadd(*args, **kwargs)
+
+
 def test_a_redis_that_is_down_does_not_stop_the_recording_process(redis_server) -> None:
+    """Both calls return while the writer's ``XADD`` is held (a caller that waited for it would have counted a failure
+    when it returned); once let through, each fails after the client's retries, and is counted."""
     port = redis_server.port
-    # a client that retries for about a second, as every process's client waits out an outage (for longer)
-    down = redis.Redis.from_url(
-        f"redis://:{redis_server.password}@127.0.0.1:{port}/0", retry=Retry(ConstantBackoff(0.2), 5)
-    )
+    # a client that retries a little, as every process's client waits out an outage (for longer)
+    down = Gated.from_url(f"redis://:{redis_server.password}@127.0.0.1:{port}/0", retry=Retry(ConstantBackoff(0.1), 3))
     redis_server.stop()
     failed = AUDIT_FAILURES.labels("record")._value.get()
-    started = time.monotonic()
     audit = Audit(down, "down", "actor-0", "actor")
-    audit.record("process.joined", version=0)  # returns at once, does not raise
-    assert audit.refused("message.refused", "replay", source="replay:1-0") is True
-    assert time.monotonic() - started < 0.5  # the writer thread waits for Redis, not the caller
-    assert audit_module.flush(30)  # given up on once the client's outage limit passed
+    try:
+        audit.record("process.joined", version=0)  # returns at once, does not raise
+        assert audit.refused("message.refused", "replay", source="replay:1-0") is True
+        assert down.entered.wait(30)  # the writer thread waits for Redis, not the caller
+        assert AUDIT_FAILURES.labels("record")._value.get() == failed and not down.gate.is_set()
+    finally:
+        down.gate.set()
+    assert audit_module.flush(30, down)  # given up on once the client's outage limit passed
     assert AUDIT_FAILURES.labels("record")._value.get() == failed + 2
 
 
 def test_entries_for_a_server_that_is_away_do_not_hold_up_those_for_a_live_one(redis_client) -> None:
+    """The entry for the server that is away is held in its ``XADD`` until the live one's is written: one queue for
+    both would never write the live one; then it is given up on, after the client's retries."""
     with socket.socket() as s:  # a port nothing listens on: a server that is away
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    away = redis.Redis(host="127.0.0.1", port=port, retry=Retry(ConstantBackoff(0.5), 30))  # ~15 s of retries
-    Audit(away, "away", "actor-0", "actor").record("process.joined", version=0)
-    Audit(redis_client, "live", "actor-1", "actor").record("process.joined", version=0)
-    assert audit_module.flush(10, redis_client)  # written before the other entry's retries end: not queued behind it
-    assert redis_client.xlen(RunKeys("live").audit) == 1
-    assert audit_module.flush(60)  # and the other one is given up on in the end
+    away = Gated(host="127.0.0.1", port=port, retry=Retry(ConstantBackoff(0.1), 3))
+    failed = AUDIT_FAILURES.labels("record")._value.get()
+    try:
+        Audit(away, "away", "actor-0", "actor").record("process.joined", version=0)
+        assert away.entered.wait(30)  # its writer is busy with it
+        Audit(redis_client, "live", "actor-1", "actor").record("process.joined", version=0)
+        assert audit_module.flush(10, redis_client)  # written while the other entry is still in hand: not behind it
+        assert redis_client.xlen(RunKeys("live").audit) == 1 and not away.gate.is_set()
+    finally:
+        away.gate.set()
+    assert audit_module.flush(60, away)  # and the other one is given up on in the end
+    assert AUDIT_FAILURES.labels("record")._value.get() == failed + 1
 
 
 def test_the_mirror_copies_each_entry_once_across_a_restart(redis_client, tmp_path: Path) -> None:
     path, audit = tmp_path / "run" / "audit.jsonl", Audit(redis_client, "mirror", "learner", "learner")
     for n in range(5):
         audit.record("process.joined", n=n)
-    assert audit_module.flush(30)
+    assert audit_module.flush(30, redis_client)
     first = AuditMirror(redis_client, "mirror", path)
     assert first.pump() == 5 and first.pump() == 0
     for n in range(5, 8):
@@ -157,7 +183,7 @@ def test_a_mirror_copies_big_batches_and_the_stream_is_trimmed(redis_client, tmp
     for n in range(pipe_count):
         audit.record("process.joined", n=n)
     path = tmp_path / "audit.jsonl"
-    assert audit_module.flush(30)
+    assert audit_module.flush(30, redis_client)
     assert AuditMirror(redis_client, "batches", path).pump() == pipe_count
     assert [line["n"] for line in jsonl(path)] == list(range(pipe_count))
     info = redis_client.xinfo_stream(RunKeys("batches").audit)
@@ -198,9 +224,9 @@ def test_dead_letters_are_refusals_without_their_payload(redis_client) -> None:
 def test_the_registry_records_joining_leaving_and_rejoining(redis_client) -> None:
     registry = ControlPlane(redis_client, "registry").registry
     beat = Heartbeat(process_id="actor-1", kind="actor", state="ready", version=4, host="h", pid=1)
-    registry.beat(beat, ttl_s=0.3)
-    registry.beat(beat, ttl_s=0.3)  # a later beat is no event
-    time.sleep(0.5)  # the heartbeat expires (the process was frozen, or Redis unreachable)
+    registry.beat(beat, ttl_s=30)
+    registry.beat(beat, ttl_s=0.1)  # a later beat is no event; the last before the process froze (or Redis went)
+    wait_for(lambda: not redis_client.exists(registry.keys.heartbeat("actor-1")), "the heartbeat to expire")
     registry.beat(beat, ttl_s=5)
     registry.beat(dataclasses.replace(beat, pid=2), ttl_s=5)  # restarted under its id before the heartbeat expired
     registry.leave("actor-1")
@@ -225,7 +251,7 @@ def test_a_reward_worker_records_its_life_and_what_it_refused(redis_server, redi
     proc = start(redis_server.url, run, "rw-1", log)
     senders: list[PushChannel] = []
     try:
-        beat = wait_for(lambda: heartbeat(redis_client, run, "rw-1", state="ready"), proc, log, "a ready heartbeat")
+        beat = wait_for(lambda: heartbeat(redis_client, run, "rw-1", state="ready"), "ready", proc=proc, log=log)
         server_key = beat.curve_public_key.encode()
         stranger = PushChannel("rollouts", send_timeout_s=1)
         stranger.connect(beat.endpoint, CurveClient(stranger_secret, server_key))
@@ -240,9 +266,9 @@ def test_a_reward_worker_records_its_life_and_what_it_refused(redis_server, redi
         friend.send(make_group(["19"], group_id=f"{run}-1", task="os:system"))  # forged: another task
         wait_for(
             lambda: {"key.refused", "message.refused"} <= {e["event"] for e in entries(redis_client, run)},
-            proc,
-            log,
             "both refusals in the audit trail",
+            proc=proc,
+            log=log,
         )
         stop(proc, log)
     finally:
@@ -282,7 +308,7 @@ def test_the_learner_records_the_run_and_mirrors_the_trail_into_its_folder(redis
     try:
         recorder.started()
         plane.registry.beat(Heartbeat(process_id="actor-7", kind="actor", state="ready", host="h", pid=7), ttl_s=0.2)
-        time.sleep(0.4)  # killed: its heartbeat expires
+        wait_for(lambda: not redis_client.exists(plane.keys.heartbeat("actor-7")), "its heartbeat to expire (killed)")
         for _ in range(2):  # found at two steps, recorded once
             recorder._note_lost(plane.registry.processes()[1])
     finally:
@@ -306,7 +332,7 @@ def test_the_learner_records_the_run_and_mirrors_the_trail_into_its_folder(redis
 def test_a_forked_child_records_through_a_writer_of_its_own(redis_client) -> None:
     audit = Audit(redis_client, "fork", "actor-0", "actor")
     audit.record("process.joined")
-    assert audit_module.flush(30)  # else the child, whose queue starts empty, may write first
+    assert audit_module.flush(30, redis_client)  # else the child, whose queue starts empty, may write first
     pid = os.fork()
     if pid == 0:  # the child: the parent's writer thread did not come along
         ok = False
@@ -327,7 +353,7 @@ def test_a_dead_letter_sent_through_a_pipeline_is_recorded_on_a_connection_of_it
     keys = RunKeys("piped")
     pipe = redis_client.pipeline(transaction=False)
     dead_letter(pipe, keys, "reward:malformed", "texts: not a list", b"\x00" * 8)
-    assert audit_module.flush(30) and redis_client.xlen(keys.dead) == 0  # the letter waits for execute()
+    assert audit_module.flush(30, redis_client) and redis_client.xlen(keys.dead) == 0  # the letter waits for execute()
     pipe.execute()
     [line] = entries(redis_client, "piped")
     assert (line["event"], line["source"], line["bytes"]) == ("message.refused", "reward:malformed", 8)

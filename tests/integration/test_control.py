@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import stat
-import time
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +14,7 @@ from common.keys import connect
 from common.redis_server import EmbeddedRedis, EmbeddedRedisError
 from common.run_record import RunNotFoundError
 from common.wire import Heartbeat, PromptGroup
+from tests.helpers.waits import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -50,7 +50,7 @@ def test_heartbeat_expiry_marks_a_process_lost(redis_client) -> None:
     plane.registry.beat(Heartbeat(process_id="doomed", kind="reward", state="ready"), ttl_s=0.2)
     plane.registry.beat(Heartbeat(process_id="polite", kind="actor", state="ready"), ttl_s=30)
     plane.registry.leave("polite")
-    time.sleep(0.4)
+    wait_for(lambda: not redis_client.exists(plane.keys.heartbeat("doomed")), "doomed's heartbeat to expire")
     live, lost = plane.registry.processes()
     assert [h.process_id for h in live] == ["alive"] and live[0].tokens_per_s == 9.0
     assert lost == {"doomed": "reward"}  # the kind of what was lost is kept

@@ -20,6 +20,7 @@ from common.control import ControlPlane
 from common.keys import connect
 from common.wire import Decoder, Heartbeat, PromptGroup, decode_blob
 from learner.dispatcher import Dispatcher
+from tests.helpers.waits import wait_for
 
 pytestmark = pytest.mark.integration
 RUN = "disp"
@@ -49,6 +50,11 @@ def make_dispatcher(client, config: RunConfig) -> Dispatcher:
 
 def actor(plane: ControlPlane, process_id: str, ttl_s: float = 30.0) -> None:
     plane.registry.beat(Heartbeat(process_id=process_id, kind="actor", state="generating"), ttl_s=ttl_s)
+
+
+def expired(plane: ControlPlane, process_id: str) -> None:
+    """Wait until the heartbeat of ``process_id`` has expired (its TTL passed)."""
+    wait_for(lambda: not plane.client.exists(plane.keys.heartbeat(process_id)), f"{process_id}'s heartbeat to expire")
 
 
 def drain(plane: ControlPlane, holder: str = "drainer") -> list[PromptGroup]:
@@ -155,14 +161,15 @@ def test_completing_groups_frees_no_admission(redis_client) -> None:
 def test_a_group_held_by_a_dead_actor_is_reissued_to_the_front(redis_client) -> None:
     d = make_dispatcher(redis_client, make_config(max_staleness=0, groups_per_step=4))
     reissued_before = metric("asyncrl_dispatcher_reissued_groups_total")
-    actor(d.plane, "doomed", ttl_s=0.3)
+    actor(d.plane, "doomed")
     actor(d.plane, "alive")
     d.release(0)
     held = d.plane.prompts.take_prompt("doomed", timeout_s=1)
     other = d.plane.prompts.take_prompt("alive", timeout_s=1)
     first_issue = d.plane.prompts.ledger()[held.group_id].issued_at
     assert d.reissue_overdue(deadline_s=60) == (0, 0)  # both holders alive, well within the deadline
-    time.sleep(0.5)  # doomed's heartbeat expires
+    actor(d.plane, "doomed", ttl_s=0.1)  # its last heartbeat
+    expired(d.plane, "doomed")
     assert d.reissue_overdue(deadline_s=60) == (1, 0)
     entry = d.plane.prompts.ledger()[held.group_id]
     assert entry.attempts == 2 and entry.actor == "" and entry.issued_at > first_issue
@@ -231,7 +238,7 @@ def test_payloads_survive_a_learner_restart(redis_server, redis_client) -> None:
     try:
         second = make_dispatcher(restarted, config)
         assert second.stats()["released_total"] == 4 and second.release(0) == 0
-        time.sleep(0.5)  # doomed's heartbeat expires
+        expired(second.plane, "doomed")
         assert second.reissue_overdue(deadline_s=60) == (1, 0)
         before = drain(second.plane)
         assert before[0].group_id == held.group_id and before[0].prompt == held.prompt

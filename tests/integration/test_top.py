@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from common.replay import ReplayReader, ReplayWriter
 from common.top import render, snapshot
 from common.wire import Heartbeat, PromptGroup, ScoredGroup
 from tests.helpers.rollouts import make_group
+from tests.helpers.waits import wait_for
 
 pytestmark = pytest.mark.integration
 BIN = Path(sys.executable).parent
@@ -105,20 +107,31 @@ def test_unknown_run_and_targets(redis_server, redis_client) -> None:
     ]
 
 
-def test_live_view_redraws_in_place_until_ctrl_c(redis_server, redis_client) -> None:
+def test_live_view_redraws_in_place_until_ctrl_c(redis_server, redis_client, tmp_path: Path) -> None:
     populate(redis_client, "live")
-    proc = subprocess.Popen(
-        [BIN / "rl-top", "--redis", redis_server.url, "--run", "live", "--interval", "0.2"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        time.sleep(3)  # a couple of seconds of start-up, then several frames
+    errors = tmp_path / "stderr"
+    with errors.open("w") as err:
+        proc = subprocess.Popen(
+            [BIN / "rl-top", "--redis", redis_server.url, "--run", "live", "--interval", "0.2"],
+            stdout=subprocess.PIPE,
+            stderr=err,
+        )
+    chunks: list[bytes] = []
+
+    def read_along() -> None:  # the output as it arrives, until rl-top closes it
+        while chunk := proc.stdout.read1():
+            chunks.append(chunk)
+
+    reader = threading.Thread(target=read_along, daemon=True)
+    reader.start()
+    try:  # several frames drawn (the first once started), then Ctrl-C
+        wait_for(lambda: b"".join(chunks).count(b"\x1b[H") >= 2, "two frames", proc=proc, log=errors)
     finally:
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=20)
-    assert proc.returncode == 0, err
+        proc.wait(20)
+        reader.join(20)
+    assert proc.returncode == 0, errors.read_text()
+    out = b"".join(chunks).decode()
     assert out.count("\x1b[H") >= 2, "expected several frames drawn from the top-left corner"
     assert "\x1b[K" in out and out.endswith("\x1b[?25h")  # lines cleared in place; cursor shown again
     assert out.count("actor-0") >= 2

@@ -7,7 +7,6 @@ import json
 import logging
 import math
 import threading
-import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -27,6 +26,7 @@ from learner.health import (
     scale_lr_schedule,
     step_is_finite,
 )
+from tests.helpers.waits import wait_for
 
 NAN, INF = math.nan, math.inf
 HEALTHY = {"train/loss": 0.5, "train/grad_norm": 1.0, "train/applied": 1.0}
@@ -369,29 +369,33 @@ def test_fp16_loss_scale_overflows_do_not_count() -> None:
 
 
 class Receiver(ThreadingHTTPServer):
-    """A loopback HTTP server that keeps every JSON body POSTed to it and answers ``status``, after ``delay_s``."""
+    """A loopback HTTP server that keeps every JSON body POSTed to it and answers ``status``; with ``hang``, it
+    answers nothing until :attr:`release` is set (on leaving the ``with`` block at the latest)."""
 
-    def __init__(self, status: int = 200, delay_s: float = 0.0) -> None:
+    def __init__(self, status: int = 200, hang: bool = False) -> None:
         self.bodies: list[dict[str, Any]] = []
-        self.status, self.delay_s = status, delay_s
-        self.got = threading.Event()
+        self.status = status
+        self.got = threading.Event()  # a POST arrived
+        self.release = threading.Event()
+        if not hang:
+            self.release.set()
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 server: Receiver = self.server  # type: ignore[assignment]
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 assert self.headers["Content-Type"] == "application/json"
-                time.sleep(server.delay_s)
+                server.got.set()
+                server.release.wait(120)
                 server.bodies.append(body)
                 self.send_response(server.status)
                 self.end_headers()
-                server.got.set()
 
             def log_message(self, *args: Any) -> None:
                 pass
 
         super().__init__(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.serve_forever, daemon=True)
+        self.thread = threading.Thread(target=self.serve_forever, args=(0.02,), daemon=True)  # quick to shut down
 
     @property
     def url(self) -> str:
@@ -402,6 +406,7 @@ class Receiver(ThreadingHTTPServer):
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.release.set()
         self.shutdown()
         self.server_close()
 
@@ -442,18 +447,22 @@ def test_a_failing_webhook_is_logged_and_never_raised(logs: Records) -> None:
 
 
 def test_a_hanging_webhook_does_not_block_the_step(logs: Records) -> None:
-    with Receiver(delay_s=1.0) as slow:
-        health = HealthMonitor(
-            HealthSection(kl_ref_max=0.5, webhook_url=slow.url, webhook_timeout_s=0.2), groups_per_step=8
-        )
-        started = time.perf_counter()
-        feed(health, [{"train/loss/kl_ref": v} for v in (0.9, 0.1, 0.9, 0.1)])
-        assert time.perf_counter() - started < 0.2  # four transitions queued, none waited for
+    """The receiver answers nothing until the test lets it: a step or a close that waited for a POST would find one
+    answered or timed out (logged) when it returns; neither has happened. A POST to it times out, and is logged."""
+    with Receiver(hang=True) as hung:
+        settings = HealthSection(kl_ref_max=0.5, webhook_url=hung.url, webhook_timeout_s=30)  # the longest allowed
+        health = HealthMonitor(settings, groups_per_step=8)
+        feed(health, [{"train/loss/kl_ref": v} for v in (0.9, 0.1, 0.9, 0.1)])  # four transitions queued
+        assert hung.bodies == [] and not logs.messages("alert webhook failed")  # none waited for
+        assert hung.got.wait(30)  # the first one is on its way, from the sender's thread
         health.close(wait_s=0.1)  # bounded, even with the receiver still busy
-        assert time.perf_counter() - started < 1.0
-        assert slow.got.wait(5)
-    time.sleep(0.3)  # let the sender's first POST time out
-    assert logs.messages("alert webhook failed")
+        assert hung.bodies == [] and not logs.messages("alert webhook failed")  # returned with the POST in flight
+        settings = HealthSection(kl_ref_max=0.5, webhook_url=hung.url, webhook_timeout_s=0.2)
+        timing_out = HealthMonitor(settings, groups_per_step=8)
+        feed(timing_out, [{"train/loss/kl_ref": 0.9}])
+        wait_for(lambda: logs.messages("alert webhook failed"), "the timed-out POST logged")
+        timing_out.close(wait_s=0.1)
+        assert hung.bodies == []  # the receiver never answered: that failure was the timeout
 
 
 # --------------------------------------------------------------------------- config
