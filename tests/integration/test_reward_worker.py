@@ -22,6 +22,7 @@ from common.keys import DEAD_LETTER_EXCERPT, RunKeys
 from common.replay import ReplayEntry, ReplayReader
 from common.seal import Seal, run_seal
 from common.wire import Decoder, Heartbeat, RolloutGroup, decode_blob, encode_blob
+from tests.helpers import waits
 from tests.helpers.rollouts import issue, make_group, tokenizer_dir
 
 pytestmark = pytest.mark.integration
@@ -71,14 +72,9 @@ def heartbeat(redis_client, run: str, worker_id: str, state: str | None = None) 
 
 
 def wait_for(probe, proc: subprocess.Popen, log: Path, what: str, timeout_s: float = 60):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        result = probe()
-        if result:
-            return result
-        assert proc.poll() is None, f"worker exited ({proc.returncode}) before {what}:\n{log.read_text()}"
-        time.sleep(0.05)
-    raise AssertionError(f"no {what} within {timeout_s} s:\n{log.read_text()}")
+    """:func:`tests.helpers.waits.wait_for` on a worker process, failing with its log (the argument order of the
+    callers here and in test_garbage_flood)."""
+    return waits.wait_for(probe, what, proc=proc, log=log, timeout_s=timeout_s)
 
 
 def read_replay(redis_client, run: str, count: int, timeout_s: float = 30) -> list[ReplayEntry]:

@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -26,22 +25,12 @@ from common.wire import Heartbeat
 from learner.broadcaster import Broadcaster
 from learner.dispatcher import Dispatcher
 from tests.helpers.rollouts import encode, issue, make_group, tokenizer_dir
+from tests.helpers.waits import wait_for
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 STALL = "tests.helpers.slow_rewards:stall"
 HOUR = 3600
-
-
-def wait_until(probe, what: str, timeout_s: float = 60, proc: subprocess.Popen | None = None, log: Path | None = None):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if result := probe():
-            return result
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"worker exited ({proc.returncode}) before {what}:\n{log.read_text()}")
-        time.sleep(0.05)
-    raise AssertionError(f"no {what} within {timeout_s} s" + (f":\n{log.read_text()}" if log else ""))
 
 
 def test_a_killed_reward_workers_groups_are_reissued_when_its_heartbeat_expires(redis_server, redis_client, tmp_path):
@@ -72,7 +61,7 @@ def test_a_killed_reward_workers_groups_are_reissued_when_its_heartbeat_expires(
         proc = subprocess.Popen([*command, "--id", "rw-1"], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     peers = RewardPeers(hwm=64, send_timeout_s=10, seal=run_seal(redis_client, plane.keys, "rollouts"))
     try:
-        [beat] = wait_until(
+        [beat] = wait_for(
             lambda: [h for h in plane.registry.processes()[0] if h.process_id == "rw-1" and h.state == "ready"],
             "a ready heartbeat",
             proc=proc,
@@ -85,12 +74,12 @@ def test_a_killed_reward_workers_groups_are_reissued_when_its_heartbeat_expires(
             worker = peers.send(group)
             plane.prompts.pushed(group.group_id, "actor-1", worker)  # unless the worker received it already
             if group.group_id == "ok-0":  # written before the next one stalls the worker (it writes when idle)
-                [entry] = wait_until(lambda: reader.read(count=1, block_ms=200), "ok-0 written", proc=proc, log=log)
+                [entry] = wait_for(lambda: reader.read(count=1, block_ms=200), "ok-0 written", proc=proc, log=log)
                 assert entry.group.rollout.group_id == "ok-0"
-        wait_until(lambda: calls.exists() and "held-0" in calls.read_text().split(), "held-0 in the worker's hands")
+        wait_for(lambda: calls.exists() and "held-0" in calls.read_text().split(), "held-0 in the worker's hands")
         holders = lambda gid: (plane.prompts.ledger()[gid].actor, plane.prompts.ledger()[gid].scorer)  # noqa: E731
-        wait_until(lambda: holders("ok-0") == ("", ""), "ok-0 held by nobody once in the stream")
-        wait_until(lambda: holders("held-0") == ("", "rw-1"), "held-0 held by the worker alone")
+        wait_for(lambda: holders("ok-0") == ("", ""), "ok-0 held by nobody once in the stream")
+        wait_for(lambda: holders("held-0") == ("", "rw-1"), "held-0 held by the worker alone")
         assert dispatcher.reissue_overdue(config.learner.group_deadline_s) == (0, 0)  # everyone alive
         proc.kill()  # kill -9: held-0 in hand and held-1, held-2 queued in its socket die with it
         assert proc.wait(10) == -9
@@ -100,7 +89,7 @@ def test_a_killed_reward_workers_groups_are_reissued_when_its_heartbeat_expires(
             reissued.append(dispatcher.reissue_overdue(config.learner.group_deadline_s)[0])
             return sum(reissued) >= 3
 
-        wait_until(all_reissued, "the killed worker's groups re-issued")
+        wait_for(all_reissued, "the killed worker's groups re-issued")
     finally:
         peers.close()
         if proc.poll() is None:
