@@ -35,8 +35,8 @@ from common.tiny_chat_model import ARCHITECTURES, IM_END, chat_examples, init_ch
 from common.wire import Heartbeat, RolloutGroup, ScoredGroup
 from learner.batch import collate
 from learner.batch_source import BatchSource
+from tests.helpers.actor_stack import stop, transformers_logprobs
 from tests.helpers.rollouts import answer
-from tests.integration.test_rollout_actor import stop, transformers_logprobs
 
 pytestmark = pytest.mark.integration
 ACTOR = str(Path(sys.executable).parent / "rl-actor")
