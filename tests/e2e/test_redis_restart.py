@@ -1,11 +1,12 @@
-"""Redis killed under a live run (``kill -9`` of its redis-server), with real processes started as a person would
-(`rl-launch redis`, `rl-actor reward`, `rl-actor`, `rl-learner train`).
+"""Redis killed twice under one live run (``kill -9`` of its redis-server), with real processes started as a person
+would (`rl-launch redis`, `rl-actor reward`, `rl-actor`, `rl-learner train`).
 
 Back within the limit: `rl-launch redis` says its server died, and started again on the run folder ~8 s later it
-takes the same port, password and AOF; the learner, the actor and the reward worker wait, reconnect and carry on,
-and the run completes with every group trained exactly once. Down longer than ``transport.redis_outage_s``: each of
-them stops with status 75 and says what to do; with Redis started again, ``--resume latest`` completes the run.
-The figures of both runs are printed (``pytest -s``).
+takes the same port, password and AOF; the learner, the actor and the reward worker wait, reconnect and carry on
+(they train on past the next checkpoint, with no group lost). Later in the same run, down longer than
+``transport.redis_outage_s``: each of them stops with status 75 and says what to do; with Redis started again,
+``--resume latest`` completes the run with every group trained exactly once. One run does both, so the set-up (and
+the model load of the first learner) is paid once; the figures are printed (``pytest -s``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,13 @@ pytestmark = pytest.mark.e2e
 GROUPS = 16  # configs/demo.toml: learner.groups_per_step
 ACTOR_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "1"}
 CONFIG = ROOT / "configs/demo.toml"
+STEPS, EVERY = 10, 3
+LIMIT_S = 40
+"""``transport.redis_outage_s``: well above the first outage, 8 s and the restart (measured: 18 s on two busy cores, as
+the restarted `rl-launch redis` takes ~10 s to start), so that one is lived through; the second lasts past it."""
+BACK_AFTER_S = 8.0
+"""How long Redis stays down the first time."""
+PROCESSES = ("learner-1", "actor-0", "reward")
 
 
 class Run:
@@ -76,64 +84,65 @@ def start_redis_again(run: Run) -> float:
     return time.monotonic()
 
 
-def test_a_run_lives_through_a_redis_kill_and_restart(tmp_path: Path, model_dir: Path) -> None:
-    steps = 10
-    run = Run(tmp_path, model_dir, "redisback", f"learner.steps={steps}")
-    try:
-        run.start()
-        learner = run.learner("learner")
-        _wait(lambda: len(_steps(run.dir)) >= 3, "step 3", learner)
+def live_through_a_restart(run: Run) -> dict:
+    """Redis down ~8 s, within the limit: every process reconnects and the run trains on past the next checkpoint
+    with every process alive, no traceback and no group lost. Its figures."""
+    learner = run.procs.procs["learner-1"]
+    killed = kill_redis(run)
+    killed_at_step = _steps(run.dir)[-1]
+    assert killed_at_step < EVERY * 2  # the run has a checkpoint and steps still to come
+    time.sleep(max(0.0, killed + BACK_AFTER_S - time.monotonic()))
+    down_s = start_redis_again(run) - killed
 
-        killed = kill_redis(run)
-        killed_at_step = _steps(run.dir)[-1]
-        time.sleep(max(0.0, killed + 8.0 - time.monotonic()))
-        down_s = start_redis_again(run) - killed
-
-        assert learner.wait(900) == 0, run.procs.log("learner")[-3000:]
-        for name in ("actor-0", "reward"):
-            assert run.procs.procs[name].poll() is None, run.procs.log(name)[-3000:]  # lived through it
-        for name in ("learner", "actor-0", "reward"):
-            text = run.procs.log(name)
-            assert "Redis reachable again" in text and "Traceback" not in text, text[-3000:]
-        assert _steps(run.dir) == list(range(1, steps + 1))  # every step exactly once
-        assert killed_at_step < steps
-        figures = account_groups(run.plane(), steps, GROUPS)
-        assert figures["lost"] == 0  # nothing lost to the restart
-        report = {"down_s": round(down_s, 1), "killed_after_step": killed_at_step, "steps": steps, **figures}
-        print(json.dumps({"test": "within the limit", **report}))
-    finally:
-        run.procs.stop_all()
+    for name in PROCESSES:  # each says so once its first call after the outage goes through
+        _wait(lambda name=name: "Redis reachable again" in run.procs.log(name), f"{name} reconnected", learner)
+    _wait(lambda: len(_steps(run.dir)) > EVERY * 2, "a step after the checkpoint that follows the restart", learner)
+    for name in PROCESSES:
+        assert run.procs.procs[name].poll() is None, run.procs.log(name)[-3000:]  # lived through it
+        text = run.procs.log(name)
+        assert "Traceback" not in text, text[-3000:]
+    assert _steps(run.dir) == list(range(1, len(_steps(run.dir)) + 1))  # every step so far exactly once
+    assert run.plane().prompts.dispatch_counts().get("lost", 0) == 0  # nothing lost to the restart
+    return {"down_s": round(down_s, 1), "killed_after_step": killed_at_step}
 
 
-def test_redis_down_past_the_limit_stops_every_process_and_a_resume_completes(tmp_path: Path, model_dir: Path) -> None:
-    steps, every, limit_s = 9, 3, 15
-    overrides = [f"learner.steps={steps}", f"checkpoint.every={every}", f"transport.redis_outage_s={limit_s}"]
-    run = Run(tmp_path, model_dir, "redisgone", *overrides, "learner.group_deadline_s=60")
+def stop_past_the_limit(run: Run) -> dict:
+    """Redis down past ``transport.redis_outage_s``: the learner, the actor and the reward worker each exit 75 no
+    sooner than the limit and say what to do. Its figures."""
+    killed = kill_redis(run)
+    stopped = {}
+    for name in PROCESSES:
+        assert run.procs.procs[name].wait(180) == OUTAGE_EXIT_CODE, run.procs.log(name)[-3000:]
+        stopped[name] = round(time.monotonic() - killed, 1)
+        text = run.procs.log(name)
+        assert "Redis unreachable for longer than transport.redis_outage_s; stopping" in text, text[-3000:]
+        assert "--resume latest" in text
+    assert min(stopped.values()) >= LIMIT_S, stopped
+    return {"stopped_s": stopped, "stopped_after_step": _steps(run.dir)[-1]}
+
+
+def test_a_run_lives_through_a_redis_restart_then_stops_past_the_limit_and_a_resume_completes(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    """Within the limit the run lives on (every process reconnects, no group lost); past it every process stops with
+    75; Redis started again and ``--resume latest`` complete the run with every step and every group trained once."""
+    overrides = [f"learner.steps={STEPS}", f"checkpoint.every={EVERY}", f"transport.redis_outage_s={LIMIT_S}"]
+    run = Run(tmp_path, model_dir, "redis", *overrides, "learner.group_deadline_s=60")
     try:
         run.start()
         first = run.learner("learner-1")
-        _wait(lambda: len(_steps(run.dir)) > every, "a step after the first checkpoint", first)
-
-        killed = kill_redis(run)
-        stopped = {}
-        for name in ("learner-1", "actor-0", "reward"):
-            assert run.procs.procs[name].wait(180) == OUTAGE_EXIT_CODE, run.procs.log(name)[-3000:]
-            stopped[name] = round(time.monotonic() - killed, 1)
-            text = run.procs.log(name)
-            assert "Redis unreachable for longer than transport.redis_outage_s; stopping" in text, text[-3000:]
-            assert "--resume latest" in text
-        assert min(stopped.values()) >= limit_s, stopped
-        stopped_at_step = _steps(run.dir)[-1]
+        _wait(lambda: len(_steps(run.dir)) >= EVERY, "the first checkpoint's step", first)
+        within = live_through_a_restart(run)
+        past = stop_past_the_limit(run)
 
         start_redis_again(run)  # as the message says: Redis first, then everything else
-        run.procs.start("reward", [BIN / "rl-actor", "reward", *run.run_args, "--id", "reward-0"])
+        run.procs.start("reward-2", [BIN / "rl-actor", "reward", *run.run_args, "--id", "reward-0"])
         run.procs.start("actor-1", [BIN / "rl-actor", *run.run_args, "--id", "actor-1"], ACTOR_ENV)
         resumed = run.learner("learner-2", "--resume", "latest")
         assert resumed.wait(900) == 0, run.procs.log("learner-2")[-3000:]
 
-        assert _steps(run.dir) == list(range(1, steps + 1))  # every step exactly once, after the cut back
-        figures = account_groups(run.plane(), steps, GROUPS)
-        report = {"limit_s": limit_s, "stopped_s": stopped, "stopped_after_step": stopped_at_step, **figures}
-        print(json.dumps({"test": "past the limit", "steps": steps, **report}))
+        assert _steps(run.dir) == list(range(1, STEPS + 1))  # every step exactly once, after the cut back
+        figures = account_groups(run.plane(), STEPS, GROUPS)
+        print(json.dumps({"steps": STEPS, "limit_s": LIMIT_S, **within, **past, **figures}))
     finally:
         run.procs.stop_all()
