@@ -67,8 +67,9 @@ def init_distributed(timeout: timedelta = DEFAULT_TIMEOUT) -> str:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if os.environ["WORLD_SIZE"] == "1":
         _init_one_rank(backend, timeout)  # DeepSpeed then wraps this group
-    from learner.jit_lock import clear_stale_locks
+    from learner.jit_lock import clear_stale_locks, prefer_environment_ninja
 
+    prefer_environment_ninja()  # one ninja builds the op: another's build log would make it rebuild
     clear_stale_locks()  # DeepSpeed builds its CPU op next: a dead build's lock would make it wait forever
     import_deepspeed().init_distributed(dist_backend=backend, timeout=timeout)
     return backend

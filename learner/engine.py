@@ -35,7 +35,7 @@ from transformers import AutoModelForCausalLM
 from common.config import LearnerSection, RunConfig
 from learner import dist
 from learner.health import step_is_finite
-from learner.jit_lock import clear_stale_locks
+from learner.jit_lock import clear_stale_locks, prefer_environment_ninja
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ADAM_BETAS = (0.9, 0.999)
@@ -226,6 +226,7 @@ class PolicyEngine:
             cpu=dist.configure_accelerator() == "cpu",
         )
         model = self._load_model()
+        prefer_environment_ninja()
         clear_stale_locks()  # an op this config needs (cpu_adam for offload) is built on the next line
         self.engine, *_ = self.deepspeed.initialize(
             model=model,

@@ -73,6 +73,24 @@ def processes_in(folder: Path, exclude: tuple[int, ...] | None = None) -> list[i
     return sorted(found)
 
 
+def prefer_environment_ninja() -> Path | None:
+    """Put this Python environment's ``ninja`` first on ``PATH`` for torch's JIT builds; return it (None if absent).
+
+    torch runs whichever ``ninja`` ``PATH`` names, and ninja versions keep their build log in different formats
+    (1.11 hashes commands with MurmurHash, log v5; 1.13 with rapidhash, log v7). A learner started as
+    ``.venv/bin/rl-learner`` without the environment activated finds the system's ninja, one under ``torchrun`` or an
+    activated environment finds the environment's: each reads the other's log as changed commands and rebuilds the op
+    from scratch, 45-200 s on two cores, every time the other kind built last. One ninja per environment builds once.
+    """
+    ninja = Path(sys.executable).parent / "ninja"
+    if not (ninja.is_file() and os.access(ninja, os.X_OK)):
+        return None
+    path = os.environ.get("PATH", "")
+    if path.split(os.pathsep)[0] != str(ninja.parent):
+        os.environ["PATH"] = os.pathsep.join([str(ninja.parent), path]) if path else str(ninja.parent)
+    return ninja
+
+
 def clear_stale_locks(
     root: Path | None = None,
     *,

@@ -106,3 +106,24 @@ def test_a_process_working_in_the_build_folder_is_its_builder(
     assert os.getpid() in processes_in(folder, exclude=())
     assert os.getpid() not in processes_in(folder)  # this process never counts as a builder by default
     assert jit_lock.LOCK_NAME == "lock"
+
+
+def test_the_environments_ninja_goes_first_on_path_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ninja versions read each other's build log as changed commands; the environment's one always builds."""
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "ninja").write_text("#!/bin/sh\n")
+    (bin_dir / "ninja").chmod(0o755)
+    monkeypatch.setattr(jit_lock.sys, "executable", str(bin_dir / "python"))
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    assert jit_lock.prefer_environment_ninja() == bin_dir / "ninja"
+    assert os.environ["PATH"] == f"{bin_dir}:/usr/bin:/bin"
+    jit_lock.prefer_environment_ninja()
+    assert os.environ["PATH"] == f"{bin_dir}:/usr/bin:/bin"  # not prepended twice
+
+
+def test_without_a_ninja_of_its_own_path_is_left_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(jit_lock.sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    assert jit_lock.prefer_environment_ninja() is None
+    assert os.environ["PATH"] == "/usr/bin:/bin"
