@@ -165,6 +165,9 @@ def demo(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> DemoRun:
     proc = launch(root, model_dir, DEMO)
     try:
         _wait_for_steps(run_dir, proc, KILL_AFTER_STEP)
+        # a labelled series (the actor's channel counters) appears with its first message: watch once both actors
+        # have groups in a trained step (the second one may load its weights a step or two after the first)
+        _wait_for(lambda: {"actor-0", "actor-1"} <= _actors_trained(run_dir), proc)
         watched = watch(run_dir, proc)
         steps_at_kill = len(step_rows(run_dir))
         assert proc.poll() is None, "the run ended before the kill"
@@ -173,6 +176,12 @@ def demo(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> DemoRun:
     finally:
         finish(proc, 1)
     return DemoRun(run_dir, exit_code, metrics(root, DEMO), watched, steps_at_kill)
+
+
+def _actors_trained(run_dir: Path) -> set[str]:
+    """The actors whose groups some training step of the run has used so far."""
+    prefix = "rollout/groups_from/"
+    return {key[len(prefix) :] for row in step_rows(run_dir) for key, n in row.items() if key.startswith(prefix) and n}
 
 
 def test_demo_reward_rises_within_the_staleness_bound(demo: DemoRun) -> None:
@@ -193,7 +202,10 @@ def test_an_actor_killed_mid_run_loses_no_group(demo: DemoRun) -> None:
     assert KILL_AFTER_STEP <= demo.steps_at_kill < DEMO_STEPS  # killed mid-run
     assert demo.exit_code == 0
     assert [int(r["step"]) for r in demo.rows] == list(range(1, DEMO_STEPS + 1))
-    assert demo.rows[-1]["sync/members"] == 1.0  # the dead actor was dropped from the weight group
+    last = demo.rows[-1]
+    assert last["sync/members"] == 1.0  # the dead actor was dropped from the weight group
+    # the last step's groups (within one version of it, long after the kill) all came from the survivor
+    assert not last.get("rollout/groups_from/actor-0") and last.get("rollout/groups_from/actor-1"), last
 
 
 def test_every_process_serves_metrics(demo: DemoRun) -> None:
