@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from common.tiny_chat_model import chat_examples, init_chat_model, warm_start_chat
-from tests.e2e.test_system import finish, launch, metrics
+from tests.helpers.stack import finish, launch, metrics
 
 pytestmark = pytest.mark.e2e
 STEPS = 4

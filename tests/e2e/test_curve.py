@@ -13,8 +13,7 @@ import pytest
 
 from common.control import ControlPlane
 from common.keys import connect
-from tests.e2e.test_resume import Processes, _wait
-from tests.e2e.test_system import BIN, ROOT
+from tests.helpers.stack import BIN, ROOT, Processes, _wait
 
 pytestmark = pytest.mark.e2e
 RUN, STEPS, GROUPS = "curve", 6, 16

@@ -28,10 +28,9 @@ from common.keys import DEAD_LETTER_EXCERPT, connect
 from common.replay import ReplayWriter
 from common.seal import numbered_group_id, run_seal, run_secret
 from common.wire import PromptGroup, RolloutGroup, ScoredGroup
-from tests.e2e.test_resume import DEMO, Processes, _wait
-from tests.e2e.test_system import BIN
 from tests.helpers.runs import step_rows
 from tests.helpers.scrape import metric
+from tests.helpers.stack import BIN, DEMO, Processes, _wait
 
 pytestmark = pytest.mark.e2e
 RUN, STEPS, GROUPS = "forged", 8, 16

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_system import ROOT, finish, launch, metrics
+from tests.helpers.stack import ROOT, finish, launch, metrics
 
 pytestmark = pytest.mark.e2e
 NAME, STEPS = "faults", 12

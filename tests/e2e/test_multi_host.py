@@ -40,10 +40,9 @@ from common.audit import entry_line
 from common.control import ControlPlane
 from common.keys import connect
 from common.redis_server import find_redis_server
-from tests.e2e.test_resume import Processes
-from tests.e2e.test_system import BIN
 from tests.helpers.accounting import account_groups
-from tests.unit.test_across_hosts import readme_block
+from tests.helpers.readme import readme_block
+from tests.helpers.stack import BIN, Processes
 
 pytestmark = pytest.mark.e2e
 

@@ -25,9 +25,8 @@ from common.keys import connect
 from common.procs import child_pids
 from common.redis_server import free_port
 from learner.checkpoint import complete_checkpoints, open_checkpoint
-from tests.e2e.test_resume import DEMO, Processes, _steps, _wait
-from tests.e2e.test_system import BIN
 from tests.helpers.runs import step_rows
+from tests.helpers.stack import BIN, DEMO, Processes, _steps, _wait
 
 pytestmark = pytest.mark.e2e
 RUN, STEPS, EVERY, GROUPS = "ranks", 6, 2, 16

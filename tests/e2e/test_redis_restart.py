@@ -23,9 +23,8 @@ import pytest
 from common.control import ControlPlane
 from common.keys import connect
 from common.outage import OUTAGE_EXIT_CODE
-from tests.e2e.test_resume import Processes, _steps, _wait
-from tests.e2e.test_system import BIN, ROOT
 from tests.helpers.accounting import account_groups
+from tests.helpers.stack import BIN, ROOT, Processes, _steps, _wait
 
 pytestmark = pytest.mark.e2e
 GROUPS = 16  # configs/demo.toml: learner.groups_per_step

@@ -9,12 +9,8 @@ surviving history, or accounted for (dropped by a rule, still in flight, or lost
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import signal
-import subprocess
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -24,89 +20,11 @@ from common.control import ControlPlane
 from common.keys import connect
 from common.seal import numbered_group_id, run_secret
 from learner.checkpoint import complete_checkpoints
-from tests.e2e.test_system import BIN, ROOT
 from tests.helpers.runs import step_rows
+from tests.helpers.stack import BIN, DEMO, Processes, _steps, _wait
 
 pytestmark = pytest.mark.e2e
 RUN, STEPS, EVERY = "resume", 12, 3
-DEMO = ROOT / "configs/demo.toml"
-"""Until the broadcaster records weights.* events, the audit-trail check leaves them out."""
-
-
-class Processes:
-    """The processes this test started, each the leader of its own session; stopped by PID (and its session)."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.procs: dict[str, subprocess.Popen] = {}
-
-    def start(self, name: str, cmd: list, env: dict[str, str] | None = None) -> subprocess.Popen:
-        log = (self.log_dir / f"{name}.log").open("w")
-        proc = subprocess.Popen(
-            [str(c) for c in cmd],
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "DS_ACCELERATOR": "cpu", **(env or {})},
-            start_new_session=True,  # its own children (vLLM's engine) share its session: ended with it
-        )
-        self.procs[name] = proc
-        return proc
-
-    def start_run(self, config: Path, sets: list[str], run_dir: Path) -> list[str]:
-        """``rl-launch redis`` for the run, then a reward worker (``reward-0``); returns ``--redis URL --run NAME``.
-        The worker starts once the config is published (the URL file is written before it)."""
-        self.start("redis", [BIN / "rl-launch", "redis", config, *sets])
-        url = _wait(lambda: (run_dir / "redis" / "url").read_text().strip(), "redis", self.procs["redis"])
-        plane = ControlPlane(connect(url), run_dir.name)
-        _wait(lambda: plane.client.exists(plane.keys.config), "the published config", self.procs["redis"])
-        run_args = ["--redis", url, "--run", run_dir.name]
-        self.start("reward", [BIN / "rl-actor", "reward", *run_args, "--id", "reward-0"])
-        return run_args
-
-    def start_demo(self, run_dir: Path, model: Path, *overrides: str) -> tuple[list[str], list[str]]:
-        """:meth:`start_run` for configs/demo.toml as run ``run_dir`` on the model folder ``model`` with
-        ``overrides``; returns the learner's ``--set`` arguments and ``--redis URL --run NAME``."""
-        run = [f"run.root={run_dir.parent}", f"run.name={run_dir.name}", f"model.path={model}", "eval.every=0"]
-        run += overrides  # eval rounds off: tests/e2e/test_eval.py's
-        sets = [arg for override in run for arg in ("--set", override)]
-        return sets, self.start_run(DEMO, sets, run_dir)
-
-    def log(self, name: str) -> str:
-        return (self.log_dir / f"{name}.log").read_text()
-
-    def stop(self, name: str, sig: int = signal.SIGTERM, timeout_s: float = 90) -> int:
-        proc = self.procs[name]
-        if proc.poll() is None:
-            proc.send_signal(sig)
-            try:
-                proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # stragglers in the session this child led
-        return proc.returncode
-
-    def stop_all(self) -> None:
-        for name in reversed(list(self.procs)):  # learner and actors first, Redis last
-            self.stop(name, signal.SIGINT if name == "redis" else signal.SIGTERM)
-
-
-def _wait(condition, what: str, proc: subprocess.Popen | None = None, timeout_s: float = 600, poll_s: float = 0.05):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with contextlib.suppress(FileNotFoundError):
-            if value := condition():
-                return value
-        assert proc is None or proc.poll() is None, f"{what}: the process exited first ({proc.returncode})"
-        assert time.monotonic() < deadline, f"{what}: timed out"
-        time.sleep(poll_s)
-
-
-def _steps(run_dir: Path) -> list[int]:
-    return [int(row["step"]) for row in step_rows(run_dir)]
 
 
 def test_a_killed_learner_resumes_and_every_group_is_trained_once(tmp_path: Path, model_dir: Path) -> None:

@@ -19,7 +19,6 @@ import os
 import shlex
 import signal
 import subprocess
-import sys
 import time
 import tomllib
 import urllib.request
@@ -35,49 +34,10 @@ from common.control import ControlPlane
 from common.keys import connect
 from tests.helpers.runs import step_rows
 from tests.helpers.secrets import files_exposing, processes_showing
+from tests.helpers.stack import BIN, ROOT, finish, launch, metrics
 
 pytestmark = pytest.mark.e2e
-ROOT = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
 T = TypeVar("T")
-
-
-def launch(
-    tmp_path: Path, model_dir: Path, name: str, *overrides: str, config: Path | None = None, actors: int = 2
-) -> subprocess.Popen:
-    args = [
-        BIN / "rl-launch",
-        "run",
-        config or ROOT / "configs/demo.toml",
-        "--actors",
-        str(actors),
-        "--set",
-        f"run.root={tmp_path}",
-        "--set",
-        f"run.name={name}",
-        "--set",
-        f"model.path={model_dir}",
-    ]
-    for override in ("eval.every=0", *overrides):  # the demo's eval rounds: tests/e2e/test_eval.py's
-        args += ["--set", override]
-    return subprocess.Popen(args, cwd=ROOT, env={**os.environ, "DS_ACCELERATOR": "cpu"})
-
-
-def finish(proc: subprocess.Popen, timeout_s: float = 1200) -> int:
-    try:
-        return proc.wait(timeout_s)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)  # the launcher stops its children and its Redis
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
-
-def metrics(tmp_path: Path, name: str) -> list[dict]:
-    """The training steps' rows (the demo's eval rounds are checked in tests/e2e/test_eval.py)."""
-    return step_rows(tmp_path / name)
 
 
 def mean(rows: list[dict], key: str) -> float:

@@ -27,9 +27,9 @@ from common.keys import RunKeys, dead_letter
 from common.metrics import AUDIT_FAILURES
 from common.seal import run_seal
 from common.wire import Heartbeat
+from tests.helpers.reward_stack import heartbeat, publish, start, stop
 from tests.helpers.rollouts import issue, make_group
 from tests.helpers.waits import wait_for
-from tests.integration.test_reward_worker import heartbeat, publish, start, stop
 
 pytestmark = pytest.mark.integration
 

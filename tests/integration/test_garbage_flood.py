@@ -33,8 +33,8 @@ from common.keys import DEAD_LETTER_MAXLEN, RunKeys
 from common.seal import run_seal
 from common.wire import encode, encode_blob
 from tests.helpers.garbage import bad_blob, bad_messages
+from tests.helpers.reward_stack import heartbeat, publish, read_replay, reward_worker, wait_for
 from tests.helpers.rollouts import issue, make_group
-from tests.integration.test_reward_worker import heartbeat, publish, read_replay, reward_worker, wait_for
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]

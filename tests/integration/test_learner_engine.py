@@ -8,9 +8,6 @@ same loss, gradient norm and updated weights. The two-rank run is a real ``torch
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -20,14 +17,12 @@ from transformers import AutoModelForCausalLM
 
 from learner.engine import PolicyEngine, ReferenceModel, split_micro_batches
 from tests.helpers.engine_ranks import LENGTHS, fixed_batch, nll_loss, predicted_tokens, run_config
-from tests.helpers.torchrun import launcher_env, torchrun_command
+from tests.helpers.ranks import run_ranks
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_rank_world")]
 
-REPO = Path(__file__).resolve().parents[2]
 TIGHT = 1e-5  # same process, same maths, different summation order
 RANKS_RTOL = 1e-4  # two processes: gloo reduction order differs
-RANKS_TIMEOUT_S = 300  # imports and engine start of two ranks on two shared cores take ≈ 20 s
 
 
 @pytest.fixture(scope="module")
@@ -94,35 +89,6 @@ def test_two_micro_batches_step_like_one(model_dir: Path, zero_stage: int) -> No
         torch.testing.assert_close(weights_two[name], tensor, atol=TIGHT, rtol=0, msg=name)
     moved = max((weights_one[n] - p.detach()).abs().max().item() for n, p in initial.items())
     assert moved > 0.5 * run_config(0, 1).learner.lr  # Adam's first step moves weights by about lr
-
-
-def stop(proc: subprocess.Popen[str]) -> None:
-    """End the launcher and its ranks: they run in their own session, so the group id is the launcher's pid."""
-    if proc.poll() is not None:
-        return
-    for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-        os.killpg(proc.pid, sig)
-        try:
-            proc.wait(wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def run_ranks(module: str, nproc: int, *args: str) -> str:
-    """``torchrun --nproc_per_node nproc -m module args`` from the repository root on loopback (gloo, CPU); fails
-    the test with the output's tail unless every rank exits 0. Returns the output."""
-    command = torchrun_command(nproc, module, *args)
-    env = launcher_env(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(
-        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        output, _ = proc.communicate(timeout=RANKS_TIMEOUT_S)
-    finally:
-        stop(proc)
-    assert proc.returncode == 0, output[-6000:]
-    return output
 
 
 def run_two_ranks(model_dir: Path, out_dir: Path) -> dict:

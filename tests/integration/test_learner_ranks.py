@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from learner.checkpoint import CheckpointError, check_world_size, complete_checkpoints, open_checkpoint
-from tests.integration.test_learner_engine import run_ranks
+from tests.helpers.ranks import run_ranks
 
 pytestmark = pytest.mark.integration
 HELPER = "tests.helpers.update_ranks"

@@ -26,9 +26,9 @@ from common.outage import OUTAGE_EXIT_CODE, OutageClock, RedisUnavailable, exit_
 from common.prompt_ledger import add_counts
 from common.redis_server import EmbeddedRedis, EmbeddedRedisError, is_redis_server
 from common.replay import ReplayReader
+from tests.helpers.dispatch import actor, make_config, make_dispatcher
+from tests.helpers.replay import KEYS, fill
 from tests.helpers.waits import wait_for
-from tests.integration.test_dispatcher import actor, make_config, make_dispatcher
-from tests.integration.test_replay import KEYS, fill
 
 pytestmark = pytest.mark.integration
 BIN = Path(sys.executable).parent

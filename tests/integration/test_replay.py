@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from common import synthetic
-from common.keys import RunKeys, connect
+from common.keys import connect
 from common.redis_server import EmbeddedRedis
 from common.replay import ReplayReader, ReplayWriter
+from tests.helpers.replay import KEYS, fill
 
 pytestmark = pytest.mark.integration
-KEYS = RunKeys("test")
 
 READ_AND_HANG = textwrap.dedent(
     """
@@ -30,10 +30,6 @@ READ_AND_HANG = textwrap.dedent(
     time.sleep(600)  # never acknowledges: killed by the test
     """
 )
-
-
-def fill(client, n: int) -> list[str]:
-    return ReplayWriter(client, KEYS).add([synthetic.scored_group(4, 32, seed=i) for i in range(n)])
 
 
 def test_entries_of_a_killed_consumer_are_reclaimed(redis_server, redis_client) -> None:

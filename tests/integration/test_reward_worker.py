@@ -3,93 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
-import os
-import signal
 import subprocess
-import sys
 import time
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 
 from common.channel import PushChannel
-from common.config import load_config
 from common.control import ControlPlane
 from common.keys import DEAD_LETTER_EXCERPT, RunKeys
-from common.replay import ReplayEntry, ReplayReader
 from common.seal import Seal, run_seal
 from common.wire import Decoder, Heartbeat, RolloutGroup, decode_blob, encode_blob
-from tests.helpers import waits
-from tests.helpers.rollouts import issue, make_group, tokenizer_dir
+from tests.helpers.reward_stack import heartbeat, publish, read_replay, reward_worker, stop, wait_for
+from tests.helpers.rollouts import issue, make_group
+from tests.helpers.stack import BIN
 
 pytestmark = pytest.mark.integration
-ROOT = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
 STALL = "tests.helpers.slow_rewards:stall"
-
-
-def publish(redis_client, run: str, *overrides: str) -> None:
-    """Publish a run config as the learner would (fast heartbeats, so the tests wait less)."""
-    fast = ["transport.heartbeat_s=0.2", "transport.heartbeat_ttl_s=5", f"model.path={tokenizer_dir()}"]
-    config = load_config(None, [f"run.name={run}", *fast, *overrides])
-    ControlPlane(redis_client, run).run.publish_config(config)
-
-
-def start(url: str, run: str, worker_id: str, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the worker imports tests.helpers reward functions by path
-    with log.open("w") as out:
-        return subprocess.Popen(
-            [str(BIN / "rl-actor"), "reward", "--redis", url, "--run", run, "--id", worker_id],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=ROOT,
-        )
-
-
-@contextmanager
-def reward_worker(redis_server, redis_client, tmp_path: Path, run: str) -> Iterator[tuple[subprocess.Popen, str]]:
-    """A worker process and its advertised endpoint, once its heartbeat says ``ready``; always ended."""
-    log = tmp_path / f"{run}.log"
-    proc = start(redis_server.url, run, "rw-1", log)
-    try:
-        beat = wait_for(lambda: heartbeat(redis_client, run, "rw-1", state="ready"), proc, log, "a ready heartbeat")
-        assert beat.kind == "reward" and beat.pid == proc.pid and beat.endpoint.startswith("tcp://127.0.0.1:")
-        yield proc, beat.endpoint
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-
-
-def heartbeat(redis_client, run: str, worker_id: str, state: str | None = None) -> Heartbeat | None:
-    live, _lost = ControlPlane(redis_client, run).registry.processes()
-    found = [b for b in live if b.process_id == worker_id and (state is None or b.state == state)]
-    return found[0] if found else None
-
-
-def wait_for(probe, proc: subprocess.Popen, log: Path, what: str, timeout_s: float = 60):
-    """:func:`tests.helpers.waits.wait_for` on a worker process, failing with its log (the argument order of the
-    callers here and in test_garbage_flood)."""
-    return waits.wait_for(probe, what, proc=proc, log=log, timeout_s=timeout_s)
-
-
-def read_replay(redis_client, run: str, count: int, timeout_s: float = 30) -> list[ReplayEntry]:
-    reader = ReplayReader(redis_client, RunKeys(run), consumer="test")
-    entries: list[ReplayEntry] = []
-    deadline = time.monotonic() + timeout_s
-    while len(entries) < count and time.monotonic() < deadline:
-        entries += reader.read(count=count - len(entries), block_ms=200)
-    return entries
-
-
-def stop(proc: subprocess.Popen, log: Path) -> None:
-    """SIGTERM, then the exit status must be 0 within a few seconds."""
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(20) == 0, log.read_text()
 
 
 def metric(heartbeat_: Heartbeat, name: str) -> float:

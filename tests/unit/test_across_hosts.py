@@ -5,10 +5,8 @@ non-loopback ZeroMQ bind has CURVE keys, and the weight group's gloo sockets go 
 
 from __future__ import annotations
 
-import re
 import shlex
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -16,17 +14,10 @@ import torch.distributed as dist
 from common import deploy
 from common.config import HOST_KEY_ENV
 from common.weights import gloo_group
+from tests.helpers.readme import readme_block
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS = deploy.cluster_steps(**deploy.CLUSTER_EXAMPLE)
 HOST_KEY_ENV_BY_FIELD = {path: var for var, path in HOST_KEY_ENV.items()}
-
-
-def readme_block() -> str:
-    """The shell block of the README's "On a cluster" section."""
-    after = (ROOT / "README.md").read_text().split("\n### On a cluster\n", 1)[1]
-    section = re.split(r"\n#{2,3} ", after, maxsplit=1)[0]
-    return section.split("```bash\n", 1)[1].split("```", 1)[0]
 
 
 def test_the_readme_gives_the_commands_deploy_builds() -> None:
