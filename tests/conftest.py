@@ -55,7 +55,6 @@ chain, like the unit tier. Everything else (vLLM, DeepSpeed, torchrun, sandboxes
 so no two of them ever compete for the two cores."""
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups and before `-m` reads the tiers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     wanted = {"unit", "integration"}
     wanted |= {"e2e"} if config.getoption("--slow") else set()
