@@ -6,11 +6,12 @@ properties a shorter test also checks). A plain run selects unit + integration; 
 ``--soak`` adds soak. A test's tier is its folder's unless it is marked ``integration`` or ``soak`` itself.
 At the end the run prints what it started (vLLM engines, torchrun launches, warm starts, redis-servers) and its
 slowest tests. ``bin/test`` runs the whole suite on two xdist workers: one takes every test that starts heavy
-processes, one after another; the other the unit tier and the Redis-only modules (:data:`SHARED_CORES`).
+processes, one after another; the other the unit tier and the Redis-only modules (:func:`runs_serially`).
 """
 
 from __future__ import annotations
 
+import functools
 import multiprocessing.process
 import os
 import subprocess
@@ -51,10 +52,38 @@ def tier_of(item: pytest.Item) -> str:
 
 SHARED_CORES = {"test_control.py", "test_dispatcher.py", "test_audit.py", "test_channel.py", "test_replay.py"}
 """Integration modules that need only a redis-server or ZeroMQ sockets: under ``-n 2`` they run beside the serial
-chain, like the unit tier. Everything else (vLLM, DeepSpeed, torchrun, sandboxes, the e2e runs) shares one worker,
-so no two of them ever compete for the two cores."""
+chain, like the unit tier. Everything else (vLLM, DeepSpeed, torchrun, sandboxes, the e2e runs) runs on one worker,
+one test after another, so no two of them ever compete for the two cores."""
 
 
+@functools.cache
+def runs_serially_in(path: Path) -> bool:
+    if path.parts[:2] == ("tests", "unit"):
+        return "pytest.mark.integration" in (ROOT / path).read_text()
+    return path.name not in SHARED_CORES
+
+
+def runs_serially(nodeid: str) -> bool:
+    """Whether a test joins the one serial chain under ``-n 2``: decided from its path alone, because xdist's
+    controller schedules node ids and never sees markers. A module under ``tests/unit`` with a test that starts
+    processes (marked ``integration``) runs serially as a whole (``tests/unit/test_test_layout.py`` keeps that so)."""
+    return runs_serially_in(Path(nodeid.split("::", 1)[0]))
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Load scheduling where every test that :func:`runs_serially` forms one work unit (one worker, in order) and
+    every other test is a unit of its own (``--dist loadgroup`` groups by renaming node ids, which pytest 9 ignores)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SerialChain(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "serial" if runs_serially(nodeid) else nodeid
+
+    return SerialChain(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups and before `-m` reads the tiers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     wanted = {"unit", "integration"}
     wanted |= {"e2e"} if config.getoption("--slow") else set()
@@ -65,8 +94,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(tier)
         if item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(LIMIT_S[tier]))
-        if tier != "unit" and Path(str(item.path)).name not in SHARED_CORES:
-            item.add_marker(pytest.mark.xdist_group("serial"))  # one worker runs these, one after another
         (kept if tier in wanted else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
