@@ -22,7 +22,7 @@ def test_tests_that_start_heavy_processes_join_the_serial_chain() -> None:
     from tests.conftest import runs_serially
 
     assert runs_serially("tests/e2e/test_system.py::test_demo_reward_rises_within_the_staleness_bound")
-    assert runs_serially("tests/integration/test_rollout_actor.py::test_kill_9_of_an_actor_leaves_no_vllm_process_behind")
+    assert runs_serially("tests/integration/test_rollout_actor.py::test_kill_9_of_an_actor_leaves_no_vllm_process")
     assert runs_serially("tests/unit/test_sandbox.py::test_a_fork_bomb_does_not_starve_runs_beside_it")  # processes
     assert not runs_serially("tests/unit/test_wire.py::test_truncated_messages_raise_only_wire_error")
     assert not runs_serially("tests/integration/test_replay.py::test_maxlen_trims_the_oldest_entries")
