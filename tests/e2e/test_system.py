@@ -35,6 +35,7 @@ from common.keys import connect
 from tests.helpers.runs import step_rows
 from tests.helpers.secrets import files_exposing, processes_showing
 from tests.helpers.stack import BIN, ROOT, finish, launch, metrics
+from tests.helpers.waits import wait_for
 
 pytestmark = pytest.mark.e2e
 T = TypeVar("T")
@@ -365,14 +366,8 @@ def _wait_for_steps(run_dir: Path, proc: subprocess.Popen, steps: int) -> None:
 
 
 def _wait_for(condition, proc: subprocess.Popen, timeout_s: float = 600) -> None:
-    """Poll ``condition`` (a missing file counts as not yet) while the run is alive."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with contextlib.suppress(FileNotFoundError):
-            if condition():
-                return
-        assert time.monotonic() < deadline and proc.poll() is None, f"the run ended or timed out first: {condition}"
-        time.sleep(1)
+    """Poll ``condition`` each second while the run is alive (:func:`tests.helpers.waits.wait_for`)."""
+    wait_for(condition, f"{condition} while the run is alive", proc=proc, timeout_s=timeout_s, poll_s=1)
 
 
 def _start_actor(run_dir: Path, actor_id: str) -> subprocess.Popen:

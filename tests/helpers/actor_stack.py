@@ -27,6 +27,7 @@ from common.rendezvous import RedisStore
 from common.tasks import get_task, prompt_group
 from common.weights import GroupAddress, SealedWeights, WeightGroup, pack_sealed
 from common.wire import Heartbeat, PromptGroup, RolloutGroup, WeightManifest
+from tests.helpers import waits
 from tests.helpers.scrape import metric
 
 ACTOR = str(Path(sys.executable).parent / "rl-actor")
@@ -70,12 +71,8 @@ def collect(pull: PullChannel, until, timeout_s: float = 300, prefix: str = "") 
 
 
 def wait_for(check: Callable, what: str, timeout_s: float = 120):
-    """Poll ``check()`` every :data:`POLL_S` until it returns something truthy; that value."""
-    deadline = time.monotonic() + timeout_s
-    while not (value := check()):
-        assert time.monotonic() < deadline, f"{what} within {timeout_s} s"
-        time.sleep(POLL_S)
-    return value
+    """:func:`tests.helpers.waits.wait_for` every :data:`POLL_S`; the value ``check()`` returned."""
+    return waits.wait_for(check, what, timeout_s=timeout_s, poll_s=POLL_S)
 
 
 def heartbeat_of(plane: ControlPlane, actor_id: str) -> Heartbeat | None:

@@ -9,11 +9,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from common.control import ControlPlane
 from common.keys import connect
+from tests.helpers import waits
 from tests.helpers.runs import step_rows
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,14 +121,8 @@ class Processes:
 
 
 def _wait(condition, what: str, proc: subprocess.Popen | None = None, timeout_s: float = 600, poll_s: float = 0.05):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with contextlib.suppress(FileNotFoundError):
-            if value := condition():
-                return value
-        assert proc is None or proc.poll() is None, f"{what}: the process exited first ({proc.returncode})"
-        assert time.monotonic() < deadline, f"{what}: timed out"
-        time.sleep(poll_s)
+    """:func:`tests.helpers.waits.wait_for` with the e2e callers' argument order and their 600 s default."""
+    return waits.wait_for(condition, what, proc=proc, timeout_s=timeout_s, poll_s=poll_s)
 
 
 def _steps(run_dir: Path) -> list[int]:
