@@ -5,13 +5,13 @@ processes and servers on loopback), ``e2e`` (the whole system, ``tests/e2e``) an
 properties a shorter test also checks). A plain run selects unit + integration; ``--slow`` adds e2e (what CI runs);
 ``--soak`` adds soak. A test's tier is its folder's unless it is marked ``integration`` or ``soak`` itself.
 At the end the run prints what it started (vLLM engines, torchrun launches, warm starts, redis-servers) and its
-slowest tests. ``bin/test`` runs the whole suite on two xdist workers: each takes one chain of the tests that start
-heavy processes, one after another, and both share the unit tier and the Redis-only modules
-(``tests/helpers/chains.py``).
+slowest tests. ``bin/test`` runs the whole suite on two xdist workers: one takes every test that starts heavy
+processes, one after another; the other the unit tier and the Redis-only modules (:func:`runs_serially`).
 """
 
 from __future__ import annotations
 
+import functools
 import multiprocessing.process
 import os
 import subprocess
@@ -25,7 +25,6 @@ import pytest
 from common import tiny_chat_model, tiny_model
 from common.keys import connect
 from common.redis_server import EmbeddedRedis
-from tests.helpers.chains import work_unit
 from tests.helpers.costs import StartupCounter
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -51,18 +50,37 @@ def tier_of(item: pytest.Item) -> str:
     return "unit"
 
 
+SHARED_CORES = {"test_control.py", "test_dispatcher.py", "test_audit.py", "test_channel.py", "test_replay.py"}
+"""Integration modules that need only a redis-server or ZeroMQ sockets: under ``-n 2`` they run beside the serial
+chain, like the unit tier. Everything else (vLLM, DeepSpeed, torchrun, sandboxes, the e2e runs) runs on one worker,
+one test after another, so no two of them ever compete for the two cores."""
+
+
+@functools.cache
+def runs_serially_in(path: Path) -> bool:
+    if path.parts[:2] == ("tests", "unit"):
+        return "pytest.mark.integration" in (ROOT / path).read_text()
+    return path.name not in SHARED_CORES
+
+
+def runs_serially(nodeid: str) -> bool:
+    """Whether a test joins the one serial chain under ``-n 2``: decided from its path alone, because xdist's
+    controller schedules node ids and never sees markers. A module under ``tests/unit`` with a test that starts
+    processes (marked ``integration``) runs serially as a whole (``tests/unit/test_test_layout.py`` keeps that so)."""
+    return runs_serially_in(Path(nodeid.split("::", 1)[0]))
+
+
 @pytest.hookimpl(optionalhook=True)  # an xdist hook
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """Load scheduling over the work units of :func:`tests.helpers.chains.work_unit`: two chains of heavy tests, one
-    per worker, and every other test a unit of its own (``--dist loadgroup`` groups by renaming node ids, which
-    pytest 9 ignores)."""
+    """Load scheduling where every test that :func:`runs_serially` forms one work unit (one worker, in order) and
+    every other test is a unit of its own (``--dist loadgroup`` groups by renaming node ids, which pytest 9 ignores)."""
     from xdist.scheduler import LoadScopeScheduling
 
-    class Chains(LoadScopeScheduling):
+    class SerialChain(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return work_unit(nodeid)
+            return "serial" if runs_serially(nodeid) else nodeid
 
-    return Chains(config, log)
+    return SerialChain(config, log)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups and before `-m` reads the tiers
