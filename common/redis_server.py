@@ -109,11 +109,17 @@ class EmbeddedRedis:
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
         """Start the server; refused (:class:`EmbeddedRedisError`) while another one runs on the folder."""
         private_dir(self.directory)
-        with self._locked() as fd:
-            self._refuse_if_running(fd)
-            self._spawn(timeout_s, fd)
-        with open_private(self.directory / "url", "w") as url_file:
-            url_file.write(self.url + "\n")
+        try:
+            with self._locked() as fd:
+                self._refuse_if_running(fd)
+                self._spawn(timeout_s, fd)
+            with open_private(self.directory / "url", "w") as url_file:
+                url_file.write(self.url + "\n")
+        except BaseException:
+            # Failed or interrupted (Ctrl-C while it waits for the server): a server this call spawned must not
+            # outlive it, in a session of its own that no signal to the caller reaches. Outside the lock: stop takes it.
+            self.stop()
+            raise
         log.info(
             "embedded redis started",
             dir=self.directory,

@@ -95,6 +95,27 @@ def test_embedded_server_refuses_a_second_one_on_the_same_folder(tmp_path: Path)
         pass
 
 
+def test_a_start_interrupted_while_the_server_comes_up_leaves_no_server(tmp_path: Path, monkeypatch) -> None:
+    """Ctrl-C while ``start`` waits for its redis-server (as ``rl-launch redis`` does): the server it spawned, in a
+    session of its own, ends too, and the folder is free for the next start."""
+    server = EmbeddedRedis(tmp_path)
+    spawned = []
+
+    def interrupted(*_args) -> None:
+        spawned.append(server.process)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(server, "_wait_ready", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        server.start()
+    [proc] = spawned
+    assert proc.poll() is not None and server.process is None  # stopped and reaped, not left running
+    assert not (tmp_path / "server.lock").read_text().strip()  # the lock names no server
+    monkeypatch.undo()
+    with EmbeddedRedis(tmp_path) as again:
+        assert connect(again.url).ping()
+
+
 def test_embedded_server_requires_its_password(redis_server) -> None:
     import redis
 
