@@ -88,7 +88,8 @@ class ModelSection(Section):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Precision of the policy weights on actors and learner."""
     max_model_len: Int = Field(512, ge=16, le=MAX_TOKENS)
-    """Longest prompt + response in tokens."""
+    """Longest prompt + response in tokens; at most the model's context (its ``config.json``, checked before a run
+    starts)."""
 
 
 ENGINE_ARGS_OWNED = {

@@ -1,0 +1,61 @@
+"""Checks of the run against its model folder, made before any process starts.
+
+The model's context: vLLM refuses ``max_model_len`` above the length it derives from the model's ``config.json``, but
+only when an actor builds its engine, after the learner and the other processes have started. Read here the way vLLM
+derives it (``vllm/config/model.py``, ``_get_and_verify_max_len``): the smallest of the length keys the config has,
+times the RoPE scaling factor for the scaling types that stretch the context.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from common.config import RunConfig
+
+LENGTH_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
+"""Keys of a model's ``config.json`` that bound its context, as vLLM reads them (the smallest present wins)."""
+STRETCHING_ROPE = {"linear", "dynamic", "yarn"}
+"""RoPE scaling types whose ``factor`` multiplies the positions the model takes (vLLM scales by it for these)."""
+
+
+def model_context(config_json: dict) -> tuple[int, str] | None:
+    """The longest sequence the model takes and the key it came from, or None when the config names none."""
+    text = config_json.get("text_config") or config_json  # multimodal configs nest the language model's
+    found = [(int(text[key]), key) for key in LENGTH_KEYS if isinstance(text.get(key), int) and text[key] > 0]
+    if not found:
+        return None
+    length, key = min(found)
+    scaling = text.get("rope_scaling") or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in STRETCHING_ROPE and isinstance(scaling.get("factor"), int | float):
+        return int(length * scaling["factor"]), f"{key} x rope_scaling.factor"
+    return length, key
+
+
+def check_model_context(config: RunConfig) -> None:
+    """``model.max_model_len`` within the context of the model folder; raises ``ValueError`` naming the setting and
+    the fix. A path that is not a local folder with a ``config.json`` is left to the engine to check."""
+    path = Path(config.model.path) / "config.json"
+    if not path.is_file():
+        return
+    try:
+        found = model_context(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return  # an unreadable config is the model loader's to report, with its own message
+    if found is None:
+        return
+    length, key = found
+    if config.model.max_model_len > length:
+        raise ValueError(
+            f"model.max_model_len = {config.model.max_model_len} is longer than the model's context of {length} "
+            f"tokens ({key} in {path}); set model.max_model_len to at most {length}"
+        )

@@ -1,0 +1,45 @@
+"""The run checked against its model folder before anything starts: ``model.max_model_len`` within the model's
+context, read from ``config.json`` as vLLM reads it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from common.config import load_config
+from learner.preflight import check_model_context, model_context
+
+
+def folder_with(tmp_path: Path, config_json: dict) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(config_json))
+    return tmp_path
+
+
+def test_the_smallest_length_key_bounds_the_context() -> None:
+    assert model_context({"max_position_embeddings": 512}) == (512, "max_position_embeddings")
+    assert model_context({"n_positions": 1024, "seq_length": 256}) == (256, "seq_length")
+    assert model_context({"text_config": {"max_position_embeddings": 128}}) == (128, "max_position_embeddings")
+    assert model_context({"hidden_size": 64}) is None
+
+
+def test_stretching_rope_scaling_multiplies_the_context_and_llama3_does_not() -> None:
+    yarn = {"max_position_embeddings": 4096, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    assert model_context(yarn) == (16384, "max_position_embeddings x rope_scaling.factor")
+    llama3 = {"max_position_embeddings": 8192, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
+    assert model_context(llama3) == (8192, "max_position_embeddings")
+
+
+def test_a_max_model_len_beyond_the_context_is_refused_naming_the_setting_and_the_fix(tmp_path: Path) -> None:
+    model = folder_with(tmp_path, {"max_position_embeddings": 512})
+    too_long = load_config(None, [f"model.path={model}", "model.max_model_len=1024"])
+    with pytest.raises(ValueError, match=r"model.max_model_len = 1024 .* context of 512 .* at most 512"):
+        check_model_context(too_long)
+    check_model_context(load_config(None, [f"model.path={model}", "model.max_model_len=512"]))
+
+
+def test_a_path_without_a_readable_config_is_left_to_the_engine(tmp_path: Path) -> None:
+    check_model_context(load_config(None, ["model.path=org/model-on-a-hub", "model.max_model_len=4096"]))
+    (tmp_path / "config.json").write_text("{not json")
+    check_model_context(load_config(None, [f"model.path={tmp_path}", "model.max_model_len=4096"]))
