@@ -7,7 +7,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,7 @@ from common.channel import (
 )
 from common.metrics import CHANNEL_REFUSED_CLIENTS
 from common.wire import RolloutGroup, encode
+from tests.helpers.waits import wait_for
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -145,9 +145,7 @@ def test_refused_clients_are_counted_logged_once_and_a_key_added_later_is_let_in
     server_key = pull.curve_public_key.encode()
     senders = [_send_one(endpoint, CurveClient(keys["stranger_sec"], server_key), refused=True) for _ in range(2)]
     try:
-        deadline = time.monotonic() + 10
-        while refused._value.get() < before + 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: refused._value.get() >= before + 2, "second refused connection counted", timeout_s=10)
         assert refused._value.get() == before + 2 and len(pull.authorized.refused) == 1  # logged for one key
         assert pull.recv(timeout_s=0.5) is None
         shutil.copy(keys["stranger_pub"], keys["authorized"] / "stranger.key")

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from common.procs import parent_of
+from tests.helpers.waits import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -62,10 +62,7 @@ def test_stop_all_ends_and_reaps_what_a_child_left_in_another_session(tmp_path: 
         launcher.stdin.flush()
         assert launcher.stdout.readline().strip() == "stopped"
         assert launcher.wait(30) == 0
-        deadline = time.monotonic() + 5
-        while alive(stray) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not alive(stray), "the process the child left behind outlived the launcher"
+        wait_for(lambda: not alive(stray), "end of the process the child left behind", timeout_s=5)
     finally:
         if launcher.poll() is None:
             launcher.kill()
@@ -92,9 +89,7 @@ def test_a_pinned_child_and_what_it_starts_run_on_their_cpus(tmp_path: Path) -> 
     launcher = start_launcher(PINNING_LAUNCHER, tmp_path)
     try:
         child = int(launcher.stdout.readline())
-        deadline = time.monotonic() + 30
-        while not (log := (tmp_path / "pinned.log").read_text().split()) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        log = wait_for(lambda: (tmp_path / "pinned.log").read_text().split(), "grandchild pid logged", timeout_s=30)
         grandchild = int(log[0])
         for pid in (child, grandchild):  # taskset exec'd the child: what it starts inherits the pinning
             assert _allowed(pid) == "0", pid

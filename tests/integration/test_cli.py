@@ -15,6 +15,7 @@ import pytest
 from common.control import ControlPlane
 from common.keys import connect
 from common.wire import Heartbeat
+from tests.helpers.waits import wait_for
 
 pytestmark = pytest.mark.integration
 BIN = Path(sys.executable).parent
@@ -91,12 +92,11 @@ def test_launch_serves_redis_until_interrupted_and_top_shows_the_run(tmp_path: P
     )
     try:
         url_file = tmp_path / "live" / "redis" / "url"
-        deadline = time.monotonic() + 60
-        while not url_file.exists() and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.1)
-        plane = ControlPlane(connect(url_file.read_text().strip()), "live")
-        while not plane.client.exists(plane.keys.config) and time.monotonic() < deadline:  # published just after
-            time.sleep(0.1)
+        deadline = time.monotonic() + 60  # for both: the url file, then the config published just after it
+        url = wait_for(lambda: url_file.read_text().strip(), "redis url file", proc=proc, timeout_s=60, poll_s=0.1)
+        plane = ControlPlane(connect(url), "live")
+        left_s = deadline - time.monotonic()
+        wait_for(lambda: plane.client.exists(plane.keys.config), "published config", timeout_s=left_s, poll_s=0.1)
         assert plane.run.read_config().run.name == "live"
         actor = Heartbeat(process_id="actor-x", kind="actor", state="generating", tokens_per_s=321)
         plane.registry.beat(actor, ttl_s=30)

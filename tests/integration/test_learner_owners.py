@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +24,7 @@ from learner.checkpoint import complete_checkpoints, open_checkpoint
 from learner.run_state import RunState
 from learner.update import PolicyUpdate, assemble
 from tests.helpers.rollouts import answer
+from tests.helpers.waits import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -102,10 +102,7 @@ def test_batch_source_drops_stale_groups_and_stops_when_asked(redis_client, tmp_
 
 def manifest_version(plane: ControlPlane, timeout_s: float = 10) -> int:
     """The published manifest's version, once there is one (the broadcaster publishes it from its thread)."""
-    deadline = time.monotonic() + timeout_s
-    while (current := plane.run.read_manifest()) is None:
-        assert time.monotonic() < deadline, "no manifest published"
-        time.sleep(0.01)
+    current = wait_for(plane.run.read_manifest, "published manifest", timeout_s=timeout_s, poll_s=0.01)
     return current[0].version
 
 

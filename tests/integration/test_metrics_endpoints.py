@@ -19,6 +19,7 @@ from common.replay import ReplayReader, ReplayWriter
 from common.wire import Heartbeat, PromptGroup, ScoredGroup
 from learner.telemetry import StepTelemetry
 from tests.helpers.rollouts import make_group
+from tests.helpers.waits import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -72,10 +73,11 @@ def test_discovery_follows_heartbeats_and_forgets_an_expired_one(redis_client) -
     """One mechanism advertises a process: a process killed with -9 stops beating, and drops out by itself."""
     plane = ControlPlane(redis_client, "ttl")
     gone = Heartbeat(process_id="gone", kind="reward", state="ready", metrics_url="http://h:1/metrics")
-    plane.registry.beat(gone, 0.2)
-    plane.registry.beat(Heartbeat(process_id="quiet", kind="actor", state="starting"), 5)  # not serving yet
+    # TTLs long and far apart, so that even on a loaded machine "gone" is read live first and "quiet" outlives it
+    plane.registry.beat(gone, 2)
+    plane.registry.beat(Heartbeat(process_id="quiet", kind="actor", state="starting"), 60)  # not serving yet
     assert [e["process_id"] for e in plane.registry.metrics_endpoints()] == ["gone"]
-    time.sleep(0.4)
+    wait_for(lambda: not plane.registry.metrics_endpoints(), "expiry of gone's heartbeat", timeout_s=10)
     assert plane.registry.metrics_endpoints() == []
     assert plane.registry.processes()[1] == {"gone": "reward"}
 

@@ -9,7 +9,6 @@ import os
 import stat
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,6 +28,7 @@ from learner.checkpoint import truncate_metrics
 from learner.recorder import Recorder, StepRecord
 from learner.samples import SampleLog
 from tests.helpers.rollouts import make_group
+from tests.helpers.waits import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -72,12 +72,7 @@ def test_every_file_of_a_run_is_its_users_only(run_server: EmbeddedRedis, tmp_pa
         client.xadd(RunKeys("r").replay, {"m": b"x" * 1000})  # something in the AOF
         _write_run_files(client, run_dir)
         client.bgrewriteaof()  # the rewritten AOF is a new file, created by a forked redis-server
-        deadline = time.monotonic() + 30
-        while (
-            client.info("persistence")["aof_rewrite_in_progress"] or client.info("persistence")["aof_rewrite_scheduled"]
-        ):
-            assert time.monotonic() < deadline, "the AOF rewrite did not finish"
-            time.sleep(0.05)
+        wait_for(lambda: _aof_rewritten(client), "end of the AOF rewrite", timeout_s=30)
         assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
         assert client.config_get("maxmemory") == {"maxmemory": str(2048 * 2**20)}  # the config's default
     finally:
@@ -93,6 +88,11 @@ def test_every_file_of_a_run_is_its_users_only(run_server: EmbeddedRedis, tmp_pa
     wide = {p.relative_to(run_dir).as_posix(): mode(p) for p in [run_dir, *folders] if mode(p) != "0o700"}
     wide |= {p.relative_to(run_dir).as_posix(): mode(p) for p in files if mode(p) != "0o600"}
     assert wide == {}, "readable by others"
+
+
+def _aof_rewritten(client: redis.Redis) -> bool:
+    persistence = client.info("persistence")
+    return not (persistence["aof_rewrite_in_progress"] or persistence["aof_rewrite_scheduled"])
 
 
 def _write_run_files(client: redis.Redis, run_dir: Path) -> None:

@@ -23,6 +23,7 @@ from actors.rewards import (
 )
 from common.config import RewardFunction
 from tests.helpers.rollouts import make_group
+from tests.helpers.waits import wait_for
 
 ADD_TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0"
 
@@ -330,7 +331,6 @@ def test_too_many_hung_calls_stall_instead_of_growing_threads() -> None:
         assert threading.active_count() == threads  # refused before starting a thread
     finally:
         release.set()
-    deadline = time.monotonic() + 5
-    while calls.abandoned() and time.monotonic() < deadline:  # released threads finish: room again
-        time.sleep(0.01)
+    # released threads finish: room again
+    wait_for(lambda: calls.abandoned() == 0, "end of the released calls", timeout_s=5, poll_s=0.01)
     assert calls.run("quick", int, ("7",), timeout_s=5) == 7

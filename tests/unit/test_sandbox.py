@@ -17,7 +17,6 @@ import sys
 import tempfile
 import textwrap
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -28,6 +27,7 @@ import pytest
 from actors import sandbox
 from actors.sandbox import Isolation, SandboxResult, run_python_tests
 from common.redis_server import EmbeddedRedis
+from tests.helpers.waits import wait_for
 
 pytestmark = pytest.mark.integration  # every test starts processes
 
@@ -81,12 +81,12 @@ def processes_named(name: str) -> list[int]:
     return found
 
 
-def wait_until_gone(name: str, timeout_s: float = 5.0) -> list[int]:
-    """The processes still called ``name`` after up to ``timeout_s``; empty once all have ended."""
-    deadline = time.monotonic() + timeout_s
-    while (left := processes_named(name)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return left
+def wait_until_gone(name: str, timeout_s: float = 5.0) -> None:
+    """Every process called ``name`` ends within ``timeout_s``; a failure lists those still running."""
+    try:
+        wait_for(lambda: not processes_named(name), f"end of every process called {name}", timeout_s=timeout_s)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; still running: {processes_named(name)}") from None
 
 
 def unfenced(code: str) -> subprocess.CompletedProcess[str]:
@@ -301,7 +301,7 @@ def test_escape_fork_bomb() -> None:
     result = run_python_tests(named(name, bomb), "", wall_s=20)
     contained(result, "failed:", "stopped after")
     assert int(result.reason.rsplit("after ", 1)[1].split()[0]) < sandbox.MAX_PROCESSES
-    assert wait_until_gone(name) == []  # every one of them ended with the run
+    wait_until_gone(name)  # every one of them ended with the run
 
 
 def test_a_fork_bomb_does_not_starve_runs_beside_it() -> None:
@@ -421,7 +421,7 @@ def test_escape_sleep_forever_and_leave_children() -> None:
     """
     result = run_python_tests(named(name, sleeper), "", wall_s=1)
     contained(result, "timeout: wall-clock")
-    assert wait_until_gone(name) == []
+    wait_until_gone(name)
 
 
 def test_escape_allocate_20_gb() -> None:
@@ -459,14 +459,11 @@ def test_the_parent_dying_kills_the_sandboxed_tree(tmp_path: Path) -> None:
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # a worker killed by SIGKILL cannot remove its temporary folder
     worker = subprocess.Popen([sys.executable, "-c", worker_code], cwd=REPO, env=env)
     try:
-        deadline = time.monotonic() + 30
-        while len(processes_named(name)) < 2:
-            assert worker.poll() is None and time.monotonic() < deadline, "the sandbox never started"
-            time.sleep(0.05)
+        wait_for(lambda: len(processes_named(name)) >= 2, "start of the sandbox", proc=worker, timeout_s=30)
     finally:
         worker.send_signal(signal.SIGKILL)
         worker.wait()
-    assert wait_until_gone(name) == []
+    wait_until_gone(name)
 
 
 def test_concurrent_runs_from_threads_all_finish() -> None:

@@ -22,6 +22,7 @@ from actors.verifiers import Judge, bind_verifier, chosen_letter, final_answer, 
 from common.config import ConfigError, RewardFunction, load_config
 from common.tasks import task_label
 from tests.helpers.rollouts import make_group
+from tests.helpers.waits import wait_for
 
 pytestmark = pytest.mark.integration  # the judge runs in a child process
 
@@ -335,10 +336,7 @@ def test_the_judge_child_ends_when_its_parent_dies() -> None:
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     child = int(done.stdout.split()[0])
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and _running(child):
-        time.sleep(0.05)
-    assert not _running(child)
+    wait_for(lambda: not _running(child), "end of the orphaned judge child", timeout_s=30)
 
 
 def _running(pid: int) -> bool:
