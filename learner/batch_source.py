@@ -56,6 +56,44 @@ class StepInterrupted(Exception):
     """SIGTERM arrived while the learner waited for a batch: the entries read so far stay pending for the next run."""
 
 
+NO_ACTORS_EXIT_CODE = 3
+"""``rl-learner train``'s exit status after :class:`NoActorsLeft` (a checkpoint was saved)."""
+
+
+class NoActorsLeft(StepInterrupted):
+    """No rollout actor alive for ``learner.no_actors_s``: nobody can make a batch, so the learner saves a
+    checkpoint and stops instead of waiting out ``wait_for_batch_s``."""
+
+
+class ActorWatch:
+    """Raises :class:`NoActorsLeft` from :meth:`check` once no rollout actor has been alive for ``limit_s`` (0: never).
+    An actor counts from its first heartbeat, while its engine still starts; the clock starts at the first look that
+    finds none, so a learner started before its actors waits ``limit_s`` for the first. Reads the registry at most
+    once a second."""
+
+    def __init__(self, registry, limit_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.registry, self.limit_s, self.clock = registry, limit_s, clock
+        self.none_since: float | None = None
+        self._next_look = 0.0
+
+    def check(self) -> None:
+        now = self.clock()
+        if not self.limit_s or now < self._next_look:
+            return
+        self._next_look = now + 1.0
+        live, _lost = self.registry.processes()
+        if any(beat.kind == "actor" for beat in live):
+            self.none_since = None
+            return
+        if self.none_since is None:
+            self.none_since = now
+        elif now - self.none_since > self.limit_s:
+            raise NoActorsLeft(
+                f"no rollout actor alive for {self.limit_s:g}s (learner.no_actors_s): every actor of the run is gone "
+                "or none started; a checkpoint is saved; start actors, then the learner with --resume latest"
+            )
+
+
 @dataclass
 class Taken:
     """One batch: the admitted entries, the ids of those decided against, and why."""
@@ -97,6 +135,7 @@ class BatchSource:
         self.evaluation = EvalRounds(config, plane, prompter, self.reader) if config.eval.every else None
         """The run's eval rounds (``learner/evaluation.py``); eval entries go there before admission."""
         self.trained = TrainedLog(plane, self.reader, defer_acks=config.checkpoint.every > 0)
+        self.actors = ActorWatch(plane.registry, config.learner.no_actors_s)
         self.newest_version = newest_version
         """The newest version any actor can hold; a token stamped above it was not sampled by this run's weights."""
         self._carry: list[ReplayEntry] = []  # recovered entries not yet trained, still pending in the stream
@@ -182,6 +221,11 @@ class BatchSource:
         if stop.is_set():
             self.reader.ack(taken.dropped)  # decided (discarded or duplicate); the admitted stay pending
             raise StepInterrupted
+        try:
+            self.actors.check()
+        except NoActorsLeft:
+            self.reader.ack(taken.dropped)  # as for SIGTERM: the admitted stay pending for the resume
+            raise
         limit = self.config.learner.wait_for_batch_s
         if time.perf_counter() - started > limit:
             raise TimeoutError(

@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -88,9 +89,12 @@ class Children:
         never ends it as a stray."""
         self._others.add(pid)
 
-    def failed(self) -> str | None:
-        """The name of a child that exited with an error, if any."""
-        return next((n for n, p in self.procs.items() if p.poll() not in (None, 0)), None)
+    def failed_all(self) -> set[str]:
+        """The names of the children that exited with an error."""
+        return {n for n, p in self.procs.items() if p.poll() not in (None, 0)}
+
+    def log_path(self, name: str) -> Path:
+        return self.log_dir / f"{name}.log"
 
     def stop_all(self, timeout_s: float = 60.0) -> None:
         """SIGTERM each child, wait, then SIGKILL its whole session (its own children, e.g. vLLM engine
@@ -129,6 +133,25 @@ def _become_subreaper() -> bool:
         return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+ERROR_LINE = re.compile(r"\b\w*(Error|Exception)\b: \S|\bERROR\b")
+FOLLOW_UPS = ("root cause above", "stack trace (above)", "See the traceback above")
+"""Error lines that only point back at the real one (vLLM's frontend after its engine died, for one)."""
+
+
+def root_cause(log: Path, tail_bytes: int = 256 * 1024) -> str:
+    """The line of a child's log most likely to say why it failed: the last exception or ERROR line that is not a
+    pointer back to an earlier one; else the last line; cut to 300 characters."""
+    try:
+        with log.open("rb") as f:
+            f.seek(max(0, f.seek(0, 2) - tail_bytes))
+            lines = [line.strip() for line in f.read().decode(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return f"(no log at {log})"
+    errors = [line for line in lines if ERROR_LINE.search(line) and not any(f in line for f in FOLLOW_UPS)]
+    line = (errors or lines or ["(empty log)"])[-1]
+    return line[:300] + (f" … (the whole log: {log})" if errors or lines else "")
 
 
 def tail_metrics(path: Path) -> dict | None:

@@ -181,10 +181,12 @@ def train(
 ) -> None:
     """Run the learner: admit prompts, train on scored groups, broadcast weights, until step learner.steps.
     SIGTERM finishes the step, saves a checkpoint and exits 0. Redis down for longer than transport.redis_outage_s:
-    exits 75 saying what to do (restart Redis, then --resume latest).
+    exits 75 saying what to do (restart Redis, then --resume latest). No rollout actor left for learner.no_actors_s:
+    saves a checkpoint and exits 3.
     With data.source = "preferences": offline DPO on the file data.path (no Redis, no actors)."""
     from common.cliutil import fail, given_redis_url, load
     from common.redis_server import EmbeddedRedis
+    from learner.batch_source import NO_ACTORS_EXIT_CODE, NoActorsLeft
     from learner.update import check_config
 
     resolved = load(config, set_, check=check_config)
@@ -215,6 +217,9 @@ def train(
         except (CheckpointError, TaskError) as exc:  # a bad data file is named with its row
             fail(str(exc))
         learner.run()
+    except NoActorsLeft as exc:
+        typer.echo(f"learner stopped: {exc}", err=True)
+        raise typer.Exit(NO_ACTORS_EXIT_CODE) from None
     except Exception as exc:
         from common.outage import exit_for_outage, outage_in
         from learner import ranks

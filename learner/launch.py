@@ -170,7 +170,8 @@ def _run_children(children, resolved, server, config, overrides, counts, learner
     import os
     import sys
 
-    from learner.children import progress_line, tail_metrics
+    from learner.batch_source import NO_ACTORS_EXIT_CODE
+    from learner.children import progress_line, root_cause, tail_metrics
 
     bin_dir = Path(sys.executable).parent
     # The URL holds the Redis password: children read it from the server's 0600 file, never from argv (ps shows argv).
@@ -192,12 +193,13 @@ def _run_children(children, resolved, server, config, overrides, counts, learner
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     metrics = resolved.run_dir / "metrics.jsonl"
-    shown = None
+    shown, told = None, set()
     while not stop.wait(1.0) and learner.poll() is None:
         if (restarted := server.keep_up()) is not None:
             children.keep(restarted)  # ours, not a stray a child left behind
-        if (dead := children.failed()) and dead != "learner":
-            typer.echo(f"\n{dead} exited with an error; see {resolved.run_dir / 'logs' / (dead + '.log')}", err=True)
+        for dead in children.failed_all() - told - {"learner"}:  # each once, with the line that says why
+            told.add(dead)
+            typer.echo(f"\n{dead} exited with an error: {root_cause(children.log_path(dead))}", err=True)
         if (last := tail_metrics(metrics)) is not None and last["step"] != shown:
             shown = last["step"]
             typer.echo("\r" + progress_line(last, resolved.learner.steps), nl=False, err=True)
@@ -211,8 +213,15 @@ def _run_children(children, resolved, server, config, overrides, counts, learner
             f"see {resolved.run_dir / 'logs' / 'learner.log'}",
             err=True,
         )
+    elif learner.returncode == NO_ACTORS_EXIT_CODE:
+        typer.echo(
+            f"learner stopped: no rollout actor left for {resolved.learner.no_actors_s:g}s (learner.no_actors_s); a "
+            "checkpoint is saved: fix what ended the actors (above), then run again with --resume latest",
+            err=True,
+        )
     elif learner.returncode:
-        typer.echo(f"learner failed; see {resolved.run_dir / 'logs' / 'learner.log'}", err=True)
+        log_path = children.log_path("learner")
+        typer.echo(f"learner failed: {root_cause(log_path)} (the whole log: {log_path})", err=True)
     return learner.returncode
 
 

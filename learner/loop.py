@@ -39,7 +39,7 @@ from common.keys import connect
 from common.logs import get_logger
 from common.metrics import set_alert
 from learner import ranks
-from learner.batch_source import BatchSource, StepInterrupted
+from learner.batch_source import BatchSource, NoActorsLeft, StepInterrupted
 from learner.broadcaster import Broadcaster
 from learner.checkpoint import Checkpoint
 from learner.health import HealthMonitor
@@ -108,6 +108,7 @@ class Learner:
         previous = self._stop_on_sigterm()
         budget = self._stop_at_budget()
         outcome = "failed"
+        no_actors: NoActorsLeft | None = None
         try:
             every = self.config.checkpoint.every
             while self.version < self.config.learner.steps and not self._stop.is_set():
@@ -116,6 +117,10 @@ class Learner:
                         profiled(self.profile_step, self.config.run_dir, self.step)
                     else:
                         self.step()
+                except NoActorsLeft as exc:
+                    self._stop_reason, no_actors = "no_actors", exc  # saved like a stop, then raised for the exit code
+                    self._stop.set()
+                    break
                 except StepInterrupted:
                     break
                 if every and self.version % every == 0:
@@ -134,6 +139,8 @@ class Learner:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
         log.info("learner finished", run=self.config.run.name, version=self.version, stopped=self._stop.is_set())
+        if no_actors is not None:
+            raise no_actors
 
     def _stop_at_budget(self) -> threading.Timer | None:
         """With ``learner.max_minutes``: a timer that stops the run like SIGTERM does when the budget is spent."""
