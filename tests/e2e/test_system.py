@@ -34,7 +34,7 @@ from common.control import ControlPlane
 from common.keys import connect
 from tests.helpers.runs import step_rows
 from tests.helpers.secrets import files_exposing, processes_showing
-from tests.helpers.stack import BIN, ROOT, finish, launch, metrics
+from tests.helpers.stack import BIN, ROOT, actor_pid, finish, launch, metrics
 from tests.helpers.waits import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -132,7 +132,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> DemoRun:
         watched = watch(run_dir, proc)
         steps_at_kill = len(step_rows(run_dir))
         assert proc.poll() is None, "the run ended before the kill"
-        os.kill(_actor_pid(run_dir / "logs" / "actor-0.log"), signal.SIGKILL)
+        os.kill(actor_pid(run_dir / "logs" / "actor-0.log"), signal.SIGKILL)
         exit_code = finish(proc)
     finally:
         finish(proc, 1)
@@ -309,14 +309,6 @@ def check_samples(path: Path, steps: list[int], per_step: int) -> None:
         assert isinstance(r["advantage"], float) and r["details"] and r["finish_reason"]
 
 
-def _actor_pid(log: Path) -> int:
-    """The actor's PID from its own log line ('actor ready ... pid=N')."""
-    for line in log.read_text().splitlines():
-        if "actor ready" in line:
-            return int(line.split("pid=")[1].split(":")[0])
-    raise AssertionError(f"no 'actor ready' line in {log}")
-
-
 def test_a_hung_actor_is_evicted_within_the_timeout_and_an_added_actor_joins(tmp_path: Path, model_dir: Path) -> None:
     """actor-0 is frozen (SIGSTOP) while its heartbeat still counts it live, so the next broadcasts include it;
     each gives up after ``weight_sync.timeout_s`` and evicts it. Meanwhile a third actor started by hand gets the
@@ -336,7 +328,7 @@ def test_a_hung_actor_is_evicted_within_the_timeout_and_an_added_actor_joins(tmp
     frozen = None
     try:
         _wait_for_steps(run_dir, proc, 3)
-        frozen = _actor_pid(run_dir / "logs" / "actor-0.log")
+        frozen = actor_pid(run_dir / "logs" / "actor-0.log")
         os.kill(frozen, signal.SIGSTOP)
         extra = _start_actor(run_dir, "actor-extra")
         _wait_for(lambda: "loaded new weights" in (run_dir / "logs" / "actor-extra.log").read_text(), proc)

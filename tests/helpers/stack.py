@@ -22,8 +22,16 @@ DEMO = ROOT / "configs/demo.toml"
 
 
 def launch(
-    tmp_path: Path, model_dir: Path, name: str, *overrides: str, config: Path | None = None, actors: int = 2
+    tmp_path: Path,
+    model_dir: Path,
+    name: str,
+    *overrides: str,
+    config: Path | None = None,
+    actors: int = 2,
+    stderr: Path | None = None,
 ) -> subprocess.Popen:
+    """``rl-launch run`` of the run ``name`` under ``tmp_path``; what it prints to stderr goes to the file ``stderr``
+    when given (else to the test's)."""
     args = [
         BIN / "rl-launch",
         "run",
@@ -39,7 +47,11 @@ def launch(
     ]
     for override in ("eval.every=0", *overrides):  # the demo's eval rounds: tests/e2e/test_eval.py's
         args += ["--set", override]
-    return subprocess.Popen(args, cwd=ROOT, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    if stderr is None:
+        return subprocess.Popen(args, cwd=ROOT, env=env)
+    with stderr.open("w") as sink:  # the child keeps its own copy
+        return subprocess.Popen(args, cwd=ROOT, env=env, stderr=sink)
 
 
 def finish(proc: subprocess.Popen, timeout_s: float = 1200) -> int:
@@ -127,3 +139,11 @@ def _wait(condition, what: str, proc: subprocess.Popen | None = None, timeout_s:
 
 def _steps(run_dir: Path) -> list[int]:
     return [int(row["step"]) for row in step_rows(run_dir)]
+
+
+def actor_pid(log: Path) -> int:
+    """An actor's PID from its own log line ('actor ready ... pid=N')."""
+    for line in log.read_text().splitlines():
+        if "actor ready" in line:
+            return int(line.split("pid=")[1].split(":")[0])
+    raise AssertionError(f"no 'actor ready' line in {log}")
