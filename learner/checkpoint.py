@@ -73,7 +73,13 @@ MANIFEST = "manifest.json"
 STATE = "state.json"
 DS_TAG = "ds"
 """DeepSpeed's tag folder inside ``policy/`` and ``critic/``."""
-RESUMABLE_CHANGES = ("learner.steps", "learner.wait_for_batch_s", "learner.group_deadline_s", "run.root")
+RESUMABLE_CHANGES = (
+    "learner.steps",
+    "learner.wait_for_batch_s",
+    "learner.no_actors_s",
+    "learner.group_deadline_s",
+    "run.root",
+)
 RESUMABLE_SECTIONS = ("checkpoint.", "transport.", "monitoring.")
 """Settings a resume may change without a warning: they do not change what is trained."""
 _STEP_DIR = re.compile(r"step-(\d+)")

@@ -220,8 +220,7 @@ def _run_children(children, resolved, server, config, overrides, counts, learner
             err=True,
         )
     elif learner.returncode:
-        log_path = children.log_path("learner")
-        typer.echo(f"learner failed: {root_cause(log_path)} (the whole log: {log_path})", err=True)
+        typer.echo(f"learner failed: {root_cause(children.log_path('learner'))}", err=True)
     return learner.returncode
 
 
