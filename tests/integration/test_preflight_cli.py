@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from common.tasks import TASK_ALPHABET
 from common.tiny_model import init_model
+from tests.helpers.stack import BIN, ROOT
 
 pytestmark = pytest.mark.integration
-BIN = Path(sys.executable).parent
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_rl_launch_refuses_a_max_model_len_beyond_the_models_context_before_starting_anything(tmp_path: Path) -> None:
