@@ -35,7 +35,7 @@ def resolve(
     actors."""
     from common.cliutil import given_redis_url, load
     from common.config import write_resolved
-    from learner.update import check_config
+    from learner.preflight import check_config
 
     resolved = load(config, set_, check=check_config)
     print(resolved.to_json())
@@ -71,7 +71,7 @@ def check_data(
     no such file, no tokenizer at model.path)."""
     from common.cliutil import fail, load
     from learner import data_check
-    from learner.update import check_config
+    from learner.preflight import check_config
 
     resolved = load(config, set_, check=check_config)
     try:
@@ -146,7 +146,7 @@ def init_model_command(
     from common.cliutil import load
     from common.tasks import TASK_ALPHABET, get_task
     from common.tiny_model import init_model, model_fingerprint, warm_start
-    from learner.update import check_config
+    from learner.preflight import check_config
 
     resolved = load(config, set_, check=check_config)
     out = Path(resolved.model.path)
@@ -187,7 +187,7 @@ def train(
     from common.cliutil import fail, given_redis_url, load
     from common.redis_server import EmbeddedRedis
     from learner.batch_source import NO_ACTORS_EXIT_CODE, NoActorsLeft
-    from learner.update import check_config
+    from learner.preflight import check_config
 
     resolved = load(config, set_, check=check_config)
     if resolved.data.source == "preferences":
@@ -274,7 +274,7 @@ def make_preferences(
     from common.cliutil import fail, load
     from common.tasks import get_task
     from learner.preferences import write_synthetic_preferences
-    from learner.update import check_config
+    from learner.preflight import check_config
 
     # data.path = OUT, so a preferences config (which requires data.path) validates before the file exists.
     resolved = load(config, [*(set_ or []), f"data.path={json.dumps(str(out))}"], check=check_config)

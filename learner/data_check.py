@@ -178,7 +178,7 @@ def _tokenizer(model_path: str) -> Any:
 def run_verifiers(config: RunConfig) -> list[tuple[str, Callable[[str, str], float]]]:
     """``(verifier name, verify)`` of each ``task`` reward function, bound from the config as the reward workers
     bind it (:func:`actors.rewards.bind_functions`)."""
-    # DESIGN: learner/ and actors/ do not import each other. Like check_config (learner/update.py), whose lazy import
+    # DESIGN: learner/ and actors/ do not import each other. Like check_config (learner/preflight.py), whose lazy import
     # this repeats, the self-check reaches actors.rewards inside the command: it must run the very verifier the reward
     # workers bind from this config, and no copy of the verifiers lives in common/.
     from actors.rewards import bind_functions, task_verifier

@@ -51,7 +51,7 @@ def _run_redis(
     from common.keys import connect
     from common.private import private_dir
     from common.redis_server import EmbeddedRedis, EmbeddedRedisError
-    from learner.update import check_config
+    from learner.preflight import check_config
 
     overrides = list(overrides or [])
     if curve:

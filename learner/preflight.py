@@ -1,4 +1,8 @@
-"""Checks of the run against its model folder, made before any process starts.
+"""Checks of a run's config made before any process starts: :func:`check_config`, which every ``rl-learner`` and
+``rl-launch`` command runs, and the config against its model folder.
+
+This module imports no torch, transformers or vLLM itself, so a config the schema refuses (a typo, a bad value) is
+answered at once; the checks that need the algorithm registries import them when they run.
 
 The model's context: vLLM refuses ``max_model_len`` above the length it derives from the model's ``config.json``, but
 only when an actor builds its engine, after the learner and the other processes have started. Read here the way vLLM
@@ -59,3 +63,19 @@ def check_model_context(config: RunConfig) -> None:
             f"model.max_model_len = {config.model.max_model_len} is longer than the model's context of {length} "
             f"tokens ({key} in {path}); set model.max_model_len to at most {length}"
         )
+
+
+def check_config(config: RunConfig) -> None:
+    """What every ``rl-learner`` command checks before it starts anything: the algorithm's names and options
+    (:func:`learner.update.assemble`), the task's (:func:`learner.dispatcher.check_task`) and the verifier of each
+    ``task`` reward function with its options (:func:`actors.rewards.check_verifiers`), and ``model.max_model_len``
+    against the model folder's context (:func:`check_model_context`). Raises ``ValueError``."""
+    from actors.rewards import check_verifiers
+    from common.tasks import task_label
+    from learner.dispatcher import check_task
+    from learner.update import assemble
+
+    assemble(config)
+    check_task(config.task)
+    check_verifiers(config.reward.functions, task_label(config.task))
+    check_model_context(config)

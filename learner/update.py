@@ -91,22 +91,6 @@ def assemble(config: RunConfig) -> Algorithm:
     )
 
 
-def check_config(config: RunConfig) -> None:
-    """What every ``rl-learner`` command checks before it starts anything: the algorithm's names and options
-    (:func:`assemble`), the task's (:func:`learner.dispatcher.check_task`) and the verifier of each ``task`` reward
-    function with its options (:func:`actors.rewards.check_verifiers`), and ``model.max_model_len`` against the model
-    folder's context (:func:`learner.preflight.check_model_context`). Raises ``ValueError``."""
-    from actors.rewards import check_verifiers
-    from common.tasks import task_label
-    from learner.dispatcher import check_task
-    from learner.preflight import check_model_context
-
-    assemble(config)
-    check_task(config.task)
-    check_verifiers(config.reward.functions, task_label(config.task))
-    check_model_context(config)
-
-
 def _loss_options(config: RunConfig) -> dict[str, Any]:
     """The loss's own options, plus the run's off-policy correction where the loss takes one."""
     options = dict(config.algorithm.loss_options)

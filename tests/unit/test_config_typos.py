@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from common.config import ConfigError, load_config
-from learner.update import assemble, check_config
+from learner.preflight import check_config
+from learner.update import assemble
 
 ROOT = Path(__file__).resolve().parents[2]
 
