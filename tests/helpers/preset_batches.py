@@ -26,8 +26,8 @@ DAPO_REWARDS = '[{name="task"},{name="overlong",options={max_tokens=6,buffer=2}}
 
 
 def preset_config(preset: str, tmp_path: Path, model_dir: Path, *overrides: str) -> RunConfig:
-    """``configs/<preset>.toml`` over ``configs/demo.toml``, composed and overridden as the e2e preset run does
-    (``tests/e2e/test_system.py``: 4 steps of 8 groups, no eval rounds; DAPO's overlong buffer at the demo's limit)."""
+    """``configs/<preset>.toml`` over ``configs/demo.toml``, composed as a user composes a preset over the demo: 4
+    steps of 8 groups, no eval rounds; DAPO's overlong buffer at the demo's generation limit."""
     config = tmp_path / f"{preset}.toml"
     overlay = (REPO / "configs" / f"{preset}.toml").read_text()
     config.write_text(f"preset = {json.dumps(str(REPO / 'configs/demo.toml'))}\n{overlay}")

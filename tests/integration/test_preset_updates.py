@@ -1,12 +1,14 @@
-"""The DAPO and GSPO presets' maths in the learner's real step, without actors: each preset's own config
-(``configs/<preset>.toml`` over ``configs/demo.toml``, as the e2e preset run composes it), the real admission
+"""The DAPO, GSPO, PPO and online DPO presets' maths in the learner's real step, without actors: each preset's own
+config (``configs/<preset>.toml`` over ``configs/demo.toml``, as a user composes it), the real admission
 (``BatchSource`` on a real Redis) and the real ``PolicyUpdate`` on the tiny model, over replayed groups that answer the
 dispatcher's own prompts, scored by the run's reward functions, with the policy's own log-probs as μ.
 
 DAPO: dynamic sampling drops the groups whose rewards are all equal (counted ``groups/zero_variance``), and the
 overlong penalty is what sets apart an otherwise all-right group, which is trained. GSPO: the sequence ratio is 1 on
 policy (nothing clipped), and over one-step-stale groups with π_old = μ a sequence is clipped exactly when its
-length-normalised ratio leaves GSPO's narrow band on the side its advantage pushes.
+length-normalised ratio leaves GSPO's narrow band on the side its advantage pushes. PPO: the critic trains in the same
+step and GAE gives per-token advantages. Online DPO: groups without a preference pair are dropped, the rest trained
+against the frozen reference. The whole loop (actors, reward workers, checkpoints) runs the GRPO demo in tests/e2e.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from tests.helpers.preset_batches import answer_prompt, policy_logprobs, preset_
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_rank_world")]
 
 Responses = list[tuple[str, str]]
-STEPS = 4  # learner.steps of the e2e preset run
+STEPS = 4  # learner.steps of preset_config
 
 
 @dataclass
@@ -62,12 +64,14 @@ class Trainer:
         self.answered.update(fresh)
         return [self.plane.prompts.load_group(group_id) for group_id in fresh]
 
-    def sample(self, answers: Sequence[Callable[[str], Responses]]) -> list[ScoredGroup]:
+    def sample(self, answers: Sequence[Callable[[str], Responses]], behaviour: bool = True) -> list[ScoredGroup]:
         """One group per ``answers`` entry (responses from the prompt's answer), sampled by the current policy and
-        scored by the run's reward functions."""
+        scored by the run's reward functions; μ is the policy's log-probs when ``behaviour`` (a loss without an
+        importance weight, as DPO's, never reads it)."""
         prompts = self.prompts(len(answers))
         rollouts = [answer_prompt(p, make(p.answer), self.version) for p, make in zip(prompts, answers, strict=True)]
-        return with_behaviour(self.update, [score(self.config, r) for r in rollouts])
+        scored = [score(self.config, r) for r in rollouts]
+        return with_behaviour(self.update, scored) if behaviour else scored
 
     def step(self, groups: Sequence[ScoredGroup]) -> tuple[Taken, TrainBatch, dict[str, float]]:
         """The reward worker writes ``groups`` to the replay stream; the learner takes, trains and settles a batch."""
@@ -224,3 +228,46 @@ def sequence_ratios(update: PolicyUpdate, groups: Sequence[ScoredGroup], options
             high, low = ratio > 1 + options["clip_high"], ratio < 1 - options["clip_low"]
             clipped.append((advantage > 0 and high) or (advantage < 0 and low))
     return ratios, float(np.mean(clipped))
+
+
+# --------------------------------------------------------------------------- PPO
+
+
+def test_ppo_trains_its_critic_beside_the_policy_with_per_token_gae_advantages(
+    tmp_path: Path, tiny_model_dir: Path, redis_client, tokenizer
+) -> None:
+    """The critic is a second engine in the same step: its loss is finite and its gradient non-zero at every step,
+    and GAE (γ = 1, λ = 0.95) over the critic's values gives a response's tokens different advantages (GRPO's are
+    one per response)."""
+    config = preset_config("ppo", tmp_path, tiny_model_dir)
+    assert (config.algorithm.advantage, config.algorithm.loss) == ("gae", "ppo_clip")
+    trainer = Trainer.start(config, redis_client, tokenizer)
+    assert trainer.update.critic is not None
+    for _ in range(STEPS):
+        _, batch, figures = trainer.step(trainer.sample([varied(right) for right in range(1, 9)]))
+        assert_trained(figures)
+        assert math.isfinite(figures["critic/loss"]) and figures["critic/grad_norm"] > 0, figures
+        advantages = trainer.update.last_advantages
+        spreads = [advantages[row][batch.response_mask[row]] for row in range(batch.rows)]
+        assert any(len(values) > 1 and values.max() - values.min() > 1e-6 for values in spreads)
+
+
+# --------------------------------------------------------------------------- online DPO
+
+
+def test_online_dpo_pairs_each_groups_best_and_worst_and_drops_groups_without_a_pair(
+    tmp_path: Path, tiny_model_dir: Path, redis_client, tokenizer
+) -> None:
+    """Dynamic sampling drops the groups whose rewards are all equal (no preference pair); every other group gives
+    one pair to the DPO loss against the frozen reference, whose figures are finite at every step."""
+    config = preset_config("online_dpo", tmp_path, tiny_model_dir)
+    assert (config.algorithm.loss, config.staleness.correction) == ("dpo", "none")
+    trainer = Trainer.start(config, redis_client, tokenizer)
+    for _ in range(STEPS):
+        groups = trainer.sample([all_right, all_wrong, *map(mixed, range(1, 8)), mixed(4)], behaviour=False)
+        taken, _, figures = trainer.step(groups)
+        assert taken.verdicts["zero_variance"] == 2
+        assert [g.rollout.group_id for g in taken.groups] == [g.rollout.group_id for g in groups[2:]]
+        assert figures["applied"] == 1.0 and figures["grad_norm"] > 0, figures
+        for name in ("loss", "dpo/reward_margin", "dpo/accuracy"):
+            assert math.isfinite(figures[name]), (name, figures)
