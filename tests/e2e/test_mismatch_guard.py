@@ -1,12 +1,16 @@
-"""Two faults planted in one real run, at steps far enough apart not to meet:
+"""Three faults planted in one real run (`rl-launch run`, one actor), at steps far enough apart not to meet:
 
 - non-finite losses at steps 5 and 6 (``tests/helpers/nan_loss.py``): the steps are skipped, the run rolls back to
   its last healthy checkpoint with a lower learning rate, the ``non_finite`` alert fires, and the run goes on;
 - a mismatch spike after the rollback (``tests/helpers/spike/``): the actor loads one policy version with perturbed
   weights, the learner's guard drops the sequences sampled with it (and says so in metrics, its log and an alert),
-  and the run goes on to its last step.
+  and the run goes on;
+- after step 12, its last rollout actor is killed with -9: the learner sees no live actor for
+  ``learner.no_actors_s``, saves a checkpoint of the step it reached and exits 3; the launcher says once which child
+  failed, with the line of its log that says why, then why the learner stopped and what to do, and exits 3 after
+  stopping every process.
 
-One run plants both, so the set-up and the model loads are paid once.
+One run plants all three, so the set-up and the model loads are paid once.
 """
 
 from __future__ import annotations
@@ -14,14 +18,20 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.stack import ROOT, finish, launch, metrics
+from learner.checkpoint import complete_checkpoints
+from tests.helpers.runs import step_rows
+from tests.helpers.stack import ROOT, actor_pid, finish, launch, metrics
+from tests.helpers.waits import wait_for
 
 pytestmark = pytest.mark.e2e
 NAME, STEPS = "faults", 12
+"""The steps the faults need; the run is set to go on far past them, until its actor is killed after step 12."""
+NO_ACTORS_S = 5
 LR = 3e-4  # the demo's
 NAN_CALLS = (5, 6)  # one micro-batch per step: the losses of steps 5 and 6 are NaN
 SPIKE = 7
@@ -35,8 +45,10 @@ HIT = {SPIKE + 1, SPIKE + 2}  # the steps that may train the spiked version's to
 
 @pytest.fixture(scope="module")
 def faults(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Path:
-    """The run with both faults planted, finished (exit 0); its folder."""
+    """The run with the faults planted, ended by its actor's kill -9 after step 12 (exit 3); its folder, where
+    ``launcher.err`` holds what the launcher printed."""
     tmp_path = tmp_path_factory.mktemp("faults")
+    run_dir = tmp_path / NAME
     with pytest.MonkeyPatch.context() as env:
         # the learner imports the planted loss from tests/; every process imports the spike's sitecustomize
         env.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "tests" / "helpers" / "spike"), str(ROOT)]))
@@ -46,7 +58,8 @@ def faults(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Path:
             tmp_path,
             model_dir,
             NAME,
-            f"learner.steps={STEPS}",
+            "learner.steps=1000",
+            f"learner.no_actors_s={NO_ACTORS_S}",
             "checkpoint.every=2",
             "health.max_skipped_steps=2",
             "health.rollback_lr_factor=0.5",
@@ -55,23 +68,36 @@ def faults(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Path:
             "staleness.max_staleness=1",  # the guard as it comes: max_sequence_kl 0.5, veto 1e-4
             "eval.every=0",  # no eval rounds: tests/e2e/test_eval.py's
             actors=1,
+            stderr=run_dir.parent / "launcher.err",
         )
-        assert finish(proc) == 0
+        try:
+            wait_for(lambda: len(step_rows(run_dir)) >= STEPS, f"{STEPS} steps", proc=proc, timeout_s=900, poll_s=0.5)
+            os.kill(actor_pid(run_dir / "logs" / "actor-0.log"), signal.SIGKILL)
+            assert finish(proc, timeout_s=300) == 3, (run_dir.parent / "launcher.err").read_text()[-3000:]
+        finally:
+            finish(proc, 1)
     return tmp_path
+
+
+def steps_of(rows: list[dict]) -> list[int]:
+    """The run's steps, checked contiguous from 1 and past the faults' steps."""
+    steps = [int(r["step"]) for r in rows]
+    assert steps == list(range(1, len(steps) + 1)) and STEPS <= len(steps) < 1000, steps
+    return steps
 
 
 def test_non_finite_steps_are_skipped_then_rolled_back_and_the_run_continues(faults: Path) -> None:
     """Steps 5 and 6 are skipped (not applied, non-finite loss); the run rolls back to step 2 (step 5 began from the
     weights saved at step 4, so those are suspect too), halves the lr, fires the alert and trains to its end."""
     rows = metrics(faults, NAME)
-    assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))  # the rolled-back steps were cut and redone
+    steps = steps_of(rows)  # the rolled-back steps were cut and redone
     discarded_file = faults / NAME / "metrics.discarded.jsonl"
     discarded = [json.loads(line) for line in discarded_file.read_text().splitlines()]
     assert [int(r["step"]) for r in discarded] == [3, 4, 5, 6]
     assert [r["train/applied"] for r in discarded] == [1.0, 1.0, 0.0, 0.0]
     assert not any(math.isfinite(r["train/loss"]) for r in discarded[2:])
     assert all(r["train/applied"] == 1.0 for r in rows)
-    assert [r["train/lr"] for r in rows[2:]] == pytest.approx([LR * 0.5] * (STEPS - 2))  # after the rollback
+    assert [r["train/lr"] for r in rows[2:]] == pytest.approx([LR * 0.5] * (len(steps) - 2))  # after the rollback
     log = (faults / NAME / "logs" / "learner.log").read_text()
     assert "alert firing alert=non_finite" in log
     assert "rolled back to the checkpoint of step 2" in log
@@ -81,7 +107,7 @@ def test_a_planted_mismatch_spike_is_dropped_by_the_guard_and_the_run_goes_on(fa
     """The spiked version's steps have the run's highest mismatch KL, past the alert's 0.1, with over a tenth of
     their sequences dropped; every other step stays under the alert and loses at most a few sequences."""
     rows = metrics(faults, NAME)
-    assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))
+    steps_of(rows)
     logs = faults / NAME / "logs"
     actor_logs = "".join(p.read_text(errors="replace") for p in logs.glob("actor*.log"))
     assert f"planted a mismatch spike: version {SPIKE}" in actor_logs
@@ -101,3 +127,13 @@ def test_a_planted_mismatch_spike_is_dropped_by_the_guard_and_the_run_goes_on(fa
     learner_log = (logs / "learner.log").read_text()
     assert "the mismatch guard dropped sequences from this step's loss" in learner_log
     assert "alert firing alert=mismatch_kl_high" in learner_log
+
+
+def test_a_run_whose_last_actor_is_killed_saves_a_checkpoint_and_exits_3(faults: Path) -> None:
+    said = (faults / "launcher.err").read_text()
+    assert said.count("actor-0 exited with an error:") == 1, said[-3000:]
+    assert "learner stopped: no rollout actor left" in said and "--resume latest" in said, said[-3000:]
+    reached = steps_of(metrics(faults, NAME))
+    assert complete_checkpoints(faults / NAME / "checkpoints")[-1][0] == reached[-1]  # the resume starts there
+    learner_log = (faults / NAME / "logs" / "learner.log").read_text()
+    assert f"saved checkpoint step={reached[-1]} reason=no_actors" in learner_log
