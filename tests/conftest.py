@@ -50,9 +50,16 @@ def tier_of(item: pytest.Item) -> str:
     return "unit"
 
 
-SHARED_CORES = {"test_control.py", "test_dispatcher.py", "test_audit.py", "test_channel.py", "test_replay.py"}
-"""Integration modules that need only a redis-server or ZeroMQ sockets: under ``-n 2`` they run beside the serial
-chain, like the unit tier. Everything else (vLLM, DeepSpeed, torchrun, sandboxes, the e2e runs) runs on one worker,
+SHARED_CORES = {
+    # a redis-server or ZeroMQ sockets only
+    "test_accounting.py", "test_audit.py", "test_channel.py", "test_control.py", "test_dead_letters.py",
+    "test_dispatcher.py", "test_metrics_endpoints.py", "test_metrics_loopback.py", "test_replay.py",
+    # short command-line runs that exit before any engine, model or sandbox starts
+    "test_check_data.py", "test_children.py", "test_cli.py", "test_preflight_cli.py", "test_run_file_modes.py",
+    "test_task_file_refused.py", "test_top.py",
+}
+"""Integration modules that start no vLLM engine, DeepSpeed engine, torchrun, sandbox or timed fault: under ``-n 2``
+they run beside the serial chain, like the unit tier. Everything else (those, and the e2e runs) runs on one worker,
 one test after another, so no two of them ever compete for the two cores."""
 
 

@@ -18,11 +18,22 @@ def test_no_two_test_files_share_a_basename() -> None:
 
 
 def test_tests_that_start_heavy_processes_join_the_serial_chain() -> None:
-    """Under ``bin/test`` (two xdist workers) only the unit tier and the Redis-only modules run beside the chain."""
+    """Under ``bin/test`` (two xdist workers) only the unit tier, the Redis-only modules and the short command-line
+    runs go beside the chain; every module that starts an engine, torchrun or a sandbox joins it."""
     from tests.conftest import runs_serially
 
     assert runs_serially("tests/e2e/test_system.py::test_demo_reward_rises_within_the_staleness_bound")
     assert runs_serially("tests/integration/test_rollout_actor.py::test_kill_9_of_an_actor_leaves_no_vllm_process")
     assert runs_serially("tests/unit/test_sandbox.py::test_a_fork_bomb_does_not_starve_runs_beside_it")  # processes
     assert not runs_serially("tests/unit/test_wire.py::test_truncated_messages_raise_only_wire_error")
+    assert runs_serially("tests/integration/test_checkpoint.py::test_a_missing_file_is_refused_by_rl_learner")
     assert not runs_serially("tests/integration/test_replay.py::test_maxlen_trims_the_oldest_entries")
+    assert not runs_serially("tests/integration/test_cli.py::test_invalid_override_exits_with_the_field_named")
+
+
+def test_every_module_beside_the_chain_exists() -> None:
+    """A renamed module must not fall silently into the chain: each name in ``SHARED_CORES`` is a real module."""
+    from tests.conftest import SHARED_CORES
+
+    present = {path.name for path in (TESTS / "integration").glob("test_*.py")}
+    assert not SHARED_CORES - present, sorted(SHARED_CORES - present)
