@@ -1,11 +1,18 @@
-"""Evaluation during the run (issue 10.6), with real processes: eval rounds at steps 0, 2 and 4 of a 4-step run appear
-in metrics.jsonl with every prompt scored by the reward worker, sampled by the policy of their step, and no eval
-group is ever trained, counted by admission or left behind in Redis; then `rl-learner eval --checkpoint latest`
-evaluates the run's last checkpoint offline."""
+"""A synchronous run with evaluation in the loop and CURVE on the actor → reward-worker hop, real processes started
+one by one (`rl-launch redis`, `rl-actor reward`, `rl-actor`, `rl-learner train`).
+
+Synchronous (``staleness.max_staleness = 0``): every token is sampled by the weights being trained, so μ (vLLM)
+equals π_old (the learner) and every sample in samples.jsonl has staleness 0. Evaluation: eval rounds at steps 0, 2
+and 4 of a 4-step run appear in metrics.jsonl with every prompt scored by the reward worker, sampled by the policy of
+their step, and no eval group is ever trained, counted by admission or left behind in Redis; then
+`rl-learner eval --checkpoint latest` evaluates the run's last checkpoint offline. CURVE, set up as the README says
+(`rl-launch keys`): the run trains to the end, and an actor whose key is not authorised (its own key path from
+``ASYNCRL_CURVE_CLIENT_KEY``) is refused, counted and logged once; nothing it sends is scored."""
 
 from __future__ import annotations
 
 import json
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -13,32 +20,66 @@ import pytest
 
 from common.control import ControlPlane
 from common.keys import connect
-from tests.helpers.stack import BIN, ROOT, Processes
+from tests.helpers.runs import check_samples
+from tests.helpers.stack import BIN, ROOT, Processes, _wait
 
 pytestmark = pytest.mark.e2e
 RUN, STEPS, GROUPS, PROMPTS = "evalrun", 4, 8, 12
 
 
-def test_eval_rounds_are_recorded_at_their_steps_and_never_trained(tmp_path: Path, model_dir: Path) -> None:
+def make_keys(folder: Path, procs: Processes) -> list[str]:
+    """`rl-launch keys FOLDER`: the printed ``--set`` arguments."""
+    proc = procs.start(f"keys-{folder.name}", [BIN / "rl-launch", "keys", folder])
+    assert proc.wait(60) == 0, procs.log(f"keys-{folder.name}")
+    return procs.log(f"keys-{folder.name}").split()
+
+
+def refused_clients(plane: ControlPlane) -> float:
+    """``asyncrl_channel_refused_clients_total`` of the reward worker (0 until it serves /metrics)."""
+    workers = [h for h in plane.registry.processes()[0] if h.kind == "reward" and h.metrics_url]
+    if not workers:
+        return 0.0
+    worker = workers[0]
+    text = urllib.request.urlopen(worker.metrics_url.replace(worker.host, "127.0.0.1"), timeout=10).read().decode()
+    lines = [line for line in text.splitlines() if line.startswith("asyncrl_channel_refused_clients_total")]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+
+def test_a_synchronous_curve_run_has_no_policy_mismatch_refuses_a_stranger_and_never_trains_an_eval_round(
+    tmp_path: Path, model_dir: Path
+) -> None:
     run_dir = tmp_path / RUN
     procs = Processes(tmp_path / "logs")
+    keys = make_keys(tmp_path / "keys", procs)
+    stranger = dict(arg.split("=", 1) for arg in make_keys(tmp_path / "strangers", procs) if "=" in arg)
     overrides = [
         f"run.root={tmp_path}", f"run.name={RUN}", f"model.path={model_dir}", f"learner.steps={STEPS}",
         f"learner.groups_per_step={GROUPS}", "eval.every=2", f"eval.limit={PROMPTS}",
         "eval.num_samples=2", "eval.temperature=1.0", "eval.max_new_tokens=8",
+        "staleness.max_staleness=0", "monitoring.samples_every=2", "monitoring.samples_per_step=3",
     ]
-    sets = [arg for override in overrides for arg in ("--set", override)]
+    sets = [*keys, *(arg for override in overrides for arg in ("--set", override))]
     config = ROOT / "configs/demo.toml"
     try:
         run_args = procs.start_run(config, sets, run_dir)
         plane = ControlPlane(connect(run_args[1]), RUN)
+        assert plane.run.read_config().transport.curve_client_key.endswith("client.key_secret")
         procs.start("actor-0", [BIN / "rl-actor", *run_args, "--id", "actor-0"], {"VLLM_CPU_OMP_THREADS_BIND": "1"})
+        intruder_key = {"ASYNCRL_CURVE_CLIENT_KEY": stranger["transport.curve_client_key"]}
+        procs.start("intruder", [BIN / "rl-actor", *run_args, "--id", "intruder"], intruder_key)
         learner = procs.start("learner", [BIN / "rl-learner", "train", config, *sets, "--redis", run_args[1]])
+        _wait(lambda: refused_clients(plane) >= 1, "the intruder's handshake refused", learner)
+        _wait(lambda: "connected to reward worker" in procs.log("intruder"), "the intruder to try", learner)
+        assert procs.stop("intruder") == 0, procs.log("intruder")[-2000:]  # gives back what it held
         assert learner.wait(900) == 0, procs.log("learner")[-3000:]
+        assert "curve=True" in procs.log("actor-0")  # the authorised actor's hop is CURVE
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         evals = [r for r in rows if "eval/step" in r]
         steps = [r for r in rows if "eval/step" not in r]
         assert [int(r["step"]) for r in steps] == list(range(1, STEPS + 1))
+        assert all(r["rollout/staleness_max"] == 0 for r in steps)
+        assert max(r["train/offpolicy/mismatch_kl"] for r in steps) < 1e-4  # weights really arrive every step
+        check_samples(run_dir / "samples.jsonl", steps=[2, 4], per_step=3, staleness=0)
         assert sorted(int(r["step"]) for r in evals) == [0, 2, 4]  # issued at step 0, 2 and the last
         for r in evals:
             assert (r["eval/groups"], r["eval/missing"], r["eval/k"]) == (PROMPTS, 0, 2)
@@ -54,6 +95,10 @@ def test_eval_rounds_are_recorded_at_their_steps_and_never_trained(tmp_path: Pat
         assert not [g for g in plane.client.hkeys(plane.keys.groups) if b"-eval" in g]  # every round retired
         assert plane.client.llen(plane.keys.eval_prompts) == 0
         assert plane.client.xlen(plane.keys.dead) == 0  # nothing refused by the reward worker or the learner
+        groups_from = Counter()
+        for row in steps:
+            groups_from.update({k.rsplit("/", 1)[1]: v for k, v in row.items() if k.startswith("rollout/groups_from/")})
+        assert "intruder" not in groups_from  # nothing it generated was scored, let alone trained
         shown = json.loads(plane.client.get(plane.keys.eval))  # what rl-top shows
         assert [int(r["eval/step"]) for r in shown] == [0, 2, 4]
         log = procs.log("learner")
@@ -75,3 +120,4 @@ def test_eval_rounds_are_recorded_at_their_steps_and_never_trained(tmp_path: Pat
         assert figures["eval/pass@k"] == figures["eval/accuracy"] and 0 <= figures["eval/mean@k"] <= 1
     finally:
         procs.stop_all()
+    assert procs.log("reward").count("refused a CURVE client whose public key is not authorised") == 1
