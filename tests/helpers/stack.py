@@ -147,3 +147,11 @@ def actor_pid(log: Path) -> int:
         if "actor ready" in line:
             return int(line.split("pid=")[1].split(":")[0])
     raise AssertionError(f"no 'actor ready' line in {log}")
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

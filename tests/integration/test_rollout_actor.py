@@ -54,6 +54,7 @@ from tests.helpers.actor_stack import (
     wait_until_generating,
 )
 from tests.helpers.scrape import metric
+from tests.helpers.stack import running
 
 pytestmark = pytest.mark.integration
 RUN = "actors"
@@ -388,21 +389,13 @@ def test_a_tensor_parallel_actor_takes_one_weight_group_rank_per_worker_and_kill
             actor.wait()
 
 
-def alive(pid: int) -> bool:
-    """Running (a zombie, dead but not yet reaped, is not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
 def kill_and_follow(actor: subprocess.Popen, seen: set[int], timeout_s: float) -> set[int]:
     """``kill -9`` the actor, then wait up to ``timeout_s`` for every process in ``seen`` (and whatever they start
     meanwhile) to end; returns those still alive."""
     actor.kill()
     actor.wait()
     deadline = time.monotonic() + timeout_s
-    while (left := {p for p in seen if alive(p)}) and time.monotonic() < deadline:
+    while (left := {p for p in seen if running(p)}) and time.monotonic() < deadline:
         for pid in left:
             seen |= set(descendants(pid))
         time.sleep(0.1)
