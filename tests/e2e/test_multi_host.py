@@ -7,8 +7,10 @@ The commands are ``common/deploy.py``'s :func:`~common.deploy.cluster_steps` of
 :class:`~common.deploy.Process` its command line renders, inside its host's namespace and in its host's own folder.
 Between them the test copies what the README says to copy (``redis-url``, the keys each role needs). On 10.77.0.1 Redis
 (a password, bound to that address, AOF) and the learner; on 10.77.0.2 a reward worker (CURVE on ``tcp://0.0.0.0``)
-and an actor; on 10.77.0.3 an actor. Once weights have reached both actors, 10.77.0.4 joins with an actor and, once
-that one served a version, 10.77.0.3 leaves (SIGTERM). Once a version sent without 10.77.0.3 has reached the two
+and an actor; on 10.77.0.3 an actor. Once weights have reached both actors, 10.77.0.3's actor hangs (SIGSTOP) while
+its heartbeat still counts it live: the next broadcast gives up on it after ``weight_sync.timeout_s`` and evicts it,
+and it thaws (SIGCONT). Then 10.77.0.4 joins with an actor and, once that one served a version, 10.77.0.3 leaves
+(SIGTERM). Once a version sent without 10.77.0.3 has reached the two
 actors left, the learner is stopped as a person stops it (SIGTERM: it finishes the step, saves a checkpoint and exits
 0). The run must end with every step it trained once, every group trained once or accounted for (from Redis), and
 every actor host having loaded every version sent to it.
@@ -42,7 +44,7 @@ from common.keys import connect
 from common.redis_server import find_redis_server
 from tests.helpers.accounting import account_groups
 from tests.helpers.readme import readme_block
-from tests.helpers.stack import BIN, Processes
+from tests.helpers.stack import BIN, Processes, actor_pid
 
 pytestmark = pytest.mark.e2e
 
@@ -53,6 +55,9 @@ STEPS, GROUPS = 100_000, 4
 """``learner.steps``: more than the run ever reaches. It must outlast the start of the joining host's actor, which
 shares two cores with a run in full swing (45 s on an idle machine, 105 s beside this run and other tests' load), and a
 version sent after a host left; then the test stops the learner (SIGTERM) instead of waiting for a step count."""
+SYNC_TIMEOUT_S = 6
+"""``weight_sync.timeout_s``: short, so a broadcast gives up on the hung actor soon; the heartbeat TTL (60 s) is long,
+so only that timeout can catch it."""
 CLONE_NEWNET = 0x40000000
 
 
@@ -196,10 +201,10 @@ max_staleness = 1
 
 [transport]
 heartbeat_s = 1.0
-heartbeat_ttl_s = 10.0
+heartbeat_ttl_s = 60.0
 
 [weight_sync]
-timeout_s = 60
+timeout_s = {SYNC_TIMEOUT_S}
 """
 
 
@@ -240,6 +245,16 @@ class Cluster:
         self.procs.start("reward-0", reward)
         self.procs.start("actor-0", actor_b, {"VLLM_CPU_OMP_THREADS_BIND": "0"})
         self.procs.start("actor-1", self.steps[C][0], {"VLLM_CPU_OMP_THREADS_BIND": "1"})
+
+    def hang_and_thaw(self, actor: str) -> None:
+        """``actor`` frozen (SIGSTOP) while its heartbeat still counts it live: the next broadcast includes it, gives
+        up after ``weight_sync.timeout_s`` and evicts it; then it thaws (SIGCONT) and the run goes on."""
+        frozen = actor_pid(self.procs.log_dir / f"{actor}.log")
+        os.kill(frozen, signal.SIGSTOP)
+        try:
+            self.wait(lambda: any(row.get("sync/failed") for row in self.rows()), "a broadcast giving up on it")
+        finally:
+            os.kill(frozen, signal.SIGCONT)
 
     def join_and_leave(self) -> float:
         """D joins with an actor; once it served groups, C leaves (SIGTERM, exit 0). Returns when C was told."""
@@ -325,12 +340,15 @@ def test_a_run_across_hosts_serves_every_actor_host(tmp_path: Path, model_dir: P
         run.start_workers()
         run.wait(lambda: run.loaded("actor-0") and run.loaded("actor-1"), "weights on B and C")
         _check_endpoints(run, {"actor-0": B, "actor-1": C, "reward-0": B, "learner": LEARNER_HOST})
+        run.hang_and_thaw("actor-1")
         left_at = run.join_and_leave()
         left_after = run.metric_steps()[-1]
         run.wait(lambda: run.sent_without("actor-1", left_at, ("actor-0", "actor-2")), "a version sent without C")
         last = run.stop_learner()
 
         assert run.metric_steps() == list(range(1, last + 1))  # every step trained, once
+        # a broadcast waits at most one timeout for the group to form and one for a transfer, the hung actor's too
+        assert max(r["sync/seconds"] for r in run.rows() if "sync/seconds" in r) <= 2 * SYNC_TIMEOUT_S + 15
         figures = run.a(account_groups, run.plane, last, GROUPS)
         served = run.wait(
             lambda: _versions_served(run, left={"actor-1": left_at}), "every version loaded", 60, ("redis",)
