@@ -205,10 +205,14 @@ def is_mixed(row: tuple) -> bool:
 
 
 def test_second_actor_shares_the_work_and_sigterm_returns_unfinished_groups(shared: SharedActor, request) -> None:
-    """A second actor joins a generating one (the shared actor) and takes its share; SIGTERM mid-run gives its
+    """A second actor joins a running one (the shared actor) and takes its share; SIGTERM mid-run gives its
     unfinished groups back, which the other finishes: every group delivered exactly once, the queue empty. Also: the
     stopped actor's temp folder (``TMPDIR``) holds none of vLLM's IPC sockets (the shared actor's: checked when it
-    stops at the end of the module)."""
+    stops at the end of the module).
+
+    While the second actor's engine builds, the queue is not topped up: the shared actor finishes what it holds and
+    waits, instead of generating on the cores the new engine is built on (both engines' workers are on CPU 0 here).
+    From the second actor's first heartbeat past "starting", both always have work."""
     temp = Path(tempfile.mkdtemp(prefix="ipc-", dir="/tmp"))  # short: socket paths below it must fit 107 bytes
     request.addfinalizer(lambda: shutil.rmtree(temp, ignore_errors=True))
     plane = shared.plane
@@ -222,11 +226,17 @@ def test_second_actor_shares_the_work_and_sigterm_returns_unfinished_groups(shar
             issue(plane, batch)
             pushed.extend(batch)
 
+    def actors_of(got: list[RolloutGroup]) -> set[str]:
+        return {g.actor_id for g in got}
+
+    def second_started() -> bool:
+        return any(h.process_id == "second" and h.state != "starting" for h in plane.registry.processes()[0])
+
     top_up([])
     got = shared.collect(lambda got: top_up(got) or len(got) >= 4)
     second = start_actor(shared.url, RUN, "second", temp=temp)
     try:
-        got += shared.collect(lambda more: top_up(more) or any(g.actor_id == "second" for g in more))
+        got += shared.collect(lambda more: second_started() and (top_up(more) or "second" in actors_of(more)))
         assert stop(second) == 0  # SIGTERM mid-run: its groups in flight go back to the queue
         assert "second" not in [h.process_id for h in plane.registry.processes()[0]]
         got += shared.collect(lambda more: len({g.group_id for g in got + more}) >= len(pushed))
