@@ -9,7 +9,10 @@ group forms (each rank's address, a few keys), so the extra round trips cost mil
 
 Keys live under ``asyncrl:<run>:rendezvous:`` and expire after ``ttl_s`` (a formation uses them for seconds).
 ``get`` and ``wait`` block, as ``TCPStore``'s do, by polling every :data:`POLL_S` until the keys exist or the
-timeout passes; then they raise :class:`TimeoutError`, which the process group turns into a failed formation.
+timeout passes; then they raise :class:`TimeoutError`, which the process group turns into a failed formation. A
+member's store also stops waiting, the same way, once its formation is marked given up (``abandoned_key``): the
+learner marks a formation it gave up on, so a member waiting there for one that died joins the next formation at
+once instead of after ``weight_sync.timeout_s``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import torch
 
 POLL_S = 0.005
 """How often a blocking ``get``/``wait`` looks for its keys."""
+ABANDONED_POLL_S = 0.1
+"""How often a blocking wait looks whether its formation was given up."""
 
 _COMPARE_SET = """
 local current = redis.call('GET', KEYS[1])
@@ -44,21 +49,26 @@ class RedisStore(torch.distributed.Store):
     """A ``torch.distributed.Store`` on Redis, for ``ProcessGroupGloo``/``ProcessGroupNCCL`` rendezvous.
 
     ``client`` is a connection to the run's Redis (its password is what admits a member); ``timeout_s`` bounds
-    every blocking call; keys expire ``ttl_s`` after they are written.
+    every blocking call; keys expire ``ttl_s`` after they are written; once the key ``abandoned_key`` exists, a
+    blocking call raises :class:`TimeoutError` at once (looked at every :data:`ABANDONED_POLL_S`).
     """
 
-    def __init__(self, client: redis.Redis, run: str, timeout_s: float, ttl_s: float = 3600.0) -> None:
+    def __init__(
+        self, client: redis.Redis, run: str, timeout_s: float, ttl_s: float = 3600.0, abandoned_key: str | None = None
+    ) -> None:
         super().__init__()
         self.client = client
         self.prefix = rendezvous_prefix(run)
         self.timeout_s = timeout_s
         self.ttl_s = max(int(ttl_s), 1)
+        self.abandoned_key = abandoned_key
         self._compare_set = client.register_script(_COMPARE_SET)
 
     @classmethod
-    def connect(cls, url: str, run: str, timeout_s: float) -> RedisStore:
+    def connect(cls, url: str, run: str, timeout_s: float, abandoned_key: str | None = None) -> RedisStore:
         """A store with a connection of its own to ``url`` (a weight-group member inside a vLLM worker)."""
-        return cls(redis.Redis.from_url(url, socket_connect_timeout=min(timeout_s, 30.0)), run, timeout_s)
+        client = redis.Redis.from_url(url, socket_connect_timeout=min(timeout_s, 30.0))
+        return cls(client, run, timeout_s, abandoned_key=abandoned_key)
 
     def close(self) -> None:
         self.client.close()
@@ -92,9 +102,15 @@ class RedisStore(torch.distributed.Store):
     def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
         limit = self.timeout_s if timeout is None else timeout.total_seconds()
         deadline = time.monotonic() + limit
+        look_again = time.monotonic() + ABANDONED_POLL_S
         while not self.check(keys):
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise TimeoutError(f"rendezvous keys {list(keys)} not set within {limit:g}s")
+            if self.abandoned_key is not None and now > look_again:
+                look_again = now + ABANDONED_POLL_S
+                if self.check([self.abandoned_key]):
+                    raise TimeoutError("the learner gave up on this formation: not waited for")
             time.sleep(POLL_S)
 
     def delete_key(self, key: str) -> bool:

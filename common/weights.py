@@ -9,8 +9,10 @@ few large broadcasts — parameters of one dtype packed back to back into bucket
 designs. Gloo on CPUs, NCCL on GPUs: the same code.
 
 Every collective has a time limit; a member that misses it raises :class:`WeightSyncError`
-on the survivors, who drop it at the next formation. Each formation starts with a small test
-broadcast whose checksum every member verifies (the communication self-check).
+on the survivors, who drop it at the next formation. A formation the learner gave up on (a member's heartbeat
+expired, or a member never came) is marked so (:func:`abandon_formation`), and the members still waiting in its
+rendezvous stop at once: they are at the next formation instead of waiting out the time limit. Each formation
+starts with a small test broadcast whose checksum every member verifies (the communication self-check).
 
 The self-check proves the transport, not the weights. Every version is also *sealed*
 (:func:`seal_buckets`): the learner hashes each packed bucket, and the manifest carries the bucket
@@ -187,9 +189,10 @@ class WeightGroup:
         timeout = timedelta(seconds=address.timeout_s)
         self._own_store = store is None
         if store is None:
-            store = RedisStore.connect(address.redis_url, address.run, address.timeout_s)
+            given_up = formation_key(address.epoch, ABANDONED)
+            store = RedisStore.connect(address.redis_url, address.run, address.timeout_s, abandoned_key=given_up)
         self._store = store  # keep the connection alive as long as the group
-        self.store = torch.distributed.PrefixStore(f"asyncrl/{address.epoch}/", store)
+        self.store = torch.distributed.PrefixStore(formation_key(address.epoch), store)
         self.device = "cuda" if address.backend == "nccl" else "cpu"
         self.group = None
         try:
@@ -285,5 +288,20 @@ class WeightGroup:
 
 def absent_ranks(store: torch.distributed.Store, epoch: int, world_size: int) -> list[int]:
     """Ranks (1..world-1) that never announced themselves for ``epoch``: the ones to evict after a timeout."""
-    prefixed = torch.distributed.PrefixStore(f"asyncrl/{epoch}/", store)
+    prefixed = torch.distributed.PrefixStore(formation_key(epoch), store)
     return [rank for rank in range(1, world_size) if not prefixed.check([f"joined/{rank}"])]
+
+
+ABANDONED = "abandoned"
+"""The key, in a formation's store, that says the learner gave up on it."""
+
+
+def formation_key(epoch: int, key: str = "") -> str:
+    """``key`` in formation ``epoch``'s part of the rendezvous store (its prefix when ``key`` is empty)."""
+    return f"asyncrl/{epoch}/{key}"
+
+
+def abandon_formation(store: torch.distributed.Store, epoch: int) -> None:
+    """The learner's side: mark formation ``epoch`` given up, so that members still waiting in its rendezvous
+    (:class:`WeightGroup` with a store of its own) stop at once and come to the next formation."""
+    store.set(formation_key(epoch, ABANDONED), "1")

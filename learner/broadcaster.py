@@ -9,7 +9,9 @@ the timeout, and a failed sync is never announced as done: the version is only b
 broadcast that every member completed. A member that is gone (its heartbeat expired, e.g. after
 ``kill -9``, or it left) is not waited for at all: while the group forms, the learner's rendezvous
 store looks at the registry every :data:`MEMBER_POLL_S` and ends the wait as soon as one is
-(:class:`MemberWatch`), so the formation fails about a heartbeat TTL after the death, not at the timeout.
+(:class:`MemberWatch`), so the formation fails about a heartbeat TTL after the death, not at the timeout. A formation
+that failed is marked given up (:func:`common.weights.abandon_formation`): the members that came stop waiting in its
+rendezvous at once, and join the next one, instead of waiting there for the time limit.
 
 The broadcaster is the only owner of the transfer in flight and of the version the actors are told:
 
@@ -46,6 +48,7 @@ from common.weights import (
     GroupAddress,
     WeightGroup,
     WeightSyncError,
+    abandon_formation,
     absent_ranks,
     pack_bucket,
     plan_buckets,
@@ -288,6 +291,7 @@ class Broadcaster:
         suspects = absent or list(self.members)  # all came but one hung mid-broadcast: retry them all later
         for actor in absent:
             self.evicted[actor] = EVICT_SYNCS
+        abandon_formation(self.store, self.epoch)  # members still in its rendezvous stop waiting for the others
         log.error(
             "weight sync failed; the run goes on without these actors",
             epoch=self.epoch,

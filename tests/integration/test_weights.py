@@ -1,16 +1,27 @@
 """The weight group on real gloo with its rendezvous in a real Redis: flat buckets reach every member intact,
-nobody waits forever, and a client without the run's Redis password can neither join nor write."""
+nobody waits forever (nor for a formation the learner gave up), and a client without the run's Redis password can
+neither join nor write."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import threading
 
 import pytest
 import redis
 import torch
 
 from common.rendezvous import RedisStore, rendezvous_prefix
-from common.weights import GroupAddress, WeightGroup, WeightSyncError, plan_buckets, unpack_bucket
+from common.weights import (
+    GroupAddress,
+    WeightGroup,
+    WeightSyncError,
+    abandon_formation,
+    absent_ranks,
+    plan_buckets,
+    unpack_bucket,
+)
+from tests.helpers.waits import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -72,6 +83,29 @@ def test_a_missing_member_times_out_instead_of_hanging(redis_client) -> None:
     with pytest.raises(WeightSyncError):  # raises after the 2 s limit; a hang would trip pytest's timeout
         root = WeightGroup(GroupAddress("", "wg", epoch=7, rank=0, world_size=2, timeout_s=2), store)
         root.self_check()
+
+
+def test_a_member_stops_waiting_once_the_learner_gave_up_its_formation(redis_server, redis_client) -> None:
+    """A member waits in the rendezvous of a three-member formation whose third never comes. Once the learner marks
+    the formation given up (as it does when that member's heartbeat expires), the member stops waiting within a
+    second, with the reason, instead of waiting out its 60 s limit."""
+    failed: list[WeightSyncError] = []
+
+    def join() -> None:
+        try:
+            WeightGroup(GroupAddress(redis_server.url, "wg", epoch=3, rank=1, world_size=3, timeout_s=60))
+        except WeightSyncError as exc:
+            failed.append(exc)
+
+    member = threading.Thread(target=join, daemon=True)
+    member.start()
+    learner = RedisStore(redis_client, "wg", timeout_s=5)
+    wait_for(lambda: absent_ranks(learner, 3, 3) == [2], "the member in the rendezvous", timeout_s=30)
+    assert member.is_alive()  # waiting for the others
+    abandon_formation(learner, epoch=3)
+    member.join(timeout=5)
+    assert not member.is_alive(), "the member still waits in a formation the learner gave up"
+    assert "the learner gave up on this formation" in str(failed[0]), failed
 
 
 def test_the_store_behaves_as_torch_expects(redis_client) -> None:
