@@ -102,7 +102,7 @@ def _write_run_files(client: redis.Redis, run_dir: Path) -> None:
     group = ScoredGroup(rollout=make_group(["19", "18"]), rewards=np.array([1.0, 0.0], np.float32))
     SampleLog(run_dir / "samples.jsonl", every=1, per_step=1, seed=0).write(1, [group], {})
     Audit(client, "r", "learner", "learner").record("run.started", steps=1)
-    assert flush(30)
+    assert flush(30, client)  # this server's entries (another test's stopped server may still hold some)
     mirror = AuditMirror(client, "r", run_dir / "audit.jsonl")
     assert mirror.pump() == 1
     previous = private_umask()  # what rl-learner's entry point does: files of libraries that know no modes
