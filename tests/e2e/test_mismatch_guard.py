@@ -30,7 +30,8 @@ from tests.helpers.waits import wait_for
 
 pytestmark = pytest.mark.e2e
 NAME, STEPS = "faults", 12
-"""The steps the faults need; the run is set to go on far past them, until its actor is killed after step 12."""
+"""The steps the faults need; the run is set to go on far past them (``MAX_STEPS``) until its actor is killed."""
+MAX_STEPS = 1000
 NO_ACTORS_S = 5
 LR = 3e-4  # the demo's
 NAN_CALLS = (5, 6)  # one micro-batch per step: the losses of steps 5 and 6 are NaN
@@ -48,7 +49,7 @@ def faults(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Path:
     """The run with the faults planted, ended by its actor's kill -9 after step 12 (exit 3); its folder, where
     ``launcher.err`` holds what the launcher printed."""
     tmp_path = tmp_path_factory.mktemp("faults")
-    run_dir = tmp_path / NAME
+    run_dir, said = tmp_path / NAME, tmp_path / "launcher.err"
     with pytest.MonkeyPatch.context() as env:
         # the learner imports the planted loss from tests/; every process imports the spike's sitecustomize
         env.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "tests" / "helpers" / "spike"), str(ROOT)]))
@@ -58,7 +59,7 @@ def faults(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Path:
             tmp_path,
             model_dir,
             NAME,
-            "learner.steps=1000",
+            f"learner.steps={MAX_STEPS}",
             f"learner.no_actors_s={NO_ACTORS_S}",
             "checkpoint.every=2",
             "health.max_skipped_steps=2",
@@ -68,12 +69,12 @@ def faults(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Path:
             "staleness.max_staleness=1",  # the guard as it comes: max_sequence_kl 0.5, veto 1e-4
             "eval.every=0",  # no eval rounds: tests/e2e/test_eval.py's
             actors=1,
-            stderr=run_dir.parent / "launcher.err",
+            stderr=said,
         )
         try:
             wait_for(lambda: len(step_rows(run_dir)) >= STEPS, f"{STEPS} steps", proc=proc, timeout_s=900, poll_s=0.5)
             os.kill(actor_pid(run_dir / "logs" / "actor-0.log"), signal.SIGKILL)
-            assert finish(proc, timeout_s=300) == 3, (run_dir.parent / "launcher.err").read_text()[-3000:]
+            assert finish(proc, timeout_s=300) == 3, said.read_text()[-3000:]
         finally:
             finish(proc, 1)
     return tmp_path
@@ -82,7 +83,7 @@ def faults(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Path:
 def steps_of(rows: list[dict]) -> list[int]:
     """The run's steps, checked contiguous from 1 and past the faults' steps."""
     steps = [int(r["step"]) for r in rows]
-    assert steps == list(range(1, len(steps) + 1)) and STEPS <= len(steps) < 1000, steps
+    assert steps == list(range(1, len(steps) + 1)) and STEPS <= len(steps) < MAX_STEPS, steps
     return steps
 
 

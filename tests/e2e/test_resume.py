@@ -18,7 +18,6 @@ batches is tests/integration/test_learner_ranks.py's.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -30,29 +29,14 @@ import pytest
 
 from common.control import ControlPlane
 from common.keys import connect
-from common.procs import child_pids
-from common.redis_server import free_port
 from common.seal import numbered_group_id, run_secret
 from learner.checkpoint import complete_checkpoints, open_checkpoint
 from tests.helpers.runs import step_rows
 from tests.helpers.stack import BIN, DEMO, Processes, _steps, _wait, running
+from tests.helpers.torchrun import learner_command, rank_pid
 
 pytestmark = pytest.mark.e2e
 RUN, STEPS, EVERY, GROUPS = "resume", 12, 2, 16
-
-
-def torchrun(nproc: int, *args: object) -> list[object]:
-    launcher = [BIN / "torchrun", "--nproc-per-node", nproc, "--master-addr", "127.0.0.1"]
-    return [*launcher, "--master-port", free_port(), "--no-python", BIN / "rl-learner", *args]
-
-
-def rank_pid(launcher_pid: int, rank: int) -> int | None:
-    """The PID of the launcher's child whose environment says ``RANK=rank``."""
-    for pid in child_pids(launcher_pid):
-        with contextlib.suppress(OSError):  # gone meanwhile
-            if f"RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-                return pid
-    return None
 
 
 def between_checkpoints(run_dir: Path, after: int) -> bool:
@@ -76,7 +60,7 @@ def test_a_two_rank_learner_killed_twice_resumes_and_every_group_is_trained_once
         leaders: dict[str, int] = {}
 
         def start(name: str, *extra: str):
-            proc = procs.start(name, torchrun(2, *train, *extra))
+            proc = procs.start(name, learner_command(2, *train, *extra))
             leaders[name] = _wait(lambda: rank_pid(proc.pid, 0), f"rank 0 of {name}", proc)
             return proc
 

@@ -226,9 +226,6 @@ def test_second_actor_shares_the_work_and_sigterm_returns_unfinished_groups(shar
             issue(plane, batch)
             pushed.extend(batch)
 
-    def actors_of(got: list[RolloutGroup]) -> set[str]:
-        return {g.actor_id for g in got}
-
     def second_started() -> bool:
         return any(h.process_id == "second" and h.state != "starting" for h in plane.registry.processes()[0])
 
@@ -236,7 +233,9 @@ def test_second_actor_shares_the_work_and_sigterm_returns_unfinished_groups(shar
     got = shared.collect(lambda got: top_up(got) or len(got) >= 4)
     second = start_actor(shared.url, RUN, "second", temp=temp)
     try:
-        got += shared.collect(lambda more: second_started() and (top_up(more) or "second" in actors_of(more)))
+        got += shared.collect(
+            lambda more: second_started() and (top_up(more) or any(g.actor_id == "second" for g in more))
+        )
         assert stop(second) == 0  # SIGTERM mid-run: its groups in flight go back to the queue
         assert "second" not in [h.process_id for h in plane.registry.processes()[0]]
         got += shared.collect(lambda more: len({g.group_id for g in got + more}) >= len(pushed))

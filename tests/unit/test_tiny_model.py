@@ -14,10 +14,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from common.tasks import TASK_ALPHABET as ALPHABET
 from common.tiny_model import build_char_tokenizer, init_model, model_fingerprint, warm_start
 
-# Stand-in for common.tasks.TASK_ALPHABET until that module lands.
-ALPHABET = '0123456789abcdefghijklmnopqrstuvwxyz+-*/=()<>:,{}[]" \n'
 
 def addition_examples(n: int, seed: int = 0) -> list[tuple[str, str]]:
     """Random two-digit additions as (prompt, answer) pairs, e.g. ("12+7=", "19")."""
