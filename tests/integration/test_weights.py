@@ -4,6 +4,7 @@ neither join nor write."""
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import threading
 
@@ -41,7 +42,16 @@ def member(url: str, rank: int, world: int, buckets, out: mp.Queue) -> None:
     group.self_check()
     flats = group.receive_all(buckets)
     pairs = (pair for bucket, flat in zip(buckets, flats, strict=True) for pair in unpack_bucket(bucket, flat))
-    out.put({name: tensor.clone() for name, tensor in pairs})
+    # As bytes, not tensors: a tensor crosses a queue as a shared file descriptor that only lives as long as
+    # this process, which may have exited by the time the test reads it.
+    buffer = io.BytesIO()
+    torch.save({name: tensor.clone() for name, tensor in pairs}, buffer)
+    out.put(buffer.getvalue())
+
+
+def taken(out: mp.Queue) -> dict[str, torch.Tensor]:
+    """What one member received, read back from the bytes it sent."""
+    return torch.load(io.BytesIO(out.get(timeout=60)))
 
 
 def test_buckets_reach_every_member_intact(redis_server, redis_client) -> None:
@@ -59,7 +69,7 @@ def test_buckets_reach_every_member_intact(redis_server, redis_client) -> None:
         assert root.self_check() >= 0
         assert root.send(buckets, params) == sum(t.numel() * t.element_size() for t in params.values())
         for _ in members:
-            received = out.get(timeout=60)
+            received = taken(out)
             assert received.keys() == params.keys()
             for name, tensor in params.items():
                 assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor)
@@ -145,7 +155,7 @@ def test_a_client_without_the_runs_password_cannot_join_or_write(redis_server, r
         root = WeightGroup(GroupAddress("", "wg", epoch=1, rank=0, world_size=2, timeout_s=30), store)
         root.self_check()
         root.send(buckets, params)
-        assert torch.equal(out.get(timeout=60)["head.weight"], params["head.weight"])
+        assert torch.equal(taken(out)["head.weight"], params["head.weight"])
     finally:
         proc.join(30)
         if proc.is_alive():
