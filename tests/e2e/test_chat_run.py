@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from common.tiny_chat_model import chat_examples, init_chat_model, warm_start_chat
-from tests.helpers.stack import finish, launch, metrics
+from tests.helpers.stack import ONE_PROCESS_ENGINE, finish, launch, metrics
 
 pytestmark = pytest.mark.e2e
 STEPS = 4
@@ -41,6 +41,7 @@ def test_a_chat_model_trains_on_a_chat_file_and_skips_the_overlong_row(tmp_path:
         "model.max_model_len=96",
         "rollout.max_new_tokens=8",  # 88 prompt tokens at most: the long row has about 200
         "rollout.num_samples=4",
+        ONE_PROCESS_ENGINE,
         f"learner.steps={STEPS}",
         "eval.every=0",  # the demo config's eval draws its built-in task; evaluation has its own e2e test
         "learner.groups_per_step=4",

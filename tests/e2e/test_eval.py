@@ -21,7 +21,7 @@ import pytest
 from common.control import ControlPlane
 from common.keys import connect
 from tests.helpers.runs import check_samples
-from tests.helpers.stack import BIN, ROOT, Processes, _wait
+from tests.helpers.stack import BIN, ONE_PROCESS_ENGINE, ROOT, Processes, _wait
 
 pytestmark = pytest.mark.e2e
 RUN, STEPS, GROUPS, PROMPTS = "evalrun", 4, 8, 12
@@ -56,7 +56,7 @@ def test_a_synchronous_curve_run_has_no_policy_mismatch_refuses_a_stranger_and_n
         f"run.root={tmp_path}", f"run.name={RUN}", f"model.path={model_dir}", f"learner.steps={STEPS}",
         f"learner.groups_per_step={GROUPS}", "eval.every=2", f"eval.limit={PROMPTS}",
         "eval.num_samples=2", "eval.temperature=1.0", "eval.max_new_tokens=8",
-        "staleness.max_staleness=0", "monitoring.samples_every=2", "monitoring.samples_per_step=3",
+        "staleness.max_staleness=0", "monitoring.samples_every=2", "monitoring.samples_per_step=3", ONE_PROCESS_ENGINE,
     ]
     sets = [*keys, *(arg for override in overrides for arg in ("--set", override))]
     config = ROOT / "configs/demo.toml"
@@ -64,9 +64,9 @@ def test_a_synchronous_curve_run_has_no_policy_mismatch_refuses_a_stranger_and_n
         run_args = procs.start_run(config, sets, run_dir)
         plane = ControlPlane(connect(run_args[1]), RUN)
         assert plane.run.read_config().transport.curve_client_key.endswith("client.key_secret")
-        procs.start("actor-0", [BIN / "rl-actor", *run_args, "--id", "actor-0"], {"VLLM_CPU_OMP_THREADS_BIND": "1"})
+        procs.start_actor("actor-0", run_args, core=1)
         intruder_key = {"ASYNCRL_CURVE_CLIENT_KEY": stranger["transport.curve_client_key"]}
-        procs.start("intruder", [BIN / "rl-actor", *run_args, "--id", "intruder"], intruder_key)
+        procs.start_actor("intruder", run_args, core=0, env=intruder_key)
         learner = procs.start("learner", [BIN / "rl-learner", "train", config, *sets, "--redis", run_args[1]])
         _wait(lambda: refused_clients(plane) >= 1, "the intruder's handshake refused", learner)
         _wait(lambda: "connected to reward worker" in procs.log("intruder"), "the intruder to try", learner)

@@ -133,7 +133,7 @@ def test_forged_groups_are_refused_and_every_real_group_is_trained_once(tmp_path
         [worker] = [h for h in plane.registry.processes()[0] if h.kind == "reward"]
         unsealed = len([f for f in sent if f[0] == "socket"]) + len(sprayed)
         _wait(lambda: metric(worker, "asyncrl_channel_unsealed_messages_total") == unsealed, "the stranger's", learner)
-        procs.start("actor-0", [BIN / "rl-actor", *run_args, "--id", "actor-0"], {"VLLM_CPU_OMP_THREADS_BIND": "1"})
+        procs.start_actor("actor-0", run_args, core=1)
         assert learner.wait(900) == 0, procs.log("learner")[-3000:]
         assert procs.procs["reward"].poll() is None  # the worker lived through all of it
         _check_refusals(plane, sent)

@@ -25,7 +25,7 @@ import pytest
 
 from learner.checkpoint import complete_checkpoints
 from tests.helpers.runs import step_rows
-from tests.helpers.stack import ROOT, actor_pid, finish, launch, metrics
+from tests.helpers.stack import ONE_PROCESS_ENGINE, ROOT, actor_pid, finish, launch, metrics
 from tests.helpers.waits import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -62,6 +62,7 @@ def faults(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Path:
             f"learner.steps={MAX_STEPS}",
             f"learner.no_actors_s={NO_ACTORS_S}",
             "checkpoint.every=2",
+            ONE_PROCESS_ENGINE,
             "health.max_skipped_steps=2",
             "health.rollback_lr_factor=0.5",
             "algorithm.loss=tests.helpers.nan_loss:ppo_clip_with_nans",

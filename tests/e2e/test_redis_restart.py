@@ -24,11 +24,10 @@ from common.control import ControlPlane
 from common.keys import connect
 from common.outage import OUTAGE_EXIT_CODE
 from tests.helpers.accounting import account_groups
-from tests.helpers.stack import BIN, ROOT, Processes, _steps, _wait
+from tests.helpers.stack import BIN, ONE_PROCESS_ENGINE, ROOT, Processes, _steps, _wait
 
 pytestmark = pytest.mark.e2e
 GROUPS = 16  # configs/demo.toml: learner.groups_per_step
-ACTOR_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "1"}
 CONFIG = ROOT / "configs/demo.toml"
 STEPS, EVERY = 10, 3
 LIMIT_S = 40
@@ -46,6 +45,7 @@ class Run:
         self.dir = tmp_path / name
         # no eval rounds: this is about Redis, and their rows in metrics.jsonl would stand between the steps
         settings = [f"run.root={tmp_path}", f"run.name={name}", f"model.path={model}", "eval.every=0", *overrides]
+        settings.append(ONE_PROCESS_ENGINE)
         self.sets = [arg for override in settings for arg in ("--set", override)]
         self.procs = Processes(tmp_path / "logs")
         self.run_args: list[str] = []
@@ -55,7 +55,7 @@ class Run:
         """`rl-launch redis`, a reward worker (``reward``) and ``actor-0``."""
         self.run_args = self.procs.start_run(CONFIG, self.sets, self.dir)
         self.url = (self.dir / "redis" / "url").read_text().strip()
-        self.procs.start("actor-0", [BIN / "rl-actor", *self.run_args, "--id", "actor-0"], ACTOR_ENV)
+        self.procs.start_actor("actor-0", self.run_args, core=1)
 
     def learner(self, name: str, *extra: str) -> subprocess.Popen:
         return self.procs.start(name, [BIN / "rl-learner", "train", CONFIG, *self.sets, *self.run_args[:2], *extra])
@@ -136,7 +136,7 @@ def test_a_run_lives_through_a_redis_restart_then_stops_past_the_limit_and_a_res
 
         start_redis_again(run)  # as the message says: Redis first, then everything else
         run.procs.start("reward-2", [BIN / "rl-actor", "reward", *run.run_args, "--id", "reward-0"])
-        run.procs.start("actor-1", [BIN / "rl-actor", *run.run_args, "--id", "actor-1"], ACTOR_ENV)
+        run.procs.start_actor("actor-1", run.run_args, core=1)
         resumed = run.learner("learner-2", "--resume", "latest")
         assert resumed.wait(900) == 0, run.procs.log("learner-2")[-3000:]
 

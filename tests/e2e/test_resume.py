@@ -32,7 +32,7 @@ from common.keys import connect
 from common.seal import numbered_group_id, run_secret
 from learner.checkpoint import complete_checkpoints, open_checkpoint
 from tests.helpers.runs import step_rows
-from tests.helpers.stack import BIN, DEMO, Processes, _steps, _wait, running
+from tests.helpers.stack import DEMO, Processes, _steps, _wait, running
 from tests.helpers.torchrun import learner_command, rank_pid
 
 pytestmark = pytest.mark.e2e
@@ -54,7 +54,7 @@ def test_a_two_rank_learner_killed_twice_resumes_and_every_group_is_trained_once
         steps = [f"learner.steps={STEPS}", f"checkpoint.every={EVERY}", "learner.group_deadline_s=60"]
         sets, run_args = procs.start_demo(run_dir, model_dir, "learner.zero_stage=3", *steps)
         config, url = DEMO, run_args[1]
-        procs.start("actor-0", [BIN / "rl-actor", *run_args, "--id", "actor-0"], {"VLLM_CPU_OMP_THREADS_BIND": "1"})
+        procs.start_actor("actor-0", run_args, core=1)
         plane = ControlPlane(connect(url), RUN)
         train = ["train", config, *sets, "--redis", url]
         leaders: dict[str, int] = {}

@@ -19,6 +19,11 @@ from tests.helpers.runs import step_rows
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 DEMO = ROOT / "configs/demo.toml"
+ONE_PROCESS_ENGINE = "rollout.cpu_single_process=true"
+"""vLLM's one-process layout (the model worker inside the engine core) for the actors of every e2e run but the demo's:
+one Python process fewer importing vLLM, so an engine is up in about 20 s instead of 30 on this machine. The demo run
+(``tests/e2e/test_system.py``) keeps the default layout, and ``tests/integration/test_rollout_actor.py`` checks
+both."""
 
 
 def launch(
@@ -79,7 +84,10 @@ class Processes:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, cmd: list, env: dict[str, str] | None = None) -> subprocess.Popen:
+    def start(
+        self, name: str, cmd: list, env: dict[str, str] | None = None, cpus: set[int] | None = None
+    ) -> subprocess.Popen:
+        """``cmd`` as the process ``name``, logging to ``<log_dir>/<name>.log``; on the CPUs ``cpus`` when given."""
         log = (self.log_dir / f"{name}.log").open("w")
         proc = subprocess.Popen(
             [str(c) for c in cmd],
@@ -88,6 +96,7 @@ class Processes:
             stderr=subprocess.STDOUT,
             env={**os.environ, "DS_ACCELERATOR": "cpu", **(env or {})},
             start_new_session=True,  # its own children (vLLM's engine) share its session: ended with it
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
         )
         self.procs[name] = proc
         return proc
@@ -103,10 +112,16 @@ class Processes:
         self.start("reward", [BIN / "rl-actor", "reward", *run_args, "--id", "reward-0"])
         return run_args
 
+    def start_actor(self, name: str, run_args: list[str], core: int, env: dict[str, str] | None = None):
+        """``rl-actor`` as ``name`` on the CPU ``core``: in the :data:`ONE_PROCESS_ENGINE` layout its engine inherits
+        the actor's CPUs, so the engine keeps off the other core."""
+        return self.start(name, [BIN / "rl-actor", *run_args, "--id", name], env, cpus={core})
+
     def start_demo(self, run_dir: Path, model: Path, *overrides: str) -> tuple[list[str], list[str]]:
         """:meth:`start_run` for configs/demo.toml as run ``run_dir`` on the model folder ``model`` with
         ``overrides``; returns the learner's ``--set`` arguments and ``--redis URL --run NAME``."""
         run = [f"run.root={run_dir.parent}", f"run.name={run_dir.name}", f"model.path={model}", "eval.every=0"]
+        run.append(ONE_PROCESS_ENGINE)
         run += overrides  # eval rounds off: tests/e2e/test_eval.py's
         sets = [arg for override in run for arg in ("--set", override)]
         return sets, self.start_run(DEMO, sets, run_dir)
