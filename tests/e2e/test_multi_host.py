@@ -157,16 +157,19 @@ class HostProcesses(Processes):
         assert done.returncode == 0, f"{step.command!r} on {step.host}: {done.stderr[-2000:]}"
         return done.stdout
 
-    def start(self, name: str, step: deploy.Step, env: dict[str, str] | None = None) -> subprocess.Popen:
+    def start(self, name: str, step: deploy.Step, cpus: set[int] | None = None) -> subprocess.Popen:
+        """The README's ``step`` as the process ``name``; on the CPUs ``cpus`` when given (each host's actor its
+        own core, as on machines of their own)."""
         assert step.process is not None and deploy.shell(step.process) == step.command
         log = (self.log_dir / f"{name}.log").open("w")
         self.procs[name] = subprocess.Popen(
             [*self.hosts.exec(step.host), *step.process.argv],
             cwd=self.folder(step.host),
-            env={**self.env, **(env or {}), **step.process.env},
+            env={**self.env, **step.process.env},
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its children (vLLM's engine, torchrun's rank) share its session
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
         )
         return self.procs[name]
 
@@ -188,6 +191,7 @@ num_samples = 8
 max_new_tokens = 6
 max_groups_in_flight = 6
 kv_cache_bytes = 67108864
+cpu_single_process = true  # the layout that starts fastest; each actor's engine keeps to the core it starts on
 
 [learner]
 steps = {STEPS}
@@ -243,8 +247,8 @@ class Cluster:
         show, reward, actor_b = self.steps[B]
         assert json.loads(self.procs.run(show))["run"]["name"] == RUN  # B reads the run from A's Redis
         self.procs.start("reward-0", reward)
-        self.procs.start("actor-0", actor_b, {"VLLM_CPU_OMP_THREADS_BIND": "0"})
-        self.procs.start("actor-1", self.steps[C][0], {"VLLM_CPU_OMP_THREADS_BIND": "1"})
+        self.procs.start("actor-0", actor_b, cpus={0})
+        self.procs.start("actor-1", self.steps[C][0], cpus={1})
 
     def hang_and_thaw(self, actor: str) -> None:
         """``actor`` frozen (SIGSTOP) while its heartbeat still counts it live: the next broadcast includes it, gives
@@ -258,7 +262,7 @@ class Cluster:
 
     def join_and_leave(self) -> float:
         """D joins with an actor; once it served groups, C leaves (SIGTERM, exit 0). Returns when C was told."""
-        self.procs.start("actor-2", self.steps[D][0], {"VLLM_CPU_OMP_THREADS_BIND": "0"})
+        self.procs.start("actor-2", self.steps[D][0], cpus={0})
         self.wait(lambda: self.trained_from("actor-2"), "groups of the host that joined")
         assert len(self.metric_steps()) < STEPS, "the run ended before the host that joined served it"
         left_at = time.time()
