@@ -33,9 +33,9 @@ from common.config import ConfigError, RunConfig, write_resolved
 from common.logs import get_logger
 from learner import dist
 from learner.algorithms import GlobalCounts, LossInput
+from learner.algorithms.assembly import assemble
 from learner.engine import Batch, PolicyEngine, ReferenceModel, reference_precision, split_micro_batches
 from learner.preferences import EncodedPair, PreferenceFileError, collate_pairs, encode_pairs, read_preferences
-from learner.update import assemble
 
 log = get_logger("dpo")
 

@@ -39,6 +39,7 @@ from common.keys import connect
 from common.logs import get_logger
 from common.metrics import set_alert
 from learner import ranks
+from learner.algorithms.assembly import assemble
 from learner.batch_source import BatchSource, NoActorsLeft, StepInterrupted
 from learner.broadcaster import Broadcaster
 from learner.checkpoint import Checkpoint
@@ -46,7 +47,7 @@ from learner.health import HealthMonitor
 from learner.profile import profiled
 from learner.recorder import Recorder, StepRecord
 from learner.run_state import RunState
-from learner.update import PolicyUpdate, assemble
+from learner.update import PolicyUpdate
 
 log = get_logger("learner")
 

@@ -67,13 +67,13 @@ def check_model_context(config: RunConfig) -> None:
 
 def check_config(config: RunConfig) -> None:
     """What every ``rl-learner`` command checks before it starts anything: the algorithm's names and options
-    (:func:`learner.update.assemble`), the task's (:func:`learner.dispatcher.check_task`) and the verifier of each
-    ``task`` reward function with its options (:func:`actors.rewards.check_verifiers`), and ``model.max_model_len``
-    against the model folder's context (:func:`check_model_context`). Raises ``ValueError``."""
+    (:func:`learner.algorithms.assembly.assemble`), the task's (:func:`learner.dispatcher.check_task`) and the
+    verifier of each ``task`` reward function with its options (:func:`actors.rewards.check_verifiers`), and
+    ``model.max_model_len`` against the model folder's context (:func:`check_model_context`). Raises ``ValueError``."""
     from actors.rewards import check_verifiers
     from common.tasks import task_label
+    from learner.algorithms.assembly import assemble
     from learner.dispatcher import check_task
-    from learner.update import assemble
 
     assemble(config)
     check_task(config.task)

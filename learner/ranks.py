@@ -112,9 +112,10 @@ def follow(config: RunConfig) -> None:
     """A follower's whole life (ranks 1…N−1): the same engines as rank 0's, driven by its commands until ``stop``."""
     from transformers import AutoTokenizer
 
+    from learner.algorithms.assembly import assemble
     from learner.checkpoint import Checkpointer, restore_rng
     from learner.health import scale_lr_schedule
-    from learner.update import PolicyUpdate, assemble
+    from learner.update import PolicyUpdate
 
     # A launcher's SIGTERM reaches every rank; rank 0 answers it with a checkpoint, which needs the followers.
     signal.signal(signal.SIGTERM, lambda signum, frame: log.info("SIGTERM: following rank 0 to its checkpoint"))

@@ -2,9 +2,9 @@
 
 Built in two stages, so that a typo costs a second, not a DeepSpeed start-up:
 
-- :func:`assemble` resolves and validates every name and option of ``[algorithm]`` (and the off-policy correction
-  of ``[staleness]``) against the registries — no model needed. Every ``rl-learner`` command runs it on the
-  config it loads; a bad option exits 2 naming it and the allowed names.
+- ``assemble`` (:mod:`learner.algorithms.assembly`) resolves and validates every name and option of
+  ``[algorithm]`` (and the off-policy correction of ``[staleness]``) against the registries — no model needed.
+  Every ``rl-learner`` command runs it on the config it loads; a bad option exits 2 naming it and the allowed names.
 - :class:`PolicyUpdate` then starts the engines the algorithm needs (policy, and only when its variants require
   them: a frozen reference, a critic) and runs one step::
 
@@ -17,33 +17,24 @@ its log-probs, detached, are π_old exactly, and a separate no-grad pass over th
 numbers (verl's ``on_policy`` shortcut in ``dp_actor.py``: ``old_log_prob = log_prob.detach()``). That pass runs only
 when something needs π_old before the update: a KL penalty in the reward (k1 = log π_old − log π_ref).
 
-Offline DPO (:mod:`learner.dpo`) assembles its loss and aggregation through the same :func:`assemble`.
+Offline DPO (:mod:`learner.dpo`) assembles its loss and aggregation through the same ``assemble``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
-from pydantic import ValidationError
 
-from common.config import ConfigError, RunConfig
+from common.config import RunConfig
 from common.wire import ScoredGroup
 from learner import dist, ranks
 from learner.algorithms import (
     AdvantageInput,
     GlobalCounts,
     LossInput,
-    OffPolicySettings,
-    advantage_settings,
-    build_advantage,
-    build_aggregation,
-    build_loss,
-    loss_settings,
 )
-from learner.algorithms.kl import KLController, KLRewardSettings
+from learner.algorithms.kl import KLController
 from learner.batch import TrainBatch, collate, preference_rows
 from learner.engine import (
     PolicyEngine,
@@ -54,56 +45,8 @@ from learner.engine import (
 )
 
 if TYPE_CHECKING:
+    from learner.algorithms.assembly import Algorithm
     from learner.critic import ValueEngine
-
-
-@dataclass(frozen=True)
-class Algorithm:
-    """The configured algorithm with every option validated and bound; what the update computes follows ``needs``."""
-
-    advantage: Callable[[AdvantageInput], Any]
-    loss: Callable[[LossInput], Any]
-    aggregate: Callable[..., torch.Tensor]
-    kl_reward: KLRewardSettings
-    needs: frozenset[str]
-    """What the variants require computed (``Settings.requires``): ``values``, ``ref_logprobs``, ``entropy``, …"""
-
-
-def assemble(config: RunConfig) -> Algorithm:
-    """Resolve and validate ``config.algorithm`` against the registries; raises :class:`ConfigError` naming the
-    option (``algorithm.loss_options={clip_hgh=0.3}`` → "policy loss 'ppo_clip': unknown option(s) 'clip_hgh'")."""
-    algorithm = config.algorithm
-    loss_options = _loss_options(config)
-    try:
-        kl_reward = KLRewardSettings(**algorithm.kl_reward)
-    except ValidationError as exc:
-        raise ConfigError(f"algorithm.kl_reward: {_problems(exc)}") from None
-    needs = advantage_settings(algorithm.advantage, algorithm.advantage_options).requires()
-    needs |= loss_settings(algorithm.loss, loss_options).requires()
-    if kl_reward.mode != "off":
-        needs |= {"token_kl"}
-    return Algorithm(
-        advantage=build_advantage(algorithm.advantage, algorithm.advantage_options),
-        loss=build_loss(algorithm.loss, loss_options),
-        aggregate=build_aggregation(algorithm.aggregation, algorithm.aggregation_options),
-        kl_reward=kl_reward,
-        needs=frozenset(needs),
-    )
-
-
-def _loss_options(config: RunConfig) -> dict[str, Any]:
-    """The loss's own options, plus the run's off-policy correction where the loss takes one."""
-    options = dict(config.algorithm.loss_options)
-    staleness = config.staleness
-    correction = {name: getattr(staleness, name) for name in OffPolicySettings.model_fields}
-    settings = loss_settings(config.algorithm.loss, options)
-    if "off_policy" in type(settings).model_fields and "off_policy" not in options:
-        options["off_policy"] = correction
-    return options
-
-
-def _problems(exc: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
 
 
 class PolicyUpdate:

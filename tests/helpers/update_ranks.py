@@ -27,8 +27,9 @@ from common.config import RunConfig
 from common.tasks import TASK_ALPHABET
 from common.wire import RolloutGroup, ScoredGroup
 from learner import dist, ranks
+from learner.algorithms.assembly import assemble
 from learner.checkpoint import Checkpointer, SavedState, capture_rng, open_checkpoint
-from learner.update import PolicyUpdate, assemble
+from learner.update import PolicyUpdate
 
 SAMPLES = 3  # responses per group; 3 groups a step: 9 rows
 FIRST_TOKEN_ID = 4  # ids 0..3 are <pad> <s> </s> <unk> in the tiny model's tokenizer

@@ -18,11 +18,12 @@ from common.config import RunConfig
 from common.control import ControlPlane
 from common.replay import ReplayWriter
 from common.wire import Heartbeat
+from learner.algorithms.assembly import assemble
 from learner.batch_source import BatchSource, StepInterrupted
 from learner.broadcaster import Broadcaster
 from learner.checkpoint import complete_checkpoints, open_checkpoint
 from learner.run_state import RunState
-from learner.update import PolicyUpdate, assemble
+from learner.update import PolicyUpdate
 from tests.helpers.rollouts import answer
 from tests.helpers.waits import wait_for
 

@@ -28,9 +28,10 @@ from common.config import RunConfig
 from common.control import ControlPlane
 from common.replay import ReplayWriter
 from common.wire import PromptGroup, ScoredGroup
+from learner.algorithms.assembly import assemble
 from learner.batch import TrainBatch
 from learner.batch_source import BatchSource, Taken
-from learner.update import PolicyUpdate, assemble
+from learner.update import PolicyUpdate
 from tests.helpers.preset_batches import answer_prompt, policy_logprobs, preset_config, response, score, with_behaviour
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_rank_world")]

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from learner.update import PolicyUpdate, assemble
+from learner.algorithms.assembly import assemble
+from learner.update import PolicyUpdate
 from tests.helpers.update_ranks import groups, run_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_rank_world")]

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from common.config import ConfigError, load_config
+from learner.algorithms.assembly import assemble
 from learner.preflight import check_config
-from learner.update import assemble
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,0 +1,74 @@
+"""The configured algorithm assembled from the registries: every name and option of ``[algorithm]`` (and the
+off-policy correction of ``[staleness]``) resolved and validated, with no model and no DeepSpeed — so that every
+command can check a config in a second before it starts anything (``learner/preflight.py``), and the policy update
+(``learner/update.py``) runs what it returns."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+
+from common.config import ConfigError, RunConfig
+from learner.algorithms.kl import KLRewardSettings
+from learner.algorithms.losses import OffPolicySettings
+from learner.algorithms.registries import (
+    advantage_settings,
+    build_advantage,
+    build_aggregation,
+    build_loss,
+    loss_settings,
+)
+from learner.algorithms.types import AdvantageInput, LossInput
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """The configured algorithm with every option validated and bound; what the update computes follows ``needs``."""
+
+    advantage: Callable[[AdvantageInput], Any]
+    loss: Callable[[LossInput], Any]
+    aggregate: Callable[..., torch.Tensor]
+    kl_reward: KLRewardSettings
+    needs: frozenset[str]
+    """What the variants require computed (``Settings.requires``): ``values``, ``ref_logprobs``, ``entropy``, …"""
+
+
+def assemble(config: RunConfig) -> Algorithm:
+    """Resolve and validate ``config.algorithm`` against the registries; raises :class:`ConfigError` naming the
+    option (``algorithm.loss_options={clip_hgh=0.3}`` → "policy loss 'ppo_clip': unknown option(s) 'clip_hgh'")."""
+    algorithm = config.algorithm
+    loss_options = _loss_options(config)
+    try:
+        kl_reward = KLRewardSettings(**algorithm.kl_reward)
+    except ValidationError as exc:
+        raise ConfigError(f"algorithm.kl_reward: {_problems(exc)}") from None
+    needs = advantage_settings(algorithm.advantage, algorithm.advantage_options).requires()
+    needs |= loss_settings(algorithm.loss, loss_options).requires()
+    if kl_reward.mode != "off":
+        needs |= {"token_kl"}
+    return Algorithm(
+        advantage=build_advantage(algorithm.advantage, algorithm.advantage_options),
+        loss=build_loss(algorithm.loss, loss_options),
+        aggregate=build_aggregation(algorithm.aggregation, algorithm.aggregation_options),
+        kl_reward=kl_reward,
+        needs=frozenset(needs),
+    )
+
+
+def _loss_options(config: RunConfig) -> dict[str, Any]:
+    """The loss's own options, plus the run's off-policy correction where the loss takes one."""
+    options = dict(config.algorithm.loss_options)
+    staleness = config.staleness
+    correction = {name: getattr(staleness, name) for name in OffPolicySettings.model_fields}
+    settings = loss_settings(config.algorithm.loss, options)
+    if "off_policy" in type(settings).model_fields and "off_policy" not in options:
+        options["off_policy"] = correction
+    return options
+
+
+def _problems(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
