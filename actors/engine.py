@@ -1,4 +1,5 @@
-"""The rollout engine: one vLLM ``AsyncLLM`` that samples K responses per prompt and takes new weights live.
+"""The rollout engine: one vLLM ``AsyncLLM`` that samples responses to token ids and takes new weights live; what
+it samples for a prompt group is the rollout workflow's (``actors/workflows.py``).
 
 Behaviour log-probs are vLLM's ``processed_logprobs`` of the sampled tokens: the log-probability
 under the distribution actually sampled from (after temperature), which is μ in the importance
@@ -13,41 +14,28 @@ import dataclasses
 import difflib
 import gc
 import os
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
-
-import numpy as np
 
 from actors import ipc_folder
 from actors.lifeline import export_actor_pid
+from actors.workflows import Response, Sampling
 from common.config import RolloutSection, RunConfig
 from common.logs import get_logger
 from common.procs import cpu_list, move_process
-from common.wire import PromptGroup, RolloutGroup
 
 log = get_logger("engine")
 EXTENSION = "actors.weight_receiver.WeightReceiverExtension"
 
 
-@dataclass
-class _Response:
-    """One response being streamed: tokens, log-probs and versions accumulate as deltas arrive."""
-
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str = ""
-
-
 class RolloutEngine:
     """Samples prompt groups on one vLLM engine and loads broadcast weights into it."""
 
-    def __init__(self, config: RunConfig, seed: int = 0) -> None:
+    def __init__(self, config: RunConfig, seed: int = 0, version: Callable[[], int] = lambda: 0) -> None:
         self.config = config
+        self.version = version
+        """The policy version now loaded: each sampled token is stamped with it as it arrives."""
         if single_process(config.rollout, _has_gpu()):
             use_single_process(config.rollout.cpu_threads)
         elif config.rollout.cpu_threads:
@@ -74,37 +62,30 @@ class RolloutEngine:
         self._request_seed = seed * 1_000_003
         self.stop_ids = _stop_ids(config)
 
-    async def sample(
-        self, group: PromptGroup, version: Callable[[], int], actor_id: str, request_id: str
-    ) -> RolloutGroup:
-        """Generate ``group.num_samples`` responses; ``version()`` stamps each token as it arrives."""
+    async def generate(self, prompt_ids: Sequence[int], sampling: Sampling, request_id: str) -> list[Response]:
+        """``sampling.n`` responses to ``prompt_ids``; each token is stamped with ``self.version()`` as it arrives."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        rollout = self.config.rollout
         self._request_seed += 1  # vLLM reuses one seed's draws for every request given it: vary per request
-        # An eval group carries its own settings; a training group none (then μ is sampled as the run says).
-        own = group.temperature >= 0
         params = SamplingParams(
-            n=group.num_samples,
-            temperature=group.temperature if own else rollout.temperature,
-            top_p=1.0 if own else rollout.top_p,
-            max_tokens=group.max_new_tokens or rollout.max_new_tokens,
-            stop=rollout.stop or None,
-            stop_token_ids=list(self.stop_ids) or None,  # the chat template's end of turn (common/prompts.py)
+            n=sampling.n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            max_tokens=sampling.max_tokens,
+            stop=list(sampling.stop) or None,
+            stop_token_ids=list(sampling.stop_token_ids) or None,
             logprobs=0,
             seed=self._request_seed,
             output_kind=RequestOutputKind.DELTA,
         )
-        responses = [_Response() for _ in range(group.num_samples)]
-        started = time.perf_counter()
-        prompt = TokensPrompt(prompt_token_ids=group.prompt_ids.tolist())
-        async for output in self.llm.generate(prompt, params, request_id):
-            stamp = version()
+        responses = [Response() for _ in range(sampling.n)]
+        async for output in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params, request_id):
+            stamp = self.version()
             for completion in output.outputs:
                 _append(responses[completion.index], completion, stamp)
-        return _rollout_group(group, responses, actor_id, {"generate": time.perf_counter() - started})
+        return responses
 
     @property
     def dead(self) -> bool:
@@ -289,7 +270,7 @@ def rpc_timeouts(collective_timeout_s: float, buckets: int) -> tuple[float, floa
     return 2 * collective_timeout_s + margin, (buckets + 1) * collective_timeout_s + margin
 
 
-def _append(response: _Response, completion: Any, stamp: int) -> None:
+def _append(response: Response, completion: Any, stamp: int) -> None:
     new_ids = list(completion.token_ids)
     response.token_ids += new_ids
     response.logprobs += [step[token].logprob for token, step in zip(new_ids, completion.logprobs, strict=True)]
@@ -297,32 +278,3 @@ def _append(response: _Response, completion: Any, stamp: int) -> None:
     response.text += completion.text
     if completion.finish_reason is not None:
         response.finish_reason = str(completion.finish_reason)
-
-
-def _rollout_group(
-    group: PromptGroup, responses: list[_Response], actor_id: str, timings: dict[str, float]
-) -> RolloutGroup:
-    def packed(attr: str, dtype: type) -> np.ndarray:
-        return np.array([x for r in responses for x in getattr(r, attr)], dtype=dtype)
-
-    logprobs = packed("logprobs", np.float32)
-    # A sampled token can have -inf log-prob only through float underflow; clamp so the wire accepts it.
-    np.nan_to_num(logprobs, copy=False, neginf=-1e4)
-    return RolloutGroup(
-        group_id=group.group_id,
-        task=group.task,
-        prompt=group.prompt,
-        prompt_ids=group.prompt_ids,
-        answer=group.answer,
-        token_ids=packed("token_ids", np.int32),
-        logprobs=logprobs,
-        versions=packed("versions", np.int32),
-        lengths=np.array([len(r.token_ids) for r in responses], np.int32),
-        texts=[r.text for r in responses],
-        finish_reasons=[r.finish_reason or "abort" for r in responses],
-        issued_version=group.issued_version,
-        actor_id=actor_id,
-        timings=timings,
-        extra=group.extra,
-        purpose=group.purpose,
-    )

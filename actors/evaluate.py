@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from actors.rewards import bind_functions, combine
+from actors.workflows import WorkflowContext, check_workflow
 from common.config import RunConfig
 from common.evaluation import eval_examples, eval_groups, round_figures
 from common.logs import get_logger
@@ -54,7 +55,7 @@ def evaluate(config: RunConfig, model: str | Path) -> dict[str, Any]:
     started = time.perf_counter()
     engine = RolloutEngine(config, config.eval.seed)
     try:
-        rollouts = asyncio.run(_sample(engine, groups))
+        rollouts = asyncio.run(_sample(engine, groups, config))
     finally:
         engine.shutdown()
     functions = bind_functions(config.reward.functions, task_label(config.task))
@@ -70,7 +71,9 @@ def evaluate(config: RunConfig, model: str | Path) -> dict[str, Any]:
     return {"model": str(folder), **figures}
 
 
-async def _sample(engine: Any, groups: list[PromptGroup]) -> list[RolloutGroup]:
-    """Every group at once (vLLM batches them), each with the settings it carries."""
-    calls = [engine.sample(g, lambda: 0, "offline-eval", f"{g.group_id}-offline") for g in groups]
-    return list(await asyncio.gather(*calls))
+async def _sample(engine: Any, groups: list[PromptGroup], config: RunConfig) -> list[RolloutGroup]:
+    """Every group at once (vLLM batches them) through the run's rollout workflow, each with the settings it
+    carries."""
+    workflow = check_workflow(config.rollout.workflow)
+    turns = [WorkflowContext(config.rollout, "offline-eval", f"{g.group_id}-offline") for g in groups]
+    return list(await asyncio.gather(*(workflow(engine, g, t) for g, t in zip(groups, turns, strict=True))))

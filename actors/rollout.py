@@ -32,6 +32,7 @@ from typing import Literal
 import redis
 import zmq
 
+from actors.workflows import WorkflowContext, check_workflow
 from common.audit import Audit
 from common.channel import ChannelBlocked, CurveClient, PushChannel
 from common.config import RunConfig
@@ -73,6 +74,7 @@ class RolloutActor:
         self.audit = Audit(self.plane.client, config.run.name, self.actor_id, "actor")
         self._refused: tuple[int, int, int] | None = None  # (epoch, restore, version) of weights refused on digest
         self.engine = None
+        self.workflow = check_workflow(config.rollout.workflow)  # how a prompt group becomes a rollout
         # Every message is sealed with the run secret: reward workers refuse anything else before decoding it.
         seal = run_seal(self.plane.client, self.plane.keys, "rollouts")
         self.push = RewardPeers(hwm=config.transport.zmq_hwm, send_timeout_s=30, seal=seal)
@@ -141,7 +143,8 @@ class RolloutActor:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stopping.set)
         try:
-            self.engine = await asyncio.to_thread(RolloutEngine, self.config, self.config.run.seed + os.getpid())
+            seed = self.config.run.seed + os.getpid()
+            self.engine = await asyncio.to_thread(RolloutEngine, self.config, seed, lambda: self.version)
             self.heartbeat.beat()
             log.info("actor ready", actor=self.actor_id, run=self.config.run.name, model=self.config.model.path)
             listener = threading.Thread(target=self._listen_for_manifests, daemon=True)
@@ -178,7 +181,8 @@ class RolloutActor:
         try:
             if group.purpose == "eval":
                 await self._catch_up(group.issued_version)
-            rollout = await self.engine.sample(group, lambda: self.version, self.actor_id, request_id)
+            turn = WorkflowContext(self.config.rollout, self.actor_id, request_id)
+            rollout = await self.workflow(self.engine, group, turn)
         except asyncio.CancelledError:
             raise  # _shutdown aborted it and hands the group back
         except Exception as exc:

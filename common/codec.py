@@ -90,9 +90,15 @@ class ArraySpec:
     max_value: float | None = None
 
 
-def array_field(*dtypes: str, min_value: float | None = None, max_value: float | None = None) -> Any:
-    """Declare a one-dimensional array field of one of ``dtypes`` with an optional value range."""
-    return field(metadata={"array": ArraySpec(tuple(dtypes), 1, min_value, max_value)})
+def array_field(
+    *dtypes: str, min_value: float | None = None, max_value: float | None = None, empty_default: bool = False
+) -> Any:
+    """Declare a one-dimensional array field of one of ``dtypes`` with an optional value range; with
+    ``empty_default``, a field a message may leave out (it then holds an empty array of the first dtype)."""
+    metadata = {"array": ArraySpec(tuple(dtypes), 1, min_value, max_value)}
+    if empty_default:
+        return field(default_factory=lambda: np.zeros(0, _DTYPES[dtypes[0]]), metadata=metadata)
+    return field(metadata=metadata)
 
 
 # --------------------------------------------------------------------------- messages

@@ -115,6 +115,9 @@ ENGINE_ARGS_OWNED = {
 
 
 class RolloutSection(Section):
+    workflow: str = "single_turn"
+    """How an actor turns a prompt group into a rollout (``actors/workflows.py``): ``single_turn`` samples the group's
+    K responses to its prompt in one request; an import path ``package.module:function`` names your own."""
     num_samples: Int = Field(8, ge=1, le=4096)
     """Responses sampled per prompt (the group size K)."""
     max_new_tokens: Int = Field(64, ge=1, le=MAX_TOKENS)

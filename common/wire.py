@@ -127,10 +127,21 @@ class RolloutGroup:
     """The prompt group's ``extra``, copied as issued."""
     purpose: str = "train"
     """The prompt group's ``purpose``, copied as issued (``eval`` groups are never trained on)."""
+    loss_mask: np.ndarray = array_field("int32", min_value=0, max_value=1, empty_default=True)
+    """Per token (packed like ``token_ids``): 1 = trained, 0 = not — a token the model did not sample, such as an
+    environment's or a tool's reply inside a multi-turn episode: no gradient, no KL, no entropy. Empty = every
+    token is trained (a single-turn rollout)."""
 
     @property
     def num_samples(self) -> int:
         return len(self.lengths)
+
+    def trained(self, i: int) -> np.ndarray:
+        """Which tokens of response ``i`` are trained (``loss_mask``; all of them when it is empty), as booleans."""
+        if not len(self.loss_mask):
+            return np.ones(int(self.lengths[i]), bool)
+        start = int(self.lengths[:i].sum())
+        return self.loss_mask[start : start + int(self.lengths[i])].astype(bool)
 
     def extra_fields(self) -> dict[str, Any]:
         """The data row's other fields (``{}`` for a generated task): what a reward function reads beyond the answer."""
@@ -148,6 +159,8 @@ class RolloutGroup:
             n = len(getattr(self, name))
             if n != total:
                 raise WireError(name, f"has {n} entries but lengths sum to {total}")
+        if len(self.loss_mask) not in (0, total):
+            raise WireError("loss_mask", f"has {len(self.loss_mask)} entries but lengths sum to {total} (or 0: all)")
         k = len(self.lengths)
         for name in ("texts", "finish_reasons"):
             if len(getattr(self, name)) != k:

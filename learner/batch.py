@@ -23,7 +23,7 @@ class TrainBatch:
 
     input_ids: torch.Tensor  # [B, T] int64
     attention_mask: torch.Tensor  # [B, T] int64, 1 on real tokens
-    response_mask: torch.Tensor  # [B, T] bool, True on response tokens
+    response_mask: torch.Tensor  # [B, T] bool, True on response tokens that are trained (the rollout's loss mask)
     behaviour_logprobs: torch.Tensor  # [B, T] float32, μ at response tokens, 0 elsewhere
     versions: torch.Tensor  # [B, T] int64, policy version of each response token, -1 elsewhere
     rewards: torch.Tensor  # [B] float32
@@ -65,7 +65,7 @@ def collate(
         input_ids[row, :start] = prompt
         input_ids[row, start:end] = ids
         attention[row, :end] = 1
-        response[row, start:end] = True
+        response[row, start:end] = group.rollout.trained(i)  # the loss mask: tokens the model did not sample stay out
         behaviour[row, start:end] = logprobs.astype(np.float32)
         versions[row, start:end] = token_versions
     return TrainBatch(

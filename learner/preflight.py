@@ -68,14 +68,17 @@ def check_model_context(config: RunConfig) -> None:
 def check_config(config: RunConfig) -> None:
     """What every ``rl-learner`` command checks before it starts anything: the algorithm's names and options
     (:func:`learner.algorithms.assembly.assemble`), the task's (:func:`learner.dispatcher.check_task`) and the
-    verifier of each ``task`` reward function with its options (:func:`actors.rewards.check_verifiers`), and
-    ``model.max_model_len`` against the model folder's context (:func:`check_model_context`). Raises ``ValueError``."""
+    verifier of each ``task`` reward function with its options (:func:`actors.rewards.check_verifiers`), the rollout
+    workflow (:func:`actors.workflows.check_workflow`), and ``model.max_model_len`` against the model folder's context
+    (:func:`check_model_context`). Raises ``ValueError``."""
     from actors.rewards import check_verifiers
+    from actors.workflows import check_workflow
     from common.tasks import task_label
     from learner.algorithms.assembly import assemble
     from learner.dispatcher import check_task
 
     assemble(config)
     check_task(config.task)
+    check_workflow(config.rollout.workflow)
     check_verifiers(config.reward.functions, task_label(config.task))
     check_model_context(config)

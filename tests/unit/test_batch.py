@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -35,3 +37,15 @@ def test_collate_of_pairs_keeps_their_order_rewards_and_groups() -> None:
     assert batch.group_ids.tolist() == [0, 0, 1, 1]
     assert batch.response_mask.sum(dim=1).tolist() == [2, 3, 1, 4]  # the responses' lengths
     assert torch.equal(collate([a, b], pad_id=0).rewards, torch.tensor([0.5, 1.0, 0.0, 0.0, 2.0]))
+
+
+def test_tokens_the_loss_mask_leaves_out_are_context_but_not_trained() -> None:
+    """A multi-turn response: the environment's tokens (mask 0) stay in the row the model reads, out of the loss."""
+    group = scored(["1234", "56"], [1.0, 0.0])
+    masked = dataclasses.replace(group.rollout, loss_mask=np.array([1, 0, 0, 1, 1, 1], np.int32))
+    batch = collate([ScoredGroup(rollout=masked, rewards=group.rewards)], pad_id=0)
+    start = len(masked.prompt_ids)
+    assert batch.attention_mask[0].sum() == start + 4  # every token is context
+    assert batch.response_mask[0, start : start + 4].tolist() == [True, False, False, True]
+    assert batch.response_mask.sum(dim=1).tolist() == [2, 2]
+    assert torch.equal(batch.input_ids[0, start : start + 4], torch.from_numpy(masked.token_ids[:4]).long())

@@ -117,6 +117,14 @@ def test_largest_allowed_message_passes_and_one_byte_more_fails() -> None:
     assert err.value.field == "size"
 
 
+def test_the_loss_mask_says_which_tokens_of_each_response_are_trained() -> None:
+    group = synthetic.rollout_group(2, 3)
+    assert roundtrip(group).loss_mask.size == 0 and roundtrip(group).trained(1).tolist() == [True] * 3  # all
+    masked = dataclasses.replace(group, loss_mask=np.array([1, 0, 1, 1, 1, 0], np.int32))
+    back = roundtrip(masked)
+    assert back.trained(0).tolist() == [True, False, True] and back.trained(1).tolist() == [True, True, False]
+
+
 def test_response_view_splits_packed_arrays() -> None:
     group = synthetic.rollout_group(3, 5)
     ids, logprobs, versions = group.response(2)
@@ -144,6 +152,8 @@ def _tamper(msg, **changes):
         ({"timings": {"generate": float("inf")}}, "timings.generate"),
         ({"issued_version": -1}, "issued_version"),
         ({"actor_id": 7}, "actor_id"),
+        ({"loss_mask": np.ones(31, np.int32)}, "loss_mask"),
+        ({"loss_mask": np.full(32, 2, np.int32)}, "loss_mask"),
     ],
 )
 def test_bad_fields_are_named(changes, field) -> None:
