@@ -167,14 +167,17 @@ def engine_keywords(
         "logprobs_mode": "processed_logprobs",
         "worker_extension_cls": extension,
         "disable_log_stats": True,
-        **engine_settings(config.rollout, engine_args_cls, has_gpu),
+        **engine_settings(config.rollout, engine_args_cls, has_gpu, config.model.max_model_len),
     }
 
 
-def engine_settings(rollout: RolloutSection, engine_args_cls: type, has_gpu: bool) -> dict[str, Any]:
+def engine_settings(
+    rollout: RolloutSection, engine_args_cls: type, has_gpu: bool, max_model_len: int = 0
+) -> dict[str, Any]:
     """The ``AsyncEngineArgs`` keywords the ``[rollout]`` table sets: memory, parallelism, batching, prefix caching,
-    then ``rollout.engine_args`` as given, each checked against ``engine_args_cls``'s fields (the installed vLLM's).
-    The config already refused the fields asyncrl sets itself (``common.config.ENGINE_ARGS_OWNED``)."""
+    on CPUs whole-prompt prefills (:func:`whole_prompt_prefills`), then ``rollout.engine_args`` as given, each checked
+    against ``engine_args_cls``'s fields (the installed vLLM's). The config already refused the fields asyncrl sets
+    itself (``common.config.ENGINE_ARGS_OWNED``)."""
     if rollout.kv_cache_bytes == 0 and not has_gpu:
         raise EngineSettingsError(
             "rollout.kv_cache_bytes = 0 sizes the KV cache from GPU memory, and this machine has no GPU: set "
@@ -189,6 +192,8 @@ def engine_settings(rollout: RolloutSection, engine_args_cls: type, has_gpu: boo
         settings["max_num_seqs"] = rollout.max_num_seqs
     if rollout.enable_prefix_caching is not None:
         settings["enable_prefix_caching"] = rollout.enable_prefix_caching
+    if not has_gpu:
+        settings |= whole_prompt_prefills(max_model_len)
     known = {f.name for f in dataclasses.fields(engine_args_cls)}
     if unknown := sorted(set(rollout.engine_args) - known):
         close = [match for name in unknown for match in difflib.get_close_matches(name, known, n=2)]
@@ -197,6 +202,22 @@ def engine_settings(rollout: RolloutSection, engine_args_cls: type, has_gpu: boo
             + (f" (did you mean {', '.join(close)}?)" if close else "")
         )
     return settings | rollout.engine_args
+
+
+DEFAULT_PREFILL_TOKENS = 2048
+"""vLLM's own token budget per engine step (``SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS``)."""
+
+
+def whole_prompt_prefills(max_model_len: int) -> dict[str, Any]:
+    """Engine settings that never split a prompt's prefill across engine steps (on CPUs).
+
+    Every request is seeded (per-request seeds make a run reproducible). When vLLM prefills a prompt in chunks, it
+    samples a token after each partial chunk, throws it away and rewinds the request's generator
+    (``gpu_model_runner``: ``gen.set_offset(gen.get_offset() - 4)``); a CPU generator has no offset, so the engine dies
+    with ``CPU Generator does not use offset`` as soon as one step's prompts exceed its token budget (16 groups x 8
+    samples of 80-token prompts do). With chunked prefill off, a prompt that does not fit the step waits for the next
+    one whole; the budget must then hold the longest prompt, so it is at least ``max_model_len``."""
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, DEFAULT_PREFILL_TOKENS)}
 
 
 def single_process(rollout: RolloutSection, has_gpu: bool) -> bool:
@@ -233,7 +254,7 @@ def check_engine_settings(config: RunConfig) -> None:
     """Raise :class:`EngineSettingsError` before anything starts when the engine could not take ``[rollout]``."""
     from vllm import AsyncEngineArgs
 
-    engine_settings(config.rollout, AsyncEngineArgs, _has_gpu())
+    engine_settings(config.rollout, AsyncEngineArgs, _has_gpu(), config.model.max_model_len)
     if config.rollout.frontend_cpus:
         probe_frontend_cpus(config.rollout.frontend_cpus)
 

@@ -4,7 +4,8 @@ with a padded, tied embedding), built locally (``common/tiny_chat_model.py``) an
 The token path is checked end to end: the dispatcher templates and encodes each prompt once; a real vLLM engine
 samples from those ids; the learner's BatchSource reads the scored groups back from Redis and its batch holds
 exactly the ids the actor generated — the prompt as the dispatcher made it, the response (with the template's end
-of turn) as vLLM sampled it — and vLLM's behaviour log-probs of those ids equal a transformers forward pass.
+of turn) as vLLM sampled it — and vLLM's behaviour log-probs of those ids equal a transformers forward pass. The
+actor takes 16 groups of long prompts at once, more than one engine step prefills: its seeded requests survive that.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ pytestmark = pytest.mark.integration
 ACTOR = str(Path(sys.executable).parent / "rl-actor")
 LOGPROB_TOLERANCE = 1e-4
 RUN = "chat"
+GROUPS = 16
 
 
 @pytest.fixture(scope="module", params=ARCHITECTURES)
@@ -52,12 +54,23 @@ def chat_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return arch, folder
 
 
-def run_config(tmp_path: Path, model_dir: Path, data: Path, groups: int = 6, samples: int = 4) -> RunConfig:
+SYSTEM_PROMPT = "You are a careful assistant. Add the two numbers and reply with the sum only, nothing else."
+"""Makes each prompt about 80 tokens: 16 groups x 4 samples then need more than one engine step's default prefill
+budget (2048 tokens), where vLLM would prefill some prompts in chunks — which its seeded requests cannot survive on
+CPUs (``actors.engine.whole_prompt_prefills``)."""
+
+
+def run_config(tmp_path: Path, model_dir: Path, data: Path, groups: int = 16, samples: int = 4) -> RunConfig:
     return RunConfig.model_validate(
         {
             "run": {"name": RUN, "root": str(tmp_path / "runs")},
             "model": {"path": str(model_dir), "max_model_len": 128},
-            "task": {"name": "file", "path": str(data), "options": {"verifier": "arithmetic"}},
+            "task": {
+                "name": "file",
+                "path": str(data),
+                "options": {"verifier": "arithmetic"},
+                "system_prompt": SYSTEM_PROMPT,
+            },
             # the engine's layout is not what these tests check: the one that starts fastest (its worker inside the
             # engine core, pinned to CPU 0; tests/integration/test_rollout_actor.py checks both layouts)
             "rollout": {
@@ -114,7 +127,7 @@ def test_the_learner_trains_exactly_the_ids_the_actor_generated(
     chat_model: tuple[str, Path], tmp_path: Path, redis_server, redis_client
 ) -> None:
     arch, folder = chat_model
-    rows = chat_examples(6, seed=7)
+    rows = chat_examples(GROUPS, seed=7)
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     config = run_config(tmp_path, folder, data)
@@ -122,7 +135,7 @@ def test_the_learner_trains_exactly_the_ids_the_actor_generated(
     plane.run.publish_config(config)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     source = BatchSource(config, plane, tokenizer, newest_version=0)
-    assert source.dispatcher.release(0) == 6
+    assert source.dispatcher.release(0) == GROUPS  # all in flight at once: rollout.max_groups_in_flight is 16
     issued = {gid: plane.prompts.load_group(gid) for gid in plane.prompts.ledger()}
     prompter = Prompter.for_tokenizer(tokenizer, config.task)
     for group in issued.values():  # made once, by the dispatcher: the row's messages through the chat template
@@ -135,7 +148,7 @@ def test_the_learner_trains_exactly_the_ids_the_actor_generated(
     plane.registry.beat(Heartbeat(process_id="collector", kind="reward", state="ready", endpoint=endpoint), 3600)
     actor = start_actor(redis_server.url)
     try:
-        rollouts = collect(pull, 6, actor)
+        rollouts = collect(pull, GROUPS, actor)
     finally:
         assert stop(actor) == 0
         pull.close()
@@ -145,7 +158,7 @@ def test_the_learner_trains_exactly_the_ids_the_actor_generated(
         [ScoredGroup(rollout=texts.rewrite(r)[0], rewards=np.arange(r.num_samples, dtype=np.float32)) for r in rollouts]
     )
     taken = source.take(0, threading.Event(), on_wait=lambda: None)
-    assert taken.verdicts["refused"] == 0 and len(taken.entries) == 6
+    assert taken.verdicts["refused"] == 0 and len(taken.entries) == GROUPS
     pad = tokenizer.pad_token_id
     batch = collate(taken.groups, pad)
     by_id = {r.group_id: r for r in rollouts}

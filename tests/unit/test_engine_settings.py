@@ -22,11 +22,19 @@ def rollout(*overrides: str):
     return load_config(None, [f"rollout.{o}" for o in overrides]).rollout
 
 
-def test_defaults_give_a_fixed_kv_cache_and_one_gpu(engine_args_cls) -> None:
-    assert engine_settings(rollout(), engine_args_cls, has_gpu=False) == {
+def test_defaults_give_a_fixed_kv_cache_one_gpu_and_on_cpus_whole_prompt_prefills(engine_args_cls) -> None:
+    """On CPUs a prompt is never prefilled in chunks (a seeded request's CPU generator cannot rewind), so the step's
+    token budget holds the longest prompt; engine_args may still say otherwise."""
+    assert engine_settings(rollout(), engine_args_cls, has_gpu=False, max_model_len=4096) == {
         "tensor_parallel_size": 1,
         "kv_cache_memory_bytes": 256 * 2**20,
+        "enable_chunked_prefill": False,
+        "max_num_batched_tokens": 4096,
     }
+    short = engine_settings(rollout(), engine_args_cls, has_gpu=False, max_model_len=64)
+    assert short["max_num_batched_tokens"] == 2048  # vLLM's own budget, when the context is shorter
+    chunked = engine_settings(rollout("engine_args={enable_chunked_prefill=true}"), engine_args_cls, has_gpu=False)
+    assert chunked["enable_chunked_prefill"] is True
 
 
 def test_gpu_settings_and_the_pass_through_table(engine_args_cls) -> None:
