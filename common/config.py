@@ -254,10 +254,10 @@ class EvalSection(Section):
     """Held-out data file when ``name = "file"``: JSONL, Parquet, or a ``save_to_disk`` folder."""
     options: dict[str, Any] = Field(default_factory=dict)
     """A built-in task's settings (e.g. digit counts); the run's verifier scores every eval prompt."""
-    prompt_key: str = Field("prompt", min_length=1)
-    """Field of a data row holding the prompt (a dotted path reads a nested field), as ``task.prompt_key``."""
-    answer_key: str = Field("answer", min_length=1)
-    """Field of a data row holding the reference answer, as ``task.answer_key``."""
+    prompt_key: str = ""
+    """Field of a data row holding the prompt (a dotted path reads a nested field); empty = ``task.prompt_key``."""
+    answer_key: str = ""
+    """Field of a data row holding the reference answer; empty = ``task.answer_key``."""
     split: str = ""
     """Split of a ``DatasetDict`` folder; empty = its only split."""
     limit: Int = Field(64, ge=1, le=10_000_000)

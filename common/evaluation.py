@@ -58,10 +58,12 @@ def eval_max_new_tokens(config: RunConfig) -> int:
 
 
 def eval_task(config: RunConfig) -> Task:
-    """The held-out task: ``eval.path`` read like ``[task]``'s file (in file order), or a built-in task."""
-    section = config.eval
+    """The held-out task: ``eval.path`` read like ``[task]``'s file (in file order; its keys are ``[task]``'s unless
+    ``[eval]`` names its own), or a built-in task."""
+    section, task = config.eval, config.task
     if section.name == "file":
-        return FileTask(section.path, section.prompt_key, section.answer_key, section.split, section.limit, False)
+        keys = (section.prompt_key or task.prompt_key, section.answer_key or task.answer_key)
+        return FileTask(section.path, *keys, section.split, section.limit, False)
     return get_task(section.name, **section.options)
 
 

@@ -102,6 +102,12 @@ def test_eval_groups_carry_their_purpose_and_sampling_settings(tmp_path) -> None
     path.write_text("".join(f'{{"q": "{i}+{i}=", "a": "{2 * i}"}}\n' for i in range(6)))
     config = load_config(None, [f"eval.path={path}", "eval.prompt_key=q", "eval.answer_key=a", "eval.limit=4"])
     assert [e.answer for e in eval_examples(config, Prompter(encode=encode))] == ["0", "2", "4", "6"]
+    # keys named only under [task]: the held-out file of the run's kind is read with them
+    task = tmp_path / "train.jsonl"
+    task.write_text('{"q": "1+1=", "a": "2"}\n')
+    inherited = load_config(None, ["task.name=file", f"task.path={task}", "task.prompt_key=q", "task.answer_key=a",
+                                   f"eval.path={path}", "eval.limit=2"])  # fmt: skip
+    assert [e.answer for e in eval_examples(inherited, Prompter(encode=encode))] == ["0", "2"]
 
 
 def test_purpose_on_the_wire_and_a_peer_that_predates_it() -> None:
