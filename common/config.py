@@ -217,7 +217,7 @@ class TaskSection(Section):
     options: dict[str, Any] = Field(default_factory=dict)
     """Task settings, e.g. digit counts."""
     prompt_key: str = Field("prompt", min_length=1)
-    """Field of a data row holding the prompt: a string, or chat messages (``role``, ``content``); a dotted path reads a nested field. A row without ``prompt`` may hold ``messages``."""  # noqa: E501
+    """Field of a data row holding the prompt: a string, or chat messages (``role``, ``content``); a dotted path reads a nested field. A row without that field may hold ``messages``."""  # noqa: E501
     answer_key: str = Field("answer", min_length=1)
     """Field of a data row holding the reference answer the verifier checks; a dotted path reads a nested field (``reward_model.ground_truth``). The row's other fields reach reward functions as ``extra``."""  # noqa: E501
     split: str = ""

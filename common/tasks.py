@@ -305,7 +305,7 @@ class FileTask(Task):
     """Examples from a user data file: JSONL, Parquet, or a folder written by ``datasets``' ``save_to_disk``.
 
     A row's prompt is the field at ``prompt_key`` — a string, or a list of chat messages (``role``, ``content``;
-    a row without ``prompt`` may hold ``messages`` instead) — and its answer the field at ``answer_key``; both may be
+    a row without that field may hold ``messages`` instead) — and its answer the field at ``answer_key``; both may be
     dotted paths into nested objects (``reward_model.ground_truth``, as in verl's Parquet files). A non-string
     answer (a countdown object, a number) is stored JSON-encoded. The row's other fields travel to the reward
     functions as ``extra`` (a JSON object). ``split`` picks a split of a ``DatasetDict`` folder, ``limit`` keeps
@@ -637,12 +637,14 @@ def _example(row: Any, where: str, keys: _Keys) -> TaskExample:
         )
     prompt_key = keys.prompt
     prompt = _lookup(row, prompt_key)
-    if prompt is _MISSING and prompt_key == "prompt" and "messages" in row:
+    if prompt is _MISSING and "messages" in row:  # a chat row, whatever the prompt key of the other rows
         prompt_key, prompt = "messages", row["messages"]
     answer = _lookup(row, keys.answer)
     for field, value in ((prompt_key, prompt), (keys.answer, answer)):
-        if value is _MISSING or value is None:
+        if value is _MISSING:
             raise TaskFileError(f"{where}: missing field {field!r}")
+        if value is None:
+            raise TaskFileError(f"{where}: field {field!r} is null")
     messages = None
     if isinstance(prompt, list):
         messages = _messages(prompt, where, prompt_key)

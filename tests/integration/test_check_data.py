@@ -159,7 +159,7 @@ def test_parquet_rows_are_named_by_row_number(tmp_path: Path, tiny_model_dir: Pa
     assert code == 1
     assert {r["row"]: r["reason"] for r in report["refused"]} == {
         "row 2": "field 'prompt' is empty",
-        "row 3": "missing field 'answer'",
+        "row 3": "field 'answer' is null",  # a column store holds a missing field as null
         "row 7": "characters the model's tokenizer cannot encode (it has no token for them): '?'",
     }
     assert report["duplicates"] == [{"rows": ["row 1", "row 4"], "same_answer": False}]

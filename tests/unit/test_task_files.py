@@ -111,10 +111,11 @@ def test_bad_rows_are_refused_with_their_row_in_every_format(tmp_path: Path) -> 
         FileTask(jsonl, **VERL_KEYS)
     parquet = tmp_path / "bad.parquet"
     pq.write_table(pa.Table.from_pylist(rows), parquet)
-    with pytest.raises(TaskFileError, match=re.escape(f"{parquet}:row 2: missing field 'reward_model.ground_truth'")):
+    with pytest.raises(TaskFileError, match=re.escape(f"{parquet}:row 2: field 'reward_model.ground_truth' is null")):
         FileTask(parquet, **VERL_KEYS)
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "bad"))
-    with pytest.raises(TaskFileError, match=re.escape(f"{tmp_path / 'bad'}:row 2: missing field")):
+    null = "row 2: field 'reward_model.ground_truth' is null"  # a column store holds a missing field as null
+    with pytest.raises(TaskFileError, match=re.escape(f"{tmp_path / 'bad'}:{null}")):
         FileTask(tmp_path / "bad", **VERL_KEYS)
     shapes = [
         ({"messages": [], "answer": "1"}, "field 'messages' is empty"),
@@ -122,11 +123,21 @@ def test_bad_rows_are_refused_with_their_row_in_every_format(tmp_path: Path) -> 
         ({"messages": [{"role": "user"}], "answer": "1"}, "field 'messages'[0] is not a message"),
         ({"prompt": 7, "answer": "1"}, "field 'prompt' must be a string or a list of messages, got int"),
         ({"messages": [{"role": "user", "content": "2+\udc80"}], "answer": "1"}, "'messages[0].content' is not valid"),
+        ({"prompt": "2+2=", "answer": None}, "field 'answer' is null"),  # there, but null: named as such
     ]
     for row, reason in shapes:
         path = write_jsonl(tmp_path / "shape.jsonl", [{"prompt": "1+1=", "answer": "2"}, row])
         with pytest.raises(TaskFileError, match=re.escape(f"{path}:line 2: ") + ".*" + re.escape(reason)):
             FileTask(path)
+
+
+def test_a_chat_row_is_read_whatever_the_prompt_key_of_the_others(tmp_path: Path) -> None:
+    """A file of ``question`` rows with some chat rows: each chat row's ``messages`` is its prompt."""
+    rows = [{"question": "1+1=", "answer": "2"}, {"messages": [{"role": "user", "content": "2+2?"}], "answer": "4"}]
+    task = FileTask(write_jsonl(tmp_path / "mixed.jsonl", rows), prompt_key="question", shuffle=False)
+    first, second = (task.sample(random.Random(0)) for _ in range(2))
+    assert (first.prompt, first.messages) == ("1+1=", None)
+    assert second.messages == ({"role": "user", "content": "2+2?"},) and second.answer == "4"
 
 
 def test_limit_takes_the_first_rows_and_shuffle_false_serves_file_order(tmp_path: Path) -> None:
@@ -254,10 +265,10 @@ def test_extra_is_appended_to_the_wire_format(tmp_path: Path) -> None:
     fields = [f.name for f in dataclasses.fields(PromptGroup)]
     old = msgpack.packb([version, tag, body[: fields.index("extra")]], use_bin_type=True)
     assert Decoder(PromptGroup).decode([old, *frames]).extra == ""
-    # appended after the fields a peer that predates it knows, before the eval fields appended after it (issue 10.6)
+    # appended after the fields a peer that predates it knows, before the fields appended after it (eval, loss mask)
     assert fields[fields.index("issued_at") + 1 :][:2] == ["extra", "purpose"]
     rollout_fields = [f.name for f in dataclasses.fields(RolloutGroup)]
-    assert rollout_fields[rollout_fields.index("timings") + 1 :] == ["extra", "purpose"]
+    assert rollout_fields[rollout_fields.index("timings") + 1 :] == ["extra", "purpose", "loss_mask"]
 
 
 def test_a_file_without_line_ends_is_refused_having_read_only_the_longest_line(tmp_path: Path) -> None:

@@ -192,7 +192,7 @@ def test_parquet_file_task(tmp_path: Path) -> None:
             FileTask(path)
         return
     pq.write_table(pa.table({"prompt": ["1+2=", "2+2="], "answer": ["3", None]}), path)
-    with pytest.raises(TaskFileError, match=re.escape(f"{path}:row 2: missing field 'answer'")):
+    with pytest.raises(TaskFileError, match=re.escape(f"{path}:row 2: field 'answer' is null")):  # a null cell
         FileTask(path)
 
 
