@@ -140,6 +140,19 @@ FOLLOW_UPS = ("root cause above", "stack trace (above)", "See the traceback abov
 """Error lines that only point back at the real one (vLLM's frontend after its engine died, for one)."""
 
 
+def why_it_failed(returncode: int, log: Path) -> str:
+    """What to tell a person about a child that exited with ``returncode``: killed by a signal, that signal (its log
+    ends mid-work and says nothing of it: a line from it would mislead); else the :func:`root_cause` line of its
+    log."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"killed by {name}, from outside the run (a person, the kernel's OOM killer, the node); its log: {log}"
+    return root_cause(log)
+
+
 def root_cause(log: Path, tail_bytes: int = 256 * 1024) -> str:
     """The line of a child's log most likely to say why it failed: the last exception or ERROR line that is not a
     pointer back to an earlier one; else the last line; cut to 300 characters."""

@@ -171,7 +171,7 @@ def _run_children(children, resolved, server, config, overrides, counts, learner
     import sys
 
     from learner.batch_source import NO_ACTORS_EXIT_CODE
-    from learner.children import progress_line, root_cause, tail_metrics
+    from learner.children import progress_line, tail_metrics, why_it_failed
 
     bin_dir = Path(sys.executable).parent
     # The URL holds the Redis password: children read it from the server's 0600 file, never from argv (ps shows argv).
@@ -199,7 +199,8 @@ def _run_children(children, resolved, server, config, overrides, counts, learner
             children.keep(restarted)  # ours, not a stray a child left behind
         for dead in children.failed_all() - told - {"learner"}:  # each once, with the line that says why
             told.add(dead)
-            typer.echo(f"\n{dead} exited with an error: {root_cause(children.log_path(dead))}", err=True)
+            why = why_it_failed(children.procs[dead].returncode, children.log_path(dead))
+            typer.echo(f"\n{dead} exited with an error: {why}", err=True)
         if (last := tail_metrics(metrics)) is not None and last["step"] != shown:
             shown = last["step"]
             typer.echo("\r" + progress_line(last, resolved.learner.steps), nl=False, err=True)
@@ -220,7 +221,7 @@ def _run_children(children, resolved, server, config, overrides, counts, learner
             err=True,
         )
     elif learner.returncode:
-        typer.echo(f"learner failed: {root_cause(children.log_path('learner'))}", err=True)
+        typer.echo(f"learner failed: {why_it_failed(learner.returncode, children.log_path('learner'))}", err=True)
     return learner.returncode
 
 

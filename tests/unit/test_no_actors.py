@@ -9,7 +9,7 @@ import pytest
 
 from common.wire import Heartbeat
 from learner.batch_source import ActorWatch, NoActorsLeft
-from learner.children import root_cause
+from learner.children import root_cause, why_it_failed
 
 
 class Registry:
@@ -82,3 +82,10 @@ def test_the_root_cause_is_the_last_error_line_that_is_not_a_pointer_back(tmp_pa
     (tmp_path / "quiet.log").write_text("just a line\n")
     assert root_cause(tmp_path / "quiet.log").startswith("just a line")
     assert "no log" in root_cause(tmp_path / "missing.log")
+
+
+def test_a_child_killed_by_a_signal_is_said_to_be_killed_not_what_its_log_ended_with(tmp_path: Path) -> None:
+    log = tmp_path / "actor-0.log"
+    log.write_text("UserWarning: resource_tracker: There appear to be 1 leaked semaphore objects\n")
+    assert why_it_failed(-9, log).startswith("killed by SIGKILL, from outside the run")
+    assert why_it_failed(1, log).startswith("UserWarning: resource_tracker")  # an exit status: its log says why
