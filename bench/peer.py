@@ -1,4 +1,4 @@
-"""Peer benchmark (issue 13.1): asyncrl against TRL's ``GRPOTrainer``, side by side, time-to-accuracy.
+"""Peer benchmark: asyncrl against TRL's ``GRPOTrainer``, side by side, time-to-accuracy.
 
 One invocation trains the same warm model three times, one after the other, on the same task, prompt order and
 hyper-parameters: TRL ``GRPOTrainer`` (HF ``generate``), asyncrl synchronous (``staleness.max_staleness = 0``) and
@@ -51,7 +51,7 @@ Measured (2026-12, 2 cores, defaults; TRL 2 threads, 0.100 s/step against 0.121 
     arithmetic  0.074       0.370        0.256         1.9 / 10.8 / 9.6                     5.8 / 5.2
     reverse     0.197       0.621        0.412         15.9 / 36.1 / 31.4                   2.3 / 2.0
 
-Before issue 13's overhead work (π_old's own pass, two Redis commands per arriving group, the reward worker on the
+Before the overhead work (π_old's own pass, two Redis commands per arriving group, the reward worker on the
 actor's core, 8 groups in flight): arithmetic 0.096 / 0.471 / 0.427 s/step, reverse 0.204 / 0.745 / 0.560.
 
 The last line of stdout is one JSON object: every figure, and ``ratio_sync`` / ``ratio_async`` = asyncrl's

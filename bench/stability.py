@@ -1,4 +1,4 @@
-"""Stability study (issue 13.3): asynchronous runs (staleness 1 and 2) against synchronous ones, over seeds and
+"""Stability study: asynchronous runs (staleness 1 and 2) against synchronous ones, over seeds and
 off-policy corrections, on the peer benchmark's task and warm model.
 
 Each configuration trains the same warm model (``rl-learner init-model configs/demo.toml --warm-steps 120``: the

@@ -1,6 +1,6 @@
 """The run configuration: one validated schema for a whole run, loaded from TOML.
 
-Every field's docstring is its help text (``rl-learner config --help-fields`` prints them).
+Every field's docstring is its help text (``rl-learner fields`` prints them).
 A config file may name a ``preset`` (a TOML file in ``configs/``) that it overlays; then
 ``--set a.b=c`` overrides apply, then validation. The resolved config is written to
 ``runs/<name>/config.json`` and published to Redis, so that an actor started with only

@@ -5,8 +5,8 @@ Reward workers take rollouts from any peer that reaches their socket. A group is
 it matches its issue record — the :class:`~common.wire.PromptGroup` the dispatcher stored
 when it released that id (``common/control.py``, the ``groups`` hash) and still holds because the group is in
 flight. Anything else is refused with the reason and dead-lettered; the issue record is left alone, so a forged
-copy of a live id never costs the real group its place (issue 15: a hijacked id made the real group count as lost;
-a 12.7 KB forged group made a step 8–9× slower).
+copy of a live id never costs the real group its place (without that, a hijacked id made the real group count as lost,
+and a 12.7 KB forged group made a step 8–9× slower).
 
 What must match, and why each bound holds for every honest actor:
 

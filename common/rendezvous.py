@@ -2,7 +2,7 @@
 
 Why not ``TCPStore``: its server listens on every interface whatever host it is given (measured here: a master made
 for ``127.0.0.1`` listens on ``*:port``), and it has no authentication, so anyone who reaches the port may read and
-write the keys a formation is built from (issue 15: a rogue client wrote keys into a live run's store). Every process
+write the keys a formation is built from (a rogue client could write keys into a live run's store). Every process
 of a run already holds the run's Redis credentials, so the rendezvous lives there: nothing new listens, and only a
 holder of the run's Redis password can join a formation or write into it. Gloo and NCCL read the store only while a
 group forms (each rank's address, a few keys), so the extra round trips cost milliseconds once per formation.

@@ -1,4 +1,4 @@
-"""Evaluation (issue 10.6): the figures of a round by hand, the [eval] config, eval groups on the wire and their
+"""Evaluation: the figures of a round by hand, the [eval] config, eval groups on the wire and their
 provenance."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The Kubernetes manifests (``k8s/``) and the image recipe (``docker/``), checked without a cluster (issue 11.5).
+"""The Kubernetes manifests (``k8s/``) and the image recipe (``docker/``), checked without a cluster.
 
 Every overlay, and the variants a user makes by swapping a component in (``prometheus-hpa`` for ``keda``,
 ``code-sandbox``), is built with ``kubectl kustomize`` and checked as the API server and the processes would see it:

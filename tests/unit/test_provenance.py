@@ -1,4 +1,4 @@
-"""The learner's check that a scored group answers what was issued under its id (issue 15: forged groups)."""
+"""The learner's check that a scored group answers what was issued under its id: forged groups."""
 
 from __future__ import annotations
 

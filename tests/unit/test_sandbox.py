@@ -1,4 +1,4 @@
-"""The code sandbox: its limits, the fence this machine runs, and each escape of issue 12 tried and contained.
+"""The code sandbox: its limits, the fence this machine runs, and each known escape tried and contained.
 
 Every escape program asserts that its escape worked, so a contained escape scores 0 (``passed`` is False) with the
 reason of the failure; the test process stands in for the reward worker and must live through each. Where an escape
@@ -254,7 +254,7 @@ def test_no_fence_at_all_raises(monkeypatch: pytest.MonkeyPatch) -> None:
         run_python_tests("", "")
 
 
-# --------------------------------------------------------------------------- escapes (issue 12)
+# --------------------------------------------------------------------------- escapes
 
 
 def test_escape_kill_the_parent(stand_in_worker: subprocess.Popen[bytes]) -> None:

@@ -1,4 +1,4 @@
-"""Dataset files as users have them (issue 10): JSONL, Parquet and ``save_to_disk`` folders, key mapping with dotted
+"""Dataset files as users have them : JSONL, Parquet and ``save_to_disk`` folders, key mapping with dotted
 paths, chat messages, ``extra`` fields for reward functions, split / limit / shuffle, and what a bad or over-long row
 does — refused with its row named, or skipped and counted."""
 
