@@ -69,10 +69,29 @@ def init_distributed(timeout: timedelta = DEFAULT_TIMEOUT) -> str:
         _init_one_rank(backend, timeout)  # DeepSpeed then wraps this group
     from learner.jit_lock import clear_stale_locks, prefer_environment_ninja
 
-    prefer_environment_ninja()  # one ninja builds the op: another's build log would make it rebuild
-    clear_stale_locks()  # DeepSpeed builds its CPU op next: a dead build's lock would make it wait forever
-    import_deepspeed().init_distributed(dist_backend=backend, timeout=timeout)
+    prefer_environment_ninja()  # one ninja builds the ops (offload's cpu_adam): another's build log would rebuild
+    clear_stale_locks()  # a dead build's lock would make the next build wait forever
+    deepspeed = import_deepspeed()
+    skip_shared_memory_collective(deepspeed)
+    deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
     return backend
+
+
+SHM_OP = "deepspeed_shm_comm"
+
+
+def skip_shared_memory_collective(deepspeed: ModuleType) -> None:
+    """Keep DeepSpeed from compiling its CPU shared-memory all-reduce when its communication backend starts.
+
+    DeepSpeed's torch backend builds that op (``build_shm_op``) whenever its op probe calls it compatible, and uses
+    it only in ``inference_all_reduce``, which tensor-parallel inference calls and training never does. Building it
+    is a C++ compile of 60-75 s on a fresh machine (the first learner start after an install) and probing for it runs
+    the compiler for every op; marking it incompatible skips both. Training's collectives (gradients, ZeRO
+    partitions, the weight group) go through torch.distributed as before.
+    """
+    ops = deepspeed.ops
+    known = ops.__dict__.get("__compatible_ops__")  # read lazily by DeepSpeed: reading it here would run the probe
+    ops.__compatible_ops__ = {**(known or {}), SHM_OP: False}
 
 
 def _init_one_rank(backend: str, timeout: timedelta) -> None:

@@ -109,3 +109,12 @@ def test_two_ranks_match_one_rank(model_dir: Path, tmp_path: Path) -> None:
     assert weights_ranks.keys() == weights_one.keys()
     for name, tensor in weights_one.items():
         torch.testing.assert_close(weights_ranks[name], tensor, atol=TIGHT, rtol=0, msg=name)
+
+
+def test_the_engine_starts_without_compiling_the_shared_memory_collective(model_dir: Path) -> None:
+    """DeepSpeed's CPU all-reduce op serves only tensor-parallel inference: a learner never builds or loads it."""
+    import deepspeed.comm.comm as ds_comm
+
+    engine_for(model_dir, zero_stage=0, micro_batch_size=8)
+    assert ds_comm.cdb is not None and ds_comm.cdb.is_initialized()
+    assert ds_comm.cdb.shm_comm_op is None
