@@ -56,18 +56,24 @@ SHARED_CORES = {
     "test_dispatcher.py", "test_metrics_endpoints.py", "test_metrics_loopback.py", "test_replay.py",
     # short command-line runs that exit before any engine, model or sandbox starts
     "test_check_data.py", "test_children.py", "test_cli.py", "test_preflight_cli.py", "test_run_file_modes.py",
-    "test_task_file_refused.py", "test_top.py",
+    "test_task_file_refused.py", "test_top.py", "test_config_bounds.py", "test_k8s.py",
+    # one-rank DeepSpeed engines and `rl-learner` runs on files: CPU-bound, but nothing in them waits on a clock
+    "test_checkpoint.py", "test_checkpoint_disk.py", "test_critic.py", "test_dpo_offline.py", "test_health_engine.py",
+    "test_learner_store_bind.py", "test_preset_updates.py", "test_proximal_reuse.py",
 }
-"""Integration modules that start no vLLM engine, DeepSpeed engine, torchrun, sandbox or timed fault: under ``-n 2``
-they run beside the serial chain, like the unit tier. Everything else (those, and the e2e runs) runs on one worker,
-one test after another, so no two of them ever compete for the two cores."""
+"""Modules with integration tests that start no vLLM engine, torchrun, sandbox or timed fault (no deadline, TTL,
+time-out or time budget decides what they check): under ``-n 2`` they run beside the serial chain, like the unit
+tier. Everything else (those, and the e2e runs) runs on one worker, one test after another, so no two of them ever
+compete for the two cores."""
 
 
 @functools.cache
 def runs_serially_in(path: Path) -> bool:
+    if path.name in SHARED_CORES:
+        return False
     if path.parts[:2] == ("tests", "unit"):
         return "pytest.mark.integration" in (ROOT / path).read_text()
-    return path.name not in SHARED_CORES
+    return True
 
 
 def runs_serially(nodeid: str) -> bool:
