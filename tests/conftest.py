@@ -60,6 +60,8 @@ SHARED_CORES = {
     # one-rank DeepSpeed engines and `rl-learner` runs on files: CPU-bound, but nothing in them waits on a clock
     "test_checkpoint.py", "test_checkpoint_disk.py", "test_critic.py", "test_dpo_offline.py", "test_health_engine.py",
     "test_learner_store_bind.py", "test_preset_updates.py", "test_proximal_reuse.py",
+    # reward workers whose time limits only ever cut calls that hang for a minute
+    "test_reward_worker.py",
 }
 """Modules with integration tests that start no vLLM engine, torchrun, sandbox or timed fault (no deadline, TTL,
 time-out or time budget decides what they check): under ``-n 2`` they run beside the serial chain, like the unit

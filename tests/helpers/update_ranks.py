@@ -1,16 +1,17 @@
 """Steps of :class:`learner.update.PolicyUpdate` on every learner rank, led by rank 0 as in a run (learner/ranks.py).
 
-Run from the repository root, one rank or several::
+Run from the repository root, one rank or several, each ``--case ZERO_STAGE:PRESET`` in turn in the same processes
+(one launch pays the imports and the process group once)::
 
-    python -m tests.helpers.update_ranks MODEL_DIR OUT_DIR --zero-stage 2
-    torchrun --nproc_per_node 2 --master_port PORT -m tests.helpers.update_ranks MODEL_DIR OUT_DIR --zero-stage 3
+    python -m tests.helpers.update_ranks MODEL_DIR OUT_DIR --case 2:grpo --case 2:ppo
+    torchrun --nproc_per_node 2 --master_port PORT -m tests.helpers.update_ranks MODEL_DIR OUT_DIR --case 3:grpo
 
-Rank 0 trains step 1 on :func:`groups` ``(seed 1)``, saves a checkpoint of it (every rank writes its shard), trains
-step 2 on ``groups(2)`` and takes the broadcast weights (``params()``: a gather on every rank under ZeRO-3); then
-restores the checkpoint and trains step 2 again. The batch has 9 rows, so two ranks get shards of 5 and 4. Rank 0
-writes ``OUT_DIR/stats.json`` (loss and grad norm of each step, the world size) and ``OUT_DIR/step2.safetensors``,
-``OUT_DIR/step2-again.safetensors`` (the weights after step 2, and after step 2 trained again from the checkpoint).
-``--preset ppo`` trains the critic beside the policy (GAE, with the reference's KL in the reward).
+For each case, rank 0 trains step 1 on :func:`groups` ``(seed 1)``, saves a checkpoint of it (every rank writes its
+shard), trains step 2 on ``groups(2)`` and takes the broadcast weights (``params()``: a gather on every rank under
+ZeRO-3); then restores the checkpoint and trains step 2 again. The batch has 9 rows, so two ranks get shards of 5
+and 4. Rank 0 writes, in ``OUT_DIR/<stage>-<preset>/``, ``stats.json`` (loss and grad norm of each step, the world
+size), ``step2.safetensors`` and ``step2-again.safetensors`` (the weights after step 2, and after step 2 trained again
+from the checkpoint). Preset ``ppo`` trains the critic beside the policy (GAE, with the reference's KL in the reward).
 """
 
 from __future__ import annotations
@@ -79,15 +80,12 @@ def groups(seed: int) -> list[ScoredGroup]:
     return made
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model_dir")
-    parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--zero-stage", type=int, default=2)
-    parser.add_argument("--preset", default="grpo", help="configs/<preset>.toml's [algorithm] (ppo: a critic too)")
-    args = parser.parse_args(argv)
-    config = run_config(args.model_dir, args.out_dir, args.zero_stage, args.preset)
-    ranks.start()
+def case_dir(out_dir: Path, zero_stage: int, preset: str) -> Path:
+    return out_dir / f"{zero_stage}-{preset}"
+
+
+def train_case(config: RunConfig, out_dir: Path) -> None:
+    """One case on every rank: rank 0 leads the steps above and writes what they gave, the others follow."""
     if dist.world_size() > 1 and not ranks.leading():
         ranks.follow(config)
         return
@@ -107,10 +105,23 @@ def main(argv: list[str] | None = None) -> None:
         "world_size": dist.world_size(),
         "steps": [{k: s[k] for k in FIGURES if k in s} for s in (first, second, again)],
     }
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "stats.json").write_text(json.dumps(stats))
-    save_file(after, str(args.out_dir / "step2.safetensors"))
-    save_file(after_again, str(args.out_dir / "step2-again.safetensors"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "stats.json").write_text(json.dumps(stats))
+    save_file(after, str(out_dir / "step2.safetensors"))
+    save_file(after_again, str(out_dir / "step2-again.safetensors"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model_dir")
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--case", action="append", required=True, help="ZERO_STAGE:PRESET, e.g. 3:ppo (repeatable)")
+    args = parser.parse_args(argv)
+    ranks.start()
+    for case in args.case:
+        stage, preset = case.split(":")
+        out = case_dir(args.out_dir, int(stage), preset)
+        train_case(run_config(args.model_dir, out, int(stage), preset), out)
 
 
 if __name__ == "__main__":

@@ -19,37 +19,40 @@ from safetensors.torch import load_file
 
 from learner.checkpoint import CheckpointError, check_world_size, complete_checkpoints, open_checkpoint
 from tests.helpers.ranks import run_ranks
+from tests.helpers.update_ranks import case_dir
 
 pytestmark = pytest.mark.integration
 HELPER = "tests.helpers.update_ranks"
 RANKS_ATOL = 1e-4  # the issue's bound; gloo's reduction order differs from one rank's sums
 
 
-def trained(model_dir: Path, out: Path, nproc: int, zero_stage: int, preset: str) -> tuple[dict, dict, dict]:
-    run_ranks(HELPER, nproc, str(model_dir), str(out), "--zero-stage", str(zero_stage), "--preset", preset)
-    stats = json.loads((out / "stats.json").read_text())
-    return stats, load_file(out / "step2.safetensors"), load_file(out / "step2-again.safetensors")
+CASES = [(2, "grpo"), (3, "grpo"), (3, "ppo")]
+"""(ZeRO stage, preset) of the two-rank runs; the one-rank runs are ZeRO-2 of each preset."""
+PRESETS = sorted({preset for _, preset in CASES})
+Trained = tuple[dict, dict, dict]
 
 
-ONE_RANK: dict[str, tuple[dict, dict, dict]] = {}
+def read_case(out: Path, zero_stage: int, preset: str) -> Trained:
+    folder = case_dir(out, zero_stage, preset)
+    stats = json.loads((folder / "stats.json").read_text())
+    return stats, load_file(folder / "step2.safetensors"), load_file(folder / "step2-again.safetensors")
 
 
-@pytest.fixture
-def one_rank(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    """The one-rank run of a preset (ZeRO-2), made once per module."""
-
-    def of(preset: str) -> tuple[dict, dict, dict]:
-        if preset not in ONE_RANK:
-            ONE_RANK[preset] = trained(tiny_model_dir, tmp_path_factory.mktemp(f"one-{preset}"), 1, 2, preset)
-        return ONE_RANK[preset]
-
-    return of
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The folders of two launches, one of one rank and one of two, each running its cases in turn (a launch's
+    imports and process group are paid once): every preset at ZeRO-2 on one rank, every case on two."""
+    one, two = tmp_path_factory.mktemp("one-rank"), tmp_path_factory.mktemp("two-ranks")
+    run_ranks(HELPER, 1, str(tiny_model_dir), str(one), *(a for p in PRESETS for a in ("--case", f"2:{p}")))
+    run_ranks(HELPER, 2, str(tiny_model_dir), str(two), *(a for s, p in CASES for a in ("--case", f"{s}:{p}")))
+    return one, two
 
 
-@pytest.mark.parametrize(("zero_stage", "preset"), [(2, "grpo"), (3, "grpo"), (3, "ppo")])
-def test_two_ranks_train_like_one(tiny_model_dir: Path, tmp_path: Path, one_rank, zero_stage: int, preset: str) -> None:
-    stats_one, weights_one, _ = one_rank(preset)
-    stats, weights, again = trained(tiny_model_dir, tmp_path, 2, zero_stage, preset)
+@pytest.mark.parametrize(("zero_stage", "preset"), CASES)
+def test_two_ranks_train_like_one(runs: tuple[Path, Path], zero_stage: int, preset: str) -> None:
+    one, two = runs
+    stats_one, weights_one, _ = read_case(one, 2, preset)
+    stats, weights, again = read_case(two, zero_stage, preset)
     assert (stats_one["world_size"], stats["world_size"]) == (1, 2)
     for mine, theirs in zip(stats["steps"], stats_one["steps"], strict=True):
         assert mine.keys() == theirs.keys() and ("critic/loss" in mine) == (preset == "ppo")
@@ -61,7 +64,7 @@ def test_two_ranks_train_like_one(tiny_model_dir: Path, tmp_path: Path, one_rank
     moved = max((weights[n] - again[n]).abs().max().item() for n in weights)
     assert moved == 0.0  # step 2 trained again after restoring step 1's checkpoint on two ranks: the same weights
 
-    [(step, folder)] = complete_checkpoints(tmp_path / "runs" / "ranks" / "checkpoints")
+    [(step, folder)] = complete_checkpoints(case_dir(two, zero_stage, preset) / "runs" / "ranks" / "checkpoints")
     checkpoint = open_checkpoint(folder)
     assert (step, checkpoint.state.world_size, len(checkpoint.state.rank_rngs)) == (1, 2, 1)
     with pytest.raises(CheckpointError, match=r"saved by 2 learner rank\(s\) and this learner has 1.*resume with 2"):
