@@ -27,7 +27,7 @@ def test_tests_that_start_heavy_processes_join_the_serial_chain() -> None:
     assert runs_serially("tests/unit/test_sandbox.py::test_a_fork_bomb_does_not_starve_runs_beside_it")  # processes
     assert not runs_serially("tests/unit/test_wire.py::test_truncated_messages_raise_only_wire_error")
     assert runs_serially("tests/integration/test_redis_outage.py::test_a_delivery_cut_by_the_restart_is_read_again")
-    assert not runs_serially("tests/integration/test_checkpoint.py::test_a_missing_file_is_refused_by_rl_learner")
+    assert runs_serially("tests/integration/test_checkpoint.py::test_a_missing_file_is_refused_by_rl_learner")
     assert not runs_serially("tests/integration/test_replay.py::test_maxlen_trims_the_oldest_entries")
     assert not runs_serially("tests/integration/test_cli.py::test_invalid_override_exits_with_the_field_named")
 
