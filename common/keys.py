@@ -73,6 +73,17 @@ class RunKeys:
         return self._k("samples")
 
     @property
+    def trained(self) -> str:
+        """Hash: group id → the step that trained it (``learner/trained.py``)."""
+        return self._k("trained")
+
+    @property
+    def unacked(self) -> str:
+        """Hash: replay entry id → ``[step, group id]`` of a trained entry whose acknowledgement waits for the
+        checkpoint that holds its step (``learner/trained.py``)."""
+        return self._k("unacked")
+
+    @property
     def processes(self) -> str:
         return self._k("processes")
 

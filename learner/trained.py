@@ -52,8 +52,8 @@ class TrainedLog:
         self.plane = plane
         self.reader = reader
         self.defer_acks = defer_acks
-        self.trained_key = f"asyncrl:{plane.keys.run}:trained"
-        self.unacked_key = f"asyncrl:{plane.keys.run}:unacked"
+        self.trained_key = plane.keys.trained
+        self.unacked_key = plane.keys.unacked
 
     def record(self, step: int, entries: Sequence[ReplayEntry], dropped: Sequence[str]) -> None:
         """After ``step``'s update: which groups it trained; acknowledge ``dropped`` entries (and, without deferred

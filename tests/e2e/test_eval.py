@@ -87,7 +87,7 @@ def test_a_synchronous_curve_run_has_no_policy_mismatch_refuses_a_stranger_and_n
             assert r["eval/pass@k"] >= r["eval/accuracy"]
             assert r["eval/policy_min"] >= r["eval/step"]  # the actor waited for the policy it evaluates
             assert r["eval/response_tokens"] <= 8
-        trained = {g.decode(): int(s) for g, s in plane.client.hgetall(f"asyncrl:{RUN}:trained").items()}
+        trained = {g.decode(): int(s) for g, s in plane.client.hgetall(plane.keys.trained).items()}
         assert Counter(trained.values()) == dict.fromkeys(range(1, STEPS + 1), GROUPS)  # the batches stay whole
         assert not [g for g in trained if "-eval" in g]  # no eval group was trained
         counts = plane.prompts.dispatch_counts()

@@ -169,7 +169,7 @@ def _check_refusals(plane: ControlPlane, sent: list[tuple[str, str, RolloutGroup
 
 def _audit(plane: ControlPlane, hijacked: set[str]) -> None:
     """Each step trained GROUPS real groups; every issued group is trained once, discarded, lost or in flight."""
-    trained = {g.decode(): int(s) for g, s in plane.client.hgetall(f"asyncrl:{RUN}:trained").items()}
+    trained = {g.decode(): int(s) for g, s in plane.client.hgetall(plane.keys.trained).items()}
     assert Counter(trained.values()) == dict.fromkeys(range(1, STEPS + 1), GROUPS)
     counts = plane.prompts.dispatch_counts()
     done = {g.decode() for g in plane.client.smembers(plane.keys.done)}

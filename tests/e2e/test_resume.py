@@ -168,7 +168,7 @@ def _audit_trail(run_dir: Path, plane: ControlPlane, url: str, resumed_from: lis
 
 
 def _trained(plane: ControlPlane) -> dict[str, int]:
-    raw = plane.client.hgetall(f"asyncrl:{RUN}:trained")
+    raw = plane.client.hgetall(plane.keys.trained)
     return {group.decode(): int(step) for group, step in raw.items()}
 
 

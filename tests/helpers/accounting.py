@@ -17,7 +17,7 @@ def account_groups(plane: ControlPlane, steps: int, groups_per_step: int) -> dic
     (too stale, zero variance, or trained after a checkpoint that a resume went back from and gone from the stream).
     """
     run = plane.keys.run
-    trained = {g.decode(): int(s) for g, s in plane.client.hgetall(f"asyncrl:{run}:trained").items()}
+    trained = {g.decode(): int(s) for g, s in plane.client.hgetall(plane.keys.trained).items()}
     per_step = Counter(trained.values())
     assert per_step == dict.fromkeys(range(1, steps + 1), groups_per_step), per_step
     counts = plane.prompts.dispatch_counts()
