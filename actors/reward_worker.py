@@ -46,8 +46,9 @@ from common.audit import Audit
 from common.channel import CurveServer, PullChannel
 from common.config import RewardFunction, RunConfig
 from common.control import ControlPlane
+from common.dead_letters import dead_letter, dead_letters
 from common.heartbeat import HeartbeatThread
-from common.keys import RunKeys, connect, dead_letter, dead_letters
+from common.keys import RunKeys, connect
 from common.logs import get_logger, worth_logging
 from common.metrics import (
     REWARD_DEAD_LETTERED_GROUPS,

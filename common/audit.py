@@ -26,7 +26,7 @@ stream into ``runs/<name>/audit.jsonl`` (:class:`AuditMirror`): append-only, one
   the 1st, 10th, 100th, … refusal of each (event, reason) with the count so far, for at most :data:`MAX_REASONS`
   reasons per event (later reasons share one, ``(other)``); the rest are only counted
   (``asyncrl_audit_suppressed_refusals_total``). A message refused anywhere is recorded by
-  :func:`common.keys.dead_letter`, without its payload.
+  :func:`common.dead_letters.dead_letter`, without its payload.
 - **Trust.** The trail is as trustworthy as the Redis password: any holder of it can add entries.
 """
 
@@ -315,7 +315,7 @@ def voice(client: redis.Redis, run: str) -> Audit:
 
 
 def dead_lettered(client: redis.Redis, run: str, source: str, reason: str, size: int) -> None:
-    """Record that a message was dead-lettered (:func:`common.keys.dead_letter`): counted per source kind (the
+    """Record that a message was dead-lettered (:func:`common.dead_letters.dead_letter`): counted per source kind (the
     source without a stream entry id), so a flood of one kind adds a handful of entries."""
     kind = re.sub(r":\d+-\d+$", "", source)
     voice(client, run).refused("message.refused", kind, source=source, detail=reason, bytes=size)

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from common.keys import dead_letter
+from common.dead_letters import dead_letter
 from common.logs import get_logger
 from common.wire import Decoder, Limits, PromptGroup, WireError, decode_blob, encode_blob
 

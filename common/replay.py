@@ -31,7 +31,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from common.keys import RunKeys, dead_letters
+from common.dead_letters import dead_letters
+from common.keys import RunKeys
 from common.logs import get_logger, worth_logging
 from common.metrics import REPLAY_DEAD_LETTERS, REPLAY_ENTRIES_ADDED, REPLAY_ENTRIES_READ
 from common.wire import Decoder, Limits, ScoredGroup, WireError, decode_blob, encode_blob

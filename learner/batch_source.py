@@ -32,7 +32,7 @@ import numpy as np
 
 from common.config import RunConfig
 from common.control import ControlPlane
-from common.keys import dead_letter
+from common.dead_letters import dead_letter
 from common.logs import get_logger, worth_logging
 from common.prompt_ledger import Standing
 from common.prompts import Prompter, model_vocab_size

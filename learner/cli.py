@@ -199,10 +199,11 @@ def train(
     checkpoint = _verified_checkpoint(resolved, resume) if resume and leader else None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: rank 0 leads, the others follow
         from learner import ranks
+        from learner.follower import follow
 
         ranks.start()
         if not ranks.leading():
-            ranks.follow(resolved)
+            follow(resolved)
             return
     url = given_redis_url(redis, redis_file) or resolved.transport.redis_url  # none: an embedded Redis
     memory = resolved.transport.redis_maxmemory_mb

@@ -5,7 +5,7 @@ rank 0 owns everything that talks to the outside — Redis, admission, the repla
 checkpoints, metrics, the audit trail and the broadcast — and ranks 1…N−1 hold only the engines. What the engines do
 is collective (DeepSpeed's gradient reduction, ZeRO-3's parameter gathers, checkpoint saves), so before rank 0 does
 any of it, it tells the others with one command on a gloo group of its own (:func:`lead`), and they do the same
-(:func:`follow`)::
+(:func:`learner.follower.follow`)::
 
     train     the step's whole TrainBatch    every rank: π_old and advantages over the batch, then its shard's
                                              backward (learner/update.py); the gradient is the sum of the shards'
@@ -33,16 +33,12 @@ NetworkPolicy); across hosts, run the ranks on a network only the learner's host
 
 from __future__ import annotations
 
-import signal
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from common.logs import get_logger
 from learner import dist
-
-if TYPE_CHECKING:
-    from common.config import RunConfig
 
 log = get_logger("learner")
 
@@ -102,50 +98,8 @@ def say_lost(exc: BaseException) -> None:
     )
 
 
-def _receive() -> tuple[str, Any]:
+def receive() -> tuple[str, Any]:
+    """A follower's next command from rank 0 (blocks until rank 0 leads one)."""
     message: list[Any] = [None, None]
     torch.distributed.broadcast_object_list(message, src=0, group=_group)
     return message[0], message[1]
-
-
-def follow(config: RunConfig) -> None:
-    """A follower's whole life (ranks 1…N−1): the same engines as rank 0's, driven by its commands until ``stop``."""
-    from transformers import AutoTokenizer
-
-    from learner.algorithms.assembly import assemble
-    from learner.checkpoint import Checkpointer, restore_rng
-    from learner.health import scale_lr_schedule
-    from learner.update import PolicyUpdate
-
-    # A launcher's SIGTERM reaches every rank; rank 0 answers it with a checkpoint, which needs the followers.
-    signal.signal(signal.SIGTERM, lambda signum, frame: log.info("SIGTERM: following rank 0 to its checkpoint"))
-    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
-    update = PolicyUpdate(config, assemble(config), tokenizer.pad_token_id or 0)
-    checkpointer = Checkpointer(config, update.engine, update.critic, tokenizer)
-    log.info("learner rank following rank 0", rank=dist.rank(), world_size=dist.world_size())
-    steps = 0
-    while True:
-        try:
-            command, payload = _receive()
-        except Exception as exc:
-            if lost_rank(exc):
-                say_lost(exc)
-            raise
-        if command == "train":
-            update.train(payload)
-            steps += 1
-        elif command == "params":
-            update.params()
-        elif command == "save":
-            checkpointer.save(payload)
-        elif command == "restore":
-            state = checkpointer.load(payload)
-            update.restore_kl_coef(state.kl_coef)
-            restore_rng(state.rank_rngs[dist.rank() - 1])
-        elif command == "lr":
-            scale_lr_schedule(update.engine.engine.lr_scheduler, [config.learner.lr], payload)
-        elif command == "stop":
-            log.info("learner rank stopped with rank 0", rank=dist.rank(), steps=steps)
-            return
-        else:  # a newer rank 0 than this code: stopping beats training on something else
-            raise RuntimeError(f"rank 0 sent an unknown command {command!r}; run the same asyncrl on every rank")

@@ -24,7 +24,8 @@ import pytest
 
 from common.channel import PushChannel
 from common.control import ControlPlane
-from common.keys import DEAD_LETTER_EXCERPT, connect
+from common.dead_letters import DEAD_LETTER_EXCERPT
+from common.keys import connect
 from common.replay import ReplayWriter
 from common.seal import numbered_group_id, run_seal, run_secret
 from common.wire import PromptGroup, RolloutGroup, ScoredGroup

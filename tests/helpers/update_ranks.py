@@ -30,6 +30,7 @@ from common.wire import RolloutGroup, ScoredGroup
 from learner import dist, ranks
 from learner.algorithms.assembly import assemble
 from learner.checkpoint import Checkpointer, SavedState, capture_rng, open_checkpoint
+from learner.follower import follow
 from learner.update import PolicyUpdate
 
 SAMPLES = 3  # responses per group; 3 groups a step: 9 rows
@@ -87,7 +88,7 @@ def case_dir(out_dir: Path, zero_stage: int, preset: str) -> Path:
 def train_case(config: RunConfig, out_dir: Path) -> None:
     """One case on every rank: rank 0 leads the steps above and writes what they gave, the others follow."""
     if dist.world_size() > 1 and not ranks.leading():
-        ranks.follow(config)
+        follow(config)
         return
     update = PolicyUpdate(config, assemble(config), pad_token_id=0)
     checkpointer = Checkpointer(config, update.engine, update.critic)

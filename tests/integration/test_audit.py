@@ -23,7 +23,8 @@ from common import audit as audit_module
 from common.audit import AUDIT_MAXLEN, MAX_REASONS, REDACTED, Audit, AuditMirror, scrub
 from common.channel import ChannelBlocked, CurveClient, PushChannel, create_keypair, create_run_keys
 from common.control import ControlPlane
-from common.keys import RunKeys, dead_letter
+from common.dead_letters import dead_letter
+from common.keys import RunKeys
 from common.metrics import AUDIT_FAILURES
 from common.seal import run_seal
 from common.wire import Heartbeat

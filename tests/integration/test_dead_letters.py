@@ -10,7 +10,8 @@ import uuid
 import pytest
 
 from common import audit as audit_module
-from common.keys import DEAD_LETTER_EXCERPT, DEAD_LETTER_REASON, RunKeys, dead_letter, dead_letters
+from common.dead_letters import DEAD_LETTER_EXCERPT, DEAD_LETTER_REASON, dead_letter, dead_letters
+from common.keys import RunKeys
 
 pytestmark = pytest.mark.integration
 

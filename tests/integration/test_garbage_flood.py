@@ -29,7 +29,8 @@ import zmq
 
 from common import synthetic
 from common.control import ControlPlane
-from common.keys import DEAD_LETTER_MAXLEN, RunKeys
+from common.dead_letters import DEAD_LETTER_MAXLEN
+from common.keys import RunKeys
 from common.seal import run_seal
 from common.wire import encode, encode_blob
 from tests.helpers.garbage import bad_blob, bad_messages

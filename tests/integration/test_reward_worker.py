@@ -11,7 +11,8 @@ import pytest
 
 from common.channel import PushChannel
 from common.control import ControlPlane
-from common.keys import DEAD_LETTER_EXCERPT, RunKeys
+from common.dead_letters import DEAD_LETTER_EXCERPT
+from common.keys import RunKeys
 from common.seal import Seal, run_seal
 from common.wire import Decoder, Heartbeat, RolloutGroup, decode_blob, encode_blob
 from tests.helpers.reward_stack import heartbeat, publish, read_replay, reward_worker, stop, wait_for
