@@ -10,9 +10,15 @@ from __future__ import annotations
 import signal
 from typing import TYPE_CHECKING
 
+from transformers import AutoTokenizer
+
 from common.logs import get_logger
 from learner import dist
+from learner.algorithms.assembly import assemble
+from learner.checkpoint import Checkpointer, restore_rng
+from learner.health import scale_lr_schedule
 from learner.ranks import lost_rank, receive, say_lost
+from learner.update import PolicyUpdate
 
 if TYPE_CHECKING:
     from common.config import RunConfig
@@ -22,13 +28,6 @@ log = get_logger("learner")
 
 def follow(config: RunConfig) -> None:
     """A follower's whole life (ranks 1…N−1): the same engines as rank 0's, driven by its commands until ``stop``."""
-    from transformers import AutoTokenizer
-
-    from learner.algorithms.assembly import assemble
-    from learner.checkpoint import Checkpointer, restore_rng
-    from learner.health import scale_lr_schedule
-    from learner.update import PolicyUpdate
-
     # A launcher's SIGTERM reaches every rank; rank 0 answers it with a checkpoint, which needs the followers.
     signal.signal(signal.SIGTERM, lambda signum, frame: log.info("SIGTERM: following rank 0 to its checkpoint"))
     tokenizer = AutoTokenizer.from_pretrained(config.model.path)

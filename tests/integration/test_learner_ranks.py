@@ -27,7 +27,9 @@ RANKS_ATOL = 1e-4  # the issue's bound; gloo's reduction order differs from one 
 
 
 CASES = [(2, "grpo"), (3, "grpo"), (3, "ppo")]
-"""(ZeRO stage, preset) of the two-rank runs; the one-rank runs are ZeRO-2 of each preset."""
+"""(ZeRO stage, preset) of the two-rank runs."""
+ONE_RANK_STAGE = 2
+"""The ZeRO stage of the one-rank run of each preset that the two-rank runs are compared with."""
 PRESETS = sorted({preset for _, preset in CASES})
 Trained = tuple[dict, dict, dict]
 
@@ -38,20 +40,24 @@ def read_case(out: Path, zero_stage: int, preset: str) -> Trained:
     return stats, load_file(folder / "step2.safetensors"), load_file(folder / "step2-again.safetensors")
 
 
+def case_args(cases: list[tuple[int, str]]) -> list[str]:
+    return [arg for stage, preset in cases for arg in ("--case", f"{stage}:{preset}")]
+
+
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """The folders of two launches, one of one rank and one of two, each running its cases in turn (a launch's
-    imports and process group are paid once): every preset at ZeRO-2 on one rank, every case on two."""
+    imports and process group are paid once): each preset at :data:`ONE_RANK_STAGE` on one rank, each case on two."""
     one, two = tmp_path_factory.mktemp("one-rank"), tmp_path_factory.mktemp("two-ranks")
-    run_ranks(HELPER, 1, str(tiny_model_dir), str(one), *(a for p in PRESETS for a in ("--case", f"2:{p}")))
-    run_ranks(HELPER, 2, str(tiny_model_dir), str(two), *(a for s, p in CASES for a in ("--case", f"{s}:{p}")))
+    run_ranks(HELPER, 1, str(tiny_model_dir), str(one), *case_args([(ONE_RANK_STAGE, p) for p in PRESETS]))
+    run_ranks(HELPER, 2, str(tiny_model_dir), str(two), *case_args(CASES))
     return one, two
 
 
 @pytest.mark.parametrize(("zero_stage", "preset"), CASES)
 def test_two_ranks_train_like_one(runs: tuple[Path, Path], zero_stage: int, preset: str) -> None:
     one, two = runs
-    stats_one, weights_one, _ = read_case(one, 2, preset)
+    stats_one, weights_one, _ = read_case(one, ONE_RANK_STAGE, preset)
     stats, weights, again = read_case(two, zero_stage, preset)
     assert (stats_one["world_size"], stats["world_size"]) == (1, 2)
     for mine, theirs in zip(stats["steps"], stats_one["steps"], strict=True):
