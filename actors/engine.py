@@ -19,8 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from actors import ipc_folder
+from actors.generation import Response, Sampling
 from actors.lifeline import export_actor_pid
-from actors.workflows import Response, Sampling
 from common.config import RolloutSection, RunConfig
 from common.logs import get_logger
 from common.procs import cpu_list, move_process

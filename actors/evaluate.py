@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from actors.rewards import bind_functions, combine
+from actors.rewards import bind_functions, combine, episode_options
 from actors.workflows import WorkflowContext, check_workflow
 from common.config import RunConfig
 from common.evaluation import eval_examples, eval_groups, round_figures
@@ -58,7 +58,7 @@ def evaluate(config: RunConfig, model: str | Path) -> dict[str, Any]:
         rollouts = asyncio.run(_sample(engine, groups, config))
     finally:
         engine.shutdown()
-    functions = bind_functions(config.reward.functions, task_label(config.task))
+    functions = bind_functions(config.reward.functions, task_label(config.task), episode_options(config))
     scored = [ScoredGroup(rollout=r, rewards=np.asarray(combine(r, functions)[0], np.float32)) for r in rollouts]
     figures = {
         "eval/k": float(config.eval.num_samples),
@@ -75,5 +75,5 @@ async def _sample(engine: Any, groups: list[PromptGroup], config: RunConfig) -> 
     """Every group at once (vLLM batches them) through the run's rollout workflow, each with the settings it
     carries."""
     workflow = check_workflow(config.rollout.workflow)
-    turns = [WorkflowContext(config.rollout, "offline-eval", f"{g.group_id}-offline") for g in groups]
+    turns = [WorkflowContext.of(config, "offline-eval", f"{g.group_id}-offline") for g in groups]
     return list(await asyncio.gather(*(workflow(engine, g, t) for g, t in zip(groups, turns, strict=True))))

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from actors.rewards import RewardError, bind_functions, combine, score
+from actors.rewards import RewardError, bind_functions, combine, episode_options, score
 from common.audit import Audit
 from common.channel import CurveServer, PullChannel
 from common.config import RewardFunction, RunConfig
@@ -182,7 +182,7 @@ class RewardWorker:
     def __init__(self, config: RunConfig, redis_url: str, worker_id: str) -> None:
         self.task = task_label(config.task)
         # Resolved now, from the config: an unknown function or verifier fails here, not on every group.
-        self.functions = bind_functions(config.reward.functions, self.task)
+        self.functions = bind_functions(config.reward.functions, self.task, episode_options(config))
         self.config = config
         self.worker_id = worker_id
         self.client = connect(redis_url, config.transport.redis_outage_s)

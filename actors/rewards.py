@@ -21,6 +21,7 @@ Built-ins:
 ``overlong``       DAPO's soft overlong punishment (Yu et al. 2025, eq. 13)
 ``code_tests``     the response's program run against the answer's tests in the sandbox
 ``reward_model``   a Hugging Face sequence-classification model, scored in batches
+``environment``    a multi-turn episode replayed through ``[environment]`` (``actors/episodes.py``)
 =================  ===================================================================
 
 :func:`combine` sums the functions' scores with their config weights and keeps each raw score.
@@ -35,8 +36,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from actors.episodes import environment_reward
 from actors.verifiers import Verifier, bind_verifier, first_line, verify_code_tests
-from common.config import RewardFunction
+from common.config import RewardFunction, RunConfig
 from common.registry import Registry
 from common.wire import RolloutGroup
 
@@ -138,16 +140,27 @@ def check_functions(functions: Sequence[RewardFunction]) -> None:
             task_verifier(function.options)
 
 
-def bind_functions(functions: Sequence[RewardFunction], task: str) -> list[RewardFunction]:
+def bind_functions(
+    functions: Sequence[RewardFunction], task: str, episodes: dict[str, Any] | None = None
+) -> list[RewardFunction]:
     """The configured functions, with the ``task`` function's verifier fixed from the config, all resolved now.
 
     ``task`` is the run's task label (:func:`common.tasks.task_label`). A ``task`` function without a ``verifier``
     option gets ``task`` as its verifier, so the verifier is chosen by the config once, at start — never by the
-    ``task`` field of a group that arrived on a socket (a hostile peer would name an import path there).
+    ``task`` field of a group that arrived on a socket (a hostile peer would name an import path there). Likewise an
+    ``environment`` function gets the run's ``[environment]`` and model folder (``episodes``, from
+    :func:`episode_options`).
     """
     bound = _with_verifiers(functions, task)
+    if episodes is not None:
+        bound = [f.model_copy(update={"options": {**episodes}}) if f.name == "environment" else f for f in bound]
     check_functions(bound)
     return bound
+
+
+def episode_options(config: RunConfig) -> dict[str, Any]:
+    """The options :func:`bind_functions` gives an ``environment`` function: what the run's episodes ran in."""
+    return {"environment": config.environment.model_dump(), "model": config.model.path}
 
 
 def check_verifiers(functions: Sequence[RewardFunction], task: str) -> None:
@@ -172,6 +185,9 @@ def task_verifier(options: dict[str, Any]) -> Verifier:
 
 
 # --------------------------------------------------------------------------- built-in rule rewards
+
+
+register_reward("environment")(environment_reward)
 
 
 @register_reward("task")

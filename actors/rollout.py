@@ -181,7 +181,7 @@ class RolloutActor:
         try:
             if group.purpose == "eval":
                 await self._catch_up(group.issued_version)
-            turn = WorkflowContext(self.config.rollout, self.actor_id, request_id)
+            turn = WorkflowContext.of(self.config, self.actor_id, request_id)
             rollout = await self.workflow(self.engine, group, turn)
         except asyncio.CancelledError:
             raise  # _shutdown aborted it and hands the group back

@@ -117,7 +117,8 @@ ENGINE_ARGS_OWNED = {
 class RolloutSection(Section):
     workflow: str = "single_turn"
     """How an actor turns a prompt group into a rollout (``actors/workflows.py``): ``single_turn`` samples the group's
-    K responses to its prompt in one request; an import path ``package.module:function`` names your own."""
+    K responses to its prompt in one request; ``multi_turn`` runs K episodes with ``[environment]``; an import path
+    ``package.module:function`` names your own."""
     num_samples: Int = Field(8, ge=1, le=4096)
     """Responses sampled per prompt (the group size K)."""
     max_new_tokens: Int = Field(64, ge=1, le=MAX_TOKENS)
@@ -533,6 +534,19 @@ class HealthSection(Section):
         return self
 
 
+class EnvironmentSection(Section):
+    name: str = ""
+    """Environment of a ``multi_turn`` workflow (``common/environments.py``): a registered name (``calculator``) or an import path ``package.module:Class``."""  # noqa: E501
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Settings passed to the environment."""
+    max_turns: Int = Field(4, ge=1, le=1000)
+    """Model turns per episode at most; an episode not done by then ends there (truncated)."""
+    max_episode_tokens: Int = Field(0, ge=0, le=MAX_TOKENS)
+    """Tokens after the prompt (model and environment turns together) per episode at most; 0 = up to ``model.max_model_len``."""  # noqa: E501
+    step_timeout_s: float = Field(10.0, gt=0, le=WEEK_S)
+    """Time limit of one environment step; a step past it ends its episode as an error."""
+
+
 class RunConfig(Section):
     """A whole run. Sections group the settings of each part of the system."""
 
@@ -552,6 +566,22 @@ class RunConfig(Section):
     monitoring: MonitoringSection = Field(default_factory=MonitoringSection)
     health: HealthSection = Field(default_factory=HealthSection)
     eval: EvalSection = Field(default_factory=EvalSection)
+    environment: EnvironmentSection = Field(default_factory=EnvironmentSection)
+
+    @model_validator(mode="after")
+    def _episodes_need_an_environment(self) -> RunConfig:
+        if self.rollout.workflow == "multi_turn":
+            if not self.environment.name:
+                raise ValueError(
+                    "rollout.workflow = 'multi_turn' runs episodes in an environment: set environment.name "
+                    "(e.g. 'calculator')"
+                )
+            if self.rollout.stop:
+                raise ValueError(
+                    "rollout.stop with rollout.workflow = 'multi_turn': a turn ends at the chat template's end of "
+                    "turn, which the episode keeps as a token; remove rollout.stop"
+                )
+        return self
 
     @model_validator(mode="after")
     def _eval_is_scored_as_the_task(self) -> RunConfig:

@@ -124,6 +124,22 @@ ACTOR_WEIGHT_DIGEST_MISMATCHES = Counter(
     "Weight versions a rollout actor received but refused to load: a bucket's digest did not match the manifest.",
 )
 ACTOR_RUNNING_GROUPS = Gauge("asyncrl_actor_running_groups", "Prompt groups a rollout actor is generating now.")
+ACTOR_EPISODE_TURNS = Histogram(
+    "asyncrl_actor_episode_turns",
+    "Model turns per multi-turn episode on a rollout actor.",
+    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
+)
+ACTOR_EPISODE_ENDINGS = Counter(
+    "asyncrl_actor_episode_endings_total",
+    "Multi-turn episodes ended on a rollout actor, by how: done, stopped (the model ended the conversation), "
+    "max_turns, max_tokens, environment_error.",
+    ["ending"],
+)
+ACTOR_ENVIRONMENT_STEP_SECONDS = Histogram(
+    "asyncrl_actor_environment_step_seconds",
+    "Seconds of one environment step on a rollout actor (failed and timed-out steps included).",
+    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0),
+)
 
 # ------------------------------------------------------------------ learner (updated once per step)
 

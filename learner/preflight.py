@@ -82,3 +82,26 @@ def check_config(config: RunConfig) -> None:
     check_workflow(config.rollout.workflow)
     check_verifiers(config.reward.functions, task_label(config.task))
     check_model_context(config)
+    check_episodes(config)
+
+
+def check_episodes(config: RunConfig) -> None:
+    """A ``multi_turn`` run's environment resolves, and the model's chat template can carry its episodes as appended
+    tokens (:class:`common.turns.TurnEncoder`); ``ValueError`` naming the setting otherwise."""
+    if config.rollout.workflow != "multi_turn":
+        return
+    from common.environments import ENVIRONMENTS
+    from common.turns import TemplateError
+
+    try:
+        ENVIRONMENTS.get(config.environment.name)
+    except ValueError as exc:
+        raise ValueError(f"environment.name: {exc}") from None
+    if not (Path(config.model.path) / "tokenizer_config.json").exists():
+        return  # no model folder yet (init-model makes it): the actors check the template when they load it
+    from actors.episodes import episode_tools
+
+    try:
+        episode_tools(config.model.path)
+    except TemplateError as exc:
+        raise ValueError(f"model.path: {exc}") from None

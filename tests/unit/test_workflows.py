@@ -104,7 +104,7 @@ def test_a_workflow_is_chosen_by_its_registered_name_or_its_import_path(name: st
 @pytest.mark.parametrize(
     ("name", "message"),
     [
-        ("multi_turns", "rollout.workflow: unknown rollout workflow 'multi_turns'; registered: single_turn"),
+        ("two_turns", "rollout.workflow: unknown rollout workflow 'two_turns'; registered: multi_turn, single_turn"),
         ("tests.unit.test_workflows:nowhere", "rollout.workflow: rollout workflow import path"),
     ],
 )

@@ -1,0 +1,249 @@
+"""Multi-turn episodes: the actor's ``multi_turn`` workflow, and the reward worker's replay that scores them.
+
+The actor runs the K episodes of a group at once. Each alternates a model turn (one vLLM request on the whole
+episode so far: the prompt's and the earlier turns' KV cache is reused through prefix caching where it is on) and an
+environment step on that turn's text (:mod:`common.environments`), whose observation is appended as the chat
+template writes it (:class:`common.turns.TurnEncoder`). The episode travels as one response: its tokens, μ and
+versions on the model's tokens (0 and the last sampled version on the environment's), and a loss mask that is 1 on
+the model's tokens only, so the learner trains those and nothing the environment wrote.
+
+After a model turn the environment steps only when the turn ended with the template's end of turn; a turn cut by
+its token budget, or one the model ended with EOS, ends the episode. An episode also ends when the environment says
+done, at ``environment.max_turns``, at ``environment.max_episode_tokens`` (or the context left by the prompt), and when
+a step fails, hangs past ``environment.step_timeout_s`` or returns something unusable — then it ends with the tokens
+it has, and the failure is counted (``asyncrl_actor_episode_endings_total{ending="environment_error"}``).
+
+The reward worker does not take the actor's word for any of it: :func:`replay_episode` makes a fresh environment from
+the same row and seed, steps it with the model's turns as decoded from the trained tokens, checks that every
+environment segment is exactly what the template writes for its observation, and returns the episode's reward: the
+per-turn rewards summed, plus the environment's final :meth:`~common.environments.Environment.score`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import json
+import time
+import zlib
+from dataclasses import dataclass, replace
+from typing import Any
+
+from actors.generation import Generator, Response, Sampling, WorkflowContext, rollout_group, sampling_for
+from common.config import EnvironmentSection
+from common.environments import (
+    ENVIRONMENTS,
+    Environment,
+    EnvironmentFailed,
+    EpisodeRow,
+    Step,
+    checked_score,
+    checked_step,
+)
+from common.logs import get_logger
+from common.metrics import ACTOR_ENVIRONMENT_STEP_SECONDS, ACTOR_EPISODE_ENDINGS, ACTOR_EPISODE_TURNS
+from common.prompts import turn_end_ids
+from common.turns import TurnEncoder, segments, turn_text
+from common.wire import PromptGroup, RolloutGroup
+
+log = get_logger("episodes")
+
+
+class EpisodeMismatch(ValueError):
+    """An episode the environment, replayed on the model's turns, would not have produced."""
+
+
+@dataclass(frozen=True)
+class EpisodeTools:
+    """The tokenizer of ``model.path`` and its :class:`TurnEncoder`."""
+
+    tokenizer: Any
+    encoder: TurnEncoder
+    end_id: int
+    """The token that ends an assistant turn: after it, and only after it, the environment steps."""
+
+
+@functools.lru_cache(maxsize=4)
+def episode_tools(model_path: str) -> EpisodeTools:
+    """Loaded once per process and model folder (nothing is fetched from a hub)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    stop_ids = turn_end_ids(tokenizer)
+    encoder = TurnEncoder.for_tokenizer(tokenizer, stop_ids)
+    return EpisodeTools(tokenizer, encoder, int(stop_ids[0] if stop_ids else tokenizer.eos_token_id))
+
+
+def episode_row(group: PromptGroup | RolloutGroup, index: int) -> EpisodeRow:
+    """The row episode ``index`` of ``group`` is made from; its seed is fixed by the group id and the index, so the
+    reward worker's replay makes the same environment as the actor did."""
+    extra = json.loads(group.extra) if group.extra else {}
+    seed = zlib.crc32(f"{group.group_id}/{index}".encode())
+    return EpisodeRow(prompt=group.prompt, answer=group.answer, extra=extra, seed=seed)
+
+
+def make_environment(section: EnvironmentSection, row: EpisodeRow) -> Environment:
+    try:
+        return ENVIRONMENTS.get(section.name)(row, dict(section.options))
+    except Exception as exc:
+        raise EnvironmentFailed(f"environment {section.name!r} could not be made: {type(exc).__name__}: {exc}") from exc
+
+
+async def take_step(env: Environment, action: str, timeout_s: float) -> Step:
+    """One step within ``timeout_s``. A synchronous ``step`` runs in a thread, so a slow one never stalls the actor's
+    other episodes (a hung one keeps its thread: environments that can hang belong in their own process)."""
+
+    async def call() -> Any:
+        result = await asyncio.to_thread(env.step, action)
+        return await result if inspect.isawaitable(result) else result
+
+    started = time.perf_counter()
+    try:
+        return checked_step(await asyncio.wait_for(call(), timeout_s))
+    except TimeoutError:
+        raise EnvironmentFailed(f"step took longer than environment.step_timeout_s = {timeout_s:g}") from None
+    except EnvironmentFailed:
+        raise
+    except Exception as exc:
+        raise EnvironmentFailed(f"step raised {type(exc).__name__}: {exc}") from exc
+    finally:
+        ACTOR_ENVIRONMENT_STEP_SECONDS.observe(time.perf_counter() - started)
+
+
+def episode_budget(turn: WorkflowContext, prompt_len: int) -> int:
+    """Tokens an episode may hold after its prompt: ``environment.max_episode_tokens``, within the context left."""
+    limits = [turn.environment.max_episode_tokens or 2**31]
+    if turn.max_model_len:
+        limits.append(turn.max_model_len - prompt_len)
+    return max(0, min(limits))
+
+
+async def multi_turn(engine: Generator, group: PromptGroup, turn: WorkflowContext) -> RolloutGroup:
+    """K episodes of the group's row in ``[environment]``, run at once; one response each."""
+    started = time.perf_counter()
+    sampling = sampling_for(group, turn, engine.stop_ids)
+    tools = episode_tools(turn.model_path)
+    episodes = [run_episode(engine, group, i, sampling, turn, tools) for i in range(group.num_samples)]
+    responses = list(await asyncio.gather(*episodes))
+    return rollout_group(group, responses, turn, {"generate": time.perf_counter() - started})
+
+
+async def run_episode(
+    engine: Generator, group: PromptGroup, index: int, sampling: Sampling, turn: WorkflowContext, tools: EpisodeTools
+) -> Response:
+    """Episode ``index`` of ``group``: model turns and environment turns until it ends (module docstring)."""
+    section, prompt = turn.environment, group.prompt_ids.tolist()
+    budget = episode_budget(turn, len(prompt))
+    episode = Response()
+    ending, turns = "max_turns", 0
+    try:
+        env = make_environment(section, episode_row(group, index))
+        for turns in range(1, section.max_turns + 1):
+            room = min(sampling.max_tokens, budget - len(episode.token_ids))
+            if room <= 0:
+                ending = "max_tokens"
+                break
+            request = replace(sampling, n=1, max_tokens=room)
+            [said] = await engine.generate(prompt + episode.token_ids, request, f"{turn.request_id}-{index}-{turns}")
+            _append(episode, said.token_ids, said.logprobs, said.versions, trained=1)
+            if not said.token_ids or said.token_ids[-1] != tools.end_id:
+                ending = "max_tokens" if said.finish_reason == "length" else "stopped"
+                break
+            step = await take_step(env, turn_text(tools.tokenizer, said.token_ids), section.step_timeout_s)
+            if step.done:
+                ending = "done"
+                break
+            observation = tools.encoder.ids(step.observation)
+            if turns == section.max_turns:
+                break
+            if len(episode.token_ids) + len(observation) >= budget:
+                ending = "max_tokens"
+                break
+            last = episode.versions[-1]
+            _append(episode, observation, [0.0] * len(observation), [last] * len(observation), trained=0)
+    except EnvironmentFailed as exc:
+        ending = "environment_error"
+        log.warning("episode ended by its environment", group=group.group_id, episode=index, error=str(exc))
+    ACTOR_EPISODE_TURNS.observe(turns)
+    ACTOR_EPISODE_ENDINGS.labels(ending).inc()
+    episode.text = tools.tokenizer.decode(episode.token_ids, skip_special_tokens=True)
+    episode.finish_reason = "length" if ending in ("max_turns", "max_tokens") else "stop"
+    return episode
+
+
+def _append(episode: Response, ids: list[int], logprobs: list[float], versions: list[int], trained: int) -> None:
+    episode.token_ids += ids
+    episode.logprobs += logprobs
+    episode.versions += versions
+    episode.trained += [trained] * len(ids)
+
+
+# --------------------------------------------------------------------------- the reward worker's replay
+
+
+async def replay_episode(tools: EpisodeTools, section: EnvironmentSection, group: RolloutGroup, index: int) -> float:
+    """The reward of episode ``index`` of ``group``, from a fresh environment stepped with the model's turns.
+
+    :class:`EpisodeMismatch` when the episode is not what that environment gives: an environment segment that is not
+    the template's tokens for the replayed observation, turns after the environment was done, more model turns than
+    ``environment.max_turns``, or an episode that does not start with a model turn. An environment that fails on
+    the episode's last model turn ended the episode there on the actor too: that episode's reward is 0.
+    """
+    ids, _, _ = group.response(index)
+    parts = segments(group.trained(index))
+    if parts and not parts[0][2]:
+        raise EpisodeMismatch(f"episode {index} starts with tokens the model did not sample")
+    if sum(trained for _, _, trained in parts) > section.max_turns:
+        raise EpisodeMismatch(f"episode {index} has more model turns than environment.max_turns")
+    try:
+        env = make_environment(section, episode_row(group, index))
+    except EnvironmentFailed:
+        return 0.0
+    total = 0.0
+    for n, (start, end, trained) in enumerate(parts):
+        if not trained:
+            continue
+        last = n == len(parts) - 1
+        said = ids[start:end].tolist()
+        if tools.end_id in said[:-1]:  # the engine stops at the end of a turn: what follows it is not the model's
+            raise EpisodeMismatch(f"episode {index}: a model turn goes on past its end of turn")
+        if said[-1] != tools.end_id:
+            if not last:
+                raise EpisodeMismatch(f"episode {index}: a turn that did not end goes on")
+            break
+        try:
+            step = await take_step(env, turn_text(tools.tokenizer, said), section.step_timeout_s)
+        except EnvironmentFailed as exc:
+            if last:
+                return 0.0
+            raise EpisodeMismatch(f"episode {index}: the environment failed where the actor's went on ({exc})") from exc
+        total += step.reward
+        if step.done or last:
+            if not last:
+                raise EpisodeMismatch(f"episode {index}: turns after the environment was done")
+            break
+        following = ids[parts[n + 1][0] : parts[n + 1][1]].tolist()
+        if following != tools.encoder.ids(step.observation):
+            raise EpisodeMismatch(f"episode {index}: an environment turn differs from the environment's observation")
+    try:
+        return total + checked_score(env.score())
+    except EnvironmentFailed:
+        raise
+    except Exception as exc:
+        raise EnvironmentFailed(f"score raised {type(exc).__name__}: {exc}") from exc
+
+
+def environment_reward(group: RolloutGroup, options: dict[str, Any]) -> list[float]:
+    """The ``environment`` reward function: each episode replayed (:func:`replay_episode`). Its options are bound
+    from the config by the reward worker (``actors.rewards.bind_functions``): ``environment`` (the
+    ``[environment]`` table) and ``model`` (``model.path``)."""
+    if "environment" not in options or "model" not in options:
+        raise ValueError("environment needs options.environment and options.model (bind_functions sets them)")
+    section = EnvironmentSection.model_validate(options["environment"])
+    tools = episode_tools(str(options["model"]))
+
+    async def replay_all() -> list[float]:
+        return [await replay_episode(tools, section, group, i) for i in range(group.num_samples)]
+
+    return asyncio.run(replay_all())

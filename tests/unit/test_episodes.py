@@ -1,0 +1,300 @@
+"""Multi-turn episodes around a scripted engine, on both tiny chat tokenizers: the episode's tokens are the chat
+template's rendering of the conversation, the loss mask marks the model's tokens only, the reward worker's replay
+scores what the environment says and refuses episodes the environment would not have produced, and environments that
+fail, hang, return garbage or huge observations, or never finish end their episode without taking the actor down.
+(The real engine under ``multi_turn`` is tests/integration/test_chat_models.py's.)"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+import torch
+
+from actors.episodes import EpisodeMismatch, EpisodeTools, environment_reward, replay_episode, run_episode
+from actors.rewards import bind_functions, episode_options
+from actors.workflows import Response, Sampling, WorkflowContext, rollout_group, sampling_for
+from common.config import ConfigError, EnvironmentSection, RewardFunction, load_config
+from common.environments import ENVIRONMENTS, Step, calculate
+from common.prompts import turn_end_ids
+from common.tiny_chat_model import ARCHITECTURES, build_bpe_tokenizer
+from common.tool_calls import parse_tool_calls
+from common.turns import TemplateError, TurnEncoder, segments
+from common.wire import PromptGroup, RolloutGroup, ScoredGroup
+from learner.algorithms import GlobalCounts, LossInput, build_aggregation, build_loss
+from learner.batch import collate
+from learner.preflight import check_config
+
+CALL = '<tool_call>{"name": "calc", "arguments": {"expression": "6*7"}}</tool_call>'
+QUESTION = [{"role": "user", "content": "What is 6*7?"}]
+
+
+def tools_for(arch: str) -> EpisodeTools:
+    tokenizer = build_bpe_tokenizer(arch)
+    stop = turn_end_ids(tokenizer)
+    end = int(stop[0] if stop else tokenizer.eos_token_id)
+    return EpisodeTools(tokenizer, TurnEncoder.for_tokenizer(tokenizer, stop), end)
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def tools(request: pytest.FixtureRequest) -> EpisodeTools:
+    return tools_for(request.param)
+
+
+class ScriptedEngine:
+    """Says the scripted turns in order (each closed with the end of turn unless it is cut), one per request."""
+
+    stop_ids: tuple[int, ...] = ()
+
+    def __init__(self, tools: EpisodeTools, turns: Sequence[str], cut: bool = False) -> None:
+        self.tools, self.turns, self.cut = tools, list(turns), cut
+        self.prompts: list[list[int]] = []
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: Sampling, request_id: str) -> list[Response]:
+        self.prompts.append(list(prompt_ids))
+        text = self.turns[min(len(self.prompts), len(self.turns)) - 1]
+        ids = self.tools.tokenizer(text, add_special_tokens=False)["input_ids"][: sampling.max_tokens]
+        ended = not self.cut and len(ids) < sampling.max_tokens
+        ids = [*ids, self.tools.end_id] if ended else ids
+        version = len(self.prompts)  # a new policy version each turn: weights that changed between turns
+        return [Response(ids, [-0.5] * len(ids), [version] * len(ids), text, "stop" if ended else "length")]
+
+
+def prompt_group(tools: EpisodeTools, answer: str = "42", k: int = 1) -> PromptGroup:
+    text = tools.tokenizer.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True)
+    ids = tools.tokenizer(text, add_special_tokens=False)["input_ids"]
+    return PromptGroup(
+        group_id="g-1", task="file", prompt=text, prompt_ids=np.array(ids, np.int32), answer=answer, num_samples=k
+    )
+
+
+def context(*overrides: str) -> WorkflowContext:
+    settings = ["rollout.workflow=multi_turn", "environment.name=calculator", "rollout.max_new_tokens=96"]
+    config = load_config(None, [*settings, *overrides])
+    return WorkflowContext.of(config, "actor-0", "g-1-abc")
+
+
+def episode(tools: EpisodeTools, turns: Sequence[str], *overrides: str, cut: bool = False, answer: str = "42"):
+    """(rollout group of one episode, the engine, the workflow context)."""
+    engine, turn, group = ScriptedEngine(tools, turns, cut), context(*overrides), prompt_group(tools, answer)
+    sampling = sampling_for(group, turn)
+    response = asyncio.run(run_episode(engine, group, 0, sampling, turn, tools))
+    return rollout_group(group, [response], turn), engine, turn
+
+
+def replay(tools: EpisodeTools, rollout: RolloutGroup, turn: WorkflowContext) -> float:
+    return asyncio.run(replay_episode(tools, turn.environment, rollout, 0))
+
+
+def test_an_episode_is_the_templates_rendering_with_only_the_models_tokens_trained(tools: EpisodeTools) -> None:
+    rollout, engine, turn = episode(tools, [CALL, "It is 42."])
+    ids, logprobs, versions = rollout.response(0)
+    parts = segments(rollout.trained(0))
+    assert [trained for _, _, trained in parts] == [True, False, True]
+    _, (tool_start, tool_end, _), _ = parts
+    observation = tools.encoder.ids([{"role": "tool", "content": "42"}])
+    assert ids[tool_start:tool_end].tolist() == observation
+    assert np.all(logprobs[tool_start:tool_end] == 0.0) and np.all(logprobs[rollout.trained(0)] == -0.5)
+    assert versions.tolist() == [1] * tool_end + [2] * (len(ids) - tool_end)  # the tool's carry its turn's version
+    # The whole conversation as the template renders it (it closes the last turn with a newline the episode ends
+    # before), as text and as ids: the model's turns here are canonical encodings of their text.
+    conversation = [*QUESTION, {"role": "assistant", "content": CALL}, {"role": "tool", "content": "42"}]
+    conversation.append({"role": "assistant", "content": "It is 42."})
+    rendered = tools.tokenizer.apply_chat_template(conversation, tokenize=False)
+    whole = [*rollout.prompt_ids.tolist(), *ids.tolist()]
+    assert tools.tokenizer.decode(whole) == rendered.removesuffix("\n")
+    assert whole == tools.tokenizer(rendered, add_special_tokens=False)["input_ids"][: len(whole)]
+    # Each turn is asked for on the whole episode so far.
+    assert engine.prompts == [rollout.prompt_ids.tolist(), whole[: len(rollout.prompt_ids) + tool_end]]
+    assert replay(tools, rollout, turn) == 1.0
+    wrong, _, _ = episode(tools, [CALL, "It is 41."])
+    assert replay(tools, wrong, turn) == 0.0
+
+
+def test_the_replay_refuses_an_episode_the_environment_would_not_have_produced(tools: EpisodeTools) -> None:
+    rollout, _, turn = episode(tools, [CALL, "It is 42."])
+    (_, _, _), (tool_start, _, _), _ = segments(rollout.trained(0))
+    forged = rollout.token_ids.copy()
+    forged[tool_start + 3] += 1  # the tool's answer changed on the way
+    with pytest.raises(EpisodeMismatch, match="differs from the environment's observation"):
+        replay(tools, dataclasses.replace(rollout, token_ids=forged), turn)
+    everything = np.ones(len(rollout.token_ids), np.int32)  # the tool's tokens marked as the model's: trained
+    with pytest.raises(EpisodeMismatch, match="past its end of turn"):
+        replay(tools, dataclasses.replace(rollout, loss_mask=everything), turn)
+    first_is_tool = 1 - rollout.loss_mask
+    with pytest.raises(EpisodeMismatch, match="starts with tokens the model did not sample"):
+        replay(tools, dataclasses.replace(rollout, loss_mask=first_is_tool), turn)
+    with pytest.raises(EpisodeMismatch, match=r"more model turns than environment\.max_turns"):
+        replay(tools, rollout, context("environment.max_turns=1"))
+
+
+def test_the_reward_worker_scores_episodes_through_the_environment_function(tools, tmp_path) -> None:
+    """The ``environment`` reward function as a worker binds it: the run's [environment] and model folder."""
+    tools.tokenizer.save_pretrained(tmp_path)
+    config = load_config(
+        None, ["rollout.workflow=multi_turn", "environment.name=calculator", f"model.path={tmp_path}"]
+    )
+    [function] = bind_functions([RewardFunction(name="environment")], "file", episode_options(config))
+    right, _, _ = episode(tools, [CALL, "42"])
+    wrong, _, _ = episode(tools, ["41"])
+    assert environment_reward(right, function.options) == [1.0]
+    assert environment_reward(wrong, function.options) == [0.0]
+
+
+HERE = "tests.unit.test_episodes"
+
+
+class Counting:
+    """Never done: says how many turns it has seen (named by import path, as a user's own environment is)."""
+
+    def __init__(self, row, options) -> None:
+        self.turns = 0
+
+    def step(self, action: str) -> Step:
+        self.turns += 1
+        return Step(observation=[{"role": "user", "content": f"turn {self.turns}"}], reward=0.25)
+
+    def score(self) -> float:
+        return 0.0
+
+
+class Failing(Counting):
+    """Fails as options["how"] says, at its first step."""
+
+    def __init__(self, row, options) -> None:
+        self.how = options["how"]
+
+    async def step(self, action: str) -> Step:
+        if self.how == "raises":
+            raise RuntimeError("the environment broke")
+        if self.how == "hangs":
+            time.sleep(2)  # a synchronous hang: only its thread waits
+        if self.how == "hangs_async":
+            await asyncio.sleep(60)
+        if self.how == "garbage":
+            return {"observation": "not a Step"}
+        return Step(observation=[{"role": "user", "content": "x" * 2**20}])  # huge
+
+
+def test_an_environment_that_never_finishes_ends_at_max_turns_with_its_turn_rewards(tools: EpisodeTools) -> None:
+    rollout, engine, turn = episode(tools, ["a", "b", "c", "d"], f"environment.name={HERE}:Counting")
+    assert len(engine.prompts) == 4 and rollout.finish_reasons == ["length"]
+    assert [t for _, _, t in segments(rollout.trained(0))] == [True, False] * 3 + [True]
+    assert replay(tools, rollout, turn) == 1.0  # four turns' rewards of 0.25 (the last one stepped, not appended)
+
+
+def test_an_episode_ends_at_its_token_budget(tools: EpisodeTools) -> None:
+    settings = (f"environment.name={HERE}:Counting", "environment.max_episode_tokens=40")
+    rollout, engine, turn = episode(tools, ["a longer turn than the others"], *settings)
+    assert int(rollout.lengths[0]) <= 40 and len(engine.prompts) < 4
+    assert replay(tools, rollout, turn) > 0
+
+
+@pytest.mark.parametrize("how", ["raises", "hangs", "hangs_async", "garbage", "huge"])
+def test_an_environment_that_fails_ends_its_episode_and_the_replay_scores_it_zero(tools, how) -> None:
+    settings = (f"environment.name={HERE}:Failing", f"environment.options={{how='{how}'}}")
+    settings += ("environment.step_timeout_s=0.3",)
+    rollout, engine, turn = episode(tools, [CALL, "42"], *settings)
+    assert len(engine.prompts) == 1 and rollout.trained(0).all()  # the first turn kept, nothing after it
+    assert replay(tools, rollout, turn) == 0.0
+
+
+def test_a_turn_cut_by_its_budget_ends_the_episode_without_a_step(tools: EpisodeTools) -> None:
+    rollout, engine, turn = episode(tools, [CALL], "rollout.max_new_tokens=5", cut=True)
+    assert len(engine.prompts) == 1 and int(rollout.lengths[0]) == 5 and rollout.finish_reasons == ["length"]
+    assert replay(tools, rollout, turn) == 0.0
+
+
+def test_a_multi_turn_run_needs_an_environment_that_exists() -> None:
+    with pytest.raises(ConfigError, match=r"set environment\.name"):
+        load_config(None, ["rollout.workflow=multi_turn"])
+    with pytest.raises(ValueError, match=r"environment\.name: unknown environment 'nowhere'; registered: calculator"):
+        check_config(load_config(None, ["rollout.workflow=multi_turn", "environment.name=nowhere"]))
+    assert "calculator" in ENVIRONMENTS
+    assert EnvironmentSection().max_turns == 4
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused() -> None:
+    tokenizer = build_bpe_tokenizer("qwen2")
+    with pytest.raises(TemplateError, match="has none"):
+        TurnEncoder.for_tokenizer(type("Plain", (), {"chat_template": None})())
+    # As thinking models' templates do: an earlier assistant turn loses its reasoning once another turn follows.
+    tokenizer.chat_template = (
+        "{%- for m in messages %}{%- set c = m['content'] %}"
+        "{%- if m['role'] == 'assistant' and not loop.last %}{%- set c = c.split('</think>')[-1] %}{%- endif %}"
+        "{{- '<|im_start|>' + m['role'] + '\\n' + c + '<|im_end|>\\n' }}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    )
+    encoder = TurnEncoder(tokenizer, "<|im_end|>")
+    assert encoder.text([{"role": "tool", "content": "1"}]).startswith("\n<|im_start|>tool")  # no reasoning: fine
+    with pytest.raises(TemplateError, match="rewrites earlier turns"):
+        TurnEncoder.for_tokenizer(_with_probe_reasoning(tokenizer), turn_end_ids(tokenizer))
+
+
+def _with_probe_reasoning(tokenizer):
+    """The tokenizer with a template that always drops what comes before the last ``e`` of an earlier assistant turn
+    (the probe's content has one): a template that rewrites earlier turns whatever they hold."""
+    tokenizer.chat_template = tokenizer.chat_template.replace("'</think>'", "'e'")
+    return tokenizer
+
+
+def test_calculator_and_tool_calls_refuse_what_they_cannot_do_safely() -> None:
+    assert calculate("(12+3)*4 - 10/4") == "57.5" and calculate("7//2") == "3"
+    for expression, why in [
+        ("2**10", "unsupported BinOp"),
+        ("__import__('os')", "unsupported Call"),
+        ("1/0", "division by zero"),
+        ("9" * 30, "beyond"),
+        ("1+" * 150, "longer than"),
+        ("1 +", "invalid syntax"),
+    ]:
+        assert calculate(expression).startswith("error:") and why in calculate(expression), expression
+    parsed = parse_tool_calls(
+        CALL + '<tool_call>{"name": 3}</tool_call><tool_call>{oops</tool_call>'
+        '<tool_call>{"name": "calc", "arguments": [1]}</tool_call><tool_call>{"name": "calc"'
+    )
+    assert [c.arguments for c in parsed.calls] == [{"expression": "6*7"}]
+    assert [e.split(" ")[0] for e in parsed.errors] == ["not", "not", '"arguments"', "a"]
+    assert not parse_tool_calls("just 42").any
+
+
+def test_the_learner_trains_the_models_tokens_of_an_episode_and_nothing_the_environment_wrote(tools) -> None:
+    """The batch's response mask is the episode's loss mask; whatever the environment's positions hold (log-probs of
+    any policy, advantages), the loss and its gradient are the same."""
+    rollout, _, _ = episode(tools, [CALL, "It is 42."])
+    scored = ScoredGroup(rollout=rollout, rewards=np.ones(1, np.float32))
+    batch = collate([scored], pad_id=0)
+    prompt = len(rollout.prompt_ids)
+    assert batch.response_mask[0, :prompt].sum() == 0
+    assert batch.response_mask[0, prompt:].tolist() == rollout.trained(0).tolist()
+    mask = batch.response_mask
+    gen = torch.Generator().manual_seed(0)
+    behaviour = batch.behaviour_logprobs.double()
+    old = behaviour + 0.1 * torch.randn(mask.shape, generator=gen, dtype=torch.float64)
+    current = old + 0.1 * torch.randn(mask.shape, generator=gen, dtype=torch.float64)
+    advantages = torch.randn(mask.shape, generator=gen, dtype=torch.float64)
+    environment = ~mask & batch.attention_mask.bool()
+    environment[:, :prompt] = False
+    assert environment.sum() > 0
+
+    def loss_and_grad(spoil: float) -> tuple[torch.Tensor, torch.Tensor]:
+        theta = torch.where(environment, current + spoil, current).requires_grad_()
+        inp = LossInput(
+            theta,
+            torch.where(environment, old - spoil, old),
+            torch.where(environment, behaviour + 3 * spoil, behaviour),
+            torch.where(environment, advantages * (1 + spoil), advantages),
+            mask,
+        )
+        out = build_loss("ppo_clip", {"off_policy": {"level": "sequence"}})(inp)
+        loss = build_aggregation("token_mean")(out.per_token_loss, mask, GlobalCounts.of(mask))
+        loss.backward()
+        return loss.detach(), theta.grad
+
+    (loss, grad), (spoiled_loss, spoiled_grad) = loss_and_grad(0.0), loss_and_grad(5.0)
+    assert loss != 0 and torch.equal(loss, spoiled_loss) and torch.equal(grad, spoiled_grad)
+    assert torch.all(grad[environment] == 0)
