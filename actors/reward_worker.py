@@ -63,7 +63,7 @@ from common.metrics import (
 )
 from common.net import advertise_host
 from common.outage import exit_for_outage, outage_clock, outage_in
-from common.provenance import issue_mismatch
+from common.provenance import episode_tokens, issue_mismatch
 from common.replay import ReplayWriter
 from common.response_text import ResponseTexts
 from common.seal import run_seal
@@ -369,7 +369,9 @@ class RewardWorker:
             return "trained", "its id was already trained"
         if group.task != self.task:
             return "task", f"task {group.task[:80]!r} is not this run's task {self.task!r}"
-        mismatch = issue_mismatch(standing.issued, group, self.config.rollout.max_new_tokens)
+        mismatch = issue_mismatch(
+            standing.issued, group, self.config.rollout.max_new_tokens, episode_tokens=episode_tokens(self.config)
+        )
         return ("issue_record", mismatch) if mismatch is not None else None
 
     def _hold(self, group: RolloutGroup) -> None:

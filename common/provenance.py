@@ -33,15 +33,22 @@ from __future__ import annotations
 
 import numpy as np
 
+from common.config import RunConfig
 from common.wire import PromptGroup, RolloutGroup
 
 
 def issue_mismatch(
-    issued: PromptGroup | None, group: RolloutGroup, max_new_tokens: int, newest_version: int | None = None
+    issued: PromptGroup | None,
+    group: RolloutGroup,
+    max_new_tokens: int,
+    newest_version: int | None = None,
+    episode_tokens: int = 0,
 ) -> str | None:
     """Why ``group`` does not answer ``issued`` (its id's issue record, None when there is none), or None if it does.
 
-    ``newest_version`` None skips the version bound (the reward worker does not follow versions).
+    ``newest_version`` None skips the version bound (the reward worker does not follow versions). In a run whose
+    responses are multi-turn episodes, ``episode_tokens`` (:func:`episode_tokens`) bounds every response instead of
+    ``max_new_tokens``, which bounds each of its turns.
     """
     if issued is None:
         return "its id is not in flight: never issued by this run, or given up as lost after its re-issue"
@@ -54,11 +61,20 @@ def issue_mismatch(
         return f"it has {group.num_samples} responses; {issued.num_samples} were asked for"
     if group.issued_version != issued.issued_version:
         return f"its issued_version {group.issued_version} is not the issued {issued.issued_version}"
-    longest, limit = int(group.lengths.max(initial=0)), issued.max_new_tokens or max_new_tokens
+    longest, limit = int(group.lengths.max(initial=0)), episode_tokens or issued.max_new_tokens or max_new_tokens
     if longest > limit:
         setting = "the group's max_new_tokens" if issued.max_new_tokens else "rollout.max_new_tokens"
+        setting = "an episode's token budget" if episode_tokens else setting
         return f"a response has {longest} tokens; {setting} is {limit}"
     newest = int(group.versions.max(initial=0))
     if newest_version is not None and newest > newest_version:
         return f"a token is stamped version {newest}; the newest published is {newest_version}"
     return None
+
+
+def episode_tokens(config: RunConfig) -> int:
+    """The most tokens one episode may hold in a run with an environment (``environment.max_episode_tokens``, else
+    ``model.max_model_len``); 0 in a run without one."""
+    if not config.environment.name:
+        return 0
+    return config.environment.max_episode_tokens or config.model.max_model_len

@@ -36,7 +36,7 @@ from common.dead_letters import dead_letter
 from common.logs import get_logger, worth_logging
 from common.prompt_ledger import Standing
 from common.prompts import Prompter, model_vocab_size
-from common.provenance import issue_mismatch
+from common.provenance import episode_tokens, issue_mismatch
 from common.replay import ReplayEntry, ReplayReader
 from common.response_text import ResponseTexts
 from common.staleness import StalenessBound
@@ -249,7 +249,9 @@ class BatchSource:
             return "duplicate"
         if group_id not in self._retrain:  # a group trained again after a resume was checked when first trained
             issued, rollout = standing.issued, entry.group.rollout
-            reason = issue_mismatch(issued, rollout, self.config.rollout.max_new_tokens, self.newest_version)
+            reason = issue_mismatch(
+                issued, rollout, self.config.rollout.max_new_tokens, self.newest_version, episode_tokens(self.config)
+            )
             reason = reason or self.texts.mismatch(rollout)  # train only ids whose scored text is their decode
             if reason is not None:
                 self._refuse(entry, reason)

@@ -29,7 +29,7 @@ from common.control import ControlPlane
 from common.evaluation import eval_examples, eval_groups, round_figures
 from common.logs import get_logger, worth_logging
 from common.prompts import Prompter
-from common.provenance import issue_mismatch
+from common.provenance import episode_tokens, issue_mismatch
 from common.replay import ReplayEntry, ReplayReader
 from common.seal import run_secret
 from common.wire import PromptGroup, ScoredGroup
@@ -94,7 +94,9 @@ class EvalRounds:
         rollout = entry.group.rollout
         round_ = next((r for r in self.open.values() if rollout.group_id in r.issued), None)
         issued = round_.issued.get(rollout.group_id) if round_ is not None else None
-        reason = issue_mismatch(issued, rollout, self.config.rollout.max_new_tokens)
+        reason = issue_mismatch(
+            issued, rollout, self.config.rollout.max_new_tokens, episode_tokens=episode_tokens(self.config)
+        )
         if round_ is not None and reason is None and rollout.group_id not in round_.scored:
             round_.scored[rollout.group_id] = entry.group
         else:

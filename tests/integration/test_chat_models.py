@@ -6,12 +6,20 @@ samples from those ids; the learner's BatchSource reads the scored groups back f
 exactly the ids the actor generated — the prompt as the dispatcher made it, the response (with the template's end
 of turn) as vLLM sampled it — and vLLM's behaviour log-probs of those ids equal a transformers forward pass. The
 actor takes 16 groups of long prompts at once, more than one engine step prefills: its seeded requests survive that.
+
+Half the groups are multi-turn episodes (``tests/helpers/episodes.py``: the same actor runs both built-in
+workflows): each episode is the chat template's rendering of its conversation, the learner's response mask is the
+episode's loss mask (the environment's tokens untrained), the log-probs of every model turn — sampled after the
+environment's tokens — equal a transformers forward over the whole episode, and the reward worker's replay of the
+environment accepts every episode.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -23,6 +31,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from actors.episodes import episode_tools, replay_episode
 from common.channel import PullChannel
 from common.config import RunConfig
 from common.control import ControlPlane
@@ -32,14 +41,17 @@ from common.response_text import ResponseTexts
 from common.seal import run_seal
 from common.tasks import TaskExample
 from common.tiny_chat_model import ARCHITECTURES, IM_END, chat_examples, init_chat_model, warm_start_chat
+from common.turns import segments
 from common.wire import Heartbeat, RolloutGroup, ScoredGroup
 from learner.batch import collate
 from learner.batch_source import BatchSource
 from tests.helpers.actor_stack import stop, transformers_logprobs
+from tests.helpers.episodes import is_episode
 from tests.helpers.rollouts import answer
 
 pytestmark = pytest.mark.integration
 ACTOR = str(Path(sys.executable).parent / "rl-actor")
+ROOT = Path(__file__).resolve().parents[2]
 LOGPROB_TOLERANCE = 1e-4
 RUN = "chat"
 GROUPS = 16
@@ -64,7 +76,7 @@ def run_config(tmp_path: Path, model_dir: Path, data: Path, groups: int = 16, sa
     return RunConfig.model_validate(
         {
             "run": {"name": RUN, "root": str(tmp_path / "runs")},
-            "model": {"path": str(model_dir), "max_model_len": 128},
+            "model": {"path": str(model_dir), "max_model_len": 256},
             "task": {
                 "name": "file",
                 "path": str(data),
@@ -79,7 +91,9 @@ def run_config(tmp_path: Path, model_dir: Path, data: Path, groups: int = 16, sa
                 "kv_cache_bytes": 64 * 2**20,
                 "cpu_single_process": True,
                 "cpu_threads": "0",
+                "workflow": "tests.helpers.episodes:alternate",
             },
+            "environment": {"name": "tests.helpers.episodes:Prodding", "max_turns": 3, "max_episode_tokens": 96},
             "learner": {"groups_per_step": groups, "wait_for_batch_s": 30},
             "staleness": {"max_staleness": 0},
             "transport": {"heartbeat_s": 0.5, "heartbeat_ttl_s": 5},
@@ -110,7 +124,9 @@ def test_the_folders_load_as_users_models_do(chat_model: tuple[str, Path]) -> No
 
 
 def start_actor(url: str) -> subprocess.Popen:
-    return subprocess.Popen([ACTOR, "--redis", url, "--run", RUN, "--id", "a1"])
+    """``rl-actor``, with the repository importable: the run's workflow and environment are in tests/helpers."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    return subprocess.Popen([ACTOR, "--redis", url, "--run", RUN, "--id", "a1"], env=env)
 
 
 def collect(pull: PullChannel, n: int, actor: subprocess.Popen, timeout_s: float = 400) -> list[RolloutGroup]:
@@ -164,30 +180,64 @@ def test_the_learner_trains_exactly_the_ids_the_actor_generated(
     by_id = {r.group_id: r for r in rollouts}
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     end_of_turn = tokenizer.convert_tokens_to_ids(IM_END)
-    row, worst, tokens, ended = 0, 0.0, 0, 0
+    row, worst, tokens, ended, turns = 0, 0.0, 0, 0, []
     for group in taken.groups:
         sent = by_id[group.rollout.group_id]
         assert np.array_equal(sent.prompt_ids, issued[sent.group_id].prompt_ids)
         for i in range(sent.num_samples):
             ids, logprobs, _ = sent.response(i)
+            trained = sent.trained(i)
             whole = np.concatenate([sent.prompt_ids, ids])
             assert batch.input_ids[row, : len(whole)].tolist() == whole.tolist()  # the very ids, no re-encoding
-            assert int(batch.response_mask[row].sum()) == len(ids)
+            assert batch.response_mask[row, len(sent.prompt_ids) : len(whole)].tolist() == trained.tolist()
+            assert int(batch.response_mask[row].sum()) == int(trained.sum())
+            if is_episode(sent):
+                turns.append(check_episode(config, tokenizer, rows[json.loads(sent.extra)["id"]], sent, i))
+            else:
+                assert trained.all()
             if sent.finish_reasons[i] == "stop":  # the template's end of turn is sampled, kept and trained on
                 # ... or the model's EOS: Qwen2's is <|endoftext|>, not the end of turn, and vLLM stops there too
                 assert ids[-1] in (end_of_turn, tokenizer.eos_token_id) and IM_END not in sent.texts[i]
                 ended += int(ids[-1] == end_of_turn)
-            expected = transformers_logprobs(model, sent.prompt_ids, ids)
-            worst = max(worst, float(np.abs(expected - logprobs).max(initial=0.0)))
-            tokens += len(ids)
+            expected = transformers_logprobs(model, sent.prompt_ids, ids)  # over the whole episode: every turn
+            worst = max(worst, float(np.abs(expected - logprobs)[trained].max(initial=0.0)))
+            tokens += int(trained.sum())
             row += 1
     padded = int(sum((r.token_ids >= len(tokenizer)).sum() for r in rollouts))
     print(
-        f"{arch}: vLLM vs transformers max |logprob diff| = {worst:.2e} over {tokens} tokens; "
-        f"{ended}/{row} responses ended their turn; {padded} padded ids sampled"
+        f"{arch}: vLLM vs transformers max |logprob diff| = {worst:.2e} over {tokens} sampled tokens; "
+        f"{ended}/{row} responses ended their turn; {padded} padded ids sampled; model turns per episode: "
+        f"{ {n: turns.count(n) for n in sorted(set(turns))} }"
     )
     assert worst <= LOGPROB_TOLERANCE
     assert ended > 0, "no response ended its turn: the stop token is not honoured"
+    assert max(turns) >= 2, "no episode went past its first turn"
+
+
+def check_episode(config: RunConfig, tokenizer, row: dict, sent: RolloutGroup, i: int) -> int:
+    """Episode ``i`` of ``sent`` is the chat template's rendering of its conversation (the row's messages, then the
+    model's turns and the environment's), and the reward worker's replay of the environment takes it: its reward is
+    the turns the environment answered. Returns its model turns."""
+    ids, _, _ = sent.response(i)
+    parts = segments(sent.trained(i))
+    tools = episode_tools(config.model.path)
+    conversation = [{"role": "system", "content": SYSTEM_PROMPT}, *row["messages"]]
+    for n, (start, end, trained) in enumerate(parts):
+        if trained:  # the turn as sampled, special tokens and all (a random model samples <|im_start|> too)
+            said = ids[start:end].tolist()
+            said = said[:-1] if said[-1] == tools.end_id else said
+            conversation.append({"role": "assistant", "content": tokenizer.decode(said)})
+        else:  # Prodding's n-th question (tests/helpers/episodes.py)
+            conversation.append({"role": "user", "content": f"Are you sure? Say it again ({n // 2 + 1})."})
+    decoded = tokenizer.decode(np.concatenate([sent.prompt_ids, ids]).tolist())
+    last_turn_ended = parts[-1][2] and ids[-1] == tools.end_id
+    rendered = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=not parts[-1][2])
+    closing = "\n" if last_turn_ended else IM_END + "\n" if parts[-1][2] else ""  # what the episode stopped before
+    assert decoded + closing == rendered
+    model_turns = [ids[end - 1] for start, end, trained in parts if trained]
+    reward = asyncio.run(replay_episode(tools, config.environment, sent, i))
+    assert reward == sum(last == tools.end_id for last in model_turns)
+    return len(model_turns)
 
 
 def test_a_group_that_sampled_a_padded_id_is_trained_not_dead_lettered(tmp_path: Path, redis_client) -> None:

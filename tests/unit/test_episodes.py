@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from actors.episodes import EpisodeMismatch, EpisodeTools, environment_reward, r
 from actors.rewards import bind_functions, episode_options
 from actors.workflows import Response, Sampling, WorkflowContext, rollout_group, sampling_for
 from common.config import ConfigError, EnvironmentSection, RewardFunction, load_config
-from common.environments import ENVIRONMENTS, Step, calculate
+from common.environments import ENVIRONMENTS, EpisodeRow, Step, calculate
 from common.prompts import turn_end_ids
 from common.tiny_chat_model import ARCHITECTURES, build_bpe_tokenizer
 from common.tool_calls import parse_tool_calls
@@ -298,3 +299,18 @@ def test_the_learner_trains_the_models_tokens_of_an_episode_and_nothing_the_envi
     (loss, grad), (spoiled_loss, spoiled_grad) = loss_and_grad(0.0), loss_and_grad(5.0)
     assert loss != 0 and torch.equal(loss, spoiled_loss) and torch.equal(grad, spoiled_grad)
     assert torch.all(grad[environment] == 0)
+
+
+def test_the_environment_in_the_docs_runs_as_written() -> None:
+    """docs/environments.md's example, executed: under 30 lines, and it does what its docstring says."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "environments.md").read_text()
+    source = text.split("```python\n", 1)[1].split("```", 1)[0]
+    assert len(source.strip().splitlines()) <= 30
+    with ENVIRONMENTS.snapshot():
+        namespace: dict = {}
+        exec(compile(source, "docs/environments.md", "exec"), namespace)
+        guess = ENVIRONMENTS.get("guess")(EpisodeRow(prompt="", answer="7"), {})
+        assert guess.step("I say 3").observation == [{"role": "user", "content": "3 is too low."}]
+        assert guess.step("no idea").observation[0]["content"] == "Answer with a number."
+        assert guess.step("7").done and guess.score() == 1.0
+    assert "guess" not in ENVIRONMENTS

@@ -7,7 +7,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from common.provenance import issue_mismatch
+from common.config import load_config
+from common.provenance import episode_tokens, issue_mismatch
 from common.wire import PromptGroup, RolloutGroup
 
 ISSUED = PromptGroup(
@@ -80,6 +81,15 @@ def test_a_response_longer_than_max_new_tokens_is_refused() -> None:
         "a response has 3199 tokens; rollout.max_new_tokens is 64"
     )
     assert issue_mismatch(ISSUED, answer(), max_new_tokens=2, newest_version=4) is not None  # 3 > 2: the bound is exact
+    # A multi-turn episode holds several turns of up to max_new_tokens each: its budget bounds it instead.
+    assert issue_mismatch(ISSUED, long, 64, 4, episode_tokens=3199) is None
+    assert issue_mismatch(ISSUED, long, 64, 4, episode_tokens=3198) == (
+        "a response has 3199 tokens; an episode's token budget is 3198"
+    )
+    episodes = ["rollout.workflow=multi_turn", "environment.name=calculator", "model.max_model_len=300"]
+    assert episode_tokens(load_config(None, episodes)) == 300
+    assert episode_tokens(load_config(None, [*episodes, "environment.max_episode_tokens=99"])) == 99
+    assert episode_tokens(load_config(None, [])) == 0
 
 
 def test_an_id_without_an_issue_record_is_refused() -> None:
