@@ -77,6 +77,7 @@ VERIFIERS: Registry[Verifier] = Registry("verifier")
 register_verifier = VERIFIERS.register
 get_verifier = VERIFIERS.get
 verifier_names = VERIFIERS.names
+VERIFIERS.register_path("reasoning_gym", "common.gyms:verify_reasoning_gym")  # needs reasoning-gym: imported when used
 
 _OPTION_CHECKS: dict[Callable[..., float], Callable[..., None]] = {}
 

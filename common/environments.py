@@ -23,7 +23,8 @@ never selects one. The reward worker scores an episode by replaying the model's 
 made from the same row and seed (``actors/episodes.py``), so an environment must give the same observations for
 the same row, seed and turns — and an actor cannot write observations the environment did not.
 
-Built-in: ``calculator`` — arithmetic with a ``calc`` tool (:class:`Calculator`).
+Built-in: ``calculator`` — arithmetic with a ``calc`` tool (:class:`Calculator`); adapters (``common/gyms.py``):
+``skyrl_gym`` and ``textarena``.
 """
 
 from __future__ import annotations
@@ -81,6 +82,9 @@ EnvironmentFactory = Callable[[EpisodeRow, dict[str, Any]], Environment]
 ENVIRONMENTS: Registry[EnvironmentFactory] = Registry("environment")
 """Environments by the name ``environment.name`` gives (or an import path ``package.module:Class``)."""
 register_environment = ENVIRONMENTS.register
+# Adapters that need optional packages (common/gyms.py), imported when a run names them.
+ENVIRONMENTS.register_path("skyrl_gym", "common.gyms:SkyRLGym")
+ENVIRONMENTS.register_path("textarena", "common.gyms:TextArenaGame")
 
 
 def checked_step(value: Any) -> Step:

@@ -34,21 +34,27 @@ class Registry(Generic[T]):
 
         def wrap(obj: T) -> T:
             taken = self._entries.get(name)
-            if taken is not None and taken is not obj:
+            if taken is not None and taken is not obj and not (isinstance(taken, _Deferred) and taken == obj):
                 raise ValueError(f"{self.kind} name {name!r} already registered by {_describe(taken)}")
             self._entries[name] = obj
             return obj
 
         return wrap
 
+    def register_path(self, name: str, path: str) -> None:
+        """Register ``name`` for the object at import path ``path``, imported on first :meth:`get`: for entries whose
+        module needs an optional package, or would import this registry's module back."""
+        self.register(name)(_Deferred(path))  # type: ignore[arg-type]
+
     def get(self, name: str) -> T:
         """The entry registered as ``name``, or the object at import path ``package.module:attribute``."""
         if ":" in name:
             return _import(name, self.kind)
         try:
-            return self._entries[name]
+            entry = self._entries[name]
         except KeyError:
             raise ValueError(f"unknown {self.kind} {name!r}; registered: {', '.join(self.names())}") from None
+        return _import(entry.path, self.kind) if isinstance(entry, _Deferred) else entry
 
     def names(self) -> list[str]:
         return sorted(self._entries)
@@ -64,6 +70,22 @@ class Registry(Generic[T]):
             yield self
         finally:
             self._entries = saved
+
+
+class _Deferred:
+    """An entry known by its import path until it is first used."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __eq__(self, other: object) -> bool:  # registering the same path twice is not a clash
+        return isinstance(other, _Deferred) and other.path == self.path
+
+    def __hash__(self) -> int:
+        return hash(self.path)
+
+    def __repr__(self) -> str:
+        return self.path
 
 
 def _describe(obj: object) -> str:

@@ -167,6 +167,11 @@ def register_task(name: str) -> Callable[[type[Task]], type[Task]]:
     return wrap
 
 
+# Adapters that need optional packages (common/gyms.py), imported when a run names them.
+TASKS.register_path("reasoning_gym", "common.gyms:ReasoningGymTask")
+TASKS.register_path("textarena", "common.gyms:TextArenaTask")
+
+
 def get_task(name: str, **options: Any) -> Task:
     """Build the task registered as ``name`` with ``options`` (its constructor's keyword arguments)."""
     return check_task_options(name, options)(**options)

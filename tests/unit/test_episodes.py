@@ -9,86 +9,30 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from actors.episodes import EpisodeMismatch, EpisodeTools, environment_reward, replay_episode, run_episode
+from actors.episodes import EpisodeMismatch, EpisodeTools, environment_reward
 from actors.rewards import bind_functions, episode_options
-from actors.workflows import Response, Sampling, WorkflowContext, rollout_group, sampling_for
 from common.config import ConfigError, EnvironmentSection, RewardFunction, load_config
 from common.environments import ENVIRONMENTS, EpisodeRow, Step, calculate
 from common.prompts import turn_end_ids
 from common.tiny_chat_model import ARCHITECTURES, build_bpe_tokenizer
 from common.tool_calls import parse_tool_calls
 from common.turns import TemplateError, TurnEncoder, segments
-from common.wire import PromptGroup, RolloutGroup, ScoredGroup
+from common.wire import ScoredGroup
 from learner.algorithms import GlobalCounts, LossInput, build_aggregation, build_loss
 from learner.batch import collate
 from learner.preflight import check_config
-
-CALL = '<tool_call>{"name": "calc", "arguments": {"expression": "6*7"}}</tool_call>'
-QUESTION = [{"role": "user", "content": "What is 6*7?"}]
-
-
-def tools_for(arch: str) -> EpisodeTools:
-    tokenizer = build_bpe_tokenizer(arch)
-    stop = turn_end_ids(tokenizer)
-    end = int(stop[0] if stop else tokenizer.eos_token_id)
-    return EpisodeTools(tokenizer, TurnEncoder.for_tokenizer(tokenizer, stop), end)
+from tests.helpers.scripted_episodes import CALL, QUESTION, context, episode, replay, tools_for
 
 
 @pytest.fixture(scope="module", params=ARCHITECTURES)
 def tools(request: pytest.FixtureRequest) -> EpisodeTools:
     return tools_for(request.param)
-
-
-class ScriptedEngine:
-    """Says the scripted turns in order (each closed with the end of turn unless it is cut), one per request."""
-
-    stop_ids: tuple[int, ...] = ()
-
-    def __init__(self, tools: EpisodeTools, turns: Sequence[str], cut: bool = False) -> None:
-        self.tools, self.turns, self.cut = tools, list(turns), cut
-        self.prompts: list[list[int]] = []
-
-    async def generate(self, prompt_ids: Sequence[int], sampling: Sampling, request_id: str) -> list[Response]:
-        self.prompts.append(list(prompt_ids))
-        text = self.turns[min(len(self.prompts), len(self.turns)) - 1]
-        ids = self.tools.tokenizer(text, add_special_tokens=False)["input_ids"][: sampling.max_tokens]
-        ended = not self.cut and len(ids) < sampling.max_tokens
-        ids = [*ids, self.tools.end_id] if ended else ids
-        version = len(self.prompts)  # a new policy version each turn: weights that changed between turns
-        return [Response(ids, [-0.5] * len(ids), [version] * len(ids), text, "stop" if ended else "length")]
-
-
-def prompt_group(tools: EpisodeTools, answer: str = "42", k: int = 1) -> PromptGroup:
-    text = tools.tokenizer.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True)
-    ids = tools.tokenizer(text, add_special_tokens=False)["input_ids"]
-    return PromptGroup(
-        group_id="g-1", task="file", prompt=text, prompt_ids=np.array(ids, np.int32), answer=answer, num_samples=k
-    )
-
-
-def context(*overrides: str) -> WorkflowContext:
-    settings = ["rollout.workflow=multi_turn", "environment.name=calculator", "rollout.max_new_tokens=96"]
-    config = load_config(None, [*settings, *overrides])
-    return WorkflowContext.of(config, "actor-0", "g-1-abc")
-
-
-def episode(tools: EpisodeTools, turns: Sequence[str], *overrides: str, cut: bool = False, answer: str = "42"):
-    """(rollout group of one episode, the engine, the workflow context)."""
-    engine, turn, group = ScriptedEngine(tools, turns, cut), context(*overrides), prompt_group(tools, answer)
-    sampling = sampling_for(group, turn)
-    response = asyncio.run(run_episode(engine, group, 0, sampling, turn, tools))
-    return rollout_group(group, [response], turn), engine, turn
-
-
-def replay(tools: EpisodeTools, rollout: RolloutGroup, turn: WorkflowContext) -> float:
-    return asyncio.run(replay_episode(tools, turn.environment, rollout, 0))
 
 
 def test_an_episode_is_the_templates_rendering_with_only_the_models_tokens_trained(tools: EpisodeTools) -> None:

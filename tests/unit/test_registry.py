@@ -47,3 +47,16 @@ def test_snapshot_undoes_registrations() -> None:
         reg.register("extra")(double)
         assert reg.names() == ["double", "extra"]
     assert reg.names() == ["double"]
+
+
+def test_a_name_registered_by_import_path_is_imported_when_first_used() -> None:
+    reg: Registry = Registry("thing")
+    reg.register_path("double", "tests.unit.test_registry:double")
+    reg.register_path("double", "tests.unit.test_registry:double")  # the same path again is fine
+    reg.register_path("broken", "no_such_module_here:thing")
+    assert reg.names() == ["broken", "double"] and "double" in reg
+    assert reg.get("double")(3) == 6
+    with pytest.raises(ValueError, match="thing import path 'no_such_module_here:thing' cannot be resolved"):
+        reg.get("broken")  # refused when used, naming the path
+    with pytest.raises(ValueError, match=r"already registered by tests\.unit\.test_registry:double"):
+        reg.register("double")(double)
