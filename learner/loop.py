@@ -68,6 +68,7 @@ class Learner:
         self.plane.run.publish_config(config)
         self.recorder = Recorder(config, self.plane)  # /metrics is up while DeepSpeed starts
         tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+        self.recorder.samples.decode = tokenizer.decode  # an episode's turns in samples.jsonl
         self.broadcaster = Broadcaster(config, self.plane, self.recorder.audit)
         version = self.plane.run.version()
         # The newest version an actor can hold: after a resume, actors may still hold the discarded steps' versions.

@@ -21,12 +21,15 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from common.audit import Audit, AuditMirror
 from common.config import RunConfig
 from common.control import ControlPlane
 from common.logs import get_logger
 from common.outage import settling
 from common.private import open_private
+from common.turns import segments
 from learner.alerts import ProcessFacts
 from learner.batch import TrainBatch
 from learner.batch_source import Taken
@@ -190,6 +193,25 @@ def rollout_figures(version: int, taken: Taken, batch: TrainBatch) -> dict[str, 
         "staleness_mean": float(staleness.mean()) if tokens else 0.0,
         "tokens": float(tokens),
         "generate_s_mean": sum(generate) / len(generate),
+        **episode_figures(taken),
+    }
+
+
+def episode_figures(taken: Taken) -> dict[str, float]:
+    """``rollout/episode_*`` when the step trained multi-turn episodes (responses with a loss mask): model turns per
+    episode (mean, max), response tokens per episode (mean, max) and the share of them the model sampled."""
+    rollouts = [e.group.rollout for e in taken.entries if len(e.group.rollout.loss_mask)]
+    if not rollouts:
+        return {}
+    turns = [sum(t for _, _, t in segments(r.trained(i))) for r in rollouts for i in range(r.num_samples)]
+    lengths = np.concatenate([r.lengths for r in rollouts])
+    sampled = sum(int(r.loss_mask.sum()) for r in rollouts)
+    return {
+        "episode_turns_mean": float(np.mean(turns)),
+        "episode_turns_max": float(max(turns)),
+        "episode_tokens_mean": float(lengths.mean()),
+        "episode_tokens_max": float(lengths.max()),
+        "episode_sampled_frac": sampled / max(int(lengths.sum()), 1),
     }
 
 

@@ -9,6 +9,10 @@ best by reward — one JSON object per response::
      "prompt": "12+7=", "response": "19", "reward": 1.0, "details": {"task": 1.0},
      "advantage": 0.94, "finish_reason": "stop", "staleness": 1, "tokens": 2}
 
+A multi-turn episode's row also has its ``turns`` — ``{"by": "model" | "environment", "text": …, "tokens": n}`` in
+order, the text with the chat template's markers, so tool calls and their results show where they were — and
+``trained_tokens``, the model's tokens (the only ones trained).
+
 ``advantage`` is the response's advantage as the update used it (the mean over its tokens for a token-level
 estimator such as GAE); ``staleness`` is the version trained minus one minus its oldest token's version, as in
 ``rollout/staleness_max``. Texts are cut at :data:`MAX_TEXT` characters. The newest rows also go to the run's Redis
@@ -20,12 +24,13 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from common.private import open_private
+from common.turns import segments
 from common.wire import ScoredGroup
 
 MAX_TEXT = 2000
@@ -40,6 +45,8 @@ class SampleLog:
         self.every = every
         self.per_step = per_step
         self.seed = seed
+        self.decode: Callable[[list[int]], str] | None = None
+        """Token ids to text (the run's tokenizer, set once the learner has loaded it): an episode's turns."""
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
@@ -56,7 +63,10 @@ class SampleLog:
         others = [k for k in range(len(responses)) if k not in (worst, best)]
         picks = random.Random(self.seed * 1_000_003 + step).sample(others, min(self.per_step, len(others)))
         chosen = [(k, "random") for k in sorted(picks)] + [(worst, "worst"), (best, "best")][: len({worst, best})]
-        return [_row(step, pick, *responses[k], advantages) for k, pick in chosen]
+        rows = [_row(step, pick, *responses[k], advantages) for k, pick in chosen]
+        for row, (k, _) in zip(rows, chosen, strict=True):
+            row |= _turns(*responses[k], self.decode)
+        return rows
 
     def write(self, step: int, groups: Sequence[ScoredGroup], advantages: dict[tuple[str, int], float]) -> list[dict]:
         """Append step ``step``'s rows when it is due; returns them (empty when not due)."""
@@ -94,3 +104,16 @@ def _row(step: int, pick: str, group: ScoredGroup, i: int, advantages: dict[tupl
         "staleness": int(step - 1 - versions.min()) if len(versions) else 0,
         "tokens": len(versions),
     }
+
+
+def _turns(group: ScoredGroup, i: int, decode: Callable[[list[int]], str] | None) -> dict:
+    """``turns`` and ``trained_tokens`` of an episode (a response with a loss mask); nothing for other responses."""
+    rollout = group.rollout
+    if not len(rollout.loss_mask) or decode is None:
+        return {}
+    ids, trained = rollout.response(i)[0], rollout.trained(i)
+    turns = [
+        {"by": "model" if by_model else "environment", "text": decode(ids[s:e].tolist())[:MAX_TEXT], "tokens": e - s}
+        for s, e, by_model in segments(trained)
+    ]
+    return {"turns": turns, "trained_tokens": int(trained.sum())}

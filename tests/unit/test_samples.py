@@ -7,10 +7,14 @@ import json
 import numpy as np
 import torch
 
+from common.replay import ReplayEntry
 from common.top import render
 from common.wire import ScoredGroup
+from learner.batch_source import Taken
+from learner.recorder import episode_figures
 from learner.samples import MAX_TEXT, SampleLog, row_advantages
 from tests.helpers.rollouts import make_group
+from tests.helpers.scripted_episodes import CALL, episode, tools_for
 
 
 def scored(texts: list[str], rewards: list[float], group_id: str) -> ScoredGroup:
@@ -61,3 +65,24 @@ def test_rl_top_shows_the_newest_worst_and_best() -> None:
     assert "samples  step 7 (samples.jsonl)" in text
     assert "  worst reward 0.00 adv - length '12+7=' -> 'no\\nway'" in text
     assert "  best  reward 1.00 adv - stop   '12+7=' -> '19'" in text
+
+
+def test_an_episodes_row_shows_its_turns_and_the_step_its_turn_counts(tmp_path) -> None:
+    """A multi-turn episode in samples.jsonl: each turn with who wrote it (the tool call, then the tool's answer with
+    the template's markers), the tokens trained; and the step's rollout/episode_* figures."""
+    tools = tools_for("qwen2")
+    rollout, _, _ = episode(tools, [CALL, "It is 42."])
+    group = ScoredGroup(rollout=rollout, rewards=np.ones(1, np.float32))
+    log = SampleLog(tmp_path / "samples.jsonl", every=1, per_step=0, seed=0)
+    log.decode = tools.tokenizer.decode
+    [row] = log.write(1, [group], {})
+    assert [t["by"] for t in row["turns"]] == ["model", "environment", "model"]
+    assert "<tool_call>" in row["turns"][0]["text"] and "<|im_start|>tool\n42<|im_end|>" in row["turns"][1]["text"]
+    model_tokens = row["turns"][0]["tokens"] + row["turns"][2]["tokens"]
+    assert row["trained_tokens"] == model_tokens == int(rollout.loss_mask.sum())
+    plain = SampleLog(tmp_path / "plain.jsonl", every=1, per_step=0, seed=0).write(1, [scored(["1"], [1.0], "p")], {})
+    assert "turns" not in plain[0]
+    figures = episode_figures(Taken(entries=[ReplayEntry("1-0", group)]))
+    assert figures["episode_turns_mean"] == figures["episode_turns_max"] == 2.0
+    assert figures["episode_tokens_max"] == int(rollout.lengths[0])
+    assert 0 < figures["episode_sampled_frac"] < 1
