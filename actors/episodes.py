@@ -12,6 +12,8 @@ its token budget, or one the model ended with EOS, ends the episode. An episode 
 done, at ``environment.max_turns``, at ``environment.max_episode_tokens`` (or the context left by the prompt), and when
 a step fails, hangs past ``environment.step_timeout_s`` or returns something unusable — then it ends with the tokens
 it has, and the failure is counted (``asyncrl_actor_episode_endings_total{ending="environment_error"}``).
+Environments run in a process of their own (``actors/environment_host.py``) unless ``environment.isolation =
+"thread"``.
 
 The reward worker does not take the actor's word for any of it: :func:`replay_episode` makes a fresh environment from
 the same row and seed, steps it with the model's turns as decoded from the trained tokens, checks that every
@@ -22,14 +24,17 @@ per-turn rewards summed, plus the environment's final :meth:`~common.environment
 from __future__ import annotations
 
 import asyncio
+import atexit
 import functools
 import inspect
 import json
+import threading
 import time
 import zlib
 from dataclasses import dataclass, replace
 from typing import Any
 
+from actors.environment_host import EnvironmentHost, HostedEnvironment
 from actors.generation import Generator, Response, Sampling, WorkflowContext, rollout_group, sampling_for
 from common.config import EnvironmentSection
 from common.environments import (
@@ -84,15 +89,67 @@ def episode_row(group: PromptGroup | RolloutGroup, index: int) -> EpisodeRow:
 
 
 def make_environment(section: EnvironmentSection, row: EpisodeRow) -> Environment:
+    """The environment of ``row`` in this process."""
     try:
         return ENVIRONMENTS.get(section.name)(row, dict(section.options))
     except Exception as exc:
         raise EnvironmentFailed(f"environment {section.name!r} could not be made: {type(exc).__name__}: {exc}") from exc
 
 
+_HOSTS: dict[str, EnvironmentHost] = {}
+_HOSTS_LOCK = threading.Lock()
+
+
+def environment_host(section: EnvironmentSection) -> EnvironmentHost:
+    """This process's host for ``section``'s environments (started at its first request, ended at exit)."""
+    key = section.model_dump_json()
+    with _HOSTS_LOCK:
+        if key not in _HOSTS:
+            _HOSTS[key] = EnvironmentHost(section)
+            atexit.register(_HOSTS[key].close)
+        return _HOSTS[key]
+
+
+def close_environment_hosts() -> None:
+    """End this process's environment hosts (they also end at exit, and with this process)."""
+    with _HOSTS_LOCK:
+        hosts = list(_HOSTS.values())
+        _HOSTS.clear()
+    for host in hosts:
+        host.close()
+
+
+async def open_environment(section: EnvironmentSection, row: EpisodeRow) -> Environment:
+    """The environment of ``row``: in the environments' own process (``environment.isolation = "process"``) or in
+    this one."""
+    if section.isolation == "thread":
+        return make_environment(section, row)
+    try:
+        return await HostedEnvironment.open(environment_host(section), row)
+    except EnvironmentFailed as exc:
+        raise EnvironmentFailed(f"environment {section.name!r} could not be made: {exc}") from exc
+
+
+def close_environment(env: Environment | None) -> None:
+    close = getattr(env, "close", None)
+    if isinstance(env, HostedEnvironment) and close is not None:
+        close()
+
+
+async def final_score(env: Environment) -> float:
+    """``env.score()``, awaited when it is a coroutine, checked."""
+    try:
+        value = env.score()
+        return checked_score(await value if inspect.isawaitable(value) else value)
+    except EnvironmentFailed:
+        raise
+    except Exception as exc:
+        raise EnvironmentFailed(f"score raised {type(exc).__name__}: {exc}") from exc
+
+
 async def take_step(env: Environment, action: str, timeout_s: float) -> Step:
     """One step within ``timeout_s``. A synchronous ``step`` runs in a thread, so a slow one never stalls the actor's
-    other episodes (a hung one keeps its thread: environments that can hang belong in their own process)."""
+    other episodes (in ``isolation = "thread"`` a hung one keeps its thread; the default runs it in another process)."""
 
     async def call() -> Any:
         result = await asyncio.to_thread(env.step, action)
@@ -136,9 +193,9 @@ async def run_episode(
     section, prompt = turn.environment, group.prompt_ids.tolist()
     budget = episode_budget(turn, len(prompt))
     episode = Response()
-    ending, turns = "max_turns", 0
+    ending, turns, env = "max_turns", 0, None
     try:
-        env = make_environment(section, episode_row(group, index))
+        env = await open_environment(section, episode_row(group, index))
         for turns in range(1, section.max_turns + 1):
             room = min(sampling.max_tokens, budget - len(episode.token_ids))
             if room <= 0:
@@ -165,6 +222,8 @@ async def run_episode(
     except EnvironmentFailed as exc:
         ending = "environment_error"
         log.warning("episode ended by its environment", group=group.group_id, episode=index, error=str(exc))
+    finally:
+        close_environment(env)
     ACTOR_EPISODE_TURNS.observe(turns)
     ACTOR_EPISODE_ENDINGS.labels(ending).inc()
     episode.text = tools.tokenizer.decode(episode.token_ids, skip_special_tokens=True)
@@ -197,9 +256,16 @@ async def replay_episode(tools: EpisodeTools, section: EnvironmentSection, group
     if sum(trained for _, _, trained in parts) > section.max_turns:
         raise EpisodeMismatch(f"episode {index} has more model turns than environment.max_turns")
     try:
-        env = make_environment(section, episode_row(group, index))
+        env = await open_environment(section, episode_row(group, index))
     except EnvironmentFailed:
         return 0.0
+    try:
+        return await _replay(tools, section, env, ids, parts, index)
+    finally:
+        close_environment(env)
+
+
+async def _replay(tools: EpisodeTools, section: EnvironmentSection, env: Environment, ids, parts, index: int) -> float:
     total = 0.0
     for n, (start, end, trained) in enumerate(parts):
         if not trained:
@@ -226,12 +292,7 @@ async def replay_episode(tools: EpisodeTools, section: EnvironmentSection, group
         following = ids[parts[n + 1][0] : parts[n + 1][1]].tolist()
         if following != tools.encoder.ids(step.observation):
             raise EpisodeMismatch(f"episode {index}: an environment turn differs from the environment's observation")
-    try:
-        return total + checked_score(env.score())
-    except EnvironmentFailed:
-        raise
-    except Exception as exc:
-        raise EnvironmentFailed(f"score raised {type(exc).__name__}: {exc}") from exc
+    return total + await final_score(env)
 
 
 def environment_reward(group: RolloutGroup, options: dict[str, Any]) -> list[float]:

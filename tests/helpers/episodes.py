@@ -33,3 +33,26 @@ class Prodding:
 
     def score(self) -> float:
         return float(self.turns)
+
+
+class Misbehaving(Prodding):
+    """Misbehaves at its first step as ``options["how"]`` says: ``crash`` (the process exits), ``hang``, ``hog``
+    (asks for 2 GiB), ``garbage``; ``fine`` behaves as :class:`Prodding`."""
+
+    def __init__(self, row: EpisodeRow, options: dict[str, Any]) -> None:
+        super().__init__(row, options)
+        self.how = options["how"]
+
+    def step(self, action: str) -> Step:
+        import os
+        import time
+
+        if self.how == "crash":
+            os._exit(7)
+        if self.how == "hang":
+            time.sleep(3600)
+        if self.how == "hog":
+            self.ballast = bytearray(2 * 2**30)
+        if self.how == "garbage":
+            return "not a step"  # type: ignore[return-value]
+        return super().step(action)

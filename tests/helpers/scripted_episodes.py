@@ -56,7 +56,10 @@ def prompt_group(tools: EpisodeTools, answer: str = "42", k: int = 1, question: 
 
 
 def context(*overrides: str) -> WorkflowContext:
+    """The workflow context of a run with ``overrides``; environments in this process unless they say otherwise
+    (``environment.isolation``: a unit test starts no process)."""
     settings = ["rollout.workflow=multi_turn", "environment.name=calculator", "rollout.max_new_tokens=96"]
+    settings.append("environment.isolation=thread")
     config = load_config(None, [*settings, *overrides])
     return WorkflowContext.of(config, "actor-0", "g-1-abc")
 

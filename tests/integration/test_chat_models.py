@@ -31,7 +31,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from actors.episodes import episode_tools, replay_episode
+from actors.episodes import close_environment_hosts, episode_tools, replay_episode
 from common.channel import PullChannel
 from common.config import RunConfig
 from common.control import ControlPlane
@@ -64,6 +64,13 @@ def chat_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     folder = init_chat_model(tmp_path_factory.mktemp(arch) / "model", arch, seed=0)
     warm_start_chat(folder, chat_examples(2000, seed=1), steps=4)
     return arch, folder
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _replays_hosts_end_with_the_module():
+    """The replays' environments run in a process of this one (``environment.isolation``): ended here."""
+    yield
+    close_environment_hosts()
 
 
 SYSTEM_PROMPT = "You are a careful assistant. Add the two numbers and reply with the sum only, nothing else."

@@ -80,9 +80,8 @@ def test_the_replay_refuses_an_episode_the_environment_would_not_have_produced(t
 def test_the_reward_worker_scores_episodes_through_the_environment_function(tools, tmp_path) -> None:
     """The ``environment`` reward function as a worker binds it: the run's [environment] and model folder."""
     tools.tokenizer.save_pretrained(tmp_path)
-    config = load_config(
-        None, ["rollout.workflow=multi_turn", "environment.name=calculator", f"model.path={tmp_path}"]
-    )
+    settings = ["rollout.workflow=multi_turn", "environment.name=calculator", "environment.isolation=thread"]
+    config = load_config(None, [*settings, f"model.path={tmp_path}"])
     [function] = bind_functions([RewardFunction(name="environment")], "file", episode_options(config))
     right, _, _ = episode(tools, [CALL, "42"])
     wrong, _, _ = episode(tools, ["41"])

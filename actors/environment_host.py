@@ -1,0 +1,217 @@
+"""Environments in a process of their own, so that one that crashes, hangs or eats memory never takes down the
+process that drives it (a rollout actor and its engine, or a reward worker).
+
+:class:`EnvironmentHost` starts ``python -m actors.environment_host`` (``subprocess``: safe from the threaded actor,
+unlike ``fork``) and speaks JSON lines with it over its stdin and stdout: ``make`` an environment for an episode,
+``step`` it, ``score`` it, ``close`` it. The child answers each request from a thread of its own, so a slow step
+does not hold up the other episodes' steps; it limits its address space to ``environment.max_memory_mb``, so a
+greedy environment fails with ``MemoryError`` instead of swapping the machine. The parent gives every request a time
+limit (``environment.step_timeout_s``); a request that fails, times out, or meets a child that died raises
+:class:`~common.environments.EnvironmentFailed`, which ends that episode. A dead child is replaced at the next
+``make``; a child with :data:`MAX_STUCK` steps still running past their limit is killed and replaced (the episodes it
+held end as errors).
+
+:class:`HostedEnvironment` is what the episode loop sees: the :class:`~common.environments.Environment` protocol,
+async, backed by the host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import json
+import os
+import subprocess
+import sys
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from common.config import EnvironmentSection
+from common.environments import ENVIRONMENTS, EnvironmentFailed, EpisodeRow, Step, checked_score, checked_step
+from common.logs import get_logger
+
+log = get_logger("environment_host")
+MAX_STUCK = 8
+"""Steps past their time limit a child may still be running before it is replaced."""
+START_TIMEOUT_S = 60.0
+
+
+class EnvironmentHost:
+    """One child process holding the environments of many episodes (module docstring)."""
+
+    def __init__(self, section: EnvironmentSection) -> None:
+        self.section = section
+        self._lock = threading.Lock()
+        self._child: subprocess.Popen | None = None
+        self._pending: dict[int, Future] = {}
+        self._ids = itertools.count(1)
+        self._stuck = 0
+        self.restarts = 0
+
+    # -- the child
+    def _ensure_child(self) -> subprocess.Popen:
+        with self._lock:
+            if self._child is not None and self._child.poll() is None:
+                return self._child
+            if self._child is not None:
+                self.restarts += 1
+                log.warning("environment host replaced", exit_code=self._child.returncode, restarts=self.restarts)
+            env = {**os.environ, "ASYNCRL_ENV_MEMORY_MB": str(self.section.max_memory_mb)}
+            child = subprocess.Popen(
+                [sys.executable, "-m", "actors.environment_host"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=env,
+                text=True,
+                bufsize=1,
+            )
+            self._child, self._stuck = child, 0
+            threading.Thread(target=self._read, args=(child,), name="environment-host-reader", daemon=True).start()
+            return child
+
+    def _read(self, child: subprocess.Popen) -> None:
+        assert child.stdout is not None
+        for line in child.stdout:
+            try:
+                answer = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # an environment that prints to stdout: not an answer
+            future = self._pending.pop(int(answer.get("id", 0)), None)
+            if future is not None and not future.done():
+                future.set_result(answer)
+        for request_id in list(self._pending):  # the child is gone: every request it held fails
+            future = self._pending.pop(request_id, None)
+            if future is not None and not future.done():
+                future.set_exception(EnvironmentFailed(f"the environment process died (exit {child.wait()})"))
+
+    def _kill(self) -> None:
+        with self._lock:
+            child, self._child = self._child, None
+        if child is not None and child.poll() is None:
+            child.kill()
+            child.wait()
+
+    def close(self) -> None:
+        self._kill()
+
+    # -- requests
+    def _send(self, op: str, **fields: Any) -> Future:
+        child = self._ensure_child()
+        request_id = next(self._ids)
+        future: Future = Future()
+        self._pending[request_id] = future
+        try:
+            assert child.stdin is not None
+            with self._lock:
+                child.stdin.write(json.dumps({"id": request_id, "op": op, **fields}) + "\n")
+                child.stdin.flush()
+        except (BrokenPipeError, OSError, TypeError, ValueError) as exc:
+            self._pending.pop(request_id, None)
+            future.set_exception(EnvironmentFailed(f"could not reach the environment process: {exc}"))
+        return future
+
+    def _answer(self, answer: dict[str, Any]) -> dict[str, Any]:
+        if "error" in answer:
+            raise EnvironmentFailed(str(answer["error"]))
+        return answer
+
+    def _timed_out(self, op: str, timeout_s: float) -> EnvironmentFailed:
+        self._stuck += 1
+        if self._stuck >= MAX_STUCK:
+            log.warning("environment host has too many stuck steps; replacing it", stuck=self._stuck)
+            self._kill()
+        return EnvironmentFailed(f"{op} took longer than environment.step_timeout_s = {timeout_s:g}")
+
+    async def call_async(self, op: str, **fields: Any) -> dict[str, Any]:
+        """One request, awaited."""
+        timeout_s = self.section.step_timeout_s
+        future = asyncio.wrap_future(self._send(op, **fields))
+        try:
+            return self._answer(await asyncio.wait_for(future, timeout_s))
+        except TimeoutError:
+            raise self._timed_out(op, timeout_s) from None
+
+
+class HostedEnvironment:
+    """An episode's environment in an :class:`EnvironmentHost`; made with :meth:`open`, every call awaited."""
+
+    _keys = itertools.count(1)
+
+    def __init__(self, host: EnvironmentHost, key: str) -> None:
+        self.host, self.key = host, key
+
+    @classmethod
+    async def open(cls, host: EnvironmentHost, row: EpisodeRow) -> HostedEnvironment:
+        key = f"e{next(cls._keys)}"
+        fields = {"name": host.section.name, "options": host.section.options, "row": dataclasses.asdict(row)}
+        await host.call_async("make", episode=key, **fields)
+        return cls(host, key)
+
+    async def step(self, action: str) -> Step:
+        answer = await self.host.call_async("step", episode=self.key, action=action)
+        return Step(observation=answer["observation"], reward=answer["reward"], done=answer["done"])
+
+    async def score(self) -> float:
+        return float((await self.host.call_async("score", episode=self.key))["score"])
+
+    def close(self) -> None:
+        """Forget the environment in the child (nothing waits for the answer)."""
+        self.host._send("close", episode=self.key)
+
+
+# --------------------------------------------------------------------------- the child
+
+
+def _serve() -> None:
+    """The child's loop: one thread per request, answers written whole under a lock."""
+    import resource
+
+    limit_mb = int(os.environ.get("ASYNCRL_ENV_MEMORY_MB", "0"))
+    if limit_mb:
+        resource.setrlimit(resource.RLIMIT_AS, (limit_mb * 2**20, limit_mb * 2**20))
+    out = sys.stdout
+    sys.stdout = sys.stderr  # what environments print goes to the log, not into the answers
+    environments: dict[str, Any] = {}
+    write_lock = threading.Lock()
+
+    def answer(request_id: int, **fields: Any) -> None:
+        line = json.dumps({"id": request_id, **fields}) + "\n"
+        with write_lock:
+            out.write(line)
+            out.flush()
+
+    def handle(request: dict[str, Any]) -> None:
+        request_id = request.get("id", 0)
+        try:
+            answer(request_id, **_handle(environments, request))
+        except BaseException as exc:  # MemoryError included: the episode fails, the child goes on
+            answer(request_id, error=f"{request.get('op')} raised {type(exc).__name__}: {exc}"[:2000])
+
+    pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="environment")
+    for line in sys.stdin:
+        pool.submit(handle, json.loads(line))
+    os._exit(0)  # the parent is gone (stdin closed): end now, whatever steps still hang
+
+
+def _handle(environments: dict[str, Any], request: dict[str, Any]) -> dict[str, Any]:
+    op, key = request["op"], request["episode"]
+    if op == "make":
+        environments[key] = ENVIRONMENTS.get(request["name"])(EpisodeRow(**request["row"]), request["options"])
+        return {}
+    if op == "close":
+        environments.pop(key, None)
+        return {}
+    env = environments[key]
+    if op == "score":
+        return {"score": checked_score(env.score())}
+    result = env.step(request["action"])
+    if asyncio.iscoroutine(result):
+        result = asyncio.run(result)
+    step = checked_step(result)
+    return {"observation": step.observation, "reward": float(step.reward), "done": step.done}
+
+
+if __name__ == "__main__":
+    _serve()

@@ -1,0 +1,90 @@
+"""Environments in their own process (``environment.isolation = "process"``, the default): one that crashes the
+process, hangs, asks for more memory than ``environment.max_memory_mb`` or returns garbage ends its own episode as an
+environment error — the process that drives the episodes (here the test, as an actor would) goes on, the next
+episode gets a working environment, and the reward worker's replay through the same kind of process scores it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from actors.environment_host import EnvironmentHost
+from actors.episodes import close_environment_hosts, environment_host
+from common.config import load_config
+from common.procs import child_pids
+from common.turns import segments
+from tests.helpers.scripted_episodes import episode, replay, tools_for
+from tests.helpers.stack import running
+
+pytestmark = pytest.mark.integration
+TOOLS = tools_for("qwen2")
+HOSTED = ("environment.isolation=process", "environment.step_timeout_s=2", "environment.max_memory_mb=512")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _hosts_end_with_the_module():
+    yield
+    close_environment_hosts()
+
+
+def hosted(how: str) -> tuple[str, ...]:
+    return (*HOSTED, "environment.name=tests.helpers.episodes:Misbehaving", f"environment.options={{how='{how}'}}")
+
+
+@pytest.mark.parametrize("how", ["crash", "hang", "hog", "garbage"])
+def test_an_environment_that_misbehaves_in_its_process_ends_only_its_episode(how: str) -> None:
+    rollout, engine, turn = episode(TOOLS, ["first", "second"], *hosted(how))
+    assert len(engine.prompts) == 1 and rollout.trained(0).all()  # the first turn kept, nothing after it
+    assert replay(TOOLS, rollout, turn) == 0.0  # the replay meets the same failure: the episode scores 0
+    host = environment_host(turn.environment)
+    fine, engine, turn = episode(TOOLS, ["first", "second", "third"], *hosted("fine"), "environment.max_turns=3")
+    assert [t for _, _, t in segments(fine.trained(0))] == [True, False, True, False, True]  # a new one works
+    assert replay(TOOLS, fine, turn) == 3.0
+    if how == "crash":
+        assert host.restarts >= 1
+
+
+def test_the_environments_process_ends_with_the_process_it_serves() -> None:
+    """Killed with -9, the parent cannot stop its child: the child ends when its stdin closes."""
+    script = (
+        "import asyncio, sys, time\n"
+        "from actors.environment_host import EnvironmentHost, HostedEnvironment\n"
+        "from common.config import load_config\n"
+        "from common.environments import EpisodeRow\n"
+        "section = load_config(None, ['environment.name=calculator']).environment\n"
+        "asyncio.run(HostedEnvironment.open(EnvironmentHost(section), EpisodeRow('', '1')))\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout.readline().strip() == "ready"
+        [child] = child_pids(parent.pid)
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while running(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        alive = running(child)
+        assert not alive, "the environments' process outlived the process it served"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+
+
+def test_a_host_refuses_an_unknown_environment_by_name() -> None:
+    section = load_config(None, ["environment.name=calculator"]).environment.model_copy(update={"name": "nowhere"})
+    host = EnvironmentHost(section)
+    try:
+        with pytest.raises(Exception, match="unknown environment 'nowhere'"):
+            row = {"prompt": "", "answer": ""}
+            asyncio.run(host.call_async("make", episode="e1", name="nowhere", options={}, row=row))
+    finally:
+        host.close()
