@@ -78,6 +78,7 @@ fakes its run, not against one written against this harness.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import marshal
@@ -126,6 +127,8 @@ class SandboxResult:
     passed: bool
     reason: str
     seconds: float
+    stdout: str = ""
+    """The last few KiB of what the program printed."""
 
 
 @dataclass(frozen=True)
@@ -179,6 +182,12 @@ def run_python_tests(
     return _run_python_tests(isolation(), code, tests, _Limits(cpu_s, memory_mb, wall_s))
 
 
+def run_python(code: str, *, cpu_s: float = 2, memory_mb: int = 256, wall_s: float = 5) -> SandboxResult:
+    """Run ``code`` alone (a tool call's program) behind the same fence and limits as :func:`run_python_tests`;
+    ``passed`` when it ran to its end, ``stdout`` what it printed."""
+    return run_python_tests(code, "pass", cpu_s=cpu_s, memory_mb=memory_mb, wall_s=wall_s)
+
+
 # --------------------------------------------------------------------------- one run
 
 
@@ -214,6 +223,7 @@ class _Outcome:
     cpu_used: float
     stderr: str
     tests_passed: bool = False  # the harness handed back the run's token: the tests ran to their end
+    stdout: str = ""
 
 
 def _run_python_tests(fence: Isolation, code: str, tests: str, limits: _Limits) -> SandboxResult:
@@ -227,14 +237,14 @@ def _run_python_tests(fence: Isolation, code: str, tests: str, limits: _Limits) 
         start = time.monotonic()
         outcome = _run(fence, folder, limits)
         seconds = time.monotonic() - start
-    return SandboxResult(*_verdict(outcome, limits), seconds)
+    return SandboxResult(*_verdict(outcome, limits), seconds, outcome.stdout)
 
 
 def _run(fence: Isolation, folder: Path, limits: _Limits) -> _Outcome:
     """Run ``folder/main.py`` behind ``fence``; raises when the program could not be started.
 
-    stdout and stderr go to files in ``folder`` (bounded by ``RLIMIT_FSIZE``); stderr is read back through the
-    descriptor opened here, never by name: under the ``rlimits`` fence the program owns the folder and could put a
+    stdout and stderr go to files in ``folder`` (bounded by ``RLIMIT_FSIZE``); both are read back through the
+    descriptors opened here, never by name: under the ``rlimits`` fence the program owns the folder and could put a
     FIFO or a link in the file's place.
     """
     uid = _run_uid() if fence.per_run_uid else None
@@ -246,15 +256,15 @@ def _run(fence: Isolation, folder: Path, limits: _Limits) -> _Outcome:
     report_read, report_write = os.pipe()
     config = _stage2_config(folder, limits.rlimits(nproc), uid, private_root, report_write)
     try:
-        with (folder / "stdout").open("wb") as out, (folder / "stderr").open("w+b") as err:
+        with (folder / "stdout").open("w+b") as out, (folder / "stderr").open("w+b") as err:
             timed_out = _launch(fence.launcher, config, report_write, (out.fileno(), err.fileno()), limits.wall_s)
             report = _read_report(report_read)
-            stderr = _tail(err.fileno())
+            stderr, stdout = _tail(err.fileno()), _tail(out.fileno())
     finally:
         os.close(report_read)
         if uid is not None and not private_root:
             _sweep(uid)
-    return _outcome(fence, report, timed_out, stderr)
+    return dataclasses.replace(_outcome(fence, report, timed_out, stderr), stdout=stdout)
 
 
 def _launch(launcher: tuple[str, ...], config: dict[str, object], report_fd: int, outputs: tuple[int, int],

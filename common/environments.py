@@ -23,7 +23,8 @@ never selects one. The reward worker scores an episode by replaying the model's 
 made from the same row and seed (``actors/episodes.py``), so an environment must give the same observations for
 the same row, seed and turns — and an actor cannot write observations the environment did not.
 
-Built-in: ``calculator`` — arithmetic with a ``calc`` tool (:class:`Calculator`); adapters (``common/gyms.py``):
+Built-in: ``calculator`` — arithmetic with a ``calc`` tool (:class:`Calculator`); ``python`` — the same questions
+with a ``python`` tool whose code runs in the sandbox (``actors/tool_environments.py``); adapters (``common/gyms.py``):
 ``skyrl_gym`` and ``textarena``.
 """
 
@@ -85,6 +86,7 @@ register_environment = ENVIRONMENTS.register
 # Adapters that need optional packages (common/gyms.py), imported when a run names them.
 ENVIRONMENTS.register_path("skyrl_gym", "common.gyms:SkyRLGym")
 ENVIRONMENTS.register_path("textarena", "common.gyms:TextArenaGame")
+ENVIRONMENTS.register_path("python", "actors.tool_environments:PythonTool")  # runs code in the actor's sandbox
 
 
 def checked_step(value: Any) -> Step:
@@ -168,16 +170,15 @@ def final_number(text: str) -> str | None:
     return str(int(value)) if value.is_integer() else str(value)
 
 
-@register_environment("calculator")
-class Calculator:
-    """Arithmetic with a calculator: a turn with ``<tool_call>{"name": "calc", "arguments": {"expression":
-    "37*48"}}</tool_call>`` gets the value back as a ``tool`` message; a turn without a call is the final answer,
-    scored 1.0 when its last number equals the row's answer. Malformed calls and unknown tools get an error message
-    (and count in :attr:`tool_errors`) instead of a value.
-
-    Options: ``max_calls`` (default 4): calls past it are answered with an error."""
+class ToolEnvironment:
+    """A question answered with tools: a turn with ``<tool_call>`` calls (``common/tool_calls.py``) gets each call's
+    result back as one ``tool`` message; a turn without a call is the final answer, scored 1.0 when its last number
+    equals the row's answer. Malformed calls, unknown tools and calls past ``max_calls`` (option, default 4) get an
+    error message instead of a result (and count in :attr:`tool_errors`). A subclass gives its tools in
+    :meth:`make_tools`: by name, a function from the call's arguments to the result's text."""
 
     def __init__(self, row: EpisodeRow, options: dict[str, Any]) -> None:
+        self.tools = self.make_tools(options)
         self.answer = final_number(row.answer)
         self.max_calls = int(options.get("max_calls", 4))
         self.calls = 0
@@ -192,14 +193,26 @@ class Calculator:
         results = [f"error: malformed tool call: {why}" for why in parsed.errors]
         for call in parsed.calls:
             self.calls += 1
-            if call.name != "calc":
-                results.append(f"error: unknown tool {call.name!r}; the tool is calc")
+            if call.name not in self.tools:
+                results.append(f"error: unknown tool {call.name!r}; the tools are {', '.join(sorted(self.tools))}")
             elif self.calls > self.max_calls:
                 results.append(f"error: more than {self.max_calls} calls")
             else:
-                results.append(calculate(str(call.arguments.get("expression", ""))))
+                results.append(self.tools[call.name](call.arguments))
         self.tool_errors += sum(r.startswith("error:") for r in results)
         return Step(observation=[{"role": "tool", "content": "\n".join(results)}])
 
     def score(self) -> float:
         return 1.0 if self.correct else 0.0
+
+    def make_tools(self, options: dict[str, Any]) -> dict[str, Callable[[dict[str, Any]], str]]:
+        raise NotImplementedError
+
+
+@register_environment("calculator")
+class Calculator(ToolEnvironment):
+    """Arithmetic with a calculator: ``<tool_call>{"name": "calc", "arguments": {"expression": "37*48"}}</tool_call>``
+    gets ``1776`` back (:func:`calculate`)."""
+
+    def make_tools(self, options: dict[str, Any]) -> dict[str, Callable[[dict[str, Any]], str]]:
+        return {"calc": lambda arguments: calculate(str(arguments.get("expression", "")))}
