@@ -50,7 +50,7 @@ def evaluate(config: RunConfig, model: str | Path) -> dict[str, Any]:
 
     folder = model_folder(model)
     config = config.model_copy(update={"model": config.model.model_copy(update={"path": str(folder)})})
-    prompter = Prompter.for_tokenizer(AutoTokenizer.from_pretrained(folder), config.task)
+    prompter = Prompter.for_run(AutoTokenizer.from_pretrained(folder), config)
     groups = eval_groups(config, eval_examples(config, prompter), prompter.encode, step=0, version=0)
     started = time.perf_counter()
     engine = RolloutEngine(config, config.eval.seed)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from actors.sandbox import run_python
-from common.environments import ToolEnvironment
+from common.environments import ToolEnvironment, function_spec
 
 MAX_RESULT_CHARS = 2000
 """Characters of a program's output given back to the model."""
@@ -29,6 +29,11 @@ class PythonTool(ToolEnvironment):
     def make_tools(self, options: dict[str, Any]) -> dict[str, Callable[[dict[str, Any]], str]]:
         limits = {key: options[key] for key in ("cpu_s", "memory_mb", "wall_s") if key in options}
         return {"python": lambda arguments: self._run(str(arguments.get("code", "")), limits)}
+
+    @classmethod
+    def tool_specs(cls, options: dict[str, Any]) -> list[dict[str, Any]]:
+        about = "Run Python code in a sandbox (no network, no files of yours) and return what it prints."
+        return [function_spec("python", about, code="the program; print what you want back")]
 
     @staticmethod
     def _run(code: str, limits: dict[str, Any]) -> str:

@@ -36,10 +36,13 @@ import operator
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from common.registry import Registry
 from common.tool_calls import parse_tool_calls
+
+if TYPE_CHECKING:
+    from common.config import RunConfig
 
 Message = dict[str, str]
 MAX_OBSERVATION_CHARS = 65536
@@ -170,6 +173,22 @@ def final_number(text: str) -> str | None:
     return str(int(value)) if value.is_integer() else str(value)
 
 
+def run_tools(config: RunConfig) -> list[dict[str, Any]]:
+    """The tools a run's environment offers the model (its class's ``tool_specs(options)``, OpenAI-style function
+    schemas), for the chat template; none outside a ``multi_turn`` run or for an environment without them."""
+    if config.rollout.workflow != "multi_turn" or not config.environment.name:
+        return []
+    specs = getattr(ENVIRONMENTS.get(config.environment.name), "tool_specs", None)
+    return list(specs(dict(config.environment.options))) if specs is not None else []
+
+
+def function_spec(name: str, description: str, **arguments: str) -> dict[str, Any]:
+    """An OpenAI-style function tool taking string ``arguments`` (name → description), all required."""
+    properties = {key: {"type": "string", "description": text} for key, text in arguments.items()}
+    parameters = {"type": "object", "properties": properties, "required": list(arguments)}
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": parameters}}
+
+
 class ToolEnvironment:
     """A question answered with tools: a turn with ``<tool_call>`` calls (``common/tool_calls.py``) gets each call's
     result back as one ``tool`` message; a turn without a call is the final answer, scored 1.0 when its last number
@@ -208,6 +227,11 @@ class ToolEnvironment:
     def make_tools(self, options: dict[str, Any]) -> dict[str, Callable[[dict[str, Any]], str]]:
         raise NotImplementedError
 
+    @classmethod
+    def tool_specs(cls, options: dict[str, Any]) -> list[dict[str, Any]]:
+        """The tools as the chat template offers them to the model (:func:`function_spec`)."""
+        return []
+
 
 @register_environment("calculator")
 class Calculator(ToolEnvironment):
@@ -216,3 +240,8 @@ class Calculator(ToolEnvironment):
 
     def make_tools(self, options: dict[str, Any]) -> dict[str, Callable[[dict[str, Any]], str]]:
         return {"calc": lambda arguments: calculate(str(arguments.get("expression", "")))}
+
+    @classmethod
+    def tool_specs(cls, options: dict[str, Any]) -> list[dict[str, Any]]:
+        about = "The value of an arithmetic expression: numbers, + - * / // % and parentheses."
+        return [function_spec("calc", about, expression="the expression, e.g. 37*48")]

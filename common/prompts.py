@@ -26,14 +26,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from common.logs import get_logger
 from common.tasks import TaskError
 
 if TYPE_CHECKING:
-    from common.config import TaskSection
+    from common.config import RunConfig, TaskSection
     from common.tasks import TaskExample
 
 Messages = Sequence[dict[str, str]]
 _PROBE = "asyncrl-turn-end-probe"
+log = get_logger("prompts")
 
 
 class PromptError(TaskError):
@@ -54,9 +56,21 @@ class Prompter:
     """Token ids that end a response besides the EOS ids vLLM knows: the template's end of an assistant turn."""
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: Any, section: TaskSection) -> Prompter:
+    def for_run(cls, tokenizer: Any, config: RunConfig) -> Prompter:
+        """The prompter of a run: its ``[task]`` section, and the tools of its environment
+        (:func:`common.environments.run_tools`) offered through the chat template."""
+        from common.environments import run_tools
+
+        return cls.for_tokenizer(tokenizer, config.task, run_tools(config))
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any, section: TaskSection, tools: Sequence[dict] = ()) -> Prompter:
         """The prompter of a run with this Hugging Face tokenizer and ``[task]`` section; :class:`PromptError` when
-        ``task.chat = true`` and the tokenizer has no template, or ``task.system_prompt`` is set without chat."""
+        ``task.chat = true`` and the tokenizer has no template, or ``task.system_prompt`` is set without chat.
+
+        ``tools`` (OpenAI-style function schemas) go to the template's ``tools`` argument, which templates with tool
+        support (Qwen2.5, Llama 3.1, Hermes) render into the system turn; a template without it ignores them, and
+        the prompter says so in the log (describe the tools in ``task.system_prompt`` then)."""
         has_template = bool(getattr(tokenizer, "chat_template", None))
         chat = has_template if section.chat == "auto" else bool(section.chat)
         if chat and not has_template:
@@ -71,8 +85,19 @@ class Prompter:
         if not chat:
             return cls(encode=lambda text: list(tokenizer(text)["input_ids"]), unknown_of=unknown_of)
 
+        offered = [dict(t) for t in tools] or None
+
         def template(messages: Messages) -> str:
-            return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+            return tokenizer.apply_chat_template(
+                list(messages), tokenize=False, add_generation_prompt=True, tools=offered
+            )
+
+        if offered and template([{"role": "user", "content": "1"}]) == _without_tools(tokenizer):
+            log.warning(
+                "the chat template does not render tools: the model will not see them in its prompt",
+                tools=",".join(t.get("function", {}).get("name", "?") for t in offered),
+                action="describe the tools and their call format in task.system_prompt",
+            )
 
         return cls(
             encode=lambda text: list(tokenizer(text, add_special_tokens=False)["input_ids"]),
@@ -109,6 +134,10 @@ class Prompter:
     def unknown(self, text: str) -> str:
         """The characters of ``text`` the tokenizer cannot encode, sorted ('' when it can encode them all)."""
         return self.unknown_of(text) if self.unknown_of is not None else ""
+
+
+def _without_tools(tokenizer: Any) -> str:
+    return tokenizer.apply_chat_template([{"role": "user", "content": "1"}], tokenize=False, add_generation_prompt=True)
 
 
 def _unknown_characters(tokenizer: Any, unk: int, text: str) -> str:

@@ -129,7 +129,7 @@ class BatchSource:
         # Token ids are checked against the model's embedding rows, which may exceed the tokenizer's length (padded).
         limits = Limits(int(config.transport.max_message_mb * 2**20), model_vocab_size(config.model.path))
         self.reader = ReplayReader(plane.client, plane.keys, limits=limits)
-        prompter = Prompter.for_tokenizer(tokenizer, config.task)
+        prompter = Prompter.for_run(tokenizer, config)
         self.texts = ResponseTexts(tokenizer)
         self.dispatcher = Dispatcher(config, plane, prompter)
         self.evaluation = EvalRounds(config, plane, prompter, self.reader) if config.eval.every else None

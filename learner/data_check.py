@@ -156,7 +156,7 @@ def check_run_data(config: RunConfig) -> Report:
         raise DataCheckError(f"{path}: no such file (task.path)")
     tokenizer = _tokenizer(config.model.path)
     try:
-        prompter = Prompter.for_tokenizer(tokenizer, config.task)
+        prompter = Prompter.for_run(tokenizer, config)
     except PromptError as exc:
         raise DataCheckError(str(exc)) from None
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 from pathlib import Path
 
@@ -18,9 +19,10 @@ import torch
 from actors.episodes import EpisodeMismatch, EpisodeTools, environment_reward
 from actors.rewards import bind_functions, episode_options
 from common.config import ConfigError, EnvironmentSection, RewardFunction, load_config
-from common.environments import ENVIRONMENTS, EpisodeRow, Step, calculate
-from common.prompts import turn_end_ids
-from common.tiny_chat_model import ARCHITECTURES, build_bpe_tokenizer
+from common.environments import ENVIRONMENTS, EpisodeRow, Step, calculate, run_tools
+from common.prompts import Prompter, turn_end_ids
+from common.tasks import TaskExample
+from common.tiny_chat_model import ARCHITECTURES, CHATML_TEMPLATE, build_bpe_tokenizer
 from common.tool_calls import parse_tool_calls
 from common.turns import TemplateError, TurnEncoder, segments
 from common.wire import ScoredGroup
@@ -257,3 +259,29 @@ def test_the_environment_in_the_docs_runs_as_written() -> None:
         assert guess.step("no idea").observation[0]["content"] == "Answer with a number."
         assert guess.step("7").done and guess.score() == 1.0
     assert "guess" not in ENVIRONMENTS
+
+
+TOOL_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n<tools>' }}{%- for t in tools %}{{- '\\n' + (t | tojson) }}"
+    "{%- endfor %}{{- '\\n</tools><|im_end|>\\n' }}{%- endif %}" + CHATML_TEMPLATE
+)
+"""ChatML with the tools block Qwen2.5's template writes into the system turn (its layout, shortened)."""
+
+
+def test_the_environments_tools_are_offered_through_the_chat_templates_tool_format(caplog) -> None:
+    tokenizer = build_bpe_tokenizer("qwen2")
+    tokenizer.chat_template = TOOL_TEMPLATE
+    settings = ["rollout.workflow=multi_turn", "environment.name=calculator"]
+    prompter = Prompter.for_run(tokenizer, load_config(None, settings))
+    text = prompter.text(TaskExample("What is 6*7?", "42"))
+    [line] = [line for line in text.splitlines() if line.startswith("{")]
+    assert json.loads(line)["function"]["name"] == "calc"
+    assert json.loads(line)["function"]["parameters"]["required"] == ["expression"]
+    assert text.endswith("<|im_start|>user\nWhat is 6*7?<|im_end|>\n<|im_start|>assistant\n")
+    single = Prompter.for_run(tokenizer, load_config(None, []))  # no environment: no tools
+    assert "<tools>" not in single.text(TaskExample("What is 6*7?", "42"))
+    python = load_config(None, ["rollout.workflow=multi_turn", "environment.name=python"])
+    assert [t["function"]["name"] for t in run_tools(python)] == ["python"]
+    plain = build_bpe_tokenizer("qwen2")  # a template without tools: the prompt as before, and the log says so
+    Prompter.for_run(plain, load_config(None, settings))
+    assert "does not render tools" in caplog.text and "task.system_prompt" in caplog.text
