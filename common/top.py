@@ -43,7 +43,17 @@ def snapshot(plane) -> dict[str, Any]:
         "samples": plane.run.samples(),
         "eval": _eval_rounds(plane),
         "endpoints": {beat.process_id: e for beat in live if (e := metrics_endpoint(beat)) is not None},
+        "episodes_per_group": _episodes_per_group(plane),
     }
+
+
+def _episodes_per_group(plane) -> int:
+    """K in a multi-turn run (each group in flight is K episodes), 0 otherwise or before a config is published."""
+    try:
+        config = plane.run.read_config()
+    except Exception:  # no config yet, or one this version cannot read: the frame shows groups only
+        return 0
+    return config.rollout.num_samples if config.rollout.workflow == "multi_turn" else 0
 
 
 def render(snap: dict[str, Any], now: float | None = None) -> str:
@@ -51,9 +61,11 @@ def render(snap: dict[str, Any], now: float | None = None) -> str:
     now = now or time.time()
     q = snap["queues"]
     unread = f", unread {q['replay_unread']}" if "replay_unread" in q else ""
+    k = snap.get("episodes_per_group", 0)
+    episodes = f" ({q['inflight'] * k} episodes)" if k else ""
     lines = [
         f"asyncrl run {snap['run']!r}   policy version {snap['version']}   {time.strftime('%H:%M:%S')}",
-        f"queues   prompts {q['prompts']:>5}   in flight {q['inflight']:>5}   replay {q['replay']:>5} "
+        f"queues   prompts {q['prompts']:>5}   in flight {q['inflight']:>5}{episodes}   replay {q['replay']:>5} "
         f"(pending {q['replay_pending']}{unread})   dead letters {q['dead_letters']}",
     ]
     if not snap.get("config_found", True):
@@ -91,6 +103,18 @@ def _learner_lines(s: dict[str, Any] | None, endpoints: dict[str, dict], now: fl
         f"clip {v('train/loss/clip_frac'):.3f}",
         f"         step {v('step/seconds'):.2f}s{sync}   idle {100 * v('step/idle_fraction'):.0f}%   "
         f"trained tokens/s {tokens_s:,.0f}   last step {age:.1f}s ago{where}",
+        *_episode_lines(s),
+    ]
+
+
+def _episode_lines(s: dict[str, Any]) -> list[str]:
+    """Multi-turn episodes of the last step (``rollout/episode_*``), when it trained any."""
+    if "rollout/episode_turns_mean" not in s:
+        return []
+    return [
+        f"         episodes: turns {s['rollout/episode_turns_mean']:.1f} (max {s['rollout/episode_turns_max']:.0f})   "
+        f"tokens {s['rollout/episode_tokens_mean']:.0f} (max {s['rollout/episode_tokens_max']:.0f})   "
+        f"sampled by the model {100 * s['rollout/episode_sampled_frac']:.0f}%"
     ]
 
 

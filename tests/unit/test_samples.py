@@ -86,3 +86,10 @@ def test_an_episodes_row_shows_its_turns_and_the_step_its_turn_counts(tmp_path) 
     assert figures["episode_turns_mean"] == figures["episode_turns_max"] == 2.0
     assert figures["episode_tokens_max"] == int(rollout.lengths[0])
     assert 0 < figures["episode_sampled_frac"] < 1
+    # rl-top: episodes in flight (K per group in flight) and the step's episode figures.
+    queues = {**dict.fromkeys(["prompts", "replay", "replay_pending", "dead_letters"], 0), "inflight": 3}
+    summary = {"step": 1, **{f"rollout/{key}": value for key, value in figures.items()}}
+    snap = {"run": "r", "version": 1, "queues": queues, "processes": [], "lost": {}, "summary": summary}
+    text = render({**snap, "samples": [row], "episodes_per_group": 8})
+    assert "in flight     3 (24 episodes)" in text
+    assert "episodes: turns 2.0 (max 2)" in text and "sampled by the model" in text
