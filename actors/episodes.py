@@ -9,7 +9,8 @@ the model's tokens only, so the learner trains those and nothing the environment
 
 After a model turn the environment steps only when the turn ended with the template's end of turn; a turn cut by
 its token budget, or one the model ended with EOS, ends the episode. An episode also ends when the environment says
-done, at ``environment.max_turns``, at ``environment.max_episode_tokens`` (or the context left by the prompt), and when
+done, at ``environment.max_turns``, at ``environment.max_episode_tokens`` (or the context left by the prompt), past
+``environment.episode_timeout_s`` (checked before each model turn), and when
 a step fails, hangs past ``environment.step_timeout_s`` or returns something unusable — then it ends with the tokens
 it has, and the failure is counted (``asyncrl_actor_episode_endings_total{ending="environment_error"}``).
 Environments run in a process of their own (``actors/environment_host.py``) unless ``environment.isolation =
@@ -196,7 +197,11 @@ async def run_episode(
     ending, turns, env = "max_turns", 0, None
     try:
         env = await open_environment(section, episode_row(group, index))
+        deadline = time.monotonic() + (section.episode_timeout_s or float("inf"))
         for turns in range(1, section.max_turns + 1):
+            if turns > 1 and time.monotonic() >= deadline:
+                ending, turns = "deadline", turns - 1
+                break
             room = min(sampling.max_tokens, budget - len(episode.token_ids))
             if room <= 0:
                 ending = "max_tokens"
@@ -227,7 +232,7 @@ async def run_episode(
     ACTOR_EPISODE_TURNS.observe(turns)
     ACTOR_EPISODE_ENDINGS.labels(ending).inc()
     episode.text = tools.tokenizer.decode(episode.token_ids, skip_special_tokens=True)
-    episode.finish_reason = "length" if ending in ("max_turns", "max_tokens") else "stop"
+    episode.finish_reason = "length" if ending in ("max_turns", "max_tokens", "deadline") else "stop"
     return episode
 
 

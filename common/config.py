@@ -545,6 +545,8 @@ class EnvironmentSection(Section):
     """Tokens after the prompt (model and environment turns together) per episode at most; 0 = up to ``model.max_model_len``."""  # noqa: E501
     step_timeout_s: float = Field(10.0, gt=0, le=WEEK_S)
     """Time limit of one environment step; a step past it ends its episode as an error."""
+    episode_timeout_s: float = Field(0.0, ge=0, le=WEEK_S)
+    """Time limit of one episode, checked before each model turn (0 = none); an episode past it ends there."""
     isolation: Literal["process", "thread"] = "process"
     """Where environments run: ``process`` = a child process of the actor (and of the reward worker that replays them), so one that crashes, hangs or eats memory never takes an engine down; ``thread`` = in the process itself (a synchronous step in a thread)."""  # noqa: E501
     max_memory_mb: Int = Field(4096, ge=64, le=2**24)

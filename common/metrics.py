@@ -132,7 +132,7 @@ ACTOR_EPISODE_TURNS = Histogram(
 ACTOR_EPISODE_ENDINGS = Counter(
     "asyncrl_actor_episode_endings_total",
     "Multi-turn episodes ended on a rollout actor, by how: done, stopped (the model ended the conversation), "
-    "max_turns, max_tokens, environment_error.",
+    "max_turns, max_tokens, deadline, environment_error.",
     ["ending"],
 )
 ACTOR_ENVIRONMENT_STEP_SECONDS = Histogram(

@@ -285,3 +285,11 @@ def test_the_environments_tools_are_offered_through_the_chat_templates_tool_form
     plain = build_bpe_tokenizer("qwen2")  # a template without tools: the prompt as before, and the log says so
     Prompter.for_run(plain, load_config(None, settings))
     assert "does not render tools" in caplog.text and "task.system_prompt" in caplog.text
+
+
+def test_an_episode_past_its_time_limit_ends_before_its_next_turn(tools: EpisodeTools) -> None:
+    settings = (f"environment.name={HERE}:Counting", "environment.episode_timeout_s=0.000001")
+    rollout, engine, turn = episode(tools, ["a", "b", "c"], *settings)
+    assert len(engine.prompts) == 1 and rollout.finish_reasons == ["length"]
+    assert [t for _, _, t in segments(rollout.trained(0))] == [True, False]  # its first turn and the answer to it
+    assert replay(tools, rollout, turn) == 0.25
