@@ -13,8 +13,8 @@ trajectories is a function here, not a fork of the actor::
         responses = await engine.generate(group.prompt_ids.tolist(), sampling, turn.request_id)
         return rollout_group(group, responses, turn)
 
-``single_turn`` is the built-in: K responses to the group's prompt in one vLLM request (``n = K``), the prompt's KV
-cache shared. Nothing here imports vLLM: the learner checks ``rollout.workflow`` at ``resolve`` through
+Built-ins: ``single_turn``, K responses to the group's prompt in one vLLM request (``n = K``), the prompt's KV
+cache shared; ``multi_turn``, K episodes in the run's environment (``actors/episodes.py``). Nothing here imports vLLM: the learner checks ``rollout.workflow`` at ``resolve`` through
 :func:`check_workflow`.
 """
 
