@@ -38,28 +38,37 @@ MAX_STUCK = 8
 START_TIMEOUT_S = 60.0
 
 
+@dataclasses.dataclass
+class _Child:
+    """One child process and the requests it holds: answers are matched to requests of this child only."""
+
+    proc: subprocess.Popen
+    pending: dict[int, Future] = dataclasses.field(default_factory=dict)
+    late: set[int] = dataclasses.field(default_factory=set)
+    """Requests given up on (past their limit) that the child has not answered yet: steps stuck in it."""
+    write_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+
 class EnvironmentHost:
     """One child process holding the environments of many episodes (module docstring)."""
 
     def __init__(self, section: EnvironmentSection) -> None:
         self.section = section
         self._lock = threading.Lock()
-        self._child: subprocess.Popen | None = None
-        self._pending: dict[int, Future] = {}
+        self._child: _Child | None = None
         self._ids = itertools.count(1)
-        self._stuck = 0
         self.restarts = 0
 
     # -- the child
-    def _ensure_child(self) -> subprocess.Popen:
+    def _ensure_child(self) -> _Child:
         with self._lock:
-            if self._child is not None and self._child.poll() is None:
+            if self._child is not None and self._child.proc.poll() is None:
                 return self._child
             if self._child is not None:
                 self.restarts += 1
-                log.warning("environment host replaced", exit_code=self._child.returncode, restarts=self.restarts)
+                log.warning("environment host replaced", exit_code=self._child.proc.returncode, restarts=self.restarts)
             env = {**os.environ, "ASYNCRL_ENV_MEMORY_MB": str(self.section.max_memory_mb)}
-            child = subprocess.Popen(
+            proc = subprocess.Popen(
                 [sys.executable, "-m", "actors.environment_host"],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
@@ -67,71 +76,82 @@ class EnvironmentHost:
                 text=True,
                 bufsize=1,
             )
-            self._child, self._stuck = child, 0
+            self._child = child = _Child(proc)
             threading.Thread(target=self._read, args=(child,), name="environment-host-reader", daemon=True).start()
             return child
 
-    def _read(self, child: subprocess.Popen) -> None:
-        assert child.stdout is not None
-        for line in child.stdout:
+    @staticmethod
+    def _read(child: _Child) -> None:
+        assert child.proc.stdout is not None
+        for line in child.proc.stdout:
             try:
                 answer = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # an environment that prints to stdout: not an answer
-            future = self._pending.pop(int(answer.get("id", 0)), None)
+                request_id = int(answer["id"])
+            except (ValueError, TypeError, KeyError):
+                continue  # not an answer (the child keeps its answers on a descriptor of their own; be sure)
+            child.late.discard(request_id)
+            future = child.pending.pop(request_id, None)
             if future is not None and not future.done():
                 future.set_result(answer)
-        for request_id in list(self._pending):  # the child is gone: every request it held fails
-            future = self._pending.pop(request_id, None)
+        died = EnvironmentFailed(f"the environment process died (exit {child.proc.wait()})")
+        for request_id in list(child.pending):  # the child is gone: every request it held fails
+            future = child.pending.pop(request_id, None)
             if future is not None and not future.done():
-                future.set_exception(EnvironmentFailed(f"the environment process died (exit {child.wait()})"))
+                future.set_exception(died)
 
-    def _kill(self) -> None:
+    def _kill(self, child: _Child | None = None) -> None:
         with self._lock:
-            child, self._child = self._child, None
-        if child is not None and child.poll() is None:
-            child.kill()
-            child.wait()
+            if child is None or child is self._child:
+                child, self._child = self._child, None
+        if child is not None and child.proc.poll() is None:
+            child.proc.kill()
+            child.proc.wait()
 
     def close(self) -> None:
         self._kill()
 
     # -- requests
-    def _send(self, op: str, **fields: Any) -> Future:
+    def _send(self, op: str, **fields: Any) -> tuple[_Child, int, Future]:
         child = self._ensure_child()
         request_id = next(self._ids)
         future: Future = Future()
-        self._pending[request_id] = future
+        child.pending[request_id] = future
         try:
-            assert child.stdin is not None
-            with self._lock:
-                child.stdin.write(json.dumps({"id": request_id, "op": op, **fields}) + "\n")
-                child.stdin.flush()
+            assert child.proc.stdin is not None
+            with child.write_lock:
+                child.proc.stdin.write(json.dumps({"id": request_id, "op": op, **fields}) + "\n")
+                child.proc.stdin.flush()
         except (BrokenPipeError, OSError, TypeError, ValueError) as exc:
-            self._pending.pop(request_id, None)
+            child.pending.pop(request_id, None)
             future.set_exception(EnvironmentFailed(f"could not reach the environment process: {exc}"))
-        return future
+        return child, request_id, future
 
-    def _answer(self, answer: dict[str, Any]) -> dict[str, Any]:
+    def forget(self, op: str, **fields: Any) -> None:
+        """A request nobody waits for (``close``)."""
+        child, request_id, _ = self._send(op, **fields)
+        child.pending.pop(request_id, None)
+
+    @staticmethod
+    def _answer(answer: dict[str, Any]) -> dict[str, Any]:
         if "error" in answer:
             raise EnvironmentFailed(str(answer["error"]))
         return answer
 
-    def _timed_out(self, op: str, timeout_s: float) -> EnvironmentFailed:
-        self._stuck += 1
-        if self._stuck >= MAX_STUCK:
-            log.warning("environment host has too many stuck steps; replacing it", stuck=self._stuck)
-            self._kill()
-        return EnvironmentFailed(f"{op} took longer than environment.step_timeout_s = {timeout_s:g}")
-
     async def call_async(self, op: str, **fields: Any) -> dict[str, Any]:
-        """One request, awaited."""
+        """One request, awaited within ``environment.step_timeout_s``. A request given up on is counted as stuck in
+        the child until it answers; at :data:`MAX_STUCK` the child is replaced."""
         timeout_s = self.section.step_timeout_s
-        future = asyncio.wrap_future(self._send(op, **fields))
+        child, request_id, future = self._send(op, **fields)
         try:
-            return self._answer(await asyncio.wait_for(future, timeout_s))
+            return self._answer(await asyncio.wait_for(asyncio.wrap_future(future), timeout_s))
         except TimeoutError:
-            raise self._timed_out(op, timeout_s) from None
+            child.late.add(request_id)
+            if len(child.late) >= MAX_STUCK:
+                log.warning("environment process has too many stuck steps; replacing it", stuck=len(child.late))
+                self._kill(child)
+            raise EnvironmentFailed(f"{op} took longer than environment.step_timeout_s = {timeout_s:g}") from None
+        finally:
+            child.pending.pop(request_id, None)
 
 
 class HostedEnvironment:
@@ -158,7 +178,7 @@ class HostedEnvironment:
 
     def close(self) -> None:
         """Forget the environment in the child (nothing waits for the answer)."""
-        self.host._send("close", episode=self.key)
+        self.host.forget("close", episode=self.key)
 
 
 # --------------------------------------------------------------------------- the child
@@ -171,8 +191,11 @@ def _serve() -> None:
     limit_mb = int(os.environ.get("ASYNCRL_ENV_MEMORY_MB", "0"))
     if limit_mb:
         resource.setrlimit(resource.RLIMIT_AS, (limit_mb * 2**20, limit_mb * 2**20))
-    out = sys.stdout
-    sys.stdout = sys.stderr  # what environments print goes to the log, not into the answers
+    # Answers go out on a descriptor of their own; descriptor 1 (where environments, their libraries and their
+    # subprocesses print) becomes stderr, so nothing they print can enter the answers.
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     environments: dict[str, Any] = {}
     write_lock = threading.Lock()
 

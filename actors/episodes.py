@@ -32,6 +32,7 @@ import json
 import threading
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -148,16 +149,26 @@ async def final_score(env: Environment) -> float:
         raise EnvironmentFailed(f"score raised {type(exc).__name__}: {exc}") from exc
 
 
+_STEPS = ThreadPoolExecutor(max_workers=32, thread_name_prefix="environment-step")
+"""Where synchronous steps run in ``isolation = "thread"``: a hung one holds a thread of this pool, never one of the
+event loop's default executor (which the actor's own Redis and socket calls use)."""
+
+
 async def take_step(env: Environment, action: str, timeout_s: float) -> Step:
-    """One step within ``timeout_s``. A synchronous ``step`` runs in a thread, so a slow one never stalls the actor's
-    other episodes (in ``isolation = "thread"`` a hung one keeps its thread; the default runs it in another process)."""
+    """One step within ``timeout_s``. A synchronous ``step`` runs in a thread (:data:`_STEPS`), so a slow one never
+    stalls the actor's other episodes; an ``async`` one (a hosted environment's among them: its host keeps the time
+    limit itself) is awaited."""
 
     async def call() -> Any:
-        result = await asyncio.to_thread(env.step, action)
+        if inspect.iscoroutinefunction(env.step):
+            return await env.step(action)
+        result = await asyncio.get_running_loop().run_in_executor(_STEPS, env.step, action)
         return await result if inspect.isawaitable(result) else result
 
     started = time.perf_counter()
     try:
+        if isinstance(env, HostedEnvironment):
+            return checked_step(await call())
         return checked_step(await asyncio.wait_for(call(), timeout_s))
     except TimeoutError:
         raise EnvironmentFailed(f"step took longer than environment.step_timeout_s = {timeout_s:g}") from None
@@ -167,6 +178,16 @@ async def take_step(env: Environment, action: str, timeout_s: float) -> Step:
         raise EnvironmentFailed(f"step raised {type(exc).__name__}: {exc}") from exc
     finally:
         ACTOR_ENVIRONMENT_STEP_SECONDS.observe(time.perf_counter() - started)
+
+
+def observation_ids(tools: EpisodeTools, step: Step) -> list[int]:
+    """The template's tokens for ``step``'s observation; a template that refuses it (one that enforces the order of
+    roles, say) fails the step, not the group."""
+    try:
+        return tools.encoder.ids(step.observation)
+    except Exception as exc:
+        why = f"{type(exc).__name__}: {exc}"
+        raise EnvironmentFailed(f"the chat template cannot render the observation: {why}") from exc
 
 
 def episode_budget(turn: WorkflowContext, prompt_len: int) -> int:
@@ -216,7 +237,7 @@ async def run_episode(
             if step.done:
                 ending = "done"
                 break
-            observation = tools.encoder.ids(step.observation)
+            observation = observation_ids(tools, step)
             if turns == section.max_turns:
                 break
             if len(episode.token_ids) + len(observation) >= budget:
@@ -295,7 +316,7 @@ async def _replay(tools: EpisodeTools, section: EnvironmentSection, env: Environ
                 raise EpisodeMismatch(f"episode {index}: turns after the environment was done")
             break
         following = ids[parts[n + 1][0] : parts[n + 1][1]].tolist()
-        if following != tools.encoder.ids(step.observation):
+        if following != observation_ids(tools, step):
             raise EpisodeMismatch(f"episode {index}: an environment turn differs from the environment's observation")
     return total + await final_score(env)
 
@@ -309,7 +330,7 @@ def environment_reward(group: RolloutGroup, options: dict[str, Any]) -> list[flo
     section = EnvironmentSection.model_validate(options["environment"])
     tools = episode_tools(str(options["model"]))
 
-    async def replay_all() -> list[float]:
-        return [await replay_episode(tools, section, group, i) for i in range(group.num_samples)]
+    async def replay_all() -> list[float]:  # at once: K episodes' steps overlap, as they did on the actor
+        return list(await asyncio.gather(*(replay_episode(tools, section, group, i) for i in range(group.num_samples))))
 
     return asyncio.run(replay_all())

@@ -14,8 +14,8 @@ trajectories is a function here, not a fork of the actor::
         return rollout_group(group, responses, turn)
 
 Built-ins: ``single_turn``, K responses to the group's prompt in one vLLM request (``n = K``), the prompt's KV
-cache shared; ``multi_turn``, K episodes in the run's environment (``actors/episodes.py``). Nothing here imports vLLM: the learner checks ``rollout.workflow`` at ``resolve`` through
-:func:`check_workflow`.
+cache shared; ``multi_turn``, K episodes in the run's environment (``actors/episodes.py``). Nothing here imports
+vLLM: the learner checks ``rollout.workflow`` at ``resolve`` through :func:`check_workflow`.
 """
 
 from __future__ import annotations

@@ -133,7 +133,7 @@ _OPERATORS: dict[type, Callable[..., Any]] = {
 }
 _MAX_EXPRESSION = 200
 _MAX_MAGNITUDE = 10**18
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?")
 
 
 def calculate(expression: str) -> str:
@@ -169,7 +169,7 @@ def final_number(text: str) -> str | None:
     numbers = _NUMBER.findall(text)
     if not numbers:
         return None
-    value = float(numbers[-1])
+    value = float(numbers[-1].replace(",", ""))  # 1,776 is 1776
     return str(int(value)) if value.is_integer() else str(value)
 
 

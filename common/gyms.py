@@ -25,6 +25,7 @@ import importlib
 import json
 import random
 import re
+import threading
 from typing import Any, ClassVar
 
 from common.environments import EpisodeRow, Step
@@ -102,10 +103,16 @@ class SkyRLGym:
 # --------------------------------------------------------------------------- TextArena
 
 
+_TEXTARENA = threading.Lock()
+"""TextArena seeds and draws from the process-wide ``random``: two games made or played at once (in the threads of
+an environments' process) would take each other's draws, and the replay would meet another game."""
+
+
 def _game(name: str, seed: int) -> Any:
     ta = _package("textarena", "textarena")
-    env = ta.make(name)
-    env.reset(num_players=1, seed=seed)
+    with _TEXTARENA:
+        env = ta.make(name)
+        env.reset(num_players=1, seed=seed)
     return env
 
 
@@ -135,7 +142,8 @@ class TextArenaGame:
         self.reward = 0.0
 
     def step(self, action: str) -> Step:
-        done, _ = self.env.step(action)
+        with _TEXTARENA:
+            done, _ = self.env.step(action)
         if done:
             rewards, _ = self.env.close()
             self.reward = float(rewards.get(0, 0.0))

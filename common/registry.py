@@ -17,7 +17,7 @@ from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 _IMPORTED: dict[str, Any] = {}
-_IMPORT_LOCK = threading.Lock()
+_IMPORT_LOCK = threading.RLock()  # a module imported here may resolve another path
 
 
 class Registry(Generic[T]):

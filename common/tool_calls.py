@@ -52,6 +52,9 @@ def parse_tool_calls(text: str) -> ParsedCalls:
         except json.JSONDecodeError as exc:
             errors.append(f"not JSON ({exc.msg} at character {exc.pos})")
             continue
+        except RecursionError:
+            errors.append("nested too deeply")
+            continue
         if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
             errors.append('not an object with a "name" string')
             continue

@@ -37,7 +37,8 @@ class Prodding:
 
 class Misbehaving(Prodding):
     """Misbehaves at its first step as ``options["how"]`` says: ``crash`` (the process exits), ``hang``, ``hog``
-    (asks for 2 GiB), ``garbage``; ``fine`` behaves as :class:`Prodding`."""
+    (asks for 2 GiB), ``garbage``; ``prints`` writes lines that look like answers to descriptor 1, then behaves;
+    ``fine`` behaves as :class:`Prodding`."""
 
     def __init__(self, row: EpisodeRow, options: dict[str, Any]) -> None:
         super().__init__(row, options)
@@ -55,4 +56,6 @@ class Misbehaving(Prodding):
             self.ballast = bytearray(2 * 2**30)
         if self.how == "garbage":
             return "not a step"  # type: ignore[return-value]
+        if self.how == "prints":
+            os.write(1, b'42\nnull\n{"id": 1}\n')
         return super().step(action)

@@ -50,6 +50,13 @@ def test_an_environment_that_misbehaves_in_its_process_ends_only_its_episode(how
         assert host.restarts >= 1
 
 
+def test_what_an_environment_prints_never_reaches_the_answers() -> None:
+    """Lines written straight to descriptor 1 (as a C library or a subprocess would), some of them valid JSON."""
+    rollout, _, turn = episode(TOOLS, ["first", "second", "third"], *hosted("prints"), "environment.max_turns=3")
+    assert [t for _, _, t in segments(rollout.trained(0))] == [True, False, True, False, True]
+    assert replay(TOOLS, rollout, turn) == 3.0
+
+
 def test_the_environments_process_ends_with_the_process_it_serves() -> None:
     """Killed with -9, the parent cannot stop its child: the child ends when its stdin closes."""
     script = (
