@@ -29,13 +29,19 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from common.config import EnvironmentSection
-from common.environments import ENVIRONMENTS, EnvironmentFailed, EpisodeRow, Step, checked_score, checked_step
+from common.environments import (
+    EnvironmentFailed,
+    EpisodeRow,
+    Step,
+    checked_score,
+    checked_step,
+    make_environment,
+)
 from common.logs import get_logger
 
 log = get_logger("environment_host")
 MAX_STUCK = 8
 """Steps past their time limit a child may still be running before it is replaced."""
-START_TIMEOUT_S = 60.0
 
 
 @dataclasses.dataclass
@@ -221,7 +227,7 @@ def _serve() -> None:
 def _handle(environments: dict[str, Any], request: dict[str, Any]) -> dict[str, Any]:
     op, key = request["op"], request["episode"]
     if op == "make":
-        environments[key] = ENVIRONMENTS.get(request["name"])(EpisodeRow(**request["row"]), request["options"])
+        environments[key] = make_environment(request["name"], request["options"], EpisodeRow(**request["row"]))
         return {}
     if op == "close":
         environments.pop(key, None)

@@ -32,6 +32,7 @@ import json
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
@@ -40,18 +41,17 @@ from actors.environment_host import EnvironmentHost, HostedEnvironment
 from actors.generation import Generator, Response, Sampling, WorkflowContext, rollout_group, sampling_for
 from common.config import EnvironmentSection
 from common.environments import (
-    ENVIRONMENTS,
     Environment,
     EnvironmentFailed,
     EpisodeRow,
     Step,
     checked_score,
     checked_step,
+    make_environment,
 )
 from common.logs import get_logger
 from common.metrics import ACTOR_ENVIRONMENT_STEP_SECONDS, ACTOR_EPISODE_ENDINGS, ACTOR_EPISODE_TURNS
-from common.prompts import turn_end_ids
-from common.turns import TurnEncoder, segments, turn_text
+from common.turns import TurnEncoder, model_turns, segments, turn_text
 from common.wire import PromptGroup, RolloutGroup
 
 log = get_logger("episodes")
@@ -63,23 +63,27 @@ class EpisodeMismatch(ValueError):
 
 @dataclass(frozen=True)
 class EpisodeTools:
-    """The tokenizer of ``model.path`` and its :class:`TurnEncoder`."""
+    """A tokenizer and its :class:`TurnEncoder`."""
 
     tokenizer: Any
     encoder: TurnEncoder
-    end_id: int
-    """The token that ends an assistant turn: after it, and only after it, the environment steps."""
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any) -> EpisodeTools:
+        return cls(tokenizer, TurnEncoder.for_tokenizer(tokenizer))
+
+    @property
+    def end_id(self) -> int:
+        """The token that ends an assistant turn: after it, and only after it, the environment steps."""
+        return self.encoder.end_id
 
 
 @functools.lru_cache(maxsize=4)
 def episode_tools(model_path: str) -> EpisodeTools:
-    """Loaded once per process and model folder (nothing is fetched from a hub)."""
+    """The tools of ``model.path``'s tokenizer, loaded once per process and folder (nothing is fetched from a hub)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    stop_ids = turn_end_ids(tokenizer)
-    encoder = TurnEncoder.for_tokenizer(tokenizer, stop_ids)
-    return EpisodeTools(tokenizer, encoder, int(stop_ids[0] if stop_ids else tokenizer.eos_token_id))
+    return EpisodeTools.for_tokenizer(AutoTokenizer.from_pretrained(model_path))
 
 
 def episode_row(group: PromptGroup | RolloutGroup, index: int) -> EpisodeRow:
@@ -88,14 +92,6 @@ def episode_row(group: PromptGroup | RolloutGroup, index: int) -> EpisodeRow:
     extra = json.loads(group.extra) if group.extra else {}
     seed = zlib.crc32(f"{group.group_id}/{index}".encode())
     return EpisodeRow(prompt=group.prompt, answer=group.answer, extra=extra, seed=seed)
-
-
-def make_environment(section: EnvironmentSection, row: EpisodeRow) -> Environment:
-    """The environment of ``row`` in this process."""
-    try:
-        return ENVIRONMENTS.get(section.name)(row, dict(section.options))
-    except Exception as exc:
-        raise EnvironmentFailed(f"environment {section.name!r} could not be made: {type(exc).__name__}: {exc}") from exc
 
 
 _HOSTS: dict[str, EnvironmentHost] = {}
@@ -125,7 +121,7 @@ async def open_environment(section: EnvironmentSection, row: EpisodeRow) -> Envi
     """The environment of ``row``: in the environments' own process (``environment.isolation = "process"``) or in
     this one."""
     if section.isolation == "thread":
-        return make_environment(section, row)
+        return make_environment(section.name, section.options, row)
     try:
         return await HostedEnvironment.open(environment_host(section), row)
     except EnvironmentFailed as exc:
@@ -133,9 +129,9 @@ async def open_environment(section: EnvironmentSection, row: EpisodeRow) -> Envi
 
 
 def close_environment(env: Environment | None) -> None:
-    close = getattr(env, "close", None)
-    if isinstance(env, HostedEnvironment) and close is not None:
-        close()
+    """Free a hosted environment in its process (one in this process goes with its episode)."""
+    if isinstance(env, HostedEnvironment):
+        env.close()
 
 
 async def final_score(env: Environment) -> float:
@@ -154,10 +150,12 @@ _STEPS = ThreadPoolExecutor(max_workers=32, thread_name_prefix="environment-step
 event loop's default executor (which the actor's own Redis and socket calls use)."""
 
 
-async def take_step(env: Environment, action: str, timeout_s: float) -> Step:
-    """One step within ``timeout_s``. A synchronous ``step`` runs in a thread (:data:`_STEPS`), so a slow one never
-    stalls the actor's other episodes; an ``async`` one (a hosted environment's among them: its host keeps the time
-    limit itself) is awaited."""
+async def take_step(
+    env: Environment, action: str, timeout_s: float, observe: Callable[[float], None] = lambda seconds: None
+) -> Step:
+    """One step within ``timeout_s``; ``observe`` gets its seconds. A synchronous ``step`` runs in a thread
+    (:data:`_STEPS`), so a slow one never stalls the actor's other episodes; an ``async`` one (a hosted environment's
+    among them: its host keeps the time limit itself) is awaited."""
 
     async def call() -> Any:
         if inspect.iscoroutinefunction(env.step):
@@ -177,7 +175,7 @@ async def take_step(env: Environment, action: str, timeout_s: float) -> Step:
     except Exception as exc:
         raise EnvironmentFailed(f"step raised {type(exc).__name__}: {exc}") from exc
     finally:
-        ACTOR_ENVIRONMENT_STEP_SECONDS.observe(time.perf_counter() - started)
+        observe(time.perf_counter() - started)
 
 
 def observation_ids(tools: EpisodeTools, step: Step) -> list[int]:
@@ -233,7 +231,8 @@ async def run_episode(
             if not said.token_ids or said.token_ids[-1] != tools.end_id:
                 ending = "max_tokens" if said.finish_reason == "length" else "stopped"
                 break
-            step = await take_step(env, turn_text(tools.tokenizer, said.token_ids), section.step_timeout_s)
+            action = turn_text(tools.tokenizer, said.token_ids)
+            step = await take_step(env, action, section.step_timeout_s, ACTOR_ENVIRONMENT_STEP_SECONDS.observe)
             if step.done:
                 ending = "done"
                 break
@@ -279,7 +278,7 @@ async def replay_episode(tools: EpisodeTools, section: EnvironmentSection, group
     parts = segments(group.trained(index))
     if parts and not parts[0][2]:
         raise EpisodeMismatch(f"episode {index} starts with tokens the model did not sample")
-    if sum(trained for _, _, trained in parts) > section.max_turns:
+    if model_turns(group.trained(index)) > section.max_turns:
         raise EpisodeMismatch(f"episode {index} has more model turns than environment.max_turns")
     try:
         env = await open_environment(section, episode_row(group, index))

@@ -92,6 +92,14 @@ ENVIRONMENTS.register_path("textarena", "common.gyms:TextArenaGame")
 ENVIRONMENTS.register_path("python", "actors.tool_environments:PythonTool")  # runs code in the actor's sandbox
 
 
+def make_environment(name: str, options: dict[str, Any], row: EpisodeRow) -> Environment:
+    """The environment ``name`` of ``row``, made in this process; :class:`EnvironmentFailed` when it cannot be."""
+    try:
+        return ENVIRONMENTS.get(name)(row, dict(options))
+    except Exception as exc:
+        raise EnvironmentFailed(f"environment {name!r} could not be made: {type(exc).__name__}: {exc}") from exc
+
+
 def checked_step(value: Any) -> Step:
     """``value`` as a :class:`Step`, or :class:`EnvironmentFailed` saying what is wrong with it."""
     if not isinstance(value, Step):

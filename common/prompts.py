@@ -167,6 +167,11 @@ def turn_end_ids(tokenizer: Any) -> tuple[int, ...]:
     return (int(after[0]),)
 
 
+def turn_end_id(tokenizer: Any) -> int:
+    """The token that ends an assistant turn: the template's own (:func:`turn_end_ids`), else EOS."""
+    return int(next(iter(turn_end_ids(tokenizer)), tokenizer.eos_token_id))
+
+
 def model_vocab_size(model_dir: str | Path) -> int:
     """The model's vocabulary: the rows of its embedding (``config.json``'s ``vocab_size``, or its text model's).
 

@@ -10,6 +10,7 @@ temporary entries and restore the real registry afterwards, never clearing it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import threading
 from collections.abc import Callable, Iterator
@@ -34,7 +35,7 @@ class Registry(Generic[T]):
 
         def wrap(obj: T) -> T:
             taken = self._entries.get(name)
-            if taken is not None and taken is not obj and not (isinstance(taken, _Deferred) and taken == obj):
+            if taken is not None and taken is not obj and not (isinstance(obj, _Deferred) and taken == obj):
                 raise ValueError(f"{self.kind} name {name!r} already registered by {_describe(taken)}")
             self._entries[name] = obj
             return obj
@@ -72,17 +73,11 @@ class Registry(Generic[T]):
             self._entries = saved
 
 
+@dataclasses.dataclass(frozen=True, repr=False)
 class _Deferred:
-    """An entry known by its import path until it is first used."""
+    """An entry known by its import path until it is first used (the same path twice is the same entry)."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __eq__(self, other: object) -> bool:  # registering the same path twice is not a clash
-        return isinstance(other, _Deferred) and other.path == self.path
-
-    def __hash__(self) -> int:
-        return hash(self.path)
+    path: str
 
     def __repr__(self) -> str:
         return self.path

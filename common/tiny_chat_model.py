@@ -186,12 +186,12 @@ def warm_start_chat(model_dir: str | Path, rows: list[dict], *, steps: int, seed
     from transformers import AutoTokenizer
 
     from common.config import TaskSection
-    from common.prompts import Prompter
+    from common.prompts import Prompter, turn_end_id
     from common.tasks import TaskExample
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompter = Prompter.for_tokenizer(tokenizer, TaskSection(chat=True))
-    end = prompter.stop_ids[0] if prompter.stop_ids else tokenizer.eos_token_id
+    end = turn_end_id(tokenizer)
     encoded: list[Row] = []
     for row in rows:
         example = TaskExample(row["messages"][-1]["content"], row["answer"], tuple(row["messages"]))

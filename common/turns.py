@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from common.prompts import turn_end_id
+
 Message = dict[str, str]
 _PROBE = "asyncrl-episode-probe"
 
@@ -38,22 +40,26 @@ class TurnEncoder:
     """Token ids of environment turns for one tokenizer with a chat template."""
 
     tokenizer: Any
-    turn_end: str
-    """The text of the token that ends an assistant turn (ChatML: ``<|im_end|>``)."""
+    end_id: int
+    """The token that ends an assistant turn (ChatML: ``<|im_end|>``): after it, and only after it, the environment
+    steps."""
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: Any, stop_ids: Sequence[int] = ()) -> TurnEncoder:
-        """The encoder of ``tokenizer``; ``stop_ids`` are the run's end-of-turn ids (``Prompter.stop_ids``), else
-        EOS ends a turn. :class:`TemplateError` when the tokenizer has no chat template, or its template does not
-        extend a conversation by appending."""
+    def for_tokenizer(cls, tokenizer: Any) -> TurnEncoder:
+        """The encoder of ``tokenizer``, whose turns end at :func:`common.prompts.turn_end_id`. :class:`TemplateError`
+        when the tokenizer has no chat template, or its template does not extend a conversation by appending."""
         if not getattr(tokenizer, "chat_template", None):
             raise TemplateError(
                 "rollout.workflow = 'multi_turn' needs a chat template: the tokenizer of model.path has none"
             )
-        end_id = stop_ids[0] if stop_ids else tokenizer.eos_token_id
-        encoder = cls(tokenizer, tokenizer.convert_ids_to_tokens(int(end_id)))
+        encoder = cls(tokenizer, turn_end_id(tokenizer))
         encoder.ids([{"role": "user", "content": "probe"}])  # refuses a template that rewrites earlier turns
         return encoder
+
+    @property
+    def turn_end(self) -> str:
+        """The text of :attr:`end_id`."""
+        return self.tokenizer.convert_ids_to_tokens(self.end_id)
 
     def _render(self, messages: list[Message], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
@@ -85,6 +91,11 @@ class TurnEncoder:
 def turn_text(tokenizer: Any, ids: Sequence[int]) -> str:
     """A model turn as the environment reads it: its tokens decoded without special tokens."""
     return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def model_turns(trained: np.ndarray) -> int:
+    """The model's turns in a response's loss mask (its runs of 1)."""
+    return sum(by_model for _, _, by_model in segments(trained))
 
 
 def segments(trained: np.ndarray) -> list[tuple[int, int, bool]]:

@@ -29,7 +29,7 @@ from common.control import ControlPlane
 from common.logs import get_logger
 from common.outage import settling
 from common.private import open_private
-from common.turns import segments
+from common.turns import model_turns
 from learner.alerts import ProcessFacts
 from learner.batch import TrainBatch
 from learner.batch_source import Taken
@@ -203,7 +203,7 @@ def episode_figures(taken: Taken) -> dict[str, float]:
     rollouts = [e.group.rollout for e in taken.entries if len(e.group.rollout.loss_mask)]
     if not rollouts:
         return {}
-    turns = [sum(t for _, _, t in segments(r.trained(i))) for r in rollouts for i in range(r.num_samples)]
+    turns = [model_turns(r.trained(i)) for r in rollouts for i in range(r.num_samples)]
     lengths = np.concatenate([r.lengths for r in rollouts])
     sampled = sum(int(r.loss_mask.sum()) for r in rollouts)
     return {

@@ -63,10 +63,7 @@ class SampleLog:
         others = [k for k in range(len(responses)) if k not in (worst, best)]
         picks = random.Random(self.seed * 1_000_003 + step).sample(others, min(self.per_step, len(others)))
         chosen = [(k, "random") for k in sorted(picks)] + [(worst, "worst"), (best, "best")][: len({worst, best})]
-        rows = [_row(step, pick, *responses[k], advantages) for k, pick in chosen]
-        for row, (k, _) in zip(rows, chosen, strict=True):
-            row |= _turns(*responses[k], self.decode)
-        return rows
+        return [_row(step, pick, *responses[k], advantages) | _turns(*responses[k], self.decode) for k, pick in chosen]
 
     def write(self, step: int, groups: Sequence[ScoredGroup], advantages: dict[tuple[str, int], float]) -> list[dict]:
         """Append step ``step``'s rows when it is due; returns them (empty when not due)."""

@@ -11,9 +11,7 @@ import numpy as np
 from actors.episodes import EpisodeTools, replay_episode, run_episode
 from actors.workflows import Response, Sampling, WorkflowContext, rollout_group, sampling_for
 from common.config import load_config
-from common.prompts import turn_end_ids
 from common.tiny_chat_model import build_bpe_tokenizer
-from common.turns import TurnEncoder
 from common.wire import PromptGroup, RolloutGroup
 
 CALL = '<tool_call>{"name": "calc", "arguments": {"expression": "6*7"}}</tool_call>'
@@ -22,9 +20,7 @@ QUESTION = [{"role": "user", "content": "What is 6*7?"}]
 
 def tools_for(arch: str) -> EpisodeTools:
     tokenizer = build_bpe_tokenizer(arch)
-    stop = turn_end_ids(tokenizer)
-    end = int(stop[0] if stop else tokenizer.eos_token_id)
-    return EpisodeTools(tokenizer, TurnEncoder.for_tokenizer(tokenizer, stop), end)
+    return EpisodeTools.for_tokenizer(tokenizer)
 
 
 class ScriptedEngine:

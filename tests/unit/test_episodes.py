@@ -20,7 +20,7 @@ from actors.episodes import EpisodeMismatch, EpisodeTools, environment_reward
 from actors.rewards import bind_functions, episode_options
 from common.config import ConfigError, EnvironmentSection, RewardFunction, load_config
 from common.environments import ENVIRONMENTS, EpisodeRow, Step, calculate, run_tools
-from common.prompts import Prompter, turn_end_ids
+from common.prompts import Prompter, turn_end_id
 from common.tasks import TaskExample
 from common.tiny_chat_model import ARCHITECTURES, CHATML_TEMPLATE, build_bpe_tokenizer
 from common.tool_calls import parse_tool_calls
@@ -175,10 +175,10 @@ def test_a_template_that_rewrites_earlier_turns_is_refused() -> None:
         "{{- '<|im_start|>' + m['role'] + '\\n' + c + '<|im_end|>\\n' }}{%- endfor %}"
         "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
     )
-    encoder = TurnEncoder(tokenizer, "<|im_end|>")
+    encoder = TurnEncoder(tokenizer, turn_end_id(tokenizer))
     assert encoder.text([{"role": "tool", "content": "1"}]).startswith("\n<|im_start|>tool")  # no reasoning: fine
     with pytest.raises(TemplateError, match="rewrites earlier turns"):
-        TurnEncoder.for_tokenizer(_with_probe_reasoning(tokenizer), turn_end_ids(tokenizer))
+        TurnEncoder.for_tokenizer(_with_probe_reasoning(tokenizer))
 
 
 def _with_probe_reasoning(tokenizer):
