@@ -115,6 +115,12 @@ def _episode_lines(s: dict[str, Any]) -> list[str]:
         f"         episodes: turns {s['rollout/episode_turns_mean']:.1f} (max {s['rollout/episode_turns_max']:.0f})   "
         f"tokens {s['rollout/episode_tokens_mean']:.0f} (max {s['rollout/episode_tokens_max']:.0f})   "
         f"sampled by the model {100 * s['rollout/episode_sampled_frac']:.0f}%"
+        + (
+            f"   tool calls {s['rollout/episode_tool_calls_mean']:.2f} per episode "
+            f"({s['rollout/episode_malformed_calls_mean']:.2f} malformed)"
+            if "rollout/episode_tool_calls_mean" in s
+            else ""
+        )
     ]
 
 

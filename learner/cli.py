@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -137,32 +138,64 @@ def init_model_command(
     set_: SetOpt = None,
     warm_steps: Annotated[int, typer.Option(help="Supervised warm-start steps on the config's task (0 = random).")] = 0,
     examples: Annotated[int, typer.Option(help="Examples drawn for the warm start.")] = 4000,
+    kind: Annotated[
+        str,
+        typer.Option(
+            help="'task': a 2-layer model answering the task's prompts; 'agent': a 4-layer tool-chat model "
+            "warm-started on calculator episodes (configs/agent.toml)."
+        ),
+    ] = "task",
+    threads: Annotated[int, typer.Option(min=1, help="CPU threads of the warm start.")] = 1,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing model folder.")] = False,
 ) -> None:
     """Write the tiny Llama checkpoint the config names (model.path): character tokenizer, seeded weights,
     optionally a short supervised warm start on the config's task so that RL starts from partial skill."""
     import random
 
-    from common.cliutil import load
-    from common.tasks import TASK_ALPHABET, get_task
-    from common.tiny_model import init_model, model_fingerprint, warm_start
+    from common.cliutil import fail, load
+    from common.tasks import get_task
+    from common.tiny_model import model_fingerprint
     from learner.preflight import check_config
 
+    if kind not in MODEL_KINDS:
+        fail(f"--kind must be one of {', '.join(MODEL_KINDS)}, got {kind!r}")
     resolved = load(config, set_, check=check_config)
     out = Path(resolved.model.path)
     if (out / "config.json").exists() and not force:
         typer.echo(f"{out} exists; keeping it (--force to overwrite)", err=True)
         return
-    folder = init_model(out, alphabet=TASK_ALPHABET, seed=resolved.run.seed)
+    make, warm = MODEL_KINDS[kind]()
+    folder = make(out, seed=resolved.run.seed)
     if warm_steps:
         task, rng = get_task(resolved.task.name, **resolved.task.options), random.Random(resolved.run.seed + 1)
         pairs = [(e.prompt, e.answer) for e in (task.sample(rng) for _ in range(examples))]
-        figures = warm_start(folder, pairs, steps=warm_steps, seed=resolved.run.seed)
+        figures = warm(folder, pairs, steps=warm_steps, seed=resolved.run.seed, threads=threads)
         typer.echo(
             f"warm start: loss {figures['loss_first']:.3f} -> {figures['loss_last']:.3f} in {figures['seconds']:.1f}s",
             err=True,
         )
     typer.echo(f"wrote {folder} (sha256 {model_fingerprint(folder)[:16]})", err=True)
+
+
+def _task_model() -> tuple[Callable, Callable]:
+    from functools import partial
+
+    from common.tasks import TASK_ALPHABET
+    from common.tiny_model import init_model, warm_start
+
+    return partial(init_model, alphabet=TASK_ALPHABET), warm_start
+
+
+def _agent_model() -> tuple[Callable, Callable]:
+    from functools import partial
+
+    from common.tiny_agent_model import AGENT_WARM_START, init_agent_model, warm_start_calculator
+
+    return partial(init_agent_model, layers=4), partial(warm_start_calculator, **AGENT_WARM_START)
+
+
+MODEL_KINDS: dict[str, Callable[[], tuple[Callable, Callable]]] = {"task": _task_model, "agent": _agent_model}
+"""``init-model --kind``: what makes the folder, and what warm-starts it on (prompt, answer) pairs."""
 
 
 @app.command()

@@ -19,6 +19,7 @@ import hashlib
 import json
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,7 +30,8 @@ from common.control import ControlPlane
 from common.logs import get_logger
 from common.outage import settling
 from common.private import open_private
-from common.turns import model_turns
+from common.tool_calls import parse_tool_calls
+from common.turns import model_turns, segments
 from learner.alerts import ProcessFacts
 from learner.batch import TrainBatch
 from learner.batch_source import Taken
@@ -110,7 +112,7 @@ class Recorder:
         for prefix, figures in parts.items():
             if figures:
                 record.add(prefix, figures)
-        record.add("rollout", rollout_figures(version, taken, batch))
+        record.add("rollout", rollout_figures(version, taken, batch) | tool_call_figures(taken, self.samples.decode))
         record.values |= taken.figures()
         record.values["step/seconds"] = time.perf_counter() - started
         record.values["step/idle_fraction"] = taken.waited_s / max(record.values["step/seconds"], 1e-9)
@@ -213,6 +215,23 @@ def episode_figures(taken: Taken) -> dict[str, float]:
         "episode_tokens_max": float(lengths.max()),
         "episode_sampled_frac": sampled / max(int(lengths.sum()), 1),
     }
+
+
+def tool_call_figures(taken: Taken, decode: Callable[[list[int]], str] | None) -> dict[str, float]:
+    """``rollout/episode_tool_calls_mean`` and ``rollout/episode_malformed_calls_mean``: the tool calls per episode in
+    the model's turns (``common/tool_calls.py``), well-formed and malformed, when the step trained episodes."""
+    rollouts = [e.group.rollout for e in taken.entries if len(e.group.rollout.loss_mask)]
+    if not rollouts or decode is None:
+        return {}
+    calls = malformed = episodes = 0
+    for rollout in rollouts:
+        for i in range(rollout.num_samples):
+            ids, episodes = rollout.response(i)[0], episodes + 1
+            for start, end, by_model in segments(rollout.trained(i)):
+                if by_model:
+                    parsed = parse_tool_calls(decode(ids[start:end].tolist()))
+                    calls, malformed = calls + len(parsed.calls), malformed + len(parsed.errors)
+    return {"episode_tool_calls_mean": calls / episodes, "episode_malformed_calls_mean": malformed / episodes}
 
 
 def _user() -> str:

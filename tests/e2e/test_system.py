@@ -29,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from common.control import ControlPlane
 from common.keys import connect
-from tests.helpers.runs import step_rows
+from tests.helpers.runs import actors_trained, step_rows
 from tests.helpers.secrets import files_exposing, processes_showing
 from tests.helpers.stack import BIN, ROOT, actor_pid, finish, launch, metrics
 from tests.helpers.waits import wait_for
@@ -125,7 +125,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> DemoRun:
         _wait_for_steps(run_dir, proc, KILL_AFTER_STEP)
         # a labelled series (the actor's channel counters) appears with its first message: watch once both actors
         # have groups in a trained step (the second one may load its weights a step or two after the first)
-        _wait_for(lambda: {"actor-0", "actor-1"} <= _actors_trained(run_dir), proc)
+        _wait_for(lambda: {"actor-0", "actor-1"} <= actors_trained(run_dir), proc)
         watched = watch(run_dir, proc)
         steps_at_kill = len(step_rows(run_dir))
         assert proc.poll() is None, "the run ended before the kill"
@@ -134,12 +134,6 @@ def demo(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> DemoRun:
     finally:
         finish(proc, 1)
     return DemoRun(run_dir, exit_code, metrics(root, DEMO), watched, steps_at_kill)
-
-
-def _actors_trained(run_dir: Path) -> set[str]:
-    """The actors whose groups some training step of the run has used so far."""
-    prefix = "rollout/groups_from/"
-    return {key[len(prefix) :] for row in step_rows(run_dir) for key, n in row.items() if key.startswith(prefix) and n}
 
 
 def test_demo_reward_rises_within_the_staleness_bound(demo: DemoRun) -> None:

@@ -17,6 +17,12 @@ def step_rows(run_dir: Path) -> list[dict]:
     return [row for row in rows(run_dir) if "eval/step" not in row]
 
 
+def actors_trained(run_dir: Path) -> set[str]:
+    """The actors whose groups some training step of the run has used so far."""
+    prefix = "rollout/groups_from/"
+    return {key[len(prefix) :] for row in step_rows(run_dir) for key, n in row.items() if key.startswith(prefix) and n}
+
+
 def eval_rows(run_dir: Path) -> list[dict]:
     return [row for row in rows(run_dir) if "eval/step" in row]
 
@@ -26,8 +32,21 @@ def check_samples(path: Path, steps: list[int], per_step: int, staleness: int | 
     person needs; every sample at ``staleness`` when given (0 in a synchronous run)."""
     samples = [json.loads(line) for line in path.read_text().splitlines()]
     assert sorted({r["step"] for r in samples}) == steps
-    fields = {"step", "version", "pick", "group_id", "response_index", "prompt", "response", "reward", "details",
-              "advantage", "finish_reason", "staleness", "tokens"}
+    fields = {
+        "step",
+        "version",
+        "pick",
+        "group_id",
+        "response_index",
+        "prompt",
+        "response",
+        "reward",
+        "details",
+        "advantage",
+        "finish_reason",
+        "staleness",
+        "tokens",
+    }
     for step in steps:
         picks = [r["pick"] for r in samples if r["step"] == step]
         assert picks[:per_step] == ["random"] * per_step and picks[per_step:] in (["worst", "best"], ["worst"])

@@ -9,6 +9,7 @@ import json
 import random
 
 import pytest
+import reasoning_gym  # noqa: F401  here, not in a test: its first import may run fc-list (matplotlib's font cache)
 
 from actors.rewards import bind_functions
 from actors.verifiers import bind_verifier

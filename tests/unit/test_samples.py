@@ -11,7 +11,7 @@ from common.replay import ReplayEntry
 from common.top import render
 from common.wire import ScoredGroup
 from learner.batch_source import Taken
-from learner.recorder import episode_figures
+from learner.recorder import episode_figures, tool_call_figures
 from learner.samples import MAX_TEXT, SampleLog, row_advantages
 from tests.helpers.rollouts import make_group
 from tests.helpers.scripted_episodes import CALL, episode, tools_for
@@ -86,6 +86,10 @@ def test_an_episodes_row_shows_its_turns_and_the_step_its_turn_counts(tmp_path) 
     assert figures["episode_turns_mean"] == figures["episode_turns_max"] == 2.0
     assert figures["episode_tokens_max"] == int(rollout.lengths[0])
     assert 0 < figures["episode_sampled_frac"] < 1
+    calls = tool_call_figures(Taken(entries=[ReplayEntry("1-0", group)]), tools.tokenizer.decode)
+    assert calls == {"episode_tool_calls_mean": 1.0, "episode_malformed_calls_mean": 0.0}
+    assert tool_call_figures(Taken(entries=[ReplayEntry("1-0", group)]), None) == {}
+    figures |= calls
     # rl-top: episodes in flight (K per group in flight) and the step's episode figures.
     queues = {**dict.fromkeys(["prompts", "replay", "replay_pending", "dead_letters"], 0), "inflight": 3}
     summary = {"step": 1, **{f"rollout/{key}": value for key, value in figures.items()}}
@@ -93,3 +97,4 @@ def test_an_episodes_row_shows_its_turns_and_the_step_its_turn_counts(tmp_path) 
     text = render({**snap, "samples": [row], "episodes_per_group": 8})
     assert "in flight     3 (24 episodes)" in text
     assert "episodes: turns 2.0 (max 2)" in text and "sampled by the model" in text
+    assert "tool calls 1.00 per episode (0.00 malformed)" in text

