@@ -58,7 +58,20 @@ log = get_logger("episodes")
 
 
 class EpisodeMismatch(ValueError):
-    """An episode the environment, replayed on the model's turns, would not have produced."""
+    """An episode the environment, replayed on the model's turns, would not have produced: the reward worker
+    dead-letters its group at once (a replay of the same tokens gives the same answer; retrying it only costs)."""
+
+
+ENVIRONMENT_ERROR = "environment_error"
+FINISH_REASONS = {
+    "max_turns": "length",
+    "max_tokens": "length",
+    "deadline": "length",
+    ENVIRONMENT_ERROR: ENVIRONMENT_ERROR,
+}
+"""An episode's finish reason by its ending (``stop`` otherwise): ``length`` when a limit cut it, and
+``environment_error`` when its environment failed — which the replay must know to tell that failure (score 0) from
+one of its own (retried)."""
 
 
 @dataclass(frozen=True)
@@ -252,7 +265,7 @@ async def run_episode(
     ACTOR_EPISODE_TURNS.observe(turns)
     ACTOR_EPISODE_ENDINGS.labels(ending).inc()
     episode.text = tools.tokenizer.decode(episode.token_ids, skip_special_tokens=True)
-    episode.finish_reason = "length" if ending in ("max_turns", "max_tokens", "deadline") else "stop"
+    episode.finish_reason = FINISH_REASONS.get(ending, "stop")
     return episode
 
 
@@ -271,8 +284,11 @@ async def replay_episode(tools: EpisodeTools, section: EnvironmentSection, group
 
     :class:`EpisodeMismatch` when the episode is not what that environment gives: an environment segment that is not
     the template's tokens for the replayed observation, turns after the environment was done, more model turns than
-    ``environment.max_turns``, or an episode that does not start with a model turn. An environment that fails on
-    the episode's last model turn ended the episode there on the actor too: that episode's reward is 0.
+    ``environment.max_turns``, or an episode that does not start with a model turn.
+
+    An environment that fails in the replay raises :class:`EnvironmentFailed` (the reward worker tries again), except
+    on the last model turn of an episode that the actor's environment ended the same way (finish reason
+    ``environment_error``): that episode's reward is 0.
     """
     ids, _, _ = group.response(index)
     parts = segments(group.trained(index))
@@ -280,17 +296,22 @@ async def replay_episode(tools: EpisodeTools, section: EnvironmentSection, group
         raise EpisodeMismatch(f"episode {index} starts with tokens the model did not sample")
     if model_turns(group.trained(index)) > section.max_turns:
         raise EpisodeMismatch(f"episode {index} has more model turns than environment.max_turns")
+    failed_there = group.finish_reasons[index] == ENVIRONMENT_ERROR
     try:
         env = await open_environment(section, episode_row(group, index))
     except EnvironmentFailed:
-        return 0.0
+        if failed_there and not parts:
+            return 0.0
+        raise
     try:
-        return await _replay(tools, section, env, ids, parts, index)
+        return await _replay(tools, section, env, ids, parts, index, failed_there)
     finally:
         close_environment(env)
 
 
-async def _replay(tools: EpisodeTools, section: EnvironmentSection, env: Environment, ids, parts, index: int) -> float:
+async def _replay(
+    tools: EpisodeTools, section: EnvironmentSection, env: Environment, ids, parts, index: int, failed_there: bool
+) -> float:
     total = 0.0
     for n, (start, end, trained) in enumerate(parts):
         if not trained:
@@ -305,10 +326,10 @@ async def _replay(tools: EpisodeTools, section: EnvironmentSection, env: Environ
             break
         try:
             step = await take_step(env, turn_text(tools.tokenizer, said), section.step_timeout_s)
-        except EnvironmentFailed as exc:
-            if last:
+        except EnvironmentFailed:
+            if last and failed_there:
                 return 0.0
-            raise EpisodeMismatch(f"episode {index}: the environment failed where the actor's went on ({exc})") from exc
+            raise
         total += step.reward
         if step.done or last:
             if not last:

@@ -4,7 +4,8 @@ One worker, one loop (:meth:`RewardWorker.run`)::
 
     PULL rollouts ──► score every response with reward.functions ──► XADD replay (in small batches)
                          │ a call past reward.timeout_s, or raising, is retried reward.retries times
-                         └─ still failing ──► dead-letter stream (source "reward", the reason, the group)
+                         └─ still failing, or an episode its replay refuses ──► dead-letter stream
+                            (source "reward", the reason, the group)
 
 Nothing is dropped silently: a group taken off the socket ends in the replay stream or in the
 dead-letter stream; a message that does not decode is counted, logged (rate-limited), dead-lettered (source
@@ -41,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from actors.episodes import EpisodeMismatch
 from actors.rewards import RewardError, bind_functions, combine, episode_options, score
 from common.audit import Audit
 from common.channel import CurveServer, PullChannel
@@ -322,6 +324,9 @@ class RewardWorker:
                 error = str(exc)
             except WorkerStalled:
                 raise
+            except EpisodeMismatch as exc:  # the function did its job, on a forged group: no retry, not degraded
+                self._mark(function.name, failed=False)
+                raise RewardError(function.name, f"refused: {exc}") from exc
             except Exception as exc:  # whatever a user's function raises is its failure, to retry
                 REWARD_FAILED_CALLS.labels(function.name).inc()
                 error = f"{type(exc).__name__}: {exc}"

@@ -2,7 +2,8 @@
 
 ``tests.helpers.slow_rewards:stall`` with options ``{stall = "prefix", seconds = 2.0, log = "/path"}``
 appends each call's group id to ``log`` (so a test can count attempts and see a call begin), sleeps
-``seconds`` when the group id starts with ``stall``, and scores every response 1.0.
+``seconds`` when the group id starts with ``stall``, refuses a group whose id starts with ``forged`` as a replay
+refuses a forged episode (:class:`actors.episodes.EpisodeMismatch`), and scores every response 1.0.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ def stall(group: RolloutGroup, options: dict[str, Any]) -> list[float]:
             log.write(group.group_id + "\n")
     if group.group_id.startswith(options.get("stall", "stall")):
         time.sleep(float(options.get("seconds", 60)))
+    if group.group_id.startswith("forged"):
+        from actors.episodes import EpisodeMismatch
+
+        raise EpisodeMismatch("an environment turn differs from the environment's observation")
     return [1.0] * group.num_samples
 
 

@@ -99,12 +99,19 @@ def test_a_timing_out_function_is_retried_then_dead_lettered_while_others_are_sc
             issue(ControlPlane(redis_client, run), group)
             push.send(group)
             entries = read_replay(redis_client, run, 1)
+            group = make_group(["19", "18"], group_id="forged-1")  # refused by a replay: dead-lettered, not retried
+            issue(ControlPlane(redis_client, run), group)
+            push.send(group)
+            wait_for(lambda: len(redis_client.xrange(RunKeys(run).dead)) == 2, proc, log, "a second dead letter")
         finally:
             push.close()
-        assert calls.read_text().split() == ["stall-1"] * 3 + ["ok-1"]  # one call and two retries, then the next group
+        # one call and two retries, then the next group; the refused one once
+        assert calls.read_text().split() == ["stall-1"] * 3 + ["ok-1", "forged-1"]
         assert [e.group.rollout.group_id for e in entries] == ["ok-1"]
         assert entries[0].group.details == [{"task": 1.0, STALL: 1.0}, {"task": 0.0, STALL: 1.0}]
         [(_, fields)] = dead
+        refused = redis_client.xrange(RunKeys(run).dead)[1][1][b"reason"].decode()
+        assert "refused: an environment turn differs" in refused, refused
         assert fields[b"source"] == b"reward"
         reason = fields[b"reason"].decode()
         assert f"reward function '{STALL}'" in reason and "failed 3 attempt(s)" in reason
@@ -112,7 +119,7 @@ def test_a_timing_out_function_is_retried_then_dead_lettered_while_others_are_sc
         assert decode_blob(Decoder(RolloutGroup), fields[b"payload"]).group_id == "stall-1"
         beat = wait_for(lambda: heartbeat(redis_client, run, "rw-1", state="ready"), proc, log, "ready again")
         assert metric(beat, "asyncrl_reward_timed_out_calls_total") == 3
-        assert metric(beat, "asyncrl_reward_dead_lettered_groups_total") == 1
+        assert metric(beat, "asyncrl_reward_dead_lettered_groups_total") == 2
         started = time.monotonic()
         stop(proc, log)  # abandoned calls still sleeping must not hold the exit
         assert time.monotonic() - started < 30  # the abandoned calls sleep 60 s: the exit did not wait for them

@@ -19,7 +19,7 @@ import torch
 from actors.episodes import EpisodeMismatch, EpisodeTools, environment_reward
 from actors.rewards import bind_functions, episode_options
 from common.config import ConfigError, EnvironmentSection, RewardFunction, load_config
-from common.environments import ENVIRONMENTS, EpisodeRow, Step, calculate, run_tools
+from common.environments import ENVIRONMENTS, EnvironmentFailed, EpisodeRow, Step, calculate, run_tools
 from common.prompts import Prompter, turn_end_id
 from common.tasks import TaskExample
 from common.tiny_chat_model import ARCHITECTURES, CHATML_TEMPLATE, build_bpe_tokenizer
@@ -146,7 +146,20 @@ def test_an_environment_that_fails_ends_its_episode_and_the_replay_scores_it_zer
     settings += ("environment.step_timeout_s=0.3",)
     rollout, engine, turn = episode(tools, [CALL, "42"], *settings)
     assert len(engine.prompts) == 1 and rollout.trained(0).all()  # the first turn kept, nothing after it
+    assert rollout.finish_reasons == ["environment_error"]
     assert replay(tools, rollout, turn) == 0.0
+
+
+def test_a_replay_whose_environment_fails_where_the_actors_did_not_is_tried_again(tools: EpisodeTools) -> None:
+    """A failure of the replay's own (a timeout, a replaced process) is an error the reward worker retries, on any
+    turn: never a reward of 0 for an episode the actor's environment ran to its end."""
+    rollout, _, _ = episode(tools, [CALL, "It is 42."])
+    failing = context(f"environment.name={HERE}:Failing", "environment.options={how='raises'}")
+    with pytest.raises(EnvironmentFailed, match="the environment broke"):
+        replay(tools, rollout, failing)
+    last_turn_only, _, _ = episode(tools, ["41"])
+    with pytest.raises(EnvironmentFailed):
+        replay(tools, last_turn_only, failing)
 
 
 def test_a_turn_cut_by_its_budget_ends_the_episode_without_a_step(tools: EpisodeTools) -> None:
