@@ -341,6 +341,13 @@ async def _replay(
     return total + await final_score(env)
 
 
+def replay_time_limit(section: EnvironmentSection) -> float:
+    """The longest a group's replay may take when every step takes its whole limit: opening the environment and
+    ``max_turns`` steps, ``(max_turns + 1) × step_timeout_s`` (the K episodes are replayed at once). The reward
+    worker gives the ``environment`` function at least this, whatever ``reward.timeout_s`` says."""
+    return (section.max_turns + 1) * section.step_timeout_s
+
+
 def environment_reward(group: RolloutGroup, options: dict[str, Any]) -> list[float]:
     """The ``environment`` reward function: each episode replayed (:func:`replay_episode`). Its options are bound
     from the config by the reward worker (``actors.rewards.bind_functions``): ``environment`` (the

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from actors.episodes import EpisodeMismatch
+from actors.episodes import EpisodeMismatch, replay_time_limit
 from actors.rewards import RewardError, bind_functions, combine, episode_options, score
 from common.audit import Audit
 from common.channel import CurveServer, PullChannel
@@ -315,6 +315,8 @@ class RewardWorker:
     def _call(self, function: RewardFunction, group: RolloutGroup) -> list[float]:
         """One function on one group: up to ``1 + reward.retries`` attempts, each within ``reward.timeout_s``."""
         attempts, timeout_s = 1 + self.config.reward.retries, self.config.reward.timeout_s
+        if function.name == "environment":  # a replay's steps have their own limits: the call may take them all
+            timeout_s = max(timeout_s, replay_time_limit(self.config.environment))
         error = ""
         for attempt in range(1, attempts + 1):
             try:

@@ -205,7 +205,7 @@ class RewardSection(Section):
     functions: list[RewardFunction] = Field(default_factory=lambda: [RewardFunction(name="task")])
     """Reward functions summed with their weights."""
     timeout_s: float = Field(10.0, gt=0, le=WEEK_S)
-    """Per-call time limit of a reward function."""
+    """Per-call time limit of a reward function (the ``environment`` function gets at least ``(environment.max_turns + 1) × environment.step_timeout_s``: its replay's steps have their own limits)."""  # noqa: E501
     retries: Int = Field(2, ge=0, le=100)
     """Retries of a call that timed out or failed before the group is dead-lettered."""
 

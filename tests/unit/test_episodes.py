@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from actors.episodes import EpisodeMismatch, EpisodeTools, environment_reward
+from actors.episodes import EpisodeMismatch, EpisodeTools, environment_reward, replay_time_limit
 from actors.rewards import bind_functions, episode_options
 from common.config import ConfigError, EnvironmentSection, RewardFunction, load_config
 from common.environments import ENVIRONMENTS, EnvironmentFailed, EpisodeRow, Step, calculate, run_tools
@@ -175,6 +175,8 @@ def test_a_multi_turn_run_needs_an_environment_that_exists() -> None:
         check_config(load_config(None, ["rollout.workflow=multi_turn", "environment.name=nowhere"]))
     assert "calculator" in ENVIRONMENTS
     assert EnvironmentSection().max_turns == 4
+    # the reward worker's limit for a replay: opening the environment and every step, each at its own limit
+    assert replay_time_limit(EnvironmentSection(max_turns=3, step_timeout_s=2.5)) == 10.0
 
 
 def test_a_template_that_rewrites_earlier_turns_is_refused() -> None:
