@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -64,6 +65,9 @@ class EnvironmentHost:
         self._child: _Child | None = None
         self._ids = itertools.count(1)
         self.restarts = 0
+        # Requests are written off the event loop: a child that stops reading (frozen, or holding its GIL) fills the
+        # pipe, and a blocked write must cost its request's time limit, not the loop that drives every episode.
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="environment-writer")
 
     # -- the child
     def _ensure_child(self) -> _Child:
@@ -133,9 +137,13 @@ class EnvironmentHost:
         return child, request_id, future
 
     def forget(self, op: str, **fields: Any) -> None:
-        """A request nobody waits for (``close``)."""
-        child, request_id, _ = self._send(op, **fields)
-        child.pending.pop(request_id, None)
+        """A request nobody waits for (``close``), written in the background."""
+
+        def send() -> None:
+            child, request_id, _ = self._send(op, **fields)
+            child.pending.pop(request_id, None)
+
+        self._writer.submit(send)
 
     @staticmethod
     def _answer(answer: dict[str, Any]) -> dict[str, Any]:
@@ -147,9 +155,17 @@ class EnvironmentHost:
         """One request, awaited within ``environment.step_timeout_s``. A request given up on is counted as stuck in
         the child until it answers; at :data:`MAX_STUCK` the child is replaced."""
         timeout_s = self.section.step_timeout_s
-        child, request_id, future = self._send(op, **fields)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        sending = loop.run_in_executor(self._writer, functools.partial(self._send, op, **fields))
         try:
-            return self._answer(await asyncio.wait_for(asyncio.wrap_future(future), timeout_s))
+            child, request_id, future = await asyncio.wait_for(sending, timeout_s)
+        except TimeoutError:
+            log.warning("environment process took no request within its time limit; replacing it", op=op)
+            self._kill()  # its pipe is full: the blocked write ends with it
+            raise EnvironmentFailed(f"{op}: the environment process took no request for {timeout_s:g} s") from None
+        try:
+            return self._answer(await asyncio.wait_for(asyncio.wrap_future(future), deadline - loop.time()))
         except TimeoutError:
             child.late.add(request_id)
             if len(child.late) >= MAX_STUCK:

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -17,6 +18,7 @@ import pytest
 from actors.environment_host import EnvironmentHost
 from actors.episodes import close_environment_hosts, environment_host
 from common.config import load_config
+from common.environments import EnvironmentFailed
 from common.procs import child_pids
 from common.turns import segments
 from tests.helpers.scripted_episodes import episode, replay, tools_for
@@ -93,5 +95,44 @@ def test_a_host_refuses_an_unknown_environment_by_name() -> None:
         with pytest.raises(Exception, match="unknown environment 'nowhere'"):
             row = {"prompt": "", "answer": ""}
             asyncio.run(host.call_async("make", episode="e1", name="nowhere", options={}, row=row))
+    finally:
+        host.close()
+
+
+def test_a_process_that_stops_reading_costs_a_step_its_limit_and_is_replaced() -> None:
+    """A frozen process (SIGSTOP: as one whose environment holds the interpreter) stops reading its requests; once its
+    pipe is full a write would block. The write waits off the event loop: the step fails at its limit, the loop goes
+    on meanwhile, the process is replaced, and the next request is answered by the new one."""
+    section = load_config(None, ["environment.name=calculator", "environment.step_timeout_s=1"]).environment
+    host = EnvironmentHost(section)
+    row = {"prompt": "", "answer": "1"}
+
+    async def frozen_then_fine() -> tuple[str, int]:
+        await host.call_async("make", episode="e1", name="calculator", options={}, row=row)
+        frozen = host._child.proc.pid
+        os.kill(frozen, signal.SIGSTOP)
+        watchdog = threading.Timer(20, lambda: running(frozen) and os.kill(frozen, signal.SIGKILL))
+        watchdog.start()  # were the write made on the event loop, this would be what ends it (and the test fails)
+        ticks = 0
+
+        async def tick() -> None:  # the event loop keeps running while the write waits
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.05)
+                ticks += 1
+
+        ticking = asyncio.create_task(tick())
+        with pytest.raises(EnvironmentFailed) as failed:
+            await host.call_async("step", episode="e1", action="x" * 2**20)  # far past a pipe's buffer
+        ticking.cancel()
+        watchdog.cancel()
+        assert host._child is None or host._child.proc.pid != frozen
+        await host.call_async("make", episode="e2", name="calculator", options={}, row=row)
+        assert host._child.proc.pid != frozen and not running(frozen)  # killed, and a new one answered
+        return str(failed.value), ticks
+
+    try:
+        message, ticks = asyncio.run(frozen_then_fine())
+        assert "took no request for 1 s" in message and ticks >= 10, (message, ticks)
     finally:
         host.close()
