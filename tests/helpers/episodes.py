@@ -1,23 +1,45 @@
 """A rollout workflow and an environment for checking both built-in workflows with one real actor (one engine):
-``alternate`` runs ``multi_turn`` for rows with an odd ``id`` and ``single_turn`` for the others; ``Prodding`` is
+``alternate`` runs ``multi_turn`` for rows with an odd ``id`` and ``single_turn`` for the others (and a row that names
+an adapter in its ``adapter`` field in that adapter's environment); ``Prodding`` is
 never done, so an episode lasts until ``environment.max_turns`` or its token budget. Named by import path in the
 run config (the actor needs the repository on ``PYTHONPATH``)."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 from actors.workflows import Generator, WorkflowContext, multi_turn, single_turn
+from common.config import EnvironmentSection
 from common.environments import EpisodeRow, Step
 from common.wire import PromptGroup, RolloutGroup
 
+ADAPTERS = {"skyrl_gym": {"env": "gsm8k_multi_turn", "extras": {"max_turns": 3}}, "textarena": {}}
+"""The adapters' environments a row may name in its ``adapter`` field, with their options."""
+
+
+def adapter_of(group: PromptGroup | RolloutGroup) -> str:
+    """The row's ``adapter`` ("" when it names none)."""
+    return json.loads(group.extra).get("adapter", "")
+
+
+def adapter_section(section: EnvironmentSection, adapter: str) -> EnvironmentSection:
+    """``[environment]`` with the adapter's environment in it."""
+    return section.model_copy(update={"name": adapter, "options": ADAPTERS[adapter]})
+
 
 def is_episode(group: PromptGroup | RolloutGroup) -> bool:
-    return json.loads(group.extra)["id"] % 2 == 1
+    """A row of ours (no adapter) with an odd id: an episode in the run's own environment."""
+    return not adapter_of(group) and json.loads(group.extra)["id"] % 2 == 1
 
 
 async def alternate(engine: Generator, group: PromptGroup, turn: WorkflowContext) -> RolloutGroup:
+    """``multi_turn`` in the adapter's environment for a row that names one (single-turn for reasoning-gym's rows),
+    else ``multi_turn`` for odd ids and ``single_turn`` for the others."""
+    adapter = adapter_of(group)
+    if adapter in ADAPTERS:
+        return await multi_turn(engine, group, replace(turn, environment=adapter_section(turn.environment, adapter)))
     return await (multi_turn if is_episode(group) else single_turn)(engine, group, turn)
 
 

@@ -11,7 +11,9 @@ Half the groups are multi-turn episodes (``tests/helpers/episodes.py``: the same
 workflows): each episode is the chat template's rendering of its conversation, the learner's response mask is the
 episode's loss mask (the environment's tokens untrained), the log-probs of every model turn — sampled after the
 environment's tokens — equal a transformers forward over the whole episode, and the reward worker's replay of the
-environment accepts every episode.
+environment accepts every episode. One row each is served by the adapters of ``asyncrl[envs]``: a skyrl-gym and a
+TextArena environment run episodes on the engine's turns (their replays accept them), and reasoning-gym's rule scores a
+single-turn answer.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -35,18 +38,19 @@ from actors.episodes import close_environment_hosts, episode_tools, replay_episo
 from common.channel import PullChannel
 from common.config import RunConfig
 from common.control import ControlPlane
+from common.gyms import verify_reasoning_gym
 from common.prompts import Prompter, model_vocab_size
 from common.replay import ReplayWriter
 from common.response_text import ResponseTexts
 from common.seal import run_seal
-from common.tasks import TaskExample
+from common.tasks import TaskExample, get_task
 from common.tiny_chat_model import ARCHITECTURES, IM_END, chat_examples, init_chat_model, warm_start_chat
-from common.turns import segments
+from common.turns import model_turns, segments
 from common.wire import Heartbeat, RolloutGroup, ScoredGroup
 from learner.batch import collate
 from learner.batch_source import BatchSource
 from tests.helpers.actor_stack import stop, transformers_logprobs
-from tests.helpers.episodes import is_episode
+from tests.helpers.episodes import ADAPTERS, adapter_of, adapter_section, is_episode
 from tests.helpers.rollouts import answer
 
 pytestmark = pytest.mark.integration
@@ -100,7 +104,7 @@ def run_config(tmp_path: Path, model_dir: Path, data: Path, groups: int = 16, sa
                 "cpu_threads": "0",
                 "workflow": "tests.helpers.episodes:alternate",
             },
-            "environment": {"name": "tests.helpers.episodes:Prodding", "max_turns": 3, "max_episode_tokens": 96},
+            "environment": {"name": "tests.helpers.episodes:Prodding", "max_turns": 3, "max_episode_tokens": 160},
             "learner": {"groups_per_step": groups, "wait_for_batch_s": 30},
             "staleness": {"max_staleness": 0},
             "transport": {"heartbeat_s": 0.5, "heartbeat_ttl_s": 5},
@@ -150,7 +154,7 @@ def test_the_learner_trains_exactly_the_ids_the_actor_generated(
     chat_model: tuple[str, Path], tmp_path: Path, redis_server, redis_client
 ) -> None:
     arch, folder = chat_model
-    rows = chat_examples(GROUPS, seed=7)
+    rows = chat_examples(GROUPS - len(ADAPTER_ROWS), seed=7) + adapter_rows(GROUPS - len(ADAPTER_ROWS))
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     config = run_config(tmp_path, folder, data)
@@ -188,6 +192,7 @@ def test_the_learner_trains_exactly_the_ids_the_actor_generated(
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     end_of_turn = tokenizer.convert_tokens_to_ids(IM_END)
     row, worst, tokens, ended, turns = 0, 0.0, 0, 0, []
+    adapters: dict[str, list] = {name: [] for name in ADAPTER_ROWS}
     for group in taken.groups:
         sent = by_id[group.rollout.group_id]
         assert np.array_equal(sent.prompt_ids, issued[sent.group_id].prompt_ids)
@@ -198,7 +203,17 @@ def test_the_learner_trains_exactly_the_ids_the_actor_generated(
             assert batch.input_ids[row, : len(whole)].tolist() == whole.tolist()  # the very ids, no re-encoding
             assert batch.response_mask[row, len(sent.prompt_ids) : len(whole)].tolist() == trained.tolist()
             assert int(batch.response_mask[row].sum()) == int(trained.sum())
-            if is_episode(sent):
+            adapter = adapter_of(sent)
+            if adapter in ADAPTERS:  # the reward worker's replay through the adapter takes the episode
+                section = adapter_section(config.environment, adapter)
+                reward = asyncio.run(replay_episode(episode_tools(config.model.path), section, sent, i))
+                adapters[adapter].append((model_turns(trained), reward))
+            elif adapter:  # reasoning-gym's rows are single-turn, scored by the dataset's own rule
+                assert trained.all()
+                adapters[adapter].append(
+                    verify_reasoning_gym(sent.texts[i], rows[json.loads(sent.extra)["id"]]["answer"])
+                )
+            elif is_episode(sent):
                 turns.append(check_episode(config, tokenizer, rows[json.loads(sent.extra)["id"]], sent, i))
             else:
                 assert trained.all()
@@ -214,11 +229,34 @@ def test_the_learner_trains_exactly_the_ids_the_actor_generated(
     print(
         f"{arch}: vLLM vs transformers max |logprob diff| = {worst:.2e} over {tokens} sampled tokens; "
         f"{ended}/{row} responses ended their turn; {padded} padded ids sampled; model turns per episode: "
-        f"{ {n: turns.count(n) for n in sorted(set(turns))} }"
+        f"{ {n: turns.count(n) for n in sorted(set(turns))} }; adapters (model turns, reward): {adapters}"
     )
+    assert all(len(adapters[name]) == config.rollout.num_samples for name in ADAPTER_ROWS), adapters
+    assert all(0.0 <= score <= 1.0 for score in adapters["reasoning_gym"])
     assert worst <= LOGPROB_TOLERANCE
     assert ended > 0, "no response ended its turn: the stop token is not honoured"
     assert max(turns) >= 2, "no episode went past its first turn"
+
+
+ADAPTER_ROWS = ("skyrl_gym", "textarena", "reasoning_gym")
+
+
+def adapter_rows(first_id: int) -> list[dict]:
+    """One row for each adapter (``asyncrl[envs]``): a GSM8K-style question for skyrl-gym's ``gsm8k_multi_turn``, a
+    seeded TextArena game (its opening shortened to fit the context: the game is made from the answer's seed), and a
+    reasoning-gym question with its dataset key."""
+    game = get_task("textarena", game="GuessTheNumber-v0", seeds=100).sample(random.Random(1))
+    few = {"min_animals": 1, "max_animals": 2}
+    legs = get_task("reasoning_gym", dataset="leg_counting", size=50, config=few).sample(random.Random(0))
+    prompts = {
+        "skyrl_gym": ("What is 6+7?", "13"),  # as the warm start asked: some turns end, and skyrl-gym answers
+        "textarena": ("Guess the number between 1 and 20, as [N].", game.answer),
+        "reasoning_gym": (legs.prompt, legs.answer),
+    }
+    return [
+        {"messages": [{"role": "user", "content": prompt}], "answer": answer, "id": first_id + n, "adapter": name}
+        for n, (name, (prompt, answer)) in enumerate(prompts.items())
+    ]
 
 
 def check_episode(config: RunConfig, tokenizer, row: dict, sent: RolloutGroup, i: int) -> int:
