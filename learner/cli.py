@@ -149,7 +149,8 @@ def init_model_command(
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing model folder.")] = False,
 ) -> None:
     """Write the tiny Llama checkpoint the config names (model.path): character tokenizer, seeded weights,
-    optionally a short supervised warm start on the config's task so that RL starts from partial skill."""
+    optionally a short supervised warm start on the config's task so that RL starts from partial skill. With
+    --kind agent: a tool-chat model warm-started on calculator episodes over the task's prompts (configs/agent.toml)."""
     import random
 
     from common.cliutil import fail, load
