@@ -51,8 +51,8 @@ from common.environments import (
 )
 from common.logs import get_logger
 from common.metrics import ACTOR_ENVIRONMENT_STEP_SECONDS, ACTOR_EPISODE_ENDINGS, ACTOR_EPISODE_TURNS
-from common.turns import TurnEncoder, model_turns, segments, turn_text
-from common.wire import PromptGroup, RolloutGroup
+from common.turns import TurnEncoder, segments, turn_text
+from common.wire import PromptGroup, RolloutGroup, model_turns
 
 log = get_logger("episodes")
 
@@ -280,7 +280,16 @@ def _append(episode: Response, ids: list[int], logprobs: list[float], versions: 
 
 
 async def replay_episode(tools: EpisodeTools, section: EnvironmentSection, group: RolloutGroup, index: int) -> float:
-    """The reward of episode ``index`` of ``group``, from a fresh environment stepped with the model's turns.
+    """The reward of episode ``index`` of ``group``: the sum of :func:`replay_turns`."""
+    return sum(await replay_turns(tools, section, group, index))
+
+
+async def replay_turns(
+    tools: EpisodeTools, section: EnvironmentSection, group: RolloutGroup, index: int
+) -> tuple[float, ...]:
+    """The reward of each model turn of episode ``index`` of ``group``, from a fresh environment stepped with the
+    model's turns: a turn's step reward, and on the last turn the environment's final score too (a turn that was
+    cut, never stepped, earns 0).
 
     :class:`EpisodeMismatch` when the episode is not what that environment gives: an environment segment that is not
     the template's tokens for the replayed observation, turns after the environment was done, more model turns than
@@ -288,31 +297,35 @@ async def replay_episode(tools: EpisodeTools, section: EnvironmentSection, group
 
     An environment that fails in the replay raises :class:`EnvironmentFailed` (the reward worker tries again), except
     on the last model turn of an episode that the actor's environment ended the same way (finish reason
-    ``environment_error``): that episode's reward is 0.
+    ``environment_error``): that episode's rewards are 0.
     """
     ids, _, _ = group.response(index)
     parts = segments(group.trained(index))
+    turns = model_turns(group.trained(index))
     if parts and not parts[0][2]:
         raise EpisodeMismatch(f"episode {index} starts with tokens the model did not sample")
-    if model_turns(group.trained(index)) > section.max_turns:
+    if turns > section.max_turns:
         raise EpisodeMismatch(f"episode {index} has more model turns than environment.max_turns")
     failed_there = group.finish_reasons[index] == ENVIRONMENT_ERROR
     try:
         env = await open_environment(section, episode_row(group, index))
     except EnvironmentFailed:
         if failed_there and not parts:
-            return 0.0
+            return ()
         raise
     try:
-        return await _replay(tools, section, env, ids, parts, index, failed_there)
+        rewards = await _replay(tools, section, env, ids, parts, index, failed_there)
     finally:
         close_environment(env)
+    return tuple(rewards) if rewards is not None else (0.0,) * turns
 
 
 async def _replay(
     tools: EpisodeTools, section: EnvironmentSection, env: Environment, ids, parts, index: int, failed_there: bool
-) -> float:
-    total = 0.0
+) -> list[float] | None:
+    """Each model turn's reward up to the last one stepped, with the final score on the last turn; ``None`` when the
+    environment failed where the actor's did."""
+    rewards: list[float] = []
     for n, (start, end, trained) in enumerate(parts):
         if not trained:
             continue
@@ -320,6 +333,7 @@ async def _replay(
         said = ids[start:end].tolist()
         if tools.end_id in said[:-1]:  # the engine stops at the end of a turn: what follows it is not the model's
             raise EpisodeMismatch(f"episode {index}: a model turn goes on past its end of turn")
+        rewards.append(0.0)
         if said[-1] != tools.end_id:
             if not last:
                 raise EpisodeMismatch(f"episode {index}: a turn that did not end goes on")
@@ -328,9 +342,9 @@ async def _replay(
             step = await take_step(env, turn_text(tools.tokenizer, said), section.step_timeout_s)
         except EnvironmentFailed:
             if last and failed_there:
-                return 0.0
+                return None
             raise
-        total += step.reward
+        rewards[-1] = step.reward
         if step.done or last:
             if not last:
                 raise EpisodeMismatch(f"episode {index}: turns after the environment was done")
@@ -338,7 +352,10 @@ async def _replay(
         following = ids[parts[n + 1][0] : parts[n + 1][1]].tolist()
         if following != observation_ids(tools, step):
             raise EpisodeMismatch(f"episode {index}: an environment turn differs from the environment's observation")
-    return total + await final_score(env)
+    score = await final_score(env)
+    if rewards:
+        rewards[-1] += score
+    return rewards
 
 
 def replay_time_limit(section: EnvironmentSection) -> float:
@@ -348,16 +365,17 @@ def replay_time_limit(section: EnvironmentSection) -> float:
     return (section.max_turns + 1) * section.step_timeout_s
 
 
-def environment_reward(group: RolloutGroup, options: dict[str, Any]) -> list[float]:
-    """The ``environment`` reward function: each episode replayed (:func:`replay_episode`). Its options are bound
-    from the config by the reward worker (``actors.rewards.bind_functions``): ``environment`` (the
-    ``[environment]`` table) and ``model`` (``model.path``)."""
+def environment_reward(group: RolloutGroup, options: dict[str, Any]) -> list[tuple[float, ...]]:
+    """The ``environment`` reward function: each episode replayed, a reward per model turn (:func:`replay_turns`;
+    the episode's reward is their sum). Its options are bound from the config by the reward worker
+    (``actors.rewards.bind_functions``): ``environment`` (the ``[environment]`` table) and ``model``
+    (``model.path``)."""
     if "environment" not in options or "model" not in options:
         raise ValueError("environment needs options.environment and options.model (bind_functions sets them)")
     section = EnvironmentSection.model_validate(options["environment"])
     tools = episode_tools(str(options["model"]))
 
-    async def replay_all() -> list[float]:  # at once: K episodes' steps overlap, as they did on the actor
-        return list(await asyncio.gather(*(replay_episode(tools, section, group, i) for i in range(group.num_samples))))
+    async def replay_all() -> list[tuple[float, ...]]:  # at once: K episodes' steps overlap, as they did on the actor
+        return list(await asyncio.gather(*(replay_turns(tools, section, group, i) for i in range(group.num_samples))))
 
     return asyncio.run(replay_all())

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from actors.episodes import EpisodeMismatch, replay_time_limit
-from actors.rewards import RewardError, bind_functions, combine, episode_options, score
+from actors.rewards import RewardError, Score, bind_functions, combine, episode_options, score
 from common.audit import Audit
 from common.channel import CurveServer, PullChannel
 from common.config import RewardFunction, RunConfig
@@ -302,7 +302,7 @@ class RewardWorker:
             REWARD_REPLACED_TEXTS.inc(replaced)
         started = time.perf_counter()
         try:
-            rewards, details = combine(group, self.functions, call=self._call)
+            rewards, details, turn_rewards = combine(group, self.functions, call=self._call)
         except RewardError as exc:
             self._dead_letter(group, exc)
             if isinstance(exc, WorkerStalled):
@@ -310,9 +310,11 @@ class RewardWorker:
             return None
         REWARD_SCORING_SECONDS.observe(time.perf_counter() - started)
         rewards_array = np.asarray(rewards, dtype=np.float32)
-        return ScoredGroup(rollout=group, rewards=rewards_array, details=details, scorer_id=self.worker_id)
+        return ScoredGroup(
+            rollout=group, rewards=rewards_array, details=details, scorer_id=self.worker_id, turn_rewards=turn_rewards
+        )
 
-    def _call(self, function: RewardFunction, group: RolloutGroup) -> list[float]:
+    def _call(self, function: RewardFunction, group: RolloutGroup) -> list[Score]:
         """One function on one group: up to ``1 + reward.retries`` attempts, each within ``reward.timeout_s``."""
         attempts, timeout_s = 1 + self.config.reward.retries, self.config.reward.timeout_s
         if function.name == "environment":  # a replay's steps have their own limits: the call may take them all

@@ -36,11 +36,13 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from actors.episodes import environment_reward
 from actors.verifiers import Verifier, bind_verifier, first_line, verify_code_tests
 from common.config import RewardFunction, RunConfig
 from common.registry import Registry
-from common.wire import RolloutGroup
+from common.wire import RolloutGroup, model_turns
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -48,7 +50,7 @@ if TYPE_CHECKING:
 RewardFn = Callable[[RolloutGroup, dict[str, Any]], list[float]]
 """``fn(group, options) -> one score per response, in order``."""
 
-Caller = Callable[[RewardFunction, RolloutGroup], list[float]]
+Caller = Callable[[RewardFunction, RolloutGroup], list["Score"]]
 """How :func:`combine` calls one configured function (the worker adds time limits and retries)."""
 
 _FLOAT32_MAX = 3.4028234663852886e38
@@ -75,8 +77,13 @@ reward_names = REWARDS.names
 # --------------------------------------------------------------------------- scoring and combining
 
 
-def score(function: RewardFunction, group: RolloutGroup) -> list[float]:
-    """Call one configured function on ``group`` and check its output: K finite numbers.
+Score = float | tuple[float, ...]
+"""A response's score: one number, or one per model turn of a multi-turn response (its sum is the score)."""
+
+
+def score(function: RewardFunction, group: RolloutGroup) -> list[Score]:
+    """Call one configured function on ``group`` and check its output: K finite numbers, or for a response one finite
+    number per model turn (``common.wire.model_turns``: the runs of its loss mask; a single-turn response has one).
 
     Raises :class:`RewardError` for an output of the wrong length or type, or a non-finite score
     (the wire format refuses NaN and infinity, so the learner could not read such a group).
@@ -87,16 +94,26 @@ def score(function: RewardFunction, group: RolloutGroup) -> list[float]:
         raise RewardError(function.name, f"returned a {type(raw).__name__}, not a list of {k} scores")
     if len(raw) != k:
         raise RewardError(function.name, f"returned {len(raw)} scores for {k} responses")
-    scores = []
+    scores: list[Score] = []
     for i, value in enumerate(raw):
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            raise RewardError(function.name, f"score {i} is a {type(value).__name__}, not a number") from None
-        if not math.isfinite(number):
-            raise RewardError(function.name, f"score {i} is not finite ({number})")
-        scores.append(number)
+        if isinstance(value, list | tuple):
+            turns = model_turns(group.trained(i))
+            if len(value) != turns:
+                raise RewardError(function.name, f"score {i} has {len(value)} turn rewards for {turns} model turns")
+            scores.append(tuple(_number(function, f"score {i}, turn {t}", v) for t, v in enumerate(value)))
+        else:
+            scores.append(_number(function, f"score {i}", value))
     return scores
+
+
+def _number(function: RewardFunction, what: str, value: Any) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise RewardError(function.name, f"{what} is a {type(value).__name__}, not a number") from None
+    if not math.isfinite(number):
+        raise RewardError(function.name, f"{what} is not finite ({number})")
+    return number
 
 
 def detail_keys(functions: Sequence[RewardFunction]) -> list[str]:
@@ -111,23 +128,37 @@ def detail_keys(functions: Sequence[RewardFunction]) -> list[str]:
 
 def combine(
     group: RolloutGroup, functions: Sequence[RewardFunction], call: Caller = score
-) -> tuple[list[float], list[dict[str, float]]]:
-    """The weighted sum of the functions' scores, and each function's raw score per response.
+) -> tuple[list[float], list[dict[str, float]], np.ndarray]:
+    """The weighted sum of the functions' scores, each function's raw score per response, and the turn rewards.
 
-    ``reward_i = Σ_f weight_f · score_f,i``; ``details[i][key_f] = score_f,i`` (keys from :func:`detail_keys`).
-    ``call`` runs one function (default :func:`score`; the reward worker passes one with a time limit and
-    retries). Raises :class:`RewardError` when a weighted sum overflows float32, the replay stream's dtype.
+    ``reward_i = Σ_f weight_f · score_f,i``; ``details[i][key_f] = score_f,i`` (keys from :func:`detail_keys`). A
+    function that scores a response per model turn (:data:`Score`) counts with the sum of its turns, and its
+    weighted turn scores make the group's ``turn_rewards`` (``common.wire.ScoredGroup``; empty when no function
+    scores turns). ``call`` runs one function (default :func:`score`; the reward worker passes one with a time limit
+    and retries). Raises :class:`RewardError` when a weighted sum overflows float32, the replay stream's dtype.
     """
     k = group.num_samples
     rewards = [0.0] * k
     details: list[dict[str, float]] = [{} for _ in range(k)]
+    turns: list[np.ndarray | None] = [None] * k
     for key, function in zip(detail_keys(functions), functions, strict=True):
         for i, value in enumerate(call(function, group)):
+            if isinstance(value, tuple):
+                shares = function.weight * np.asarray(value, np.float64)
+                turns[i] = shares if turns[i] is None else turns[i] + shares
+                value = sum(value)
             rewards[i] += function.weight * value
             details[i][key] = value
     if not all(abs(r) <= _FLOAT32_MAX for r in rewards):
         raise RewardError(",".join(f.name for f in functions), f"weighted sum {rewards} overflows float32")
-    return rewards, details
+    if all(t is None for t in turns):
+        return rewards, details, np.zeros(0, np.float32)
+    packed = np.concatenate(
+        [t if t is not None else np.zeros(model_turns(group.trained(i))) for i, t in enumerate(turns)]
+    )
+    if not np.all(np.abs(packed) <= _FLOAT32_MAX):
+        raise RewardError(",".join(f.name for f in functions), "a weighted turn reward overflows float32")
+    return rewards, details, packed.astype(np.float32)
 
 
 def check_functions(functions: Sequence[RewardFunction]) -> None:

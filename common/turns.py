@@ -93,11 +93,6 @@ def turn_text(tokenizer: Any, ids: Sequence[int]) -> str:
     return tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
-def model_turns(trained: np.ndarray) -> int:
-    """The model's turns in a response's loss mask (its runs of 1)."""
-    return sum(by_model for _, _, by_model in segments(trained))
-
-
 def segments(trained: np.ndarray) -> list[tuple[int, int, bool]]:
     """``(start, end, trained)`` of each maximal run of equal values in a response's loss mask, in order."""
     mask = np.asarray(trained, dtype=bool)

@@ -183,6 +183,12 @@ class ScoredGroup:
     """Per response, the score of each reward function before weighting."""
     scorer_id: str = ""
     scored_at: float = field(default_factory=time.time)
+    turn_rewards: np.ndarray = array_field("float32", empty_default=True)
+    """Per model turn of each multi-turn response (the runs of 1 in its loss mask), in order, response after
+    response: the weighted part of its reward that reward functions gave that turn (an environment's reward for the
+    turn's step, its final score on the last turn). Empty when no function scores turns. A response's reward is still
+    ``rewards[i]``; estimators that work per token put each turn's share at the turn's last token and the rest at the
+    response's last token."""
 
     def validate(self, limits: Limits) -> None:
         self.rollout.validate(limits)
@@ -191,6 +197,25 @@ class ScoredGroup:
             raise WireError("rewards", f"has {len(self.rewards)} entries for {k} responses")
         if self.details and len(self.details) != k:
             raise WireError("details", f"has {len(self.details)} entries for {k} responses")
+        if len(self.turn_rewards):
+            turns = sum(model_turns(self.rollout.trained(i)) for i in range(k))
+            if len(self.turn_rewards) != turns:
+                raise WireError("turn_rewards", f"has {len(self.turn_rewards)} entries for {turns} model turns")
+            if not np.isfinite(self.turn_rewards).all():
+                raise WireError("turn_rewards", "holds a value that is not finite")
+
+    def turn_shares(self, i: int) -> np.ndarray:
+        """Response ``i``'s entries of :attr:`turn_rewards` (empty when there are none)."""
+        if not len(self.turn_rewards):
+            return self.turn_rewards
+        start = sum(model_turns(self.rollout.trained(j)) for j in range(i))
+        return self.turn_rewards[start : start + model_turns(self.rollout.trained(i))]
+
+
+def model_turns(trained: np.ndarray) -> int:
+    """The model's turns in a response's loss mask (its runs of 1)."""
+    mask = np.asarray(trained, dtype=np.int8)
+    return int(np.count_nonzero(np.diff(mask, prepend=0) == 1))
 
 
 @message("bucket")

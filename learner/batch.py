@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from common.turns import segments
 from common.wire import ScoredGroup
 
 
@@ -29,6 +30,7 @@ class TrainBatch:
     rewards: torch.Tensor  # [B] float32
     group_ids: torch.Tensor  # [B] int64, index of the row's group in this batch
     keys: tuple[tuple[str, int], ...] = ()  # [B] (group id, response index) of each row
+    turn_rewards: torch.Tensor | None = None  # [B, T] float32: each model turn's reward share at its last token
 
     @property
     def rows(self) -> int:
@@ -57,6 +59,7 @@ def collate(
     response = np.zeros(shape, bool)
     behaviour = np.zeros(shape, np.float32)
     versions = np.full(shape, -1, np.int64)
+    turn_rewards = np.zeros(shape, np.float32) if any(len(g.turn_rewards) for g, _ in rows) else None
     group_index = {id(g): n for n, g in enumerate(groups)}
     for row, (group, i) in enumerate(rows):
         prompt = group.rollout.prompt_ids
@@ -68,6 +71,9 @@ def collate(
         response[row, start:end] = group.rollout.trained(i)  # the loss mask: tokens the model did not sample stay out
         behaviour[row, start:end] = logprobs.astype(np.float32)
         versions[row, start:end] = token_versions
+        if turn_rewards is not None and len(shares := group.turn_shares(i)):
+            turn_ends = [start + stop - 1 for _, stop, by_model in segments(group.rollout.trained(i)) if by_model]
+            turn_rewards[row, turn_ends] = shares
     return TrainBatch(
         input_ids=torch.from_numpy(input_ids),
         attention_mask=torch.from_numpy(attention),
@@ -77,6 +83,7 @@ def collate(
         rewards=torch.tensor([float(g.rewards[i]) for g, i in rows], dtype=torch.float32),
         group_ids=torch.tensor([group_index[id(g)] for g, _ in rows], dtype=torch.int64),
         keys=tuple((g.rollout.group_id, i) for g, i in rows),
+        turn_rewards=None if turn_rewards is None else torch.from_numpy(turn_rewards),
     )
 
 

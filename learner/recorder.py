@@ -31,7 +31,8 @@ from common.logs import get_logger
 from common.outage import settling
 from common.private import open_private
 from common.tool_calls import parse_tool_calls
-from common.turns import model_turns, segments
+from common.turns import segments
+from common.wire import model_turns
 from learner.alerts import ProcessFacts
 from learner.batch import TrainBatch
 from learner.batch_source import Taken

@@ -145,6 +145,7 @@ class PolicyUpdate:
             token_kl=token_kl,
             values=tensors.get("old_values"),
             kl_coef=kl_coef,
+            turn_rewards=batch.turn_rewards,
         )
 
     def _micro_batches(self, tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:

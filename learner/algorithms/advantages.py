@@ -172,6 +172,9 @@ def reinforce_pp(inp: AdvantageInput, settings: ReinforcePPSettings) -> Advantag
 def token_rewards(inp: AdvantageInput, kl_coef: float) -> Tensor:
     """Per-token rewards [B, T] float64: r_i at the last response token of row i, minus c · token_kl at
     every response token, 0 elsewhere; c = ``inp.kl_coef`` if given, else ``kl_coef`` (the settings').
+    With ``inp.turn_rewards`` (a multi-turn episode's per-turn shares u_{i,j} at the last token of each model
+    turn j): u_{i,j} there, and r_i − Σ_j u_{i,j} at the last response token, so a row's rewards still sum to r_i
+    while each turn is credited where it was earned.
 
     The KL-shaped reward of Ziegler et al. 2019 ("Fine-Tuning Language Models from Human Preferences",
     §2.2) and Stiennon et al. 2020, as verl's ``apply_kl_penalty`` and OpenRLHF's ``compute_reward``.
@@ -179,7 +182,14 @@ def token_rewards(inp: AdvantageInput, kl_coef: float) -> Tensor:
     mask = inp.response_mask
     seen = mask.cumsum(dim=-1)
     last = mask & (seen == seen[:, -1:])  # the last True position of each row (none in an empty row)
-    rewards = torch.where(last, inp.rewards.to(torch.float64)[:, None], 0.0)
+    outcome = inp.rewards.to(torch.float64)
+    turns = None
+    if inp.turn_rewards is not None:
+        turns = zero_masked(inp.turn_rewards.to(torch.float64), mask)
+        outcome = outcome - turns.sum(dim=-1)
+    rewards = torch.where(last, outcome[:, None], 0.0)
+    if turns is not None:
+        rewards = rewards + turns
     coef = inp.kl_coef if inp.kl_coef is not None else kl_coef
     if coef > 0:
         if inp.token_kl is None:

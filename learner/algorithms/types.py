@@ -63,7 +63,9 @@ class AdvantageInput:
     values [B, T] or None (critic values, for GAE: ``values[b, t]`` is V of the state before token t, so
     it is aligned with the log-probs, and V after a response's last token is 0);
     kl_coef: the coefficient of ``token_kl`` in the token rewards for this step, e.g. the current value of
-    a :class:`~learner.algorithms.kl.KLController`; None = the estimator's own ``settings.kl_coef``.
+    a :class:`~learner.algorithms.kl.KLController`; None = the estimator's own ``settings.kl_coef``;
+    turn_rewards [B, T] or None: per-turn shares of ``rewards`` at the last token of each model turn of a multi-turn
+    response (``common.wire.ScoredGroup.turn_rewards``), 0 elsewhere; estimators that work per token use them.
     """
 
     rewards: Tensor
@@ -72,6 +74,7 @@ class AdvantageInput:
     token_kl: Tensor | None = None
     values: Tensor | None = None
     kl_coef: float | None = None
+    turn_rewards: Tensor | None = None
 
     def __post_init__(self) -> None:
         mask = _expect_mask(self.response_mask)
@@ -79,6 +82,7 @@ class AdvantageInput:
         _expect("group_ids", self.group_ids, mask.shape[:1], torch.int64)
         _expect("token_kl", self.token_kl, mask.shape)
         _expect("values", self.values, mask.shape)
+        _expect("turn_rewards", self.turn_rewards, mask.shape)
         if self.kl_coef is not None and not self.kl_coef >= 0:
             raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
 

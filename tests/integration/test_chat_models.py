@@ -45,8 +45,8 @@ from common.response_text import ResponseTexts
 from common.seal import run_seal
 from common.tasks import TaskExample, get_task
 from common.tiny_chat_model import ARCHITECTURES, IM_END, chat_examples, init_chat_model, warm_start_chat
-from common.turns import model_turns, segments
-from common.wire import Heartbeat, RolloutGroup, ScoredGroup
+from common.turns import segments
+from common.wire import Heartbeat, RolloutGroup, ScoredGroup, model_turns
 from learner.batch import collate
 from learner.batch_source import BatchSource
 from tests.helpers.actor_stack import stop, transformers_logprobs

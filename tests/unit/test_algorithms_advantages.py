@@ -94,6 +94,27 @@ def test_gae_by_hand_with_discount_and_a_kl_penalty() -> None:
     torch.testing.assert_close(out.returns, torch.tensor([[1.8, 3.8]]))
 
 
+def test_turn_rewards_credit_each_turn_where_it_was_earned() -> None:
+    # REINFORCE++, γ = 0.5, no KL, no whitening. One episode: model turn [0, 1], an environment token at 2 (not a
+    # response token), model turn [3, 4]; r = 1.5 of which the turns earned u = 0.5 (turn 1) and 1.0 (turn 2).
+    # token rewards: 0.5 at 1, 1.0 + (1.5 − 0.5 − 1.0) = 1.0 at 4;
+    #   G4 = 1.0;  G3 = 0.5·1.0 = 0.5;  G1 = 0.5 + 0.5·0.5 = 0.75;  G0 = 0.5·0.75 = 0.375.
+    # Without turn rewards r sits at 4: G4 = 1.5, G3 = 0.75, G1 = 0.375, G0 = 0.1875.
+    mask = torch.tensor([[T_, T_, F_, T_, T_]])
+    turns = _rows([[0.0, 0.5, 0.0, 0.0, 1.0]])
+    estimator = build_advantage("reinforce_pp", {"gamma": 0.5, "normalize": False})
+    credited = estimator(AdvantageInput(torch.tensor([1.5]), _ids(1), mask, turn_rewards=turns))
+    torch.testing.assert_close(credited.advantages, torch.tensor([[0.375, 0.75, 0.0, 0.5, 1.0]]))
+    outcome = estimator(AdvantageInput(torch.tensor([1.5]), _ids(1), mask))
+    torch.testing.assert_close(outcome.advantages, torch.tensor([[0.1875, 0.375, 0.0, 0.75, 1.5]]))
+    # Group estimators see the episode's reward only: the same advantages with and without turn rewards.
+    grpo = build_advantage("grpo", {})
+    pair = (torch.tensor([1.5, 0.5]), _ids(2), mask.expand(2, -1))
+    torch.testing.assert_close(
+        grpo(AdvantageInput(*pair, turn_rewards=turns.expand(2, -1))).advantages, grpo(AdvantageInput(*pair)).advantages
+    )
+
+
 def test_reinforce_pp_by_hand() -> None:
     # γ = 0.5, kl_coef 0.5. Row 0: r = 1, KL [0.2, 0.4, 0.2] → token rewards [−0.1, −0.2, 1 − 0.1 = 0.9];
     #   G2 = 0.9;  G1 = −0.2 + 0.5·0.9 = 0.25;  G0 = −0.1 + 0.5·0.25 = 0.025.

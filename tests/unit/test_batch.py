@@ -49,3 +49,18 @@ def test_tokens_the_loss_mask_leaves_out_are_context_but_not_trained() -> None:
     assert batch.response_mask[0, start : start + 4].tolist() == [True, False, False, True]
     assert batch.response_mask.sum(dim=1).tolist() == [2, 2]
     assert torch.equal(batch.input_ids[0, start : start + 4], torch.from_numpy(masked.token_ids[:4]).long())
+
+
+def test_turn_rewards_sit_at_the_last_token_of_each_model_turn() -> None:
+    """Two model turns around an environment's token ([1, 1, 0, 1, 1]): their rewards at the turns' last tokens; a
+    group without turn rewards in the same batch has zeros; a batch where no group has them has none."""
+    rollout = dataclasses.replace(make_group(["abcde"]), loss_mask=np.array([1, 1, 0, 1, 1], np.int32))
+    episode = ScoredGroup(rollout=rollout, rewards=np.array([1.5], np.float32), turn_rewards=np.array([0.5, 1.0]))
+    plain = scored(["12"], [1.0])
+    batch = collate([episode, plain], pad_id=0)
+    prompt = len(rollout.prompt_ids)
+    assert batch.turn_rewards is not None
+    assert batch.turn_rewards[0].nonzero().flatten().tolist() == [prompt + 1, prompt + 4]
+    assert batch.turn_rewards[0, [prompt + 1, prompt + 4]].tolist() == [0.5, 1.0]
+    assert not batch.turn_rewards[1].any()
+    assert collate([plain], pad_id=0).turn_rewards is None

@@ -87,8 +87,8 @@ def test_the_reward_worker_scores_episodes_through_the_environment_function(tool
     [function] = bind_functions([RewardFunction(name="environment")], "file", episode_options(config))
     right, _, _ = episode(tools, [CALL, "42"])
     wrong, _, _ = episode(tools, ["41"])
-    assert environment_reward(right, function.options) == [1.0]
-    assert environment_reward(wrong, function.options) == [0.0]
+    assert environment_reward(right, function.options) == [(0.0, 1.0)]  # per model turn: the call, then the answer
+    assert environment_reward(wrong, function.options) == [(0.0,)]
 
 
 HERE = "tests.unit.test_episodes"

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from actors import rewards
@@ -22,6 +24,7 @@ from actors.rewards import (
     score,
 )
 from common.config import RewardFunction
+from common.wire import RolloutGroup
 from tests.helpers.rollouts import make_group
 from tests.helpers.waits import wait_for
 
@@ -184,7 +187,8 @@ def test_reward_model_without_a_path_says_so() -> None:
 def test_combine_sums_with_weights_and_keeps_raw_scores() -> None:
     group = make_group(["19", "20", "19"], finish_reasons=["stop", "stop", "length"], lengths=[2, 9, 12])
     functions = [fn("task", verifier="arithmetic"), fn("format", 0.5), fn("overlong", 2.0, max_tokens=12, buffer=4)]
-    rewards_, details = combine(group, functions)
+    rewards_, details, turns = combine(group, functions)
+    assert not len(turns)  # no function scored turns
     # task [1, 0, 1]; format [1, 1, 0]; overlong: 2 → 0, 9 → (8 - 9)/4 = -0.25, 12 → (8 - 12)/4 = -1
     # reward = task + 0.5 * format + 2 * overlong = [1.5, 0.5 - 0.5, 1 - 2]
     assert rewards_ == [1.5, 0.0, -1.0]
@@ -197,7 +201,7 @@ def test_combine_sums_with_weights_and_keeps_raw_scores() -> None:
 
 def test_combine_keys_a_repeated_function_apart() -> None:
     functions = [fn("tests.helpers.slow_rewards:constant", value=1.0), fn("tests.helpers.slow_rewards:constant", 2.0)]
-    rewards_, details = combine(make_group(["a"]), functions)
+    rewards_, details, _ = combine(make_group(["a"]), functions)
     # 1 * 1.0 + 2 * 0.25
     assert rewards_ == [1.5]
     assert details == [{"tests.helpers.slow_rewards:constant": 1.0, "tests.helpers.slow_rewards:constant#2": 0.25}]
@@ -210,11 +214,38 @@ def test_combine_uses_the_callers_call() -> None:
         seen.append(function.name)
         return [3.0] * group.num_samples
 
-    assert combine(make_group(["a", "b"]), [fn("task"), fn("format", -1.0)], call=call) == (
-        [0.0, 0.0],
-        [{"task": 3.0, "format": 3.0}] * 2,
-    )
+    rewards_, details, _ = combine(make_group(["a", "b"]), [fn("task"), fn("format", -1.0)], call=call)
+    assert (rewards_, details) == ([0.0, 0.0], [{"task": 3.0, "format": 3.0}] * 2)
     assert seen == ["task", "format"]
+
+
+def episodes() -> RolloutGroup:
+    """Two responses: two model turns around an environment's token, then a single turn."""
+    return dataclasses.replace(
+        make_group(["ab", "c"], lengths=[5, 2]), loss_mask=np.array([1, 1, 0, 1, 1, 1, 1], np.int32)
+    )
+
+
+def test_a_function_may_score_each_model_turn(registry) -> None:
+    """A per-turn score counts with its sum; weighted, it makes the group's turn rewards, one per model turn of each
+    response (a single-turn response has one), with zeros where another function gave none. A score with the wrong
+    number of turns is refused."""
+    group = episodes()
+
+    def call(function: RewardFunction, group) -> list:
+        return [(0.5, 1.0), (2.0,)] if function.name == "environment" else [1.0, 0.0]
+
+    functions = [fn("environment", 2.0), fn("format")]
+    rewards_, details, turns = combine(group, functions, call=call)
+    assert rewards_ == [2 * 1.5 + 1.0, 2 * 2.0]
+    assert details == [{"environment": 1.5, "format": 1.0}, {"environment": 2.0, "format": 0.0}]
+    assert turns.tolist() == [1.0, 2.0, 4.0] and turns.dtype == np.float32
+    register_reward("turns")(lambda group, options: [(1.0,), (1.0,)])
+    with pytest.raises(RewardError, match="score 0 has 1 turn rewards for 2 model turns"):
+        score(fn("turns"), group)
+    register_reward("turns_nan")(lambda group, options: [(1.0, float("nan")), (1.0,)])
+    with pytest.raises(RewardError, match="score 0, turn 1 is not finite"):
+        score(fn("turns_nan"), group)
 
 
 @pytest.mark.parametrize(

@@ -125,6 +125,20 @@ def test_the_loss_mask_says_which_tokens_of_each_response_are_trained() -> None:
     assert back.trained(0).tolist() == [True, False, True] and back.trained(1).tolist() == [True, True, False]
 
 
+def test_turn_rewards_travel_one_per_model_turn() -> None:
+    """A scored group's turn rewards: one per model turn of each response (a run of 1 in its loss mask; a single-turn
+    response has one), or none at all."""
+    rollout = dataclasses.replace(synthetic.rollout_group(2, 3), loss_mask=np.array([1, 0, 1, 1, 1, 0], np.int32))
+    scored = ScoredGroup(rollout=rollout, rewards=np.array([1.5, 2.0], np.float32))
+    with_turns = dataclasses.replace(scored, turn_rewards=np.array([0.5, 1.0, 2.0], np.float32))
+    back = roundtrip(with_turns)
+    assert back.turn_shares(0).tolist() == [0.5, 1.0] and back.turn_shares(1).tolist() == [2.0]
+    assert not len(roundtrip(scored).turn_shares(1))
+    for wrong, why in [([0.5, 1.0], "has 2 entries for 3 model turns"), ([0.5, np.inf, 1.0], "not finite")]:
+        with pytest.raises(WireError, match=why):
+            dataclasses.replace(scored, turn_rewards=np.array(wrong, np.float32)).validate(Limits())
+
+
 def test_response_view_splits_packed_arrays() -> None:
     group = synthetic.rollout_group(3, 5)
     ids, logprobs, versions = group.response(2)
