@@ -134,5 +134,6 @@ def test_a_process_that_stops_reading_costs_a_step_its_limit_and_is_replaced() -
     try:
         message, ticks = asyncio.run(frozen_then_fine())
         assert "took no request for 1 s" in message and ticks >= 10, (message, ticks)
+        assert host.restarts == 1
     finally:
         host.close()
