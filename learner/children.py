@@ -17,6 +17,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import TextIO
 
 from common.logs import get_logger
 from common.private import PRIVATE_UMASK, open_private, private_dir
@@ -190,3 +191,38 @@ def progress_line(m: dict, steps: int) -> str:
         f"kl {m.get('train/loss/kl_ref', 0.0):.4f}  mismatch {m.get('train/offpolicy/mismatch_kl', 0.0):.2e}  "
         f"staleness {m['rollout/staleness_max']:.0f}  tokens/s {tokens_s:,.0f}  step {m['step/seconds']:.1f}s"
     )
+
+
+class Progress:
+    """The launcher's progress: on a terminal one line redrawn in place each step; elsewhere (a log file, a CI
+    capture) a plain line every ``steps // PLAIN_LINES`` steps and at the last, so a captured log stays readable."""
+
+    PLAIN_LINES = 20
+
+    def __init__(self, steps: int, stream: TextIO) -> None:
+        self.steps, self.stream = steps, stream
+        self.live = stream.isatty()
+        self.every = max(1, steps // self.PLAIN_LINES)
+        self.shown: float | None = None
+
+    def show(self, row: dict) -> None:
+        """Show a metrics.jsonl step row once."""
+        if row["step"] == self.shown:
+            return
+        self.shown = row["step"]
+        if self.live:
+            self.stream.write("\r" + progress_line(row, self.steps))
+        elif int(row["step"]) % self.every == 0 or int(row["step"]) >= self.steps:
+            self.stream.write(progress_line(row, self.steps) + "\n")
+        self.stream.flush()
+
+    def say(self, text: str) -> None:
+        """A line of its own (off the redrawn line on a terminal)."""
+        self.stream.write(("\n" if self.live else "") + text + "\n")
+        self.stream.flush()
+
+    def end(self) -> None:
+        if self.live:
+            self.stream.write("\n")
+            self.stream.flush()
+

@@ -171,7 +171,7 @@ def _run_children(children, resolved, server, config, overrides, counts, learner
     import sys
 
     from learner.batch_source import NO_ACTORS_EXIT_CODE
-    from learner.children import progress_line, tail_metrics, why_it_failed
+    from learner.children import Progress, tail_metrics, why_it_failed
 
     bin_dir = Path(sys.executable).parent
     # The URL holds the Redis password: children read it from the server's 0600 file, never from argv (ps shows argv).
@@ -193,18 +193,17 @@ def _run_children(children, resolved, server, config, overrides, counts, learner
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     metrics = resolved.run_dir / "metrics.jsonl"
-    shown, told = None, set()
+    progress, told = Progress(resolved.learner.steps, sys.stderr), set()
     while not stop.wait(1.0) and learner.poll() is None:
         if (restarted := server.keep_up()) is not None:
             children.keep(restarted)  # ours, not a stray a child left behind
         for dead in children.failed_all() - told - {"learner"}:  # each once, with the line that says why
             told.add(dead)
             why = why_it_failed(children.procs[dead].returncode, children.log_path(dead))
-            typer.echo(f"\n{dead} exited with an error: {why}", err=True)
-        if (last := tail_metrics(metrics)) is not None and last["step"] != shown:
-            shown = last["step"]
-            typer.echo("\r" + progress_line(last, resolved.learner.steps), nl=False, err=True)
-    typer.echo("", err=True)
+            progress.say(f"{dead} exited with an error: {why}")
+        if (last := tail_metrics(metrics)) is not None:
+            progress.show(last)
+    progress.end()
     if learner.poll() is None:
         return 130  # interrupted
     if learner.returncode == OUTAGE_EXIT_CODE:
