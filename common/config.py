@@ -519,7 +519,7 @@ class HealthSection(Section):
     stale_drop_fraction: float = Field(0.1, ge=0.0, le=1.0)
     """Alert ``stale_drops`` while the groups a step dropped as too stale (``groups/dropped_stale``) exceed this fraction of them plus the groups it trained."""  # noqa: E501
     starving_idle_fraction: float = Field(0.5, ge=0.0, le=1.0)
-    """Alert ``learner_starving`` while the learner's mean idle fraction (``step/idle_fraction``, time spent waiting for a batch) over the last ``starving_window`` steps is above this."""  # noqa: E501
+    """Alert ``learner_starving`` while the learner's mean idle fraction (``step/idle_fraction``, time spent waiting for a batch) over the last ``starving_window`` steps is above this (not in a synchronous run, ``staleness.max_staleness = 0``, which waits by design)."""  # noqa: E501
     starving_window: Int = Field(10, ge=1, le=1_000_000)
     """Steps averaged by ``starving_idle_fraction``."""
     webhook_url: str = Field("", pattern=r"^(https?://\S+)?$")

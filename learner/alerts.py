@@ -260,8 +260,9 @@ class LearnerStarving(Rule):
         )
 
 
-def build_rules(settings: HealthSection, groups_per_step: int) -> list[Rule]:
-    """The alert rules of ``[health]``; a rule whose threshold is 0 is off and not built."""
+def build_rules(settings: HealthSection, groups_per_step: int, synchronous: bool = False) -> list[Rule]:
+    """The alert rules of ``[health]``; a rule whose threshold is 0 is off and not built. A ``synchronous`` run
+    (``staleness.max_staleness = 0``) waits for each step's generation by design: it has no ``learner_starving``."""
     rules: list[Rule] = []
     if settings.kl_ref_max > 0:
         kl_action = "the policy drifts from the reference; lower learner.lr or raise the KL coefficient"
@@ -280,7 +281,7 @@ def build_rules(settings: HealthSection, groups_per_step: int) -> list[Rule]:
     if settings.stale_drop_fraction > 0:
         rules.append(StaleDrops(settings.stale_drop_fraction, groups_per_step))
     rules.append(ActorLost())
-    if settings.starving_idle_fraction > 0:
+    if settings.starving_idle_fraction > 0 and not synchronous:
         rules.append(LearnerStarving(settings.starving_idle_fraction, settings.starving_window))
     return rules
 

@@ -36,7 +36,6 @@ if TYPE_CHECKING:
 log = get_logger("health")
 
 
-
 # --------------------------------------------------------------------------- non-finite guard
 
 
@@ -206,6 +205,7 @@ class HealthMonitor:
         fp16: bool = False,
         checkpoints: Checkpoints | None = None,
         set_alert: SetAlert | None = None,
+        synchronous: bool = False,
     ) -> None:
         self.settings = settings
         self.run = run
@@ -213,17 +213,20 @@ class HealthMonitor:
         self.rollback = RollbackPolicy(
             settings.max_skipped_steps, settings.rollback_lr_factor, settings.max_rollbacks, checkpoints
         )
-        self.rules = build_rules(settings, groups_per_step)
+        self.rules = build_rules(settings, groups_per_step, synchronous)
         names = [rule.name for rule in self.rules] + ["non_finite", "rolled_back"]
         self.alerts = Alerts(names, run, set_alert, settings.webhook_url, settings.webhook_timeout_s)
         self._step = 0  # the step last observed
 
     @classmethod
     def for_run(cls, config: RunConfig, **kwargs: Any) -> HealthMonitor:
-        """The monitor of a run's config (``[health]``, its name, groups per step, precision)."""
+        """The monitor of a run's config (``[health]``, its name, groups per step, precision, whether it is
+        synchronous)."""
         fp16 = config.learner.precision == "float16"
-        groups = config.learner.groups_per_step
-        return cls(config.health, groups_per_step=groups, run=config.run.name, fp16=fp16, **kwargs)
+        groups, synchronous = config.learner.groups_per_step, config.staleness.max_staleness == 0
+        return cls(
+            config.health, groups_per_step=groups, run=config.run.name, fp16=fp16, synchronous=synchronous, **kwargs
+        )
 
     def observe(self, step: int, row: Row, facts: ProcessFacts | None = None) -> dict[str, float]:
         """Judge step ``step`` (1-based, metrics.jsonl's ``step``: the version its update makes) by its metrics row;

@@ -298,6 +298,19 @@ def test_each_rule_fires_and_resolves(case: str, logs: Records) -> None:
     assert len([m for m in logs.messages("alert resolved") if f"alert={name} " in m]) == expected.count(False)
 
 
+def test_a_synchronous_run_never_alerts_that_the_learner_waits() -> None:
+    """With max_staleness 0 the learner waits for each step's generation by design: an always-firing alert would
+    teach operators to ignore alerts."""
+    config = load_config(None, ["staleness.max_staleness=0"])
+    alerts = Alerts()
+    health = HealthMonitor.for_run(config, set_alert=alerts)
+    assert "learner_starving" not in {rule.name for rule in health.rules}
+    feed(health, [{"step/idle_fraction": 0.9}] * 30)
+    assert health.active_alerts() == [] and not transitions(alerts, "learner_starving")
+    asynchronous = HealthMonitor.for_run(load_config(None, ["staleness.max_staleness=1"]))
+    assert "learner_starving" in {rule.name for rule in asynchronous.rules}
+
+
 def test_a_threshold_of_zero_turns_a_rule_off() -> None:
     health = monitor(kl_ref_max=0.0, mismatch_kl_max=0.0, entropy_floor=0.0, entropy_drop_factor=0.0)
     assert {"kl_ref_high", "mismatch_kl_high", "entropy_collapse"}.isdisjoint(r.name for r in health.rules)
