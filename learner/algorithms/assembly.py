@@ -59,13 +59,24 @@ def assemble(config: RunConfig) -> Algorithm:
     )
 
 
+SECTION_OPTIONS = {"off_policy": "staleness"}
+"""Loss options that ``[section]`` sets for the whole run: refused in ``loss_options``, where they would quietly
+override the section for the loss weights while the rest of the learner (π_old, the guard) followed the section."""
+
+
 def _loss_options(config: RunConfig) -> dict[str, Any]:
-    """The loss's own options, plus the run's off-policy correction where the loss takes one."""
+    """The loss's own options, plus the run's off-policy correction (``[staleness]``) where the loss takes one."""
     options = dict(config.algorithm.loss_options)
+    for option, section in SECTION_OPTIONS.items():
+        if option in options:
+            raise ConfigError(
+                f"algorithm.loss_options.{option}: set by [{section}] for the whole run (the loss and π_old follow it "
+                f"together); move these settings to [{section}] and remove loss_options.{option}"
+            )
     staleness = config.staleness
     correction = {name: getattr(staleness, name) for name in OffPolicySettings.model_fields}
     settings = loss_settings(config.algorithm.loss, options)
-    if "off_policy" in type(settings).model_fields and "off_policy" not in options:
+    if "off_policy" in type(settings).model_fields:
         options["off_policy"] = correction
     return options
 

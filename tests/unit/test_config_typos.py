@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
     [
         ("algorithm.advantage_options={normalise=true}", "advantage estimator 'grpo': unknown option(s) 'normalise'"),
         ("algorithm.loss_options={clip_hgh=0.3}", "policy loss 'ppo_clip': unknown option(s) 'clip_hgh'; allowed: "),
-        ("algorithm.loss_options={off_policy={corection='token'}}", "unknown option 'off_policy.corection'"),
+        ("algorithm.loss_options={off_policy={correction='none'}}", "loss_options.off_policy: set by [staleness]"),
         ("algorithm.loss_options={kl_estimator='k4'}", "kl_estimator"),
         ("algorithm.aggregation_options={nrom=2}", "loss aggregation 'token_mean': unknown option(s) 'nrom'"),
         ("algorithm.kl_reward={mode='fixed', cof=0.1}", "algorithm.kl_reward: cof: Extra inputs are not permitted"),
@@ -57,3 +57,29 @@ def test_a_task_typo_is_caught_without_building_the_task(overrides: list[str], m
 def test_every_shipped_config_passes(config: Path) -> None:
     overrides = ["data.path='pairs.jsonl'"] if config.stem == "dpo" else []  # a preferences run needs its file
     check_config(load_config(config, overrides))
+
+
+def test_no_registered_option_duplicates_a_config_section_unless_it_is_refused() -> None:
+    """An option of a loss, estimator or aggregation whose settings are a section's fields (as ``off_policy`` holds
+    ``[staleness]``'s) would let a run set one thing in two places: each such option is refused in the config."""
+    from common.config import RunConfig
+    from learner.algorithms.assembly import SECTION_OPTIONS
+    from learner.algorithms.registries import ALL_REGISTRIES, settings_type
+
+    sections = {
+        name: set(f.annotation.model_fields) for name, f in RunConfig.model_fields.items() if _model(f.annotation)
+    }
+    duplicates = set()
+    for registry in ALL_REGISTRIES:
+        for name in registry.names():
+            for option, field in settings_type(registry.get(name)).model_fields.items():
+                assert option not in sections, f"{registry} {name!r}: option {option!r} is a config section's name"
+                if _model(field.annotation) and any(set(field.annotation.model_fields) <= f for f in sections.values()):
+                    duplicates.add(option)
+    assert duplicates == set(SECTION_OPTIONS)
+
+
+def _model(annotation) -> bool:
+    from pydantic import BaseModel
+
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
