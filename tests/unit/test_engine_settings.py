@@ -66,6 +66,14 @@ def test_an_unknown_pass_through_field_is_named(engine_args_cls) -> None:
         engine_settings(rollout("engine_args={blok_size=32}"), engine_args_cls, has_gpu=True)
 
 
+def test_an_automatic_kv_cache_is_sized_by_gpu_memory_on_a_gpu_and_fixed_on_cpus(engine_args_cls) -> None:
+    assert rollout().kv_cache_bytes == "auto"
+    on_gpu = engine_settings(rollout(), engine_args_cls, has_gpu=True)
+    assert on_gpu["gpu_memory_utilization"] == 0.9 and "kv_cache_memory_bytes" not in on_gpu
+    on_cpu = engine_settings(rollout(), engine_args_cls, has_gpu=False)
+    assert on_cpu["kv_cache_memory_bytes"] == 256 * 2**20 and "gpu_memory_utilization" not in on_cpu
+
+
 def test_a_kv_cache_sized_from_gpu_memory_needs_a_gpu(engine_args_cls) -> None:
     with pytest.raises(EngineSettingsError, match=r"this machine has no GPU: set rollout\.kv_cache_bytes"):
         engine_settings(rollout("kv_cache_bytes=0"), engine_args_cls, has_gpu=False)
