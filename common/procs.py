@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 
 
 def alive(pid: int) -> bool:
@@ -46,6 +47,14 @@ def parents() -> dict[int, int]:
             if entry.name.isdigit() and (parent := parent_of(int(entry.name))):
                 found[int(entry.name)] = parent
     return found
+
+
+def ended(pid: int) -> bool:
+    """Whether ``pid`` has ended: gone, or a zombie that only waits to be reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def child_pids(pid: int) -> list[int]:

@@ -21,7 +21,7 @@ from typing import TextIO
 
 from common.logs import get_logger
 from common.private import PRIVATE_UMASK, open_private, private_dir
-from common.procs import child_pids, cpu_list
+from common.procs import child_pids, cpu_list, ended
 
 log = get_logger("launch")
 _PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
@@ -119,12 +119,14 @@ class Children:
         left: one may have started another before it died."""
         mine = {proc.pid for proc in self.procs.values()} | self._others
         while adopted := [pid for pid in child_pids(os.getpid()) if pid not in mine]:
+            running = [pid for pid in adopted if not ended(pid)]  # the others only wait to be reaped
             for pid in adopted:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
                 with contextlib.suppress(ChildProcessError):
                     os.waitpid(pid, 0)
-            log.warning("ended processes our children left behind", pids=",".join(map(str, adopted)))
+            if running:
+                log.warning("ended processes our children left behind", pids=",".join(map(str, running)))
 
 
 def _become_subreaper() -> bool:

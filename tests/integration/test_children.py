@@ -100,3 +100,32 @@ def test_a_pinned_child_and_what_it_starts_run_on_their_cpus(tmp_path: Path) -> 
 def _allowed(pid: int) -> str:
     status = Path(f"/proc/{pid}/status").read_text()
     return next(line.split(":", 1)[1].strip() for line in status.splitlines() if line.startswith("Cpus_allowed_list"))
+
+
+QUIET_LAUNCHER = """
+import sys, time
+from pathlib import Path
+from learner.children import Children
+
+children = Children(Path(sys.argv[1]))
+# A child whose own child ended before it did: adopted by the launcher, that one only waits to be reaped.
+quick = children.start("quick", [sys.executable, "-c", "import os, time\\nif os.fork() == 0:\\n    os._exit(0)\\n"
+    "time.sleep(1)"])
+quick.wait()
+children.stop_all(timeout_s=5)
+print("stopped", flush=True)
+"""
+
+
+def test_what_had_already_ended_is_reaped_without_a_warning(tmp_path: Path) -> None:
+    """A finished run's children often leave processes that already ended (an environments' process that saw its
+    stdin close): reaped, and not reported as left behind."""
+    launcher = subprocess.run(
+        [sys.executable, "-c", QUIET_LAUNCHER, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert launcher.stdout.strip() == "stopped", launcher.stderr[-2000:]
+    assert "left behind" not in launcher.stderr, launcher.stderr[-2000:]
