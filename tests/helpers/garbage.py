@@ -126,8 +126,9 @@ class _Maker:
             self._replace(_TIMINGS, {f"k{rng.getrandbits(32):x}": value}),
             [*self.frames[:3], np.full(n, value, np.float32).tobytes(), *self.frames[4:]],
         ]
-        if self.scored:  # the rewards (the last frame) and the scoring time
+        if self.scored:  # the rewards (the frame before the turn rewards, which are the last) and the scoring time
             version, tag, body = self.header
-            choices.append([*self.frames[:-1], np.full(len(self.frames[-1]) // 4, value, np.float32).tobytes()])
+            rewards = np.full(len(self.frames[-2]) // 4, value, np.float32).tobytes()
+            choices.append([*self.frames[:-2], rewards, self.frames[-1]])
             choices.append([msgpack.packb([version, tag, [*body[:4], value]], use_bin_type=True), *self.frames[1:]])
         return rng.choice(choices)

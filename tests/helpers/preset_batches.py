@@ -89,8 +89,9 @@ def policy_logprobs(update: PolicyUpdate, groups: Sequence[ScoredGroup]) -> list
 def score(config: RunConfig, rollout: RolloutGroup) -> ScoredGroup:
     """``rollout`` scored as the reward worker scores it: the weighted sum of the run's reward functions (the ``task``
     function's verifier bound from the run's task), with each function's raw score per response in ``details``."""
-    rewards, details = combine(rollout, bind_functions(config.reward.functions, task_label(config.task)))
-    return ScoredGroup(rollout=rollout, rewards=np.asarray(rewards, np.float32), details=details, scorer_id="rw-0")
+    rewards, details, turns = combine(rollout, bind_functions(config.reward.functions, task_label(config.task)))
+    rewards_array = np.asarray(rewards, np.float32)
+    return ScoredGroup(rollout=rollout, rewards=rewards_array, details=details, scorer_id="rw-0", turn_rewards=turns)
 
 
 def with_behaviour(update: PolicyUpdate, scored: Sequence[ScoredGroup]) -> list[ScoredGroup]:
