@@ -32,9 +32,9 @@ def family(monkeypatch: pytest.MonkeyPatch, parent: int, grandparent: int) -> No
 
 def test_vllm_loads_the_lifeline_as_a_general_plugin_in_every_engine_process() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    [(name, target)] = project["project"]["entry-points"]["vllm.general_plugins"].items()
+    target = project["project"]["entry-points"]["vllm.general_plugins"]["asyncrl_lifeline"]
     module, _, function = target.partition(":")
-    assert name == "asyncrl_lifeline" and getattr(import_module(module), function) is lifeline.follow_actor
+    assert getattr(import_module(module), function) is lifeline.follow_actor
 
 
 def test_engine_core_watches_the_actor_that_is_its_parent(watched, monkeypatch) -> None:
