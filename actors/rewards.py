@@ -47,8 +47,8 @@ from common.wire import RolloutGroup, model_turns
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-RewardFn = Callable[[RolloutGroup, dict[str, Any]], list[float]]
-"""``fn(group, options) -> one score per response, in order``."""
+RewardFn = Callable[[RolloutGroup, dict[str, Any]], list[Any]]
+"""``fn(group, options) -> one score per response, in order``: a number, or one per model turn (:data:`Score`)."""
 
 Caller = Callable[[RewardFunction, RolloutGroup], list["Score"]]
 """How :func:`combine` calls one configured function (the worker adds time limits and retries)."""
