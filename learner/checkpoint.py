@@ -304,6 +304,12 @@ def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def checkpoint_step(folder: Path) -> int | None:
+    """The step of a ``step-<N>`` checkpoint folder (None for a folder named otherwise)."""
+    match = _STEP_DIR.fullmatch(folder.name)
+    return int(match.group(1)) if match else None
+
+
 def find_checkpoint(spec: str, root: Path) -> Path:
     """The folder ``spec`` names: ``latest`` (the complete checkpoint of the highest step under ``root``), or a path."""
     if spec != "latest":

@@ -216,7 +216,8 @@ def train(
     """Run the learner: admit prompts, train on scored groups, broadcast weights, until step learner.steps.
     SIGTERM finishes the step, saves a checkpoint and exits 0. Redis down for longer than transport.redis_outage_s:
     exits 75 saying what to do (restart Redis, then --resume latest). No rollout actor left for learner.no_actors_s:
-    saves a checkpoint and exits 3.
+    saves a checkpoint and exits 3. --resume of a run whose checkpoint is at learner.steps says it finished and exits 0
+    at once.
     With data.source = "preferences": offline DPO on the file data.path (no Redis, no actors)."""
     from common.cliutil import fail, given_redis_url, load
     from common.redis_server import EmbeddedRedis
@@ -228,6 +229,13 @@ def train(
         if resume:
             fail("--resume is for runs that train from rollouts; offline DPO (data.source = 'preferences') has none")
         _train_offline(resolved)
+        return
+    if resume and (finished := _finished_at(resolved, resume)) is not None:  # every rank: none starts a group
+        typer.echo(
+            f"run {resolved.run.name!r} finished at step {finished} (learner.steps = {resolved.learner.steps}): "
+            "nothing to resume; raise learner.steps to train it further",
+            err=True,
+        )
         return
     leader = os.environ.get("RANK", "0") == "0"  # rank 0 verifies the checkpoint and hands it on
     checkpoint = _verified_checkpoint(resolved, resume) if resume and leader else None
@@ -268,6 +276,18 @@ def train(
     finally:
         if server is not None:
             server.stop()
+
+
+def _finished_at(resolved: RunConfig, spec: str) -> int | None:
+    """The step of the checkpoint ``--resume`` names when the run is done there (at ``learner.steps`` or past it), else
+    None (a missing or bad checkpoint is :func:`_verified_checkpoint`'s to report)."""
+    from learner.checkpoint import CheckpointError, checkpoint_step, find_checkpoint
+
+    try:
+        step = checkpoint_step(find_checkpoint(spec, resolved.run_dir / "checkpoints"))
+    except CheckpointError:
+        return None
+    return step if step is not None and step >= resolved.learner.steps else None
 
 
 def _verified_checkpoint(resolved: RunConfig, spec: str):
