@@ -19,20 +19,17 @@ import random
 from pathlib import Path
 
 from common.tasks import TASK_ALPHABET
+from common.tiny_chat_model import CHATML_TEMPLATE, IM_END, IM_START, _save_chat_tokenizer
 from common.tiny_model import IGNORE_INDEX, Row, init_model, warm_start_rows
+from common.tool_calls import CLOSE as TOOL_CALL_CLOSE
+from common.tool_calls import OPEN as TOOL_CALL_OPEN
 
-IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 AGENT_ALPHABET = TASK_ALPHABET + "ABCDEFGHIJKLMNOPQRSTUVWXYZ.?!'_;|#%&"
 
 TOOL_CHAT_TEMPLATE = (
     "{%- if tools %}{{- '<|im_start|>system\\ntools: ' }}"
     "{%- for tool in tools %}{{- tool['function']['name'] }}{%- if not loop.last %}{{- ', ' }}{%- endif %}"
-    "{%- endfor %}{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}{%- endif %}" + CHATML_TEMPLATE
 )
 """ChatML with a short system turn naming the tools: a character-level model reads every character, so the
 template names the tools rather than printing their JSON schemas as Qwen2.5's does."""
@@ -58,8 +55,6 @@ def _resize(out: Path, tokenizer) -> None:
     """Grow the saved model's embeddings to the tokenizer and make ``<|im_end|>`` its EOS; save both."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
-
-    from common.tiny_chat_model import _save_chat_tokenizer
 
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
