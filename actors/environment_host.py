@@ -64,23 +64,25 @@ class EnvironmentHost:
         self._lock = threading.Lock()
         self._child: _Child | None = None
         self._ids = itertools.count(1)
-        self.restarts = 0
-        """Processes started to replace one that died or was killed."""
         self._started = 0
         # Requests are written off the event loop: a child that stops reading (frozen, or holding its GIL) fills the
         # pipe, and a blocked write must cost its request's time limit, not the loop that drives every episode.
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="environment-writer")
+
+    @property
+    def restarts(self) -> int:
+        """Processes started to replace one that died or was killed."""
+        return max(0, self._started - 1)
 
     # -- the child
     def _ensure_child(self) -> _Child:
         with self._lock:
             if self._child is not None and self._child.proc.poll() is None:
                 return self._child
-            if self._started:  # one that died, or that this host killed (stuck, or not reading)
-                self.restarts += 1
+            self._started += 1
+            if self.restarts:  # one that died, or that this host killed (stuck, or not reading)
                 exit_code = self._child.proc.returncode if self._child is not None else "killed"
                 log.warning("environment host replaced", exit_code=exit_code, restarts=self.restarts)
-            self._started += 1
             env = {**os.environ, "ASYNCRL_ENV_MEMORY_MB": str(self.section.max_memory_mb)}
             proc = subprocess.Popen(
                 [sys.executable, "-m", "actors.environment_host"],
