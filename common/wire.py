@@ -204,12 +204,12 @@ class ScoredGroup:
             if not np.isfinite(self.turn_rewards).all():
                 raise WireError("turn_rewards", "holds a value that is not finite")
 
-    def turn_shares(self, i: int) -> np.ndarray:
-        """Response ``i``'s entries of :attr:`turn_rewards` (empty when there are none)."""
+    def turn_shares(self) -> list[np.ndarray]:
+        """Each response's entries of :attr:`turn_rewards` (empty arrays when there are none)."""
         if not len(self.turn_rewards):
-            return self.turn_rewards
-        start = sum(model_turns(self.rollout.trained(j)) for j in range(i))
-        return self.turn_rewards[start : start + model_turns(self.rollout.trained(i))]
+            return [self.turn_rewards] * self.rollout.num_samples
+        ends = np.cumsum([model_turns(self.rollout.trained(i)) for i in range(self.rollout.num_samples)])
+        return np.split(self.turn_rewards, ends[:-1])
 
 
 def model_turns(trained: np.ndarray) -> int:

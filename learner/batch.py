@@ -60,6 +60,7 @@ def collate(
     behaviour = np.zeros(shape, np.float32)
     versions = np.full(shape, -1, np.int64)
     turn_rewards = np.zeros(shape, np.float32) if any(len(g.turn_rewards) for g, _ in rows) else None
+    shares_of: dict[int, list[np.ndarray]] = {}
     group_index = {id(g): n for n, g in enumerate(groups)}
     for row, (group, i) in enumerate(rows):
         prompt = group.rollout.prompt_ids
@@ -71,7 +72,7 @@ def collate(
         response[row, start:end] = group.rollout.trained(i)  # the loss mask: tokens the model did not sample stay out
         behaviour[row, start:end] = logprobs.astype(np.float32)
         versions[row, start:end] = token_versions
-        if turn_rewards is not None and len(shares := group.turn_shares(i)):
+        if turn_rewards is not None and len(shares := shares_of.setdefault(id(group), group.turn_shares())[i]):
             turn_ends = [start + stop - 1 for _, stop, by_model in segments(group.rollout.trained(i)) if by_model]
             turn_rewards[row, turn_ends] = shares
     return TrainBatch(

@@ -32,7 +32,7 @@ from common.outage import settling
 from common.private import open_private
 from common.tool_calls import parse_tool_calls
 from common.turns import segments
-from common.wire import model_turns
+from common.wire import RolloutGroup, model_turns
 from learner.alerts import ProcessFacts
 from learner.batch import TrainBatch
 from learner.batch_source import Taken
@@ -200,10 +200,15 @@ def rollout_figures(version: int, taken: Taken, batch: TrainBatch) -> dict[str, 
     }
 
 
+def episode_rollouts(taken: Taken) -> list[RolloutGroup]:
+    """The step's rollouts of multi-turn episodes (responses with a loss mask)."""
+    return [e.group.rollout for e in taken.entries if len(e.group.rollout.loss_mask)]
+
+
 def episode_figures(taken: Taken) -> dict[str, float]:
     """``rollout/episode_*`` when the step trained multi-turn episodes (responses with a loss mask): model turns per
     episode (mean, max), response tokens per episode (mean, max) and the share of them the model sampled."""
-    rollouts = [e.group.rollout for e in taken.entries if len(e.group.rollout.loss_mask)]
+    rollouts = episode_rollouts(taken)
     if not rollouts:
         return {}
     turns = [model_turns(r.trained(i)) for r in rollouts for i in range(r.num_samples)]
@@ -221,7 +226,7 @@ def episode_figures(taken: Taken) -> dict[str, float]:
 def tool_call_figures(taken: Taken, decode: Callable[[list[int]], str] | None) -> dict[str, float]:
     """``rollout/episode_tool_calls_mean`` and ``rollout/episode_malformed_calls_mean``: the tool calls per episode in
     the model's turns (``common/tool_calls.py``), well-formed and malformed, when the step trained episodes."""
-    rollouts = [e.group.rollout for e in taken.entries if len(e.group.rollout.loss_mask)]
+    rollouts = episode_rollouts(taken)
     if not rollouts or decode is None:
         return {}
     calls = malformed = episodes = 0

@@ -132,8 +132,8 @@ def test_turn_rewards_travel_one_per_model_turn() -> None:
     scored = ScoredGroup(rollout=rollout, rewards=np.array([1.5, 2.0], np.float32))
     with_turns = dataclasses.replace(scored, turn_rewards=np.array([0.5, 1.0, 2.0], np.float32))
     back = roundtrip(with_turns)
-    assert back.turn_shares(0).tolist() == [0.5, 1.0] and back.turn_shares(1).tolist() == [2.0]
-    assert not len(roundtrip(scored).turn_shares(1))
+    assert [shares.tolist() for shares in back.turn_shares()] == [[0.5, 1.0], [2.0]]
+    assert [len(shares) for shares in roundtrip(scored).turn_shares()] == [0, 0]
     for wrong, why in [([0.5, 1.0], "has 2 entries for 3 model turns"), ([0.5, np.inf, 1.0], "not finite")]:
         with pytest.raises(WireError, match=why):
             dataclasses.replace(scored, turn_rewards=np.array(wrong, np.float32)).validate(Limits())
