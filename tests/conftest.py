@@ -25,6 +25,7 @@ import pytest
 from common import tiny_chat_model, tiny_model
 from common.keys import connect
 from common.redis_server import EmbeddedRedis
+from tests.helpers import prefetch
 from tests.helpers.costs import StartupCounter
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -110,7 +111,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         (kept if tier in wanted else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
-        items[:] = kept
+    items[:] = sorted(kept, key=uses_a_prefetched_model)  # stable: those last, the rest in their order
+
+
+def uses_a_prefetched_model(item: pytest.Item) -> bool:
+    """Whether ``item`` waits for a model built in the background: it runs at the end of the chain, so the build has
+    the whole chain to finish in (tests/helpers/prefetch.py)."""
+    return any(p.wanted_by([item.nodeid]) for p in prefetch.PREFETCHES)
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook, in the controller
+def pytest_xdist_node_collection_finished(node, ids: list[str]) -> None:
+    """Start, once per session, the background build of each prefetched model a collected test uses."""
+    builds = node.config.stash.setdefault(_BUILDS, {})
+    root = node.config._tmp_path_factory.getbasetemp()  # the workers' temp folders are inside it
+    for wanted in prefetch.PREFETCHES:
+        if wanted.name not in builds and wanted.wanted_by(ids):
+            builds[wanted.name] = prefetch.start(root, wanted)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -120,6 +137,11 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_STARTED] = time.monotonic()
     counter.count_calls(tiny_model, "warm_start", "warm starts")  # the fixtures' in-process warm starts
     counter.count_calls(tiny_chat_model, "warm_start_chat", "warm starts")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for build in config.stash.get(_BUILDS, {}).values():
+        prefetch.stop(build)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
@@ -142,6 +164,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
 
 _COUNTER = pytest.StashKey[StartupCounter]()
 _STARTED = pytest.StashKey[float]()
+_BUILDS = pytest.StashKey[dict]()
 
 
 @pytest.fixture(autouse=True)
@@ -171,9 +194,33 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="session")
+def session_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
+    """One real redis-server with AOF for the session (for each xdist worker), stopped at its end."""
+    server = EmbeddedRedis(tmp_path_factory.mktemp("session-redis") / "redis").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[EmbeddedRedis]:
-    """A real redis-server with AOF in a temporary folder, stopped after the test."""
+def redis_server(session_redis: EmbeddedRedis) -> EmbeddedRedis:
+    """The session's redis-server, emptied for this test (``FLUSHALL``): a test that needs only keys of its own pays no
+    server start. A test that stops, kills or restarts its server takes :func:`own_redis_server`."""
+    if session_redis.process is None or session_redis.process.poll() is not None:
+        session_redis.restart()  # a test stopped it after all: the next one still gets a server
+    client = connect(session_redis.url)
+    try:
+        client.flushall()
+    finally:
+        client.close()
+    return session_redis
+
+
+@pytest.fixture
+def own_redis_server(tmp_path: Path) -> Iterator[EmbeddedRedis]:
+    """A real redis-server with AOF of the test's own, in a temporary folder, stopped after the test."""
     server = EmbeddedRedis(tmp_path / "redis").start()
     try:
         yield server

@@ -23,9 +23,10 @@ from common.control import ControlPlane
 from common.keys import connect
 from common.redis_server import EmbeddedRedis
 from tests.helpers.accounting import account_groups
+from tests.helpers.prefetch import AGENT, prefetched
 from tests.helpers.runs import actors_trained, eval_rows, step_rows
 from tests.helpers.scrape import metric
-from tests.helpers.stack import BIN, ROOT, actor_pid, finish, launch
+from tests.helpers.stack import ONE_PROCESS_ENGINE, ROOT, actor_pid, finish, launch
 from tests.helpers.waits import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -43,13 +44,11 @@ class AgentRun:
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory: pytest.TempPathFactory) -> AgentRun:
+    model = prefetched(tmp_path_factory, AGENT)  # `init-model --kind agent --warm-steps 600`, built beside the chain
     root = tmp_path_factory.mktemp("agent")
-    model = root / "tiny-agent"
-    init = [BIN / "rl-learner", "init-model", CONFIG, "--set", f"model.path={model}", "--kind", "agent"]
-    subprocess.run([*init, "--warm-steps", "600", "--threads", "2"], check=True, timeout=600)
     run_dir = root / NAME
     evaluation = (f"eval.every={STEPS}", "eval.limit=16", "eval.num_samples=4", "eval.temperature=1.0")
-    overrides = (f"learner.steps={STEPS}", f"learner.groups_per_step={GROUPS}", *evaluation)
+    overrides = (f"learner.steps={STEPS}", f"learner.groups_per_step={GROUPS}", *evaluation, ONE_PROCESS_ENGINE)
     proc = launch(root, model, NAME, *overrides, config=CONFIG, actors=2)
     try:
         alive = {"actor-0", "actor-1"}

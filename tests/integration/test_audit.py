@@ -116,9 +116,10 @@ class Gated(redis.Redis):
         return super().xadd(*args, **kwargs)
 
 
-def test_a_redis_that_is_down_does_not_stop_the_recording_process(redis_server) -> None:
+def test_a_redis_that_is_down_does_not_stop_the_recording_process(own_redis_server) -> None:
     """Both calls return while the writer's ``XADD`` is held (a caller that waited for it would have counted a failure
     when it returned); once let through, each fails after the client's retries, and is counted."""
+    redis_server = own_redis_server
     port = redis_server.port
     # a client that retries a little, as every process's client waits out an outage (for longer)
     down = Gated.from_url(f"redis://:{redis_server.password}@127.0.0.1:{port}/0", retry=Retry(ConstantBackoff(0.1), 3))

@@ -476,6 +476,7 @@ def test_a_hanging_webhook_does_not_block_the_step(logs: Records) -> None:
         wait_for(lambda: logs.messages("alert webhook failed"), "the timed-out POST logged")
         timing_out.close(wait_s=0.1)
         assert hung.bodies == []  # the receiver never answered: that failure was the timeout
+    health.close(wait_s=30)  # the receiver gone, its sender fails the rest at once: it ends within the test
 
 
 # --------------------------------------------------------------------------- config

@@ -38,3 +38,14 @@ def test_every_module_beside_the_chain_exists() -> None:
 
     present = {path.name for tier in ("integration", "unit") for path in (TESTS / tier).glob("test_*.py")}
     assert not SHARED_CORES - present, sorted(SHARED_CORES - present)
+
+
+def test_each_prefetched_model_has_its_test_module_and_is_wanted_only_by_it() -> None:
+    """A prefetch names the module whose fixture waits for it: a renamed module would leave the build unwanted (and
+    the test paying it in the chain), so each named module exists, and only its node ids want the build."""
+    from tests.helpers.prefetch import PREFETCHES
+
+    for prefetch in PREFETCHES:
+        assert (TESTS.parent / prefetch.module).is_file(), prefetch.module
+        assert prefetch.wanted_by([f"{prefetch.module}::test_x", "tests/unit/test_wire.py::test_y"])
+        assert not prefetch.wanted_by(["tests/unit/test_wire.py::test_y", f"{prefetch.module}x::test_z"])
