@@ -32,6 +32,7 @@ from typing import Any
 from common.config import EnvironmentSection
 from common.environments import (
     EnvironmentFailed,
+    EnvironmentLost,
     EpisodeRow,
     Step,
     checked_score,
@@ -39,6 +40,7 @@ from common.environments import (
     make_environment,
 )
 from common.logs import get_logger
+from common.metrics import ACTOR_ENVIRONMENT_MOVES
 
 log = get_logger("environment_host")
 MAX_STUCK = 8
@@ -183,30 +185,71 @@ class EnvironmentHost:
 
 
 class HostedEnvironment:
-    """An episode's environment in an :class:`EnvironmentHost`; made with :meth:`open`, every call awaited."""
+    """An episode's environment in an :class:`EnvironmentHost` (or on reward workers:
+    :class:`~actors.remote_environments.RemoteEnvironments`); made with :meth:`open`, every call awaited.
+
+    It keeps the episode's steps so far. When the worker holding it is lost
+    (:class:`~common.environments.EnvironmentLost`), it is made again from the same row on another worker, its
+    steps are replayed there, and the request is sent again, up to :data:`MAX_MOVES` times. Environments are
+    deterministic given their row and seed (the reward worker's replay relies on it as well); one whose replayed steps
+    differ from the first ones fails its episode."""
 
     _keys = itertools.count(1)
 
-    def __init__(self, host: EnvironmentHost, key: str) -> None:
+    def __init__(self, host: Any, key: str, fields: dict[str, Any]) -> None:
         self.host, self.key = host, key
+        self._make_fields = fields
+        self._steps: list[tuple[str, dict[str, Any]]] = []  # (action, what the step answered)
 
     @classmethod
-    async def open(cls, host: EnvironmentHost, row: EpisodeRow) -> HostedEnvironment:
+    async def open(cls, host: Any, row: EpisodeRow) -> HostedEnvironment:
         key = f"e{next(cls._keys)}"
         fields = {"name": host.section.name, "options": host.section.options, "row": dataclasses.asdict(row)}
         await host.call_async("make", episode=key, **fields)
-        return cls(host, key)
+        return cls(host, key, fields)
 
     async def step(self, action: str) -> Step:
-        answer = await self.host.call_async("step", episode=self.key, action=action)
-        return Step(observation=answer["observation"], reward=answer["reward"], done=answer["done"])
+        answer = _step_fields(await self._call("step", action=action))
+        self._steps.append((action, answer))
+        return Step(**answer)
 
     async def score(self) -> float:
-        return float((await self.host.call_async("score", episode=self.key))["score"])
+        return float((await self._call("score"))["score"])
 
     def close(self) -> None:
         """Forget the environment in the child (nothing waits for the answer)."""
         self.host.forget("close", episode=self.key)
+
+    async def _call(self, op: str, **fields: Any) -> dict[str, Any]:
+        for moves in itertools.count():
+            try:
+                return await self.host.call_async(op, episode=self.key, **fields)
+            except EnvironmentLost as exc:
+                if moves >= MAX_MOVES:
+                    raise
+                log.warning("environment lost with its worker; making it again elsewhere", episode=self.key, error=exc)
+                await self._make_again()
+        raise AssertionError("unreachable")
+
+    async def _make_again(self) -> None:
+        """Make the environment again (on another worker) and replay the steps it took: each must answer as before."""
+        await self.host.call_async("make", episode=self.key, **self._make_fields)
+        for action, answered in self._steps:
+            again = _step_fields(await self.host.call_async("step", episode=self.key, action=action))
+            if again != answered:
+                raise EnvironmentFailed(
+                    "the environment made again on another worker answered a replayed step differently: it is not "
+                    "deterministic given its row and seed, so its episode cannot move"
+                )
+        ACTOR_ENVIRONMENT_MOVES.inc()
+
+
+MAX_MOVES = 2
+"""Times an episode's environment may move to another worker before the episode ends as an environment error."""
+
+
+def _step_fields(answer: dict[str, Any]) -> dict[str, Any]:
+    return {"observation": answer["observation"], "reward": answer["reward"], "done": answer["done"]}
 
 
 # --------------------------------------------------------------------------- the child

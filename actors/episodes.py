@@ -13,8 +13,8 @@ done, at ``environment.max_turns``, at ``environment.max_episode_tokens`` (or th
 ``environment.episode_timeout_s`` (checked before each model turn), and when
 a step fails, hangs past ``environment.step_timeout_s`` or returns something unusable — then it ends with the tokens
 it has, and the failure is counted (``asyncrl_actor_episode_endings_total{ending="environment_error"}``).
-Environments run in a process of their own (``actors/environment_host.py``) unless ``environment.isolation =
-"thread"``.
+Environments run in a process of their own (``actors/environment_host.py``), on the run's reward workers with
+``environment.isolation = "workers"`` (``actors/remote_environments.py``), or in the actor with ``"thread"``.
 
 The reward worker does not take the actor's word for any of it: :func:`replay_episode` makes a fresh environment from
 the same row and seed, steps it with the model's turns as decoded from the trained tokens, checks that every
@@ -39,6 +39,7 @@ from typing import Any
 
 from actors.environment_host import EnvironmentHost, HostedEnvironment
 from actors.generation import Generator, Response, Sampling, WorkflowContext, rollout_group, sampling_for
+from actors.remote_environments import RemoteEnvironments
 from common.config import EnvironmentSection
 from common.environments import (
     Environment,
@@ -130,13 +131,24 @@ def close_environment_hosts() -> None:
         host.close()
 
 
+_REMOTE: list[RemoteEnvironments] = []
+
+
+def use_remote_environments(remote: RemoteEnvironments | None) -> None:
+    """Make this process's episodes open their environments on the run's reward workers (an actor with
+    ``environment.isolation = "workers"``); None goes back to this process's own environment process."""
+    _REMOTE[:] = [remote] if remote is not None else []
+
+
 async def open_environment(section: EnvironmentSection, row: EpisodeRow) -> Environment:
-    """The environment of ``row``: in the environments' own process (``environment.isolation = "process"``) or in
-    this one."""
+    """The environment of ``row``: on the run's reward workers (``environment.isolation = "workers"``, in an actor that
+    reaches them), in the environments' own process (``"process"``, and ``"workers"`` anywhere else: a reward
+    worker's replay, an offline eval), or in this one (``"thread"``)."""
     if section.isolation == "thread":
         return make_environment(section.name, section.options, row)
+    host = _REMOTE[0] if section.isolation == "workers" and _REMOTE else environment_host(section)
     try:
-        return await HostedEnvironment.open(environment_host(section), row)
+        return await HostedEnvironment.open(host, row)
     except EnvironmentFailed as exc:
         raise EnvironmentFailed(f"environment {section.name!r} could not be made: {exc}") from exc
 

@@ -23,6 +23,12 @@ says where the PULL socket is bound (``endpoint``) and the worker's state, which
 ``draining``   SIGTERM/SIGINT received: finishing the group in hand, taking no new one
 =============  ==========================================================================
 
+Environments: with ``environment.isolation = "workers"`` in a multi-turn run the worker also serves the episodes'
+environments to every actor (``actors/environment_service.py``), on a port of its own that its heartbeat advertises
+(``environment_endpoint``).
+
+A finished run (its learner took the last step) stops the worker as SIGTERM does, within a few seconds.
+
 Stopping (SIGTERM/SIGINT): finish and write the group in hand, leave the registry, close the socket,
 exit 0. Groups still queued in the socket die with it; the in-flight ledger re-issues them. A worker
 whose reward calls keep hanging (:data:`MAX_ABANDONED_CALLS` abandoned and still running) dead-letters
@@ -42,7 +48,8 @@ from typing import Any
 
 import numpy as np
 
-from actors.episodes import EpisodeMismatch, replay_time_limit
+from actors.environment_service import EnvironmentService, serves_environments
+from actors.episodes import EpisodeMismatch, environment_host, replay_time_limit
 from actors.rewards import RewardError, Score, bind_functions, combine, episode_options, score
 from common.audit import Audit
 from common.channel import CurveServer, PullChannel
@@ -78,6 +85,8 @@ WRITE_BATCH = 8
 """Most scored groups written in one Redis round trip (fewer when no more groups are waiting)."""
 POLL_S = 0.2
 """How long the loop waits for a group before checking for a stop request."""
+FINISHED_CHECK_S = 2.0
+"""How often an idle worker asks Redis whether the run has finished (then it exits 0)."""
 DEAD_PAYLOAD_BYTES = 1024
 """Most bytes of an undecodable message kept in its dead letter: its header's start shows what was sent (the reason
 says what is wrong), and a flood stays cheap for Redis (a 16 KiB dead letter costs it ten times a 1 KiB one here)."""
@@ -206,11 +215,13 @@ class RewardWorker:
         self.texts = ResponseTexts.load(config.model.path)
         self.calls = TimedCalls()
         self.endpoint = ""
+        self.environments: EnvironmentService | None = None  # environment.isolation = "workers": served to actors
         self.metrics: MetricsServer | None = None
         self._ready = False
         self._failing: set[str] = set()  # functions whose last call failed
         self._refused: dict[str, int] = {}  # groups refused so far, by reason (logged at 1, 10, 100, ...)
         self._stop = threading.Event()
+        self._finished_checked = 0.0
         transport = config.transport
         self.heartbeats = HeartbeatThread(self.plane, self.heartbeat, transport.heartbeat_s, transport.heartbeat_ttl_s)
 
@@ -220,6 +231,8 @@ class RewardWorker:
         self.heartbeats.start()  # "starting": visible in rl-top before the socket is up
         bound = self.channel.bind(self.config.transport.zmq_endpoint, self._curve())
         self.endpoint = _advertised(bound)
+        if serves_environments(self.config):
+            self._serve_environments(bound)
         monitoring = self.config.monitoring
         self.metrics = start_metrics_server(
             self.config.run.name, self.worker_id, "reward", monitoring.metrics_port, addr=monitoring.metrics_host
@@ -249,6 +262,8 @@ class RewardWorker:
         finally:
             if self.metrics is not None:
                 self.metrics.close()
+            if self.environments is not None:
+                self.environments.close()
             self.channel.close()
             self.client.close()
 
@@ -273,6 +288,7 @@ class RewardWorker:
                 group = self.channel.recv(timeout_s=0 if pending else POLL_S)
                 if group is None:  # nothing more waiting: write what we have now rather than wait for a batch
                     self._flush(pending)
+                    self._stop_if_finished()
                     continue
                 scored = self._score(group)
                 if scored is not None:
@@ -281,6 +297,16 @@ class RewardWorker:
                     self._flush(pending)
         finally:
             self._flush(pending)
+
+    def _stop_if_finished(self) -> None:
+        """Stop once the run has finished (its learner took the last step): looked at every few seconds, when idle."""
+        now = time.monotonic()
+        if now - self._finished_checked < FINISHED_CHECK_S:
+            return
+        self._finished_checked = now
+        if (step := self.plane.run.finished()) is not None:
+            log.info("run finished; the reward worker stops", run=self.config.run.name, step=step)
+            self._stop.set()
 
     def _flush(self, pending: list[ScoredGroup]) -> None:
         self.malformed.flush()
@@ -427,7 +453,16 @@ class RewardWorker:
             metrics_url=self.metrics.url if self.metrics is not None else "",
             endpoint=self.endpoint,
             curve_public_key=self.channel.curve_public_key,
+            environment_endpoint=_advertised(self.environments.endpoint) if self.environments is not None else "",
         )
+
+    def _serve_environments(self, pull_endpoint: str) -> None:
+        """Serve the run's environments to actors on a port of their own, on the host the PULL socket is bound to,
+        with the same CURVE keys; they live in this worker's environment process, as its replays' do."""
+        section = self.config.environment
+        seal = run_seal(self.client, self.plane.keys, "environments")
+        self.environments = EnvironmentService(section, seal, environment_host(section))
+        self.environments.start(pull_endpoint.rsplit(":", 1)[0] + ":0", self._curve())
 
     def _curve(self) -> CurveServer | None:
         transport = self.config.transport

@@ -26,12 +26,16 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal
 
 import redis
 import zmq
 
+from actors.environment_service import serves_environments
+from actors.episodes import use_remote_environments
+from actors.remote_environments import RemoteEnvironments
 from actors.workflows import WorkflowContext, check_workflow
 from common.audit import Audit
 from common.channel import ChannelBlocked, CurveClient, PushChannel
@@ -78,6 +82,12 @@ class RolloutActor:
         # Every message is sealed with the run secret: reward workers refuse anything else before decoding it.
         seal = run_seal(self.plane.client, self.plane.keys, "rollouts")
         self.push = RewardPeers(hwm=config.transport.zmq_hwm, send_timeout_s=30, seal=seal)
+        self.environments: RemoteEnvironments | None = None  # episodes' environments on the reward workers
+        if serves_environments(config):
+            self.environments = RemoteEnvironments(
+                config.environment, run_seal(self.plane.client, self.plane.keys, "environments")
+            )
+            use_remote_environments(self.environments)
         # A ZeroMQ socket is not thread-safe: every send goes through this one thread, in order.
         self._sender = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="push")
         self._peers: set[str] = set()
@@ -316,10 +326,16 @@ class RolloutActor:
     # ------------------------------------------------------------------ peers
 
     async def _peers_loop(self) -> None:
-        """Connect to every live reward worker the actor can talk to (see :meth:`_curve_for`); drop the gone."""
+        """Connect to every live reward worker the actor can talk to (see :meth:`_curve_for`); drop the gone. Stop the
+        actor once the run has finished (its learner took the last step)."""
         while not self._stopping.is_set():
+            if (finished := await asyncio.to_thread(self.plane.run.finished)) is not None:
+                log.info("run finished; the actor stops", run=self.config.run.name, step=finished)
+                self._stopping.set()
+                return
             live, _ = await asyncio.to_thread(self.plane.registry.processes)
             workers = {h.endpoint: h for h in live if h.kind == "reward" and h.endpoint}
+            self._environment_servers(workers.values())
             for endpoint in workers.keys() & self._peers:  # a worker restarted on the same endpoint has a new id
                 self.push.workers[endpoint] = workers[endpoint].process_id
             for endpoint in workers.keys() - self._peers:
@@ -337,6 +353,18 @@ class RolloutActor:
                 self._peers.discard(endpoint)
                 log.info("reward worker gone; disconnected", endpoint=endpoint)
             await self._sleep(_PEER_REFRESH_S)
+
+    def _environment_servers(self, workers: Iterable[Heartbeat]) -> None:
+        """Tell the episodes which live reward workers serve environments, and how to reach each."""
+        if self.environments is None:
+            return
+        servers = {}
+        for beat in workers:
+            if beat.environment_endpoint and beat.state != "draining":
+                curve = self._curve_for(beat.environment_endpoint, beat.curve_public_key)
+                if curve is not False:
+                    servers[beat.environment_endpoint] = curve
+        self.environments.set_servers(servers)
 
     def _curve_for(self, endpoint: str, server_key: str) -> CurveClient | Literal[False] | None:
         """How to reach a worker: with CURVE when it advertises a server key (this actor needs
@@ -403,6 +431,9 @@ class RolloutActor:
         self.heartbeat.stop(leave=True)
         self._sender.shutdown(wait=True)
         self.push.close()
+        if self.environments is not None:
+            use_remote_environments(None)
+            self.environments.close()
         if self.engine is not None:
             if not self.engine_died:
                 with contextlib.suppress(Exception):  # best effort: the learner evicts a member that is gone anyway

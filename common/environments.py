@@ -53,6 +53,11 @@ class EnvironmentFailed(RuntimeError):
     """An environment that failed, hung or returned something unusable; the message says which and how."""
 
 
+class EnvironmentLost(EnvironmentFailed):
+    """The reward worker holding an episode's environment is gone (it left, died, or its heartbeat expired): the
+    environment, not the episode, is lost; it can be made again elsewhere."""
+
+
 @dataclass(frozen=True)
 class EpisodeRow:
     """What an environment is made from: one dataset row and the episode's seed."""

@@ -36,6 +36,11 @@ class RunKeys:
         return self._k("version")
 
     @property
+    def finished(self) -> str:
+        """The step a run completed at, set when its learner took its last step: its actors and workers then exit."""
+        return self._k("finished")
+
+    @property
     def manifest(self) -> str:
         return self._k("manifest")
 

@@ -81,6 +81,13 @@ REWARD_SCORING_SECONDS = Histogram(
     "Seconds to score one rollout group with every reward function, retries included.",
     buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
 )
+ENVIRONMENT_REQUESTS = Counter(
+    "asyncrl_reward_environment_requests_total",
+    "Environment requests a reward worker served for actors (environment.isolation = workers), by op (make, step, "
+    "score, close; invalid, unsealed) and outcome (ok, failed: the environment failed; refused: a malformed request, "
+    "or one without the run's seal).",
+    ["op", "outcome"],
+)
 
 
 DISPATCHER_SKIPPED_ROWS = Gauge(
@@ -139,6 +146,11 @@ ACTOR_ENVIRONMENT_STEP_SECONDS = Histogram(
     "asyncrl_actor_environment_step_seconds",
     "Seconds of one environment step on a rollout actor (failed and timed-out steps included).",
     buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0),
+)
+ACTOR_ENVIRONMENT_MOVES = Counter(
+    "asyncrl_actor_environment_moves_total",
+    "Episodes whose environment was made again on another reward worker after the one holding it was lost, its "
+    "earlier steps replayed there (environment.isolation = workers).",
 )
 
 # ------------------------------------------------------------------ learner (updated once per step)

@@ -34,7 +34,11 @@ class RunRecord:
         self._manifest_decoder = Decoder(WeightManifest, limits)
 
     def publish_config(self, config: RunConfig) -> None:
-        self.client.set(self.keys.config, config.to_json())
+        """The run's config, for every process; a run whose config is published again runs (again)."""
+        with self.client.pipeline() as pipe:
+            pipe.set(self.keys.config, config.to_json())
+            pipe.delete(self.keys.finished)
+            pipe.execute()
 
     def read_config(self) -> RunConfig:
         raw = self.client.get(self.keys.config)
@@ -49,6 +53,15 @@ class RunRecord:
 
     def set_version(self, version: int) -> None:
         self.client.set(self.keys.version, version)
+
+    def mark_finished(self, step: int) -> None:
+        """Say the run completed at ``step``: its actors and reward workers exit."""
+        self.client.set(self.keys.finished, step)
+
+    def finished(self) -> int | None:
+        """The step the run completed at, or None while it runs."""
+        raw = self.client.get(self.keys.finished)
+        return None if raw is None else int(raw)
 
     def publish_manifest(self, manifest: WeightManifest) -> None:
         """Store the manifest and its version's digest, then announce it (subscribers re-read the key, so a missed

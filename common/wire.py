@@ -321,6 +321,8 @@ class Heartbeat:
     """An actor's: the version digest of the weights it serves (``""`` before the first load)."""
     weight_ranks: int = 1
     """An actor's: the weight-group ranks it takes (its vLLM engine's workers: ``rollout.tensor_parallel_size``)."""
+    environment_endpoint: str = ""
+    """A reward worker's: where it serves environments to actors (``environment.isolation = "workers"``)."""
 
     def validate(self, limits: Limits) -> None:
         if self.kind not in PROCESS_KINDS:

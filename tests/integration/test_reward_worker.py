@@ -146,6 +146,23 @@ def test_sigterm_finishes_the_group_in_hand_and_leaves_the_registry(redis_server
     assert "reward worker stopped" in log.read_text()
 
 
+def test_a_finished_run_stops_its_worker_and_a_run_published_again_runs(redis_server, redis_client, tmp_path) -> None:
+    """The learner marks the run finished after its last step: an idle worker sees it within a few seconds, leaves
+    and exits 0, saying why. Publishing the run's config again (a new start) clears the mark."""
+    run = "finishing"
+    publish(redis_client, run)
+    log = tmp_path / f"{run}.log"
+    plane = ControlPlane(redis_client, run)
+    with reward_worker(redis_server, redis_client, tmp_path, run) as (proc, _):
+        plane.run.mark_finished(12)
+        assert proc.wait(30) == 0, log.read_text()[-2000:]
+    assert "run finished; the reward worker stops" in log.read_text() and "step=12" in log.read_text()
+    assert plane.registry.processes() == ([], {})  # left, not merely expired
+    assert plane.run.finished() == 12
+    publish(redis_client, run)
+    assert plane.run.finished() is None
+
+
 def test_a_worker_whose_calls_keep_hanging_dead_letters_the_group_and_exits_1(
     redis_server, redis_client, tmp_path
 ) -> None:
