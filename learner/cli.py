@@ -60,16 +60,17 @@ def check_data(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (for scripts): every row.")] = False,
     strict: Annotated[bool, typer.Option("--strict", help="Exit 1 on warnings too.")] = False,
 ) -> None:
-    """Check the run's data file (task.path) under model.path's tokenizer and chat template, before spending GPU
-    hours: rows read and refused (every one, with its row and the run's reason), prompt and answer token lengths,
-    prompts too long to serve, duplicate prompts, empty answers, characters the tokenizer cannot encode, and whether
-    the run's verifier gives each reference answer, as the response, 1.0. Exit 1 when the run would refuse the file (a
-    refused row; a prompt too long with task.overlong = "refuse"; no row to serve) or a reward worker would fail every
-    group of a row (the verifier raises on its reference answer). Warnings exit 0, since the run trains on such a file
-    as it is and a verifier need not accept its own reference as a response (a LaTeX answer a response must box):
-    duplicates, empty answers, rows task.overlong = "skip" leaves out, answers longer than rollout.max_new_tokens,
-    reference answers scoring below 1.0; --strict fails on them too. Exit 2: a config error (also: not a file task,
-    no such file, no tokenizer at model.path)."""
+    """Check the run's data file (task.path), and its eval file (eval.path) when it evaluates one, under model.path's
+    tokenizer and chat template, before spending GPU hours: rows read and refused (every one, with its row and the
+    run's reason), prompt and answer token lengths, prompts too long to serve, duplicate prompts, empty answers,
+    characters the tokenizer cannot encode, and whether the run's verifier gives each reference answer, as the
+    response, 1.0. Exit 1 when the run would refuse the file (a refused row; a prompt too long with task.overlong =
+    "refuse"; no row to serve) or a reward worker would fail every group of a row (the verifier raises on its
+    reference answer). Warnings exit 0, since the run trains on such a file as it is and a verifier need not accept
+    its own reference as a response (a LaTeX answer a response must box): duplicates, empty answers, rows
+    task.overlong = "skip" leaves out, answers longer than rollout.max_new_tokens, reference answers scoring below
+    1.0; --strict fails on them too. Exit 2: a config error (also: not a file task, no such file, no tokenizer at
+    model.path)."""
     from common.cliutil import fail, load
     from learner import data_check
     from learner.preflight import check_config
@@ -77,10 +78,18 @@ def check_data(
     resolved = load(config, set_, check=check_config)
     try:
         report = data_check.check_run_data(resolved)
+        held_out = data_check.check_eval_data(resolved)
     except data_check.DataCheckError as exc:
         fail(str(exc))
-    print(json.dumps(data_check.as_json(report, strict), indent=1) if as_json else data_check.render(report, strict))
-    raise typer.Exit(data_check.exit_code(report, strict))
+    code = max(data_check.exit_code(r, strict) for r in (report, held_out) if r is not None)
+    if as_json:
+        found = data_check.as_json(report, strict)
+        if held_out is not None:
+            found |= {"eval": data_check.as_json(held_out, strict), "exit": code}
+        print(json.dumps(found, indent=1))
+    else:
+        print("\n\n".join(data_check.render(r, strict) for r in (report, held_out) if r is not None))
+    raise typer.Exit(code)
 
 
 @app.command("eval")

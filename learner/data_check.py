@@ -166,6 +166,26 @@ def check_run_data(config: RunConfig) -> Report:
     return check_file(config, prompter, answer_tokens, run_verifiers(config))
 
 
+def check_eval_data(config: RunConfig) -> Report | None:
+    """The run's eval file (``eval.path``) checked as :func:`check_run_data` checks the task's: read with the eval's
+    keys (the task's unless ``[eval]`` names its own), split and limit, against the eval's response budget. None when
+    the run evaluates no file."""
+    if not (config.eval.every and config.eval.name == "file"):
+        return None
+    return check_run_data(as_eval_run(config))
+
+
+def as_eval_run(config: RunConfig) -> RunConfig:
+    """``config`` with its ``[task]`` reading the eval file as evaluation reads it (``common/evaluation.py``)."""
+    from common.evaluation import eval_max_new_tokens
+
+    section, task = config.eval, config.task
+    keys = {"prompt_key": section.prompt_key or task.prompt_key, "answer_key": section.answer_key or task.answer_key}
+    reading = {"name": "file", "path": section.path, "split": section.split, "limit": section.limit, **keys}
+    rollout = config.rollout.model_copy(update={"max_new_tokens": eval_max_new_tokens(config)})
+    return config.model_copy(update={"task": task.model_copy(update=reading), "rollout": rollout})
+
+
 def _tokenizer(model_path: str) -> Any:
     from transformers import AutoTokenizer
 

@@ -141,6 +141,29 @@ def test_limit_checks_the_first_rows_but_every_unparseable_line(tmp_path: Path, 
     assert report["rows"] == {"read": 13, "checked": 4, "refused": 3, "servable": 1}
 
 
+def test_the_eval_file_is_checked_with_the_tasks_keys_unless_it_names_its_own(tmp_path: Path, tiny_model_dir) -> None:
+    """A run whose ``[task]`` reads ``question`` rows evaluates on a file read the same way: check-data reads the eval
+    file too, with the task's keys, and names its bad rows; ``[eval]`` keys of its own win."""
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"question": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(4)))
+    held_out = tmp_path / "heldout.jsonl"
+    rows = [{"question": "2+2=", "answer": "4"}, {"question": "3+3="}, {"q": "1+2=", "answer": "3"}]
+    held_out.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    evaluation = ("eval.every=2", f"eval.path={json.dumps(str(held_out))}")
+    run = settings(tiny_model_dir, train, "task.prompt_key=question", *evaluation)
+    code, out, _ = check(*run)
+    assert code == 1, out
+    [task_part, eval_part] = out.split("\n\ncheck-data: ")
+    assert task_part.startswith(f"check-data: {train}") and "exit 0" in task_part
+    assert eval_part.startswith(str(held_out)) and "line 2: missing field 'answer'" in eval_part
+    assert "line 3: missing field 'question'" in eval_part, eval_part
+    report = json.loads(check(*run, "--json")[1])
+    assert report["exit"] == 1 and [r["row"] for r in report["eval"]["refused"]] == ["line 2", "line 3"]
+    own = json.loads(check(*run, "--set", "eval.prompt_key=q", "--json")[1])["eval"]  # the task's stays 'question'
+    missing_q = "missing field 'q'"
+    assert [(r["row"], r["reason"]) for r in own["refused"]] == [("line 1", missing_q), ("line 2", missing_q)]
+
+
 def test_parquet_rows_are_named_by_row_number(tmp_path: Path, tiny_model_dir: Path) -> None:
     rows = [
         {"prompt": "1+1=", "answer": "2"},
