@@ -38,6 +38,7 @@ def rollout(
 
     url = redis_url(redis, run, url_file=redis_file)
     config = _read_run_config(url, run)
+    _exit_if_finished(url, run, "actor")
     try:
         check_engine_settings(config)
     except EngineSettingsError as exc:
@@ -72,6 +73,7 @@ def reward(
 
     url = redis_url(redis, run, url_file=redis_file)
     config = _read_run_config(url, run)
+    _exit_if_finished(url, run, "reward worker")
     worker_id = id_ or f"reward-{socket.gethostname()}-{os.getpid()}"
     try:
         worker = RewardWorker(config, url, worker_id)
@@ -135,6 +137,17 @@ def _read_run_config(url: str, run: str):
         fail(f"cannot reach Redis at {url.split('@')[-1]}: {exc}")
     configure(config.monitoring.log_level)
     return with_host_keys(config)
+
+
+def _exit_if_finished(url: str, run: str, who: str) -> None:
+    """Exit 0 at once, saying so, when the run has finished: an actor restarted after the end (a Kubernetes pod, a
+    supervisor) must not build its engine for nothing."""
+    from common.control import ControlPlane
+    from common.keys import connect
+
+    if (step := ControlPlane(connect(url), run).run.finished()) is not None:
+        typer.echo(f"run {run!r} finished at step {step}: the {who} has nothing to do", err=True)
+        raise typer.Exit(0)
 
 
 def main() -> None:

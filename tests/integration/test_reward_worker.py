@@ -148,7 +148,8 @@ def test_sigterm_finishes_the_group_in_hand_and_leaves_the_registry(redis_server
 
 def test_a_finished_run_stops_its_worker_and_a_run_published_again_runs(redis_server, redis_client, tmp_path) -> None:
     """The learner marks the run finished after its last step: an idle worker sees it within a few seconds, leaves
-    and exits 0, saying why. Publishing the run's config again (a new start) clears the mark."""
+    and exits 0, saying why; a worker or an actor started on the finished run exits 0 at once (an actor before its
+    engine starts). Publishing the run's config again (a new start) clears the mark."""
     run = "finishing"
     publish(redis_client, run)
     log = tmp_path / f"{run}.log"
@@ -159,6 +160,12 @@ def test_a_finished_run_stops_its_worker_and_a_run_published_again_runs(redis_se
     assert "run finished; the reward worker stops" in log.read_text() and "step=12" in log.read_text()
     assert plane.registry.processes() == ([], {})  # left, not merely expired
     assert plane.run.finished() == 12
+    for command, who in ((["reward"], "reward worker"), ([], "actor")):  # started again after the end: nothing to do
+        again = subprocess.run(
+            [str(BIN / "rl-actor"), *command, "--redis", redis_server.url, "--run", run],
+            capture_output=True, text=True, timeout=120,
+        )
+        assert again.returncode == 0 and f"finished at step 12: the {who} has nothing to do" in again.stderr, again
     publish(redis_client, run)
     assert plane.run.finished() is None
 
