@@ -203,7 +203,7 @@ LEARNER_KL = Gauge(
 )
 LEARNER_ENTROPY = Gauge(
     "asyncrl_learner_entropy_nats",
-    "Policy entropy per response token in nats (when the loss computes it).",
+    "Policy entropy per response token in nats, from the training forward of the last step.",
     ["statistic"],
 )
 LEARNER_CLIPPED_RATIO = Gauge(
@@ -222,6 +222,21 @@ LEARNER_STALENESS = Gauge(
     "asyncrl_learner_staleness_versions",
     "Policy versions between the trained weights and the tokens of the last batch, by statistic (max, mean).",
     ["statistic"],
+)
+LEARNER_RESPONSE_LENGTH = Gauge(
+    "asyncrl_learner_response_length_tokens",
+    "Tokens per response in the last step's groups, by statistic (mean, p50, p95, max).",
+    ["statistic"],
+)
+LEARNER_PROMPT_LENGTH = Gauge(
+    "asyncrl_learner_prompt_length_tokens",
+    "Tokens per prompt in the last step's groups, by statistic (mean, max).",
+    ["statistic"],
+)
+LEARNER_TRUNCATED_RATIO = Gauge(
+    "asyncrl_learner_truncated_ratio",
+    "Share of the last step's responses cut by a token limit (finish reason length: rollout.max_new_tokens, or an "
+    "episode's limits).",
 )
 LEARNER_QUEUE_DEPTH = Gauge(
     "asyncrl_learner_queue_depth_groups",

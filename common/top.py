@@ -103,7 +103,19 @@ def _learner_lines(s: dict[str, Any] | None, endpoints: dict[str, dict], now: fl
         f"clip {v('train/loss/clip_frac'):.3f}",
         f"         step {v('step/seconds'):.2f}s{sync}   idle {100 * v('step/idle_fraction'):.0f}%   "
         f"trained tokens/s {tokens_s:,.0f}   last step {age:.1f}s ago{where}",
+        *_length_lines(s),
         *_episode_lines(s),
+    ]
+
+
+def _length_lines(s: dict[str, Any]) -> list[str]:
+    """Response lengths of the last step (``rollout/response_tokens_*``), when it published them."""
+    if "rollout/response_tokens_mean" not in s:
+        return []
+    return [
+        f"         responses: tokens mean {s['rollout/response_tokens_mean']:.1f}   "
+        f"p95 {s['rollout/response_tokens_p95']:.0f}   max {s['rollout/response_tokens_max']:.0f}   "
+        f"truncated {100 * s['rollout/truncated_frac']:.0f}%"
     ]
 
 

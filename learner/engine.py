@@ -69,14 +69,20 @@ def sequence_logprobs(
 
 
 def sequence_logprobs_and_entropy(
-    model: Callable[..., Any], input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0
+    model: Callable[..., Any],
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    temperature: float = 1.0,
+    entropy_grad: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """:func:`sequence_logprobs` and, at the same positions, the entropy −Σ_v p_v log p_v of the distribution each
-    token was drawn from (:func:`learner.algorithms.entropy.token_entropy`; 0 where the log-prob is 0). One forward."""
-    from learner.algorithms.entropy import token_entropy
+    token was drawn from (:func:`learner.algorithms.entropy.token_entropy`; 0 where the log-prob is 0). One forward.
+    ``entropy_grad=False``: the entropy without a graph, a chunk of positions at a time (a figure, not a loss term)."""
+    from learner.algorithms.entropy import token_entropy, token_entropy_no_grad
 
     logits, valid = _next_token_logits(model, input_ids, attention_mask, temperature)
-    entropy = torch.where(valid, token_entropy(logits), torch.zeros_like(valid, dtype=torch.float32))
+    per_token = token_entropy(logits) if entropy_grad else token_entropy_no_grad(logits)
+    entropy = torch.where(valid, per_token, torch.zeros_like(valid, dtype=torch.float32))
     return _pick(logits, input_ids, valid), torch.cat([entropy.new_zeros(entropy.shape[0], 1), entropy], dim=1)
 
 
@@ -265,11 +271,12 @@ class PolicyEngine:
         return sequence_logprobs(self.engine, input_ids.to(self.device), attention_mask.to(self.device), temperature)
 
     def token_logprobs_and_entropy(
-        self, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0
+        self, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0, entropy_grad: bool = True
     ) -> tuple[Tensor, Tensor]:
-        """``[B, T]`` log π_θ and the policy's entropy at each token, both differentiable (entropy bonus)."""
+        """``[B, T]`` log π_θ (differentiable) and the policy's entropy at each token: differentiable for an entropy
+        bonus, else without a graph (the figure every step reports)."""
         ids, mask = input_ids.to(self.device), attention_mask.to(self.device)
-        return sequence_logprobs_and_entropy(self.engine, ids, mask, temperature)
+        return sequence_logprobs_and_entropy(self.engine, ids, mask, temperature, entropy_grad)
 
     @torch.no_grad()
     def token_logprobs_no_grad(self, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0) -> Tensor:

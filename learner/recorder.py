@@ -196,8 +196,34 @@ def rollout_figures(version: int, taken: Taken, batch: TrainBatch) -> dict[str, 
         "staleness_mean": float(staleness.mean()) if tokens else 0.0,
         "tokens": float(tokens),
         "generate_s_mean": sum(generate) / len(generate),
+        **length_figures(taken),
         **episode_figures(taken),
     }
+
+
+def length_figures(taken: Taken) -> dict[str, float]:
+    """How long the step's responses and prompts are, over every response sampled (trained or not):
+    ``rollout/response_tokens_{mean,p50,p95,max}``, ``rollout/truncated_frac`` (the share cut by a token limit:
+    finish reason ``length``), ``rollout/prompt_tokens_{mean,max}`` (one per group), and for multi-turn episodes
+    ``rollout/turn_tokens_{mean,max}`` (each of the model's turns)."""
+    rollouts = [e.group.rollout for e in taken.entries]
+    lengths = np.concatenate([r.lengths for r in rollouts]).astype(np.float64)
+    prompts = np.asarray([len(r.prompt_ids) for r in rollouts], np.float64)
+    reasons = [reason for r in rollouts for reason in r.finish_reasons]
+    figures = {
+        "response_tokens_mean": float(lengths.mean()),
+        "response_tokens_p50": float(np.percentile(lengths, 50)),
+        "response_tokens_p95": float(np.percentile(lengths, 95)),
+        "response_tokens_max": float(lengths.max()),
+        "truncated_frac": sum(reason == "length" for reason in reasons) / len(reasons),
+        "prompt_tokens_mean": float(prompts.mean()),
+        "prompt_tokens_max": float(prompts.max()),
+    }
+    turns = [end - start for r in episode_rollouts(taken) for i in range(r.num_samples)
+             for start, end, trained in segments(r.trained(i)) if trained]
+    if turns:
+        figures |= {"turn_tokens_mean": float(np.mean(turns)), "turn_tokens_max": float(max(turns))}
+    return figures
 
 
 def episode_rollouts(taken: Taken) -> list[RolloutGroup]:

@@ -35,6 +35,7 @@ from learner.algorithms import (
     LossInput,
 )
 from learner.algorithms.kl import KLController
+from learner.algorithms.masked import masked_mean
 from learner.batch import TrainBatch, collate, preference_rows
 from learner.engine import (
     PolicyEngine,
@@ -161,13 +162,15 @@ class PolicyUpdate:
         off_policy = self.config.staleness.correction != "none"
 
         def loss_fn(engine: PolicyEngine, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-            entropy = None
-            if with_entropy:
-                logprobs, entropy = engine.token_logprobs_and_entropy(
-                    mb["input_ids"], mb["attention_mask"], temperature
-                )
-            else:
-                logprobs = engine.token_logprobs(mb["input_ids"], mb["attention_mask"], temperature)
+            # The entropy is measured every step (the entropy-collapse alert watches it), with a graph only when the
+            # loss has an entropy bonus.
+            logprobs, entropy = engine.token_logprobs_and_entropy(
+                mb["input_ids"], mb["attention_mask"], temperature, entropy_grad=with_entropy
+            )
+            if not with_entropy:
+                mask = mb["response_mask"]
+                metrics.setdefault("loss/entropy", []).append(float(masked_mean(entropy, mask.to(entropy.device))))
+                entropy = None
             out = self.algorithm.loss(
                 LossInput(
                     logprobs=logprobs,

@@ -118,6 +118,11 @@ def assert_trained(figures: dict[str, float]) -> None:
     for name in ("loss", "grad_norm", "loss/clip_frac"):  # train/loss, train/grad_norm, train/loss/clip_frac
         assert math.isfinite(figures[name]), (name, figures)
     assert figures["grad_norm"] > 0, figures
+    # measured every step although no preset has an entropy bonus: between 0 and log |vocabulary|
+    assert 0 < figures["loss/entropy"] < math.log(TINY_VOCABULARY), figures
+
+
+TINY_VOCABULARY = 64  # the tiny character model's vocabulary is smaller than this
 
 
 # --------------------------------------------------------------------------- DAPO

@@ -475,6 +475,18 @@ def test_entropy_matches_a_loop_reference_and_is_float32(seed: int) -> None:
     assert low.dtype == torch.float32 and low.shape == (2, 3)
 
 
+def test_entropy_without_a_graph_in_chunks_equals_the_whole(monkeypatch) -> None:
+    """The figure every step reports: the same values as :func:`token_entropy`, a few positions at a time (the chunk
+    set to 2 vocabulary rows here: 3 chunks for 6 positions), with no graph."""
+    from learner.algorithms import entropy
+
+    logits = (4 * torch.randn(2, 3, 11, generator=_generator(5))).requires_grad_()
+    monkeypatch.setattr(entropy, "ENTROPY_CHUNK_ELEMENTS", 22)
+    chunked = entropy.token_entropy_no_grad(logits)
+    torch.testing.assert_close(chunked, token_entropy(logits).detach())
+    assert not chunked.requires_grad and chunked.shape == (2, 3) and chunked.dtype == torch.float32
+
+
 def test_loss_input_validates_the_entropy_shape() -> None:
     zeros, mask = torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool)
     with pytest.raises(ValueError, match="entropy"):

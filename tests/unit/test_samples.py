@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 import torch
 
 from common.replay import ReplayEntry
 from common.top import render
+from common.turns import segments
 from common.wire import ScoredGroup
 from learner.batch_source import Taken
-from learner.recorder import episode_figures, tool_call_figures
+from learner.recorder import episode_figures, length_figures, tool_call_figures
 from learner.samples import MAX_TEXT, SampleLog, row_advantages
 from tests.helpers.rollouts import make_group
 from tests.helpers.scripted_episodes import CALL, episode, tools_for
@@ -98,3 +100,28 @@ def test_an_episodes_row_shows_its_turns_and_the_step_its_turn_counts(tmp_path) 
     assert "in flight     3 (24 episodes)" in text
     assert "episodes: turns 2.0 (max 2)" in text and "sampled by the model" in text
     assert "tool calls 1.00 per episode (0.00 malformed)" in text
+
+
+def test_a_steps_lengths_cover_every_response_its_truncations_and_its_prompts(tmp_path) -> None:
+    """Response tokens (mean, p50, p95, max) over every response of the step, the share cut by a token limit, prompt
+    tokens per group; for episodes the model's turns too. rl-top shows them on a line of their own."""
+    a, b = scored(["19", "18", "x"], [1.0, 0.0, 0.0], "a"), scored(["19", "1900"], [0.5, 0.0], "b")
+    lengths = np.concatenate([a.rollout.lengths, b.rollout.lengths]).astype(float)
+    figures = length_figures(Taken(entries=[ReplayEntry("1-0", a), ReplayEntry("1-1", b)]))
+    assert figures["response_tokens_mean"] == pytest.approx(lengths.mean())
+    assert figures["response_tokens_p50"] == np.percentile(lengths, 50)
+    assert figures["response_tokens_p95"] == np.percentile(lengths, 95)
+    assert figures["response_tokens_max"] == lengths.max()
+    assert figures["truncated_frac"] == pytest.approx(2 / 5)  # the last response of each group ends on "length"
+    assert figures["prompt_tokens_max"] == max(len(a.rollout.prompt_ids), len(b.rollout.prompt_ids))
+    assert "turn_tokens_mean" not in figures  # no episode in the step
+    tools = tools_for("qwen2")
+    rollout, _, _ = episode(tools, [CALL, "It is 42."])
+    group = ScoredGroup(rollout=rollout, rewards=np.ones(1, np.float32))
+    episodes = length_figures(Taken(entries=[ReplayEntry("1-0", group)]))
+    turns = [end - start for start, end, trained in segments(rollout.trained(0)) if trained]
+    assert (episodes["turn_tokens_mean"], episodes["turn_tokens_max"]) == (np.mean(turns), max(turns))
+    summary = {"step": 1, **{f"rollout/{key}": value for key, value in figures.items()}}
+    queues = dict.fromkeys(["prompts", "inflight", "replay", "replay_pending", "dead_letters"], 0)
+    text = render({"run": "r", "version": 1, "queues": queues, "processes": [], "lost": {}, "summary": summary})
+    assert f"responses: tokens mean {lengths.mean():.1f}   p95" in text and "truncated 40%" in text
