@@ -9,7 +9,11 @@
 2. ``weight_group``: :class:`common.weights.WeightGroup` (the learner → actors broadcast) between two processes —
    NCCL when there are 2 GPUs (NCCL refuses two ranks on one GPU), else gloo — sending ``--mb`` MiB of sealed
    buckets; the receiver checks every bucket's digest. Prints GB/s.
-3. ``tensor_parallel``: a vLLM engine with ``rollout.tensor_parallel_size = 2`` whose two workers each join the
+3. ``entropy_memory``: the entropy figure every training step reports (``token_entropy_no_grad``, chunked over
+   positions) against the differentiable ``token_entropy``, on a Qwen-sized vocabulary (151,936) of bf16 logits on the
+   GPU: the values agree, and the chunked one's peak memory above its input stays near one chunk instead of a few
+   float32 copies of the logits. Needs one GPU (on CPUs it is ``skipped``).
+4. ``tensor_parallel``: a vLLM engine with ``rollout.tensor_parallel_size = 2`` whose two workers each join the
    weight group as their own rank; needs vLLM and 2 GPUs (the device image has neither vLLM nor room to carry it),
    so it is reported ``skipped`` with the reason where they are missing.
 
@@ -119,6 +123,47 @@ def check_weight_group(mb: int) -> dict:
     return {"backend": backend, **sender, "ok": not receiver["mismatch"], "mismatch": receiver["mismatch"]}
 
 
+def _entropy_module():
+    """``learner/algorithms/entropy.py`` alone (it needs only torch): the device image has none of the learner's other
+    dependencies."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("entropy", ROOT / "learner" / "algorithms" / "entropy.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def check_entropy_memory(batch: int = 4, positions: int = 1024, vocabulary: int = 151_936) -> dict:
+    if not torch.cuda.is_available():
+        return {"skipped": "no GPU"}
+    entropy = _entropy_module()
+    logits = torch.randn(batch, positions, vocabulary, device="cuda", dtype=torch.bfloat16)
+
+    def peak_above_input(fn) -> tuple[torch.Tensor, int, float]:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        started = time.perf_counter()
+        out = fn(logits)
+        torch.cuda.synchronize()
+        return out, torch.cuda.max_memory_allocated() - base, time.perf_counter() - started
+
+    whole, whole_bytes, whole_s = peak_above_input(lambda z: entropy.token_entropy(z).detach())
+    chunked, chunked_bytes, chunked_s = peak_above_input(entropy.token_entropy_no_grad)
+    diff = (whole - chunked).abs().max().item()
+    logits_bytes = logits.numel() * logits.element_size()
+    return {
+        "logits_mib": logits_bytes / 2**20,
+        "whole_peak_mib": whole_bytes / 2**20,
+        "chunked_peak_mib": chunked_bytes / 2**20,
+        "whole_s": whole_s,
+        "chunked_s": chunked_s,
+        "max_abs_diff": diff,
+        "ok": diff <= 1e-3 and chunked_bytes < logits_bytes,
+    }
+
+
 def check_tensor_parallel() -> dict:
     try:
         import vllm  # noqa: F401
@@ -140,6 +185,7 @@ def main() -> None:
         for name, check in (
             ("learner_ranks", lambda: check_learner_ranks(Path(work))),
             ("weight_group", lambda: check_weight_group(args.mb)),
+            ("entropy_memory", check_entropy_memory),
             ("tensor_parallel", check_tensor_parallel),
         ):
             try:
