@@ -47,13 +47,19 @@ def _launch(nproc: int, model: Path, out: Path, zero_stage: int) -> float:
     from tests.helpers.torchrun import launcher_env, torchrun_command
 
     started = time.perf_counter()
-    command = torchrun_command(
-        nproc, "tests.helpers.update_ranks", str(model), str(out), "--zero-stage", str(zero_stage)
-    )
+    case = f"{zero_stage}:grpo"
+    command = torchrun_command(nproc, "tests.helpers.update_ranks", str(model), str(out), "--case", case)
     done = subprocess.run(command, cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise RuntimeError(f"{nproc} rank(s), ZeRO-{zero_stage} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
     return time.perf_counter() - started
+
+
+def _case(out: Path, zero_stage: int) -> Path:
+    """Where ``tests/helpers/update_ranks.py`` wrote the GRPO case of ``zero_stage``."""
+    from tests.helpers.update_ranks import case_dir
+
+    return case_dir(out, zero_stage, "grpo")
 
 
 def check_learner_ranks(work: Path) -> dict:
@@ -68,14 +74,14 @@ def check_learner_ranks(work: Path) -> dict:
     model = init_model(work / "model", alphabet=TASK_ALPHABET, seed=0)
     result: dict = {"backend": "nccl" if gpus >= 2 else "gloo", "gpus": gpus}
     result["one_rank_s"] = _launch(1, model, work / "one", 2)
-    one = json.loads((work / "one" / "stats.json").read_text())
-    weights_one = load_file(work / "one" / "step2.safetensors")
+    one = json.loads((_case(work / "one", 2) / "stats.json").read_text())
+    weights_one = load_file(_case(work / "one", 2) / "step2.safetensors")
     ok = True
     for zero_stage in (2, 3):
         out = work / f"two-zero{zero_stage}"
         seconds = _launch(2, model, out, zero_stage)
-        two = json.loads((out / "stats.json").read_text())
-        weights = load_file(out / "step2.safetensors")
+        two = json.loads((_case(out, zero_stage) / "stats.json").read_text())
+        weights = load_file(_case(out, zero_stage) / "step2.safetensors")
         diff = max((weights[n].float() - t.float()).abs().max().item() for n, t in weights_one.items())
         steps = max(abs(a[k] - b[k]) for a, b in zip(two["steps"], one["steps"], strict=True) for k in a)
         result[f"zero{zero_stage}"] = {"seconds": seconds, "max_weight_diff": diff, "max_loss_or_norm_diff": steps}
@@ -105,6 +111,25 @@ def _weight_group_member(rank: int, port: int, backend: str, mb: int, queue) -> 
         queue.put({"mismatch": digest_mismatch(sealed.buckets, [f.cpu() for f in received])})
 
 
+def _reports(queue, members: list, timeout_s: float) -> list[dict]:
+    """One report per member; a member that exits before it reported (an import that fails there, a crash) ends the
+    wait at once with its exit code, instead of the whole timeout."""
+    import queue as queues
+
+    reports: list[dict] = []
+    deadline = time.monotonic() + timeout_s
+    while len(reports) < len(members):
+        try:
+            reports.append(queue.get(timeout=1))
+        except queues.Empty:
+            dead = [m.exitcode for m in members if m.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"a weight-group member exited with {dead[0]} before reporting") from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the weight-group members did not report within {timeout_s:g} s") from None
+    return reports
+
+
 def check_weight_group(mb: int) -> dict:
     from common.redis_server import free_port
 
@@ -115,7 +140,7 @@ def check_weight_group(mb: int) -> dict:
     members = [context.Process(target=_weight_group_member, args=(r, port, backend, mb, queue)) for r in (0, 1)]
     for member in members:
         member.start()
-    reports = [queue.get(timeout=600) for _ in members]
+    reports = _reports(queue, members, timeout_s=600)
     for member in members:
         member.join(60)
     sender = next(r for r in reports if "gbps" in r)
