@@ -13,7 +13,10 @@
    positions) against the differentiable ``token_entropy``, on a Qwen-sized vocabulary (151,936) of bf16 logits on the
    GPU: the values agree, and the chunked one's peak memory above its input stays near one chunk instead of a few
    float32 copies of the logits. Needs one GPU (on CPUs it is ``skipped``).
-4. ``tensor_parallel``: a vLLM engine with ``rollout.tensor_parallel_size = 2`` whose two workers each join the
+4. ``gpu_figures``: the learner's ``gpu/*`` step figures (``common/gpu.py``) read on the device: torch's allocator
+   figures hold a tensor made for the check, and NVML's utilisation and device memory where ``nvidia-ml-py`` is
+   installed. Needs one GPU.
+5. ``tensor_parallel``: a vLLM engine with ``rollout.tensor_parallel_size = 2`` whose two workers each join the
    weight group as their own rank; needs vLLM and 2 GPUs (the device image has neither vLLM nor room to carry it),
    so it is reported ``skipped`` with the reason where they are missing.
 
@@ -189,6 +192,22 @@ def check_entropy_memory(batch: int = 4, positions: int = 1024, vocabulary: int 
     }
 
 
+def check_gpu_figures() -> dict:
+    if not torch.cuda.is_available():
+        return {"skipped": "no GPU"}
+    from common.gpu import gpu_figures
+
+    held = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")  # 256 MiB
+    figures = gpu_figures()
+    after = gpu_figures()  # the peak was reset: now what is held
+    ok = figures["gpu/memory_allocated_bytes"] >= held.numel() <= after["gpu/memory_peak_bytes"]
+    ok &= figures["gpu/memory_reserved_bytes"] >= figures["gpu/memory_allocated_bytes"]
+    if "gpu/utilization" in figures:
+        ok &= 0.0 <= figures["gpu/utilization"] <= 1.0
+        ok &= figures["gpu/memory_used_bytes"] >= figures["gpu/memory_allocated_bytes"]
+    return {**figures, "ok": bool(ok), "nvml": "gpu/utilization" in figures}
+
+
 def check_tensor_parallel() -> dict:
     try:
         import vllm  # noqa: F401
@@ -211,6 +230,7 @@ def main() -> None:
             ("learner_ranks", lambda: check_learner_ranks(Path(work))),
             ("weight_group", lambda: check_weight_group(args.mb)),
             ("entropy_memory", check_entropy_memory),
+            ("gpu_figures", check_gpu_figures),
             ("tensor_parallel", check_tensor_parallel),
         ):
             try:

@@ -238,6 +238,16 @@ LEARNER_TRUNCATED_RATIO = Gauge(
     "Share of the last step's responses cut by a token limit (finish reason length: rollout.max_new_tokens, or an "
     "episode's limits).",
 )
+LEARNER_GPU_MEMORY = Gauge(
+    "asyncrl_learner_gpu_memory_bytes",
+    "The learner's GPU memory at the end of the last step, by kind: allocated, reserved and peak (torch's allocator, "
+    "this process), total (the device), used (the device, every process: NVML). Absent without CUDA.",
+    ["kind"],
+)
+LEARNER_GPU_UTILIZATION = Gauge(
+    "asyncrl_learner_gpu_utilization_ratio",
+    "Share of NVML's last sample period in which a kernel ran on the learner's GPU. Absent without CUDA or NVML.",
+)
 LEARNER_QUEUE_DEPTH = Gauge(
     "asyncrl_learner_queue_depth_groups",
     "Queue depths sampled by the learner each step: prompts (queued), inflight (issued, not yet trained), "

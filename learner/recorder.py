@@ -27,6 +27,7 @@ import numpy as np
 from common.audit import Audit, AuditMirror
 from common.config import RunConfig
 from common.control import ControlPlane
+from common.gpu import gpu_figures
 from common.logs import get_logger
 from common.outage import settling
 from common.private import open_private
@@ -114,7 +115,7 @@ class Recorder:
             if figures:
                 record.add(prefix, figures)
         record.add("rollout", rollout_figures(version, taken, batch) | tool_call_figures(taken, self.samples.decode))
-        record.values |= taken.figures()
+        record.values |= taken.figures() | gpu_figures()
         record.values["step/seconds"] = time.perf_counter() - started
         record.values["step/idle_fraction"] = taken.waited_s / max(record.values["step/seconds"], 1e-9)
         # sampled once a step, for health and metrics

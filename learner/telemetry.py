@@ -54,6 +54,12 @@ GAUGES: dict[str, tuple[Any, dict[str, str]]] = {
     "rollout/prompt_tokens_mean": (m.LEARNER_PROMPT_LENGTH, {"statistic": "mean"}),
     "rollout/prompt_tokens_max": (m.LEARNER_PROMPT_LENGTH, {"statistic": "max"}),
     "rollout/truncated_frac": (m.LEARNER_TRUNCATED_RATIO, {}),
+    "gpu/memory_allocated_bytes": (m.LEARNER_GPU_MEMORY, {"kind": "allocated"}),
+    "gpu/memory_reserved_bytes": (m.LEARNER_GPU_MEMORY, {"kind": "reserved"}),
+    "gpu/memory_peak_bytes": (m.LEARNER_GPU_MEMORY, {"kind": "peak"}),
+    "gpu/memory_total_bytes": (m.LEARNER_GPU_MEMORY, {"kind": "total"}),
+    "gpu/memory_used_bytes": (m.LEARNER_GPU_MEMORY, {"kind": "used"}),
+    "gpu/utilization": (m.LEARNER_GPU_UTILIZATION, {}),
     "step/idle_fraction": (m.LEARNER_IDLE_RATIO, {}),
     "version": (m.LEARNER_POLICY_VERSION, {}),
 }
