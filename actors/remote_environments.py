@@ -152,7 +152,12 @@ class RemoteEnvironments:
             if endpoint not in self._servers:
                 continue  # _drop_gone fails its future
             if endpoint not in sockets:
-                socket = RequestSocket("environments", self.seal, endpoint, self._servers[endpoint])
+                try:
+                    socket = RequestSocket("environments", self.seal, endpoint, self._servers[endpoint])
+                except (OSError, ValueError, zmq.ZMQError) as exc:  # an unreadable CURVE key, a bad endpoint
+                    failed = EnvironmentFailed(f"cannot connect to the reward worker at {endpoint}: {exc}")
+                    self._fail(body["id"], failed)
+                    continue
                 sockets[endpoint] = _Connection(socket)
             if not sockets[endpoint].socket.send(body):
                 self._fail(body["id"], EnvironmentFailed(f"the reward worker at {endpoint} takes no more requests"))
