@@ -137,7 +137,7 @@ def test_curve_lets_only_authorised_clients_with_the_server_key_send(pull, keys)
 
 
 def test_refused_clients_are_counted_logged_once_and_a_key_added_later_is_let_in(pull, keys) -> None:
-    """Issue 12: an unauthorised client is refused, counted and logged once; dropping its public key into the
+    """An unauthorised client is refused, counted and logged once; dropping its public key into the
     authorised folder lets it in without a restart. The server key may come as bytes (from a heartbeat)."""
     endpoint = pull.bind("tcp://127.0.0.1:0", CurveServer(keys["server_sec"], keys["authorized"]))
     refused = CHANNEL_REFUSED_CLIENTS.labels("rollouts")

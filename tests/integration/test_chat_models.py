@@ -286,7 +286,7 @@ def check_episode(config: RunConfig, tokenizer, row: dict, sent: RolloutGroup, i
 
 
 def test_a_group_that_sampled_a_padded_id_is_trained_not_dead_lettered(tmp_path: Path, redis_client) -> None:
-    """Issue 10: ids are checked against the model's embedding rows (config.vocab_size), not the tokenizer's length:
+    """Ids are checked against the model's embedding rows (config.vocab_size), not the tokenizer's length:
     an id in the padding (Qwen2.5: 151,936 rows for 151,665 tokens) is a real sample vLLM can draw."""
     folder = init_chat_model(tmp_path / "padded", "qwen2", vocab_size=300, padded_vocab=384, seed=3)
     tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -69,7 +69,7 @@ def test_invalid_override_exits_with_the_field_named(tmp_path: Path) -> None:
 
 
 def test_an_option_typo_exits_2_before_anything_starts(tmp_path: Path) -> None:
-    """Issue 14: ``loss_options={clip_hgh=0.3}`` passed ``resolve`` and failed in ``train`` after DeepSpeed started."""
+    """``loss_options={clip_hgh=0.3}`` passed ``resolve`` and failed in ``train`` after DeepSpeed started."""
     typo = ["--set", "algorithm.loss_options={clip_hgh=0.3}", "--set", f"run.root={tmp_path}"]
     for command in (["resolve", "--dry-run"], ["train"]):
         result = run(str(BIN / "rl-learner"), *command, *typo, check=False)

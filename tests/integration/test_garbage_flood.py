@@ -1,4 +1,4 @@
-"""Issue 12: garbage at ≥ 10k messages per second on every socket and stream a peer can reach — 0 crashes, bounded
+"""Garbage at ≥ 10k messages per second on every socket and stream a peer can reach — 0 crashes, bounded
 memory, every bad message counted, bounded logs and dead-letter stream.
 
 Two receivers, each a real process: a reward worker (``rl-actor reward``: the one ZeroMQ socket that receives, its

@@ -136,7 +136,7 @@ def test_synchronous_and_skipped_broadcasts(redis_client, tmp_path) -> None:
 
 
 def test_each_actor_takes_the_ranks_its_heartbeat_asks_and_absent_ranks_name_their_actor(redis_client, tmp_path):
-    """Issue 11: an actor with a tensor-parallel engine heartbeats one rank per worker; the manifest lays the ranks out
+    """An actor with a tensor-parallel engine heartbeats one rank per worker; the manifest lays the ranks out
     back to back, and when nobody joins, the ranks that never announced themselves evict the actors that own them."""
     plane = ControlPlane(redis_client, "owners")
     for actor, ranks in (("a", 2), ("b", 1)):

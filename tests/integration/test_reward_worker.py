@@ -214,7 +214,7 @@ def test_an_unknown_run_or_reward_function_exits_2_with_the_reason(redis_server,
 
 
 def test_a_task_name_from_the_wire_never_selects_or_imports_anything(redis_server, redis_client, tmp_path) -> None:
-    """Issue 15: ``task`` used to be resolved as an import path, so one PUSH of ``task="os:system"`` ran a shell
+    """``task`` used to be resolved as an import path, so one PUSH of ``task="os:system"`` ran a shell
     command in the worker. Now the verifier comes from the config; a group of another task is refused and counted."""
     run = "hostile-task"
     publish(redis_client, run)

@@ -250,7 +250,7 @@ def test_second_actor_shares_the_work_and_sigterm_returns_unfinished_groups(shar
 
 
 def test_weights_that_do_not_match_their_digests_are_refused_and_the_old_ones_keep_serving(shared: SharedActor) -> None:
-    """Issue 12: a version whose buckets changed on the way is received whole, refused before anything loads, counted
+    """A version whose buckets changed on the way is received whole, refused before anything loads, counted
     and alerted on; the actor goes on serving (and stamping) the old version, then loads the next good one (in the
     same formation of the weight group: a refusal leaves the actor in it)."""
     old, old_digest = shared.version, shared.digest

@@ -133,7 +133,7 @@ def test_the_store_behaves_as_torch_expects(redis_client) -> None:
 
 
 def test_a_client_without_the_runs_password_cannot_join_or_write(redis_server, redis_client) -> None:
-    """Issue 15: the TCPStore listened on every interface and took keys from anyone. The rendezvous is now in the
+    """The TCPStore listened on every interface and took keys from anyone. The rendezvous is now in the
     run's Redis: a rogue without the password is refused, and nothing of the group is listening for it."""
     host_port = redis_server.url.rsplit("@", 1)[1]
     for rogue_url in (f"redis://{host_port}", f"redis://:wrong-password@{host_port}"):

@@ -65,7 +65,7 @@ def test_task_can_name_the_verifier_for_a_file_task() -> None:
 
 
 def test_the_groups_own_task_name_selects_nothing() -> None:
-    """Issue 15: ``group.task`` arrives on a socket; it once chose the verifier, import paths included."""
+    """``group.task`` arrives on a socket; it once chose the verifier, import paths included."""
     hostile = make_group(["id"], task="os:system")
     with pytest.raises(ValueError, match=r"needs options\.verifier"):
         score(fn("task"), hostile)  # unbound: refuses rather than fall back to the group's name

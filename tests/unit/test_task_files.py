@@ -178,7 +178,7 @@ def test_an_overlong_row_is_skipped_and_counted_or_refused_as_configured(
 
 
 def test_characters_are_refused_only_where_the_tokenizer_cannot_encode_them(tmp_path: Path, bpe: Prompter) -> None:
-    """Issue 10: TASK_ALPHABET binds the tiny character model only; a BPE model takes '?' and accented letters."""
+    """TASK_ALPHABET binds the tiny character model only; a BPE model takes '?' and accented letters."""
     path = write_jsonl(tmp_path / "q.jsonl", [{"prompt": "Wie viel ist 3+4? Déjà vu", "answer": "7"}])
     FileTask(path).fit(bpe, 100)
     with pytest.raises(TaskFileError, match=re.escape(f"{path}:line 1: characters the model's tokenizer cannot")):

@@ -219,7 +219,7 @@ def test_get_task_rejects_unknown_names_and_options() -> None:
 
 
 def test_file_task_refuses_empty_and_non_utf8_prompts_naming_the_row(tmp_path: Path) -> None:
-    """Issue 12: bad prompts are refused when the file is loaded, with the file, the row and the reason."""
+    """Bad prompts are refused when the file is loaded, with the file, the row and the reason."""
     path = tmp_path / "bad.jsonl"
     write_rows(path, [{"prompt": "1+1=", "answer": "2"}, {"prompt": " \n", "answer": "2"}])
     with pytest.raises(TaskFileError, match=re.escape(f"{path}:line 2: field 'prompt' is empty")):

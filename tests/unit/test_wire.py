@@ -194,7 +194,7 @@ def test_nested_fields_are_named_with_their_path() -> None:
 
 
 def test_labels_leave_out_what_the_peer_chose_and_reasons_are_clipped() -> None:
-    """Issue 12: ``label`` (a metric label, a logged-once key) has one value per schema path, however many map keys
+    """``label`` (a metric label, a logged-once key) has one value per schema path, however many map keys
     and list positions a flood chooses; ``field`` keeps them for the message, clipped like the reason."""
     group = synthetic.rollout_group(2, 4)
     cases = [
