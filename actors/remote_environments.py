@@ -47,7 +47,7 @@ class RemoteEnvironments:
         self.section = section
         self.seal = seal
         self._servers: dict[str, CurveClient | None] = {}  # endpoint -> how to connect; replaced whole
-        self._down: frozenset[str] | set[str] = frozenset()  # endpoints whose connection dropped; replaced whole
+        self._down: frozenset[str] = frozenset()  # endpoints whose connection dropped; replaced whole
         self._where: dict[str, str] = {}  # episode -> the endpoint holding its environment
         self._pending: dict[int, tuple[str, Future]] = {}  # request id -> (endpoint, its future)
         self._outbox: queue.SimpleQueue[tuple[str, dict[str, Any]]] = queue.SimpleQueue()

@@ -29,6 +29,8 @@ from common.wire import Heartbeat
 
 log = get_logger("telemetry")
 
+RESPONSE_STATISTICS = ("mean", "p50", "p95", "max")
+GPU_MEMORY_KINDS = ("allocated", "reserved", "peak", "total", "used")
 # metrics.jsonl key -> (gauge, labels). Keys a step did not compute leave their series absent.
 GAUGES: dict[str, tuple[Any, dict[str, str]]] = {
     "rollout/reward_mean": (m.LEARNER_REWARD, {"statistic": "mean"}),
@@ -47,18 +49,10 @@ GAUGES: dict[str, tuple[Any, dict[str, str]]] = {
     "train/critic/loss": (m.LEARNER_LOSS, {"model": "critic"}),
     "rollout/staleness_max": (m.LEARNER_STALENESS, {"statistic": "max"}),
     "rollout/staleness_mean": (m.LEARNER_STALENESS, {"statistic": "mean"}),
-    "rollout/response_tokens_mean": (m.LEARNER_RESPONSE_LENGTH, {"statistic": "mean"}),
-    "rollout/response_tokens_p50": (m.LEARNER_RESPONSE_LENGTH, {"statistic": "p50"}),
-    "rollout/response_tokens_p95": (m.LEARNER_RESPONSE_LENGTH, {"statistic": "p95"}),
-    "rollout/response_tokens_max": (m.LEARNER_RESPONSE_LENGTH, {"statistic": "max"}),
-    "rollout/prompt_tokens_mean": (m.LEARNER_PROMPT_LENGTH, {"statistic": "mean"}),
-    "rollout/prompt_tokens_max": (m.LEARNER_PROMPT_LENGTH, {"statistic": "max"}),
+    **{f"rollout/response_tokens_{s}": (m.LEARNER_RESPONSE_LENGTH, {"statistic": s}) for s in RESPONSE_STATISTICS},
+    **{f"rollout/prompt_tokens_{s}": (m.LEARNER_PROMPT_LENGTH, {"statistic": s}) for s in ("mean", "max")},
     "rollout/truncated_frac": (m.LEARNER_TRUNCATED_RATIO, {}),
-    "gpu/memory_allocated_bytes": (m.LEARNER_GPU_MEMORY, {"kind": "allocated"}),
-    "gpu/memory_reserved_bytes": (m.LEARNER_GPU_MEMORY, {"kind": "reserved"}),
-    "gpu/memory_peak_bytes": (m.LEARNER_GPU_MEMORY, {"kind": "peak"}),
-    "gpu/memory_total_bytes": (m.LEARNER_GPU_MEMORY, {"kind": "total"}),
-    "gpu/memory_used_bytes": (m.LEARNER_GPU_MEMORY, {"kind": "used"}),
+    **{f"gpu/memory_{kind}_bytes": (m.LEARNER_GPU_MEMORY, {"kind": kind}) for kind in GPU_MEMORY_KINDS},
     "gpu/utilization": (m.LEARNER_GPU_UTILIZATION, {}),
     "step/idle_fraction": (m.LEARNER_IDLE_RATIO, {}),
     "version": (m.LEARNER_POLICY_VERSION, {}),
