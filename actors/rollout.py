@@ -7,8 +7,7 @@ registers with a heartbeat, and then runs three loops side by side:
   to ``rollout.max_groups_in_flight`` groups generating; push each finished group to a reward
   worker (a PUSH socket per live worker, dealt round-robin: :class:`RewardPeers`) and record that
   worker in the ledger as the group's scorer, so that the worker's death re-issues it at once;
-- **weights**: on a new manifest that lists this actor, pause generation (mode ``keep``), join the
-  group if it was re-formed, receive and load the buckets, resume; later tokens carry the new version;
+- **weights**: take part in the learner's weight broadcasts (:class:`actors.weights_follower.WeightsFollower`);
 - **peers**: follow reward workers joining and leaving.
 
 SIGTERM or SIGINT: stop taking groups, abort the ones generating and give them back to the
@@ -36,6 +35,7 @@ import zmq
 from actors.environment_service import serves_environments
 from actors.episodes import use_remote_environments
 from actors.remote_environments import RemoteEnvironments
+from actors.weights_follower import WeightsFollower
 from actors.workflows import WorkflowContext, check_workflow
 from common.audit import Audit
 from common.channel import ChannelBlocked, CurveClient, PushChannel
@@ -50,7 +50,6 @@ from common.metrics import (
     ACTOR_GENERATION_SECONDS,
     ACTOR_POLICY_VERSION,
     ACTOR_RUNNING_GROUPS,
-    ACTOR_WEIGHT_DIGEST_MISMATCHES,
     MetricsServer,
     start_metrics_server,
 )
@@ -58,7 +57,7 @@ from common.net import advertise_host
 from common.outage import exit_for_outage, outage_in, settling
 from common.seal import Seal, run_seal
 from common.staleness import StalenessBound
-from common.wire import Heartbeat, PromptGroup, RolloutGroup, WeightManifest
+from common.wire import Heartbeat, PromptGroup, RolloutGroup
 
 log = get_logger("actor")
 _PEER_REFRESH_S = 2.0
@@ -71,12 +70,8 @@ class RolloutActor:
         self.bound = StalenessBound.of(config)
         self.actor_id = actor_id or f"actor-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
         self.plane = ControlPlane(connect(redis_url, config.transport.redis_outage_s), config.run.name)
-        self.version = 0  # the model folder the engine starts from is policy version 0
-        self.epoch: int | None = None
-        self.restore = 0  # the learner's restore generation of the weights loaded (WeightManifest.restore)
-        self.weights_digest = ""  # the version digest of the weights loaded ("" = the model folder's)
         self.audit = Audit(self.plane.client, config.run.name, self.actor_id, "actor")
-        self._refused: tuple[int, int, int] | None = None  # (epoch, restore, version) of weights refused on digest
+        self.weights = WeightsFollower(config, self.plane, redis_url, self.actor_id, self.audit)
         self.engine = None
         self.workflow = check_workflow(config.rollout.workflow)  # how a prompt group becomes a rollout
         # Every message is sealed with the run secret: reward workers refuse anything else before decoding it.
@@ -96,10 +91,7 @@ class RolloutActor:
         self._tasks: set[asyncio.Task] = set()  # every generation task, including ones still delivering
         self._tokens = _Rate()
         self._stopping = asyncio.Event()
-        self._syncing = False
         self._behind = False
-        self._manifest_seen = threading.Event()
-        self._failed_epoch: int | None = None  # a formation we could not join: wait for the next one
         self.engine_died = False  # vLLM's engine process is gone: the actor stops and exits with an error
         self.metrics: MetricsServer | None = None
         self.heartbeat = HeartbeatThread(
@@ -113,7 +105,7 @@ class RolloutActor:
             return "draining"
         if self.engine is None:
             return "starting"
-        if self._syncing:
+        if self.weights.syncing:
             return "syncing"
         if self._running:
             return "generating"
@@ -126,12 +118,12 @@ class RolloutActor:
             process_id=self.actor_id,
             kind="actor",
             state=self.state,
-            version=self.version,
+            version=self.weights.version,
             tokens_per_s=self._tokens.per_second(),
             host=advertise_host(),
             pid=os.getpid(),
             metrics_url=self.metrics.url if self.metrics is not None else "",
-            weights_digest=self.weights_digest,
+            weights_digest=self.weights.digest,
             weight_ranks=self.config.rollout.tensor_parallel_size,
         )
 
@@ -141,7 +133,7 @@ class RolloutActor:
         self.metrics = start_metrics_server(
             self.config.run.name, self.actor_id, "actor", port, addr=self.config.monitoring.metrics_host
         )
-        ACTOR_POLICY_VERSION.set_function(lambda: self.version)
+        ACTOR_POLICY_VERSION.set_function(lambda: self.weights.version)
         ACTOR_RUNNING_GROUPS.set_function(lambda: len(self._running))
 
     async def run(self) -> None:
@@ -154,12 +146,13 @@ class RolloutActor:
             loop.add_signal_handler(sig, self._stopping.set)
         try:
             seed = self.config.run.seed + os.getpid()
-            self.engine = await asyncio.to_thread(RolloutEngine, self.config, seed, lambda: self.version)
+            self.engine = await asyncio.to_thread(RolloutEngine, self.config, seed, lambda: self.weights.version)
             self.heartbeat.beat()
             log.info("actor ready", actor=self.actor_id, run=self.config.run.name, model=self.config.model.path)
-            listener = threading.Thread(target=self._listen_for_manifests, daemon=True)
-            listener.start()
-            await asyncio.gather(self._work_loop(), self._weights_loop(), self._peers_loop())
+            stopped = self._stopping.is_set
+            threading.Thread(target=self.weights.listen, args=(stopped,), daemon=True).start()
+            follow = self.weights.follow(self.engine, stopped, self._stop_if_engine_died)
+            await asyncio.gather(self._work_loop(), follow, self._peers_loop())
         finally:
             await self._shutdown()
 
@@ -167,7 +160,7 @@ class RolloutActor:
 
     def _in_sync(self) -> bool:
         """Generate only with weights the learner can still use (avoid producing groups it would drop)."""
-        self._behind = not self.bound.may_generate(self.version, self.plane.run.version())
+        self._behind = not self.bound.may_generate(self.weights.version, self.plane.run.version())
         return not self._behind
 
     async def _work_loop(self) -> None:
@@ -216,7 +209,7 @@ class RolloutActor:
         """An eval group evaluates the policy it was issued at: wait for those weights (at most
         ``weight_sync.timeout_s``; its tokens' versions say what it evaluated either way)."""
         deadline = time.monotonic() + self.config.weight_sync.timeout_s
-        while self.version < version and time.monotonic() < deadline and not self._stopping.is_set():
+        while self.weights.version < version and time.monotonic() < deadline and not self._stopping.is_set():
             await self._sleep(0.05)
 
     def _count(self, rollout: RolloutGroup) -> None:
@@ -227,101 +220,6 @@ class RolloutActor:
         ACTOR_GENERATED_GROUPS.inc()
         if "generate" in rollout.timings:
             ACTOR_GENERATION_SECONDS.observe(rollout.timings["generate"])
-
-    # ------------------------------------------------------------------ weights
-
-    def _listen_for_manifests(self) -> None:
-        """Thread: wake the weights loop on every announcement (and every second, in case one was missed)."""
-        pubsub = self.plane.client.pubsub(ignore_subscribe_messages=True)
-        pubsub.subscribe(self.plane.keys.manifest_channel)
-        while not self._stopping.is_set():
-            try:
-                pubsub.get_message(timeout=1.0)
-            except Exception as exc:
-                log.warning("manifest subscription failed; polling", error=exc)
-                time.sleep(1.0)
-            self._manifest_seen.set()
-        pubsub.close()
-
-    async def _weights_loop(self) -> None:
-        while not self._stopping.is_set():
-            await asyncio.to_thread(self._manifest_seen.wait, 1.0)
-            self._manifest_seen.clear()
-            current = await asyncio.to_thread(self.plane.run.read_manifest)
-            if current is None:
-                continue
-            manifest, frames = current
-            if self.actor_id not in manifest.members:
-                continue  # not in this formation: the learner adds us at its next sync
-            same_formation = (manifest.group_epoch, manifest.restore) == (self.epoch, self.restore)
-            if manifest.version <= self.version and same_formation:
-                # Loaded already. A re-formation with the same version still needs us to join, and after a resume
-                # from a checkpoint (restore bumped) the version went back: its weights replace ours even if lower.
-                continue
-            if manifest.group_epoch == self._failed_epoch:
-                continue  # that formation failed; the learner re-forms the group at its next sync
-            if (manifest.group_epoch, manifest.restore, manifest.version) == self._refused:
-                continue  # received and refused on its digest: wait for the next version
-            await self._load(manifest, frames)
-
-    async def _load(self, manifest: WeightManifest, frames: list) -> None:
-        join = None
-        if manifest.group_epoch != self.epoch:
-            join = {
-                "redis_url": self.redis_url,
-                "run": self.config.run.name,
-                "epoch": manifest.group_epoch,
-                "rank": manifest.ranks_of(self.actor_id).start,  # of its first worker; the others take the next
-                "world_size": manifest.world_size,
-                "timeout_s": self.config.weight_sync.timeout_s,
-                "backend": "nccl" if _has_cuda() else "gloo",
-            }
-        self._syncing = True
-        previous = self.version  # higher than version once, after the learner resumed from a checkpoint
-
-        def loaded() -> None:  # called before generation resumes, so no new token carries the old version
-            self.version = manifest.version
-
-        try:
-            figures = await self.engine.update_weights(frames, join, len(manifest.buckets), loaded)
-        except Exception as exc:  # WeightSyncError from the worker, or an RPC timeout
-            log.error("weight update failed; waiting for the next formation", version=manifest.version, error=repr(exc))
-            self.epoch = None
-            self._failed_epoch = manifest.group_epoch
-            self._stop_if_engine_died(exc)
-            return
-        finally:
-            self._syncing = False
-        self.epoch = manifest.group_epoch  # the transfer completed: this actor is a member of the formation
-        if "refused" in figures:
-            self._refuse(manifest, figures["refused"])
-            return
-        self.restore = manifest.restore
-        self.weights_digest = manifest.digest
-        self.audit.record("weights.loaded", version=self.version, digest=self.weights_digest, epoch=self.epoch)
-        log.info(
-            "loaded new weights",
-            version=self.version,
-            previous=previous,
-            epoch=self.epoch,
-            restore=self.restore,
-            **{k: round(v, 4) for k, v in figures.items()},
-        )
-
-    def _refuse(self, manifest: WeightManifest, reason: str) -> None:
-        """Weights that arrived whole but not as the manifest describes them: the old ones go on serving."""
-        self._refused = (manifest.group_epoch, manifest.restore, manifest.version)
-        ACTOR_WEIGHT_DIGEST_MISMATCHES.inc()
-        self.audit.record("weights.refused", version=manifest.version, digest=manifest.digest, reason=reason)
-        log.error(
-            "refused new weights: they do not match the manifest's digests; the old weights go on serving",
-            version=manifest.version,
-            serving=self.version,
-            digest=manifest.digest,
-            reason=reason,
-            action="the transfer was altered or the manifest does not describe it: check the learner's log and the "
-            "network between them; the actor takes the next version",
-        )
 
     # ------------------------------------------------------------------ peers
 
@@ -508,12 +406,6 @@ class _Rate:
         with self._lock:
             self._events = [e for e in self._events if e[0] >= cutoff]
             return sum(n for _, n in self._events) / self.window_s
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def run_actor(config: RunConfig, redis_url: str, actor_id: str | None = None) -> int:

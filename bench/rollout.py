@@ -110,7 +110,7 @@ def weight_sync(plane: ControlPlane, pull: PullChannel, model_dir: Path, actor_i
         digest=sealed.digest,
     )
     start = time.perf_counter()
-    plane.run.publish_manifest(manifest)
+    plane.run.publish_manifest(manifest, 0)
     root = WeightGroup(GroupAddress("", RUN, epoch=1, rank=0, world_size=2, timeout_s=120), store)
     root.self_check()
     root.send_packed(sealed.flats)

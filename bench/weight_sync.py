@@ -185,7 +185,8 @@ def asyncrl_sync(
                 buckets=sealed.buckets,
                 group_epoch=1,
                 digest=sealed.digest,
-            )
+            ),
+            version - 1,  # its place in the formation
         )
         if group is None:
             group = WeightGroup(GroupAddress("", RUN, 1, 0, 3, 600), store)

@@ -44,6 +44,11 @@ class RunKeys:
     def manifest(self) -> str:
         return self._k("manifest")
 
+    def formation_manifests(self, epoch: int) -> str:
+        """Hash: broadcast position → manifest, for one weight-group formation (its newest few; a resume from a
+        checkpoint re-sends within the same formation). Members read it in order (``RunRecord.formation_manifest``)."""
+        return self._k(f"manifests:{epoch}")
+
     @property
     def manifest_channel(self) -> str:
         """Pub/sub channel on which a new manifest is announced (its payload is the version)."""

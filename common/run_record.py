@@ -15,6 +15,9 @@ from typing import TYPE_CHECKING, Any
 from common.config import RunConfig
 from common.wire import Decoder, Limits, WeightManifest, encode_blob, unpack_frames
 
+FORMATION_MANIFESTS_KEPT = 8
+FORMATION_MANIFESTS_TTL_S = 24 * 3600  # a formation's manifests outlive any member's read of them
+
 if TYPE_CHECKING:
     import redis
 
@@ -63,11 +66,18 @@ class RunRecord:
         raw = self.client.get(self.keys.finished)
         return None if raw is None else int(raw)
 
-    def publish_manifest(self, manifest: WeightManifest) -> None:
+    def publish_manifest(self, manifest: WeightManifest, position: int) -> None:
         """Store the manifest and its version's digest, then announce it (subscribers re-read the key, so a missed
-        announcement only delays)."""
+        announcement only delays). ``position`` is the broadcast's place in its formation (0 is the first): members
+        read the formation's manifests in that order (:meth:`formation_manifest`)."""
         with self.client.pipeline(transaction=True) as pipe:
-            pipe.set(self.keys.manifest, encode_blob(manifest))
+            blob = encode_blob(manifest)
+            pipe.set(self.keys.manifest, blob)
+            formation = self.keys.formation_manifests(manifest.group_epoch)
+            pipe.hset(formation, str(position), blob)
+            if position >= FORMATION_MANIFESTS_KEPT:  # a member is at most a broadcast or two behind the learner
+                pipe.hdel(formation, str(position - FORMATION_MANIFESTS_KEPT))
+            pipe.expire(formation, FORMATION_MANIFESTS_TTL_S)
             if manifest.digest:
                 pipe.hset(self.keys.digests, str(manifest.version), manifest.digest)
             pipe.publish(self.keys.manifest_channel, str(manifest.version))
@@ -80,7 +90,13 @@ class RunRecord:
 
     def read_manifest(self) -> tuple[WeightManifest, list[memoryview]] | None:
         """The current manifest and its frames (to hand on to a vLLM worker), or None before the first."""
-        blob = self.client.get(self.keys.manifest)
+        return self._decode_manifest(self.client.get(self.keys.manifest))
+
+    def formation_manifest(self, epoch: int, position: int) -> tuple[WeightManifest, list[memoryview]] | None:
+        """The manifest of a formation's ``position``-th broadcast (0 is its first), or None if not published yet."""
+        return self._decode_manifest(self.client.hget(self.keys.formation_manifests(epoch), str(position)))
+
+    def _decode_manifest(self, blob: bytes | None) -> tuple[WeightManifest, list[memoryview]] | None:
         if blob is None:
             return None
         frames = unpack_frames(blob)

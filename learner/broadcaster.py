@@ -101,13 +101,14 @@ class Broadcaster:
         # like the formation they already joined (of the dead learner), so they would not join this one.
         previous = _previous_manifest(plane)
         self.epoch = previous.group_epoch if previous else 0
+        # Restore generation stamped on every manifest (the learner bumps it when it resumes from a checkpoint).
         self.restore = previous.restore if previous else 0
+        # The version of the last manifest a previous learner of this run published (actors may hold it).
         self.newest_version = previous.version if previous else 0
-        """The version of the last manifest a previous learner of this run published (actors may hold it)."""
-        """Restore generation stamped on every manifest (the learner bumps it when it resumes from a checkpoint)."""
         self.members: list[str] = []
         self.member_ranks: list[int] = []  # weight-group ranks of each member (its engine's workers)
         self.manifest: WeightManifest | None = None  # the last one published
+        self._position = 0  # of the next broadcast in the last manifest's formation
         self.group: WeightGroup | None = None
         self.evicted: dict[str, int] = {}  # actor id -> syncs left out
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync")
@@ -225,7 +226,11 @@ class Broadcaster:
             buckets, digest = seal_buckets(manifest.buckets, flats)
             manifest = dataclasses.replace(manifest, buckets=buckets, digest=digest)
         hashed = time.perf_counter() - hashing
-        self.plane.run.publish_manifest(manifest)
+        last = self.manifest
+        if last is None or last.group_epoch != manifest.group_epoch:
+            self._position = 0
+        self.plane.run.publish_manifest(manifest, self._position)
+        self._position += 1
         self.manifest = manifest
         if self.audit is not None and manifest.members:
             self.audit.record(

@@ -154,6 +154,7 @@ class WeightRoot:
         self.plane, self.epoch, self.members, self.world_size = plane, epoch, members, world_size
         self.member_ranks = list(member_ranks)
         self.group: WeightGroup | None = None
+        self.published = 0  # manifests so far: the next one's place in the formation
 
     def manifest(self, version: int, sealed: SealedWeights) -> WeightManifest:
         return WeightManifest(
@@ -169,7 +170,8 @@ class WeightRoot:
     def publish(self, version: int, sealed: SealedWeights, flats: list[torch.Tensor] | None = None) -> None:
         """The manifest of ``sealed`` as ``version``, then the buckets (``flats``, by default the sealed ones), then
         the run's version."""
-        self.plane.run.publish_manifest(self.manifest(version, sealed))
+        self.plane.run.publish_manifest(self.manifest(version, sealed), self.published)
+        self.published += 1
         if self.group is None:
             store = RedisStore(self.plane.client, self.plane.keys.run, 120)
             run, size = self.plane.keys.run, self.world_size
