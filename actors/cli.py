@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from common.cliutil import RedisFileOpt, RedisOpt
+from asyncrl.common.cliutil import RedisFileOpt, RedisOpt
 
 app = typer.Typer(
     add_completion=False,
@@ -32,9 +32,9 @@ def rollout(
     """
     if ctx.invoked_subcommand is not None:
         return
-    from actors.engine import EngineSettingsError, check_engine_settings
-    from actors.rollout import run_actor
-    from common.cliutil import fail, redis_url
+    from asyncrl.actors.engine import EngineSettingsError, check_engine_settings
+    from asyncrl.actors.rollout import run_actor
+    from asyncrl.common.cliutil import fail, redis_url
 
     url = redis_url(redis, run, url_file=redis_file)
     config = _read_run_config(url, run)
@@ -49,7 +49,7 @@ def rollout(
 @app.command("show-config")
 def show_config(redis: RedisOpt = None, redis_file: RedisFileOpt = None, run: RunOpt = "demo") -> None:
     """Print the run config this process would work from, read from the run's Redis."""
-    from common.cliutil import redis_url
+    from asyncrl.common.cliutil import redis_url
 
     print(_read_run_config(redis_url(redis, run, url_file=redis_file), run).to_json())
 
@@ -67,9 +67,9 @@ def reward(
 
     import zmq
 
-    from actors.reward_worker import RewardWorker, run_until_stopped
-    from common.channel import InsecureBindError
-    from common.cliutil import fail, redis_url
+    from asyncrl.actors.reward_worker import RewardWorker, run_until_stopped
+    from asyncrl.common.cliutil import fail, redis_url
+    from asyncrl.common.transport.channel import InsecureBindError
 
     url = redis_url(redis, run, url_file=redis_file)
     config = _read_run_config(url, run)
@@ -96,8 +96,8 @@ def eval_command(
     functions): pass@k, mean@k, accuracy. Without --checkpoint: model.path. 'latest': use rl-learner eval."""
     import json
 
-    from actors.evaluate import evaluate
-    from common.cliutil import fail, load
+    from asyncrl.actors.evaluate import evaluate
+    from asyncrl.common.cliutil import fail, load
 
     resolved = load(config, set_)
     if checkpoint == "latest":
@@ -122,12 +122,12 @@ def _read_run_config(url: str, run: str):
     """The run's config from Redis with the run's log level set, or a clear exit 2."""
     import redis as redis_lib
 
-    from common.cliutil import fail
-    from common.config import ConfigError, with_host_keys
-    from common.control import ControlPlane
-    from common.keys import connect
-    from common.logs import configure
-    from common.run_record import RunNotFoundError
+    from asyncrl.common.cliutil import fail
+    from asyncrl.common.config import ConfigError, with_host_keys
+    from asyncrl.common.observability.logs import configure
+    from asyncrl.common.plane.control import ControlPlane
+    from asyncrl.common.plane.keys import connect
+    from asyncrl.common.plane.run_record import RunNotFoundError
 
     try:
         config = ControlPlane(connect(url), run).run.read_config()
@@ -142,8 +142,8 @@ def _read_run_config(url: str, run: str):
 def _exit_if_finished(url: str, run: str, who: str) -> None:
     """Exit 0 at once, saying so, when the run has finished: an actor restarted after the end (a Kubernetes pod, a
     supervisor) must not build its engine for nothing."""
-    from common.control import ControlPlane
-    from common.keys import connect
+    from asyncrl.common.plane.control import ControlPlane
+    from asyncrl.common.plane.keys import connect
 
     if (step := ControlPlane(connect(url), run).run.finished()) is not None:
         typer.echo(f"run {run!r} finished at step {step}: the {who} has nothing to do", err=True)

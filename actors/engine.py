@@ -18,15 +18,15 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from actors import ipc_folder
-from actors.generation import Response, Sampling
-from actors.lifeline import export_actor_pid
-from common.config import RolloutSection, RunConfig
-from common.logs import get_logger
-from common.procs import cpu_list, move_process
+from asyncrl.actors import ipc_folder
+from asyncrl.actors.generation import Response, Sampling
+from asyncrl.actors.lifeline import export_actor_pid
+from asyncrl.common.config import RolloutSection, RunConfig
+from asyncrl.common.observability.logs import get_logger
+from asyncrl.common.observability.procs import cpu_list, move_process
 
 log = get_logger("engine")
-EXTENSION = "actors.weight_receiver.WeightReceiverExtension"
+EXTENSION = "asyncrl.actors.weight_receiver.WeightReceiverExtension"
 
 
 class RolloutEngine:
@@ -144,7 +144,7 @@ def _stop_ids(config: RunConfig) -> tuple[int, ...]:
     from the model's tokenizer and ``[task]`` exactly as the learner makes its prompts."""
     from transformers import AutoTokenizer
 
-    from common.prompts import Prompter
+    from asyncrl.common.data.prompts import Prompter
 
     return Prompter.for_tokenizer(AutoTokenizer.from_pretrained(config.model.path), config.task).stop_ids
 

@@ -1,18 +1,18 @@
 """Environments in a process of their own, so that one that crashes, hangs or eats memory never takes down the
 process that drives it (a rollout actor and its engine, or a reward worker).
 
-:class:`EnvironmentHost` starts ``python -m actors.environment_host`` (``subprocess``: safe from the threaded actor,
-unlike ``fork``) and speaks JSON lines with it over its stdin and stdout: ``make`` an environment for an episode,
-``step`` it, ``score`` it, ``close`` it. The child answers each request from a thread of its own, so a slow step
-does not hold up the other episodes' steps; it limits its address space to ``environment.max_memory_mb``, so a
-greedy environment fails with ``MemoryError`` instead of swapping the machine. The parent gives every request a time
-limit (``environment.step_timeout_s``); a request that fails, times out, or meets a child that died raises
-:class:`~common.environments.EnvironmentFailed`, which ends that episode. A dead child is replaced at the next
-``make``; a child with :data:`MAX_STUCK` steps still running past their limit is killed and replaced (the episodes it
-held end as errors).
+:class:`EnvironmentHost` starts ``python -m asyncrl.actors.environment_host`` (``subprocess``: safe from the threaded
+actor, unlike ``fork``) and speaks JSON lines with it over its stdin and stdout: ``make`` an environment for an episode,
+``step`` it, ``score`` it, ``close`` it. The child answers each request from a thread of its own, so a slow step does
+not hold up the other episodes' steps; it limits its address space to ``environment.max_memory_mb``, so a greedy
+environment fails with ``MemoryError`` instead of swapping the machine. The parent gives every request a time limit
+(``environment.step_timeout_s``); a request that fails, times out, or meets a child that died raises
+:class:`~asyncrl.common.environments.protocol.EnvironmentFailed`, which ends that episode. A dead child is replaced at
+the next ``make``; a child with :data:`MAX_STUCK` steps still running past their limit is killed and replaced (the
+episodes it held end as errors).
 
-:class:`HostedEnvironment` is what the episode loop sees: the :class:`~common.environments.Environment` protocol,
-async, backed by the host.
+:class:`HostedEnvironment` is what the episode loop sees: the :class:`~asyncrl.common.environments.protocol.Environment`
+protocol, async, backed by the host.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from common.config import EnvironmentSection
-from common.environments import (
+from asyncrl.common.config import EnvironmentSection
+from asyncrl.common.environments.protocol import (
     EnvironmentFailed,
     EnvironmentLost,
     EpisodeRow,
@@ -39,8 +39,8 @@ from common.environments import (
     checked_step,
     make_environment,
 )
-from common.logs import get_logger
-from common.metrics import ACTOR_ENVIRONMENT_MOVES
+from asyncrl.common.observability.logs import get_logger
+from asyncrl.common.observability.metrics import ACTOR_ENVIRONMENT_MOVES
 
 log = get_logger("environment_host")
 MAX_STUCK = 8
@@ -87,7 +87,7 @@ class EnvironmentHost:
                 log.warning("environment host replaced", exit_code=exit_code, restarts=self.restarts)
             env = {**os.environ, "ASYNCRL_ENV_MEMORY_MB": str(self.section.max_memory_mb)}
             proc = subprocess.Popen(
-                [sys.executable, "-m", "actors.environment_host"],
+                [sys.executable, "-m", "asyncrl.actors.environment_host"],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 env=env,
@@ -186,11 +186,11 @@ class EnvironmentHost:
 
 class HostedEnvironment:
     """An episode's environment in an :class:`EnvironmentHost` (or on reward workers:
-    :class:`~actors.remote_environments.RemoteEnvironments`); made with :meth:`open`, every call awaited.
+    :class:`~asyncrl.actors.remote_environments.RemoteEnvironments`); made with :meth:`open`, every call awaited.
 
     It keeps the episode's steps so far. When the worker holding it is lost
-    (:class:`~common.environments.EnvironmentLost`), it is made again from the same row on another worker, its
-    steps are replayed there, and the request is sent again, up to :data:`MAX_MOVES` times. Environments are
+    (:class:`~asyncrl.common.environments.protocol.EnvironmentLost`), it is made again from the same row on another
+    worker, its steps are replayed there, and the request is sent again, up to :data:`MAX_MOVES` times. Environments are
     deterministic given their row and seed (the reward worker's replay relies on it as well); one whose replayed steps
     differ from the first ones fails its episode."""
 

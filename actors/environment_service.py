@@ -1,10 +1,10 @@
 """Environments served to the run's actors by its reward workers (``environment.isolation = "workers"``).
 
-A reward worker that serves environments binds a ROUTER socket (:class:`~common.rpc.ReplySocket`: sealed with the run
-secret, CURVE like its PULL socket) next to its PULL socket and advertises it in its heartbeat
+A reward worker that serves environments binds a ROUTER socket (:class:`~asyncrl.common.transport.rpc.ReplySocket`:
+sealed with the run secret, CURVE like its PULL socket) next to its PULL socket and advertises it in its heartbeat
 (``environment_endpoint``). Actors open each episode's environment on one of the live workers and step it there
 (``actors/remote_environments.py``); the worker keeps the environments in its environment process
-(:class:`~actors.environment_host.EnvironmentHost`), so one that crashes, hangs or eats memory ends only its own
+(:class:`~asyncrl.actors.environment_host.EnvironmentHost`), so one that crashes, hangs or eats memory ends only its own
 episode, and neither the worker nor any actor's engine.
 
 Requests: ``make`` (a dataset row), ``step`` (the model's turn), ``score``, ``close``. Which environment is made, and
@@ -23,14 +23,14 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from actors.environment_host import EnvironmentHost
-from common.channel import CurveServer
-from common.config import EnvironmentSection, RunConfig
-from common.environments import EnvironmentFailed, EpisodeRow
-from common.logs import get_logger
-from common.metrics import ENVIRONMENT_REQUESTS
-from common.rpc import ReplySocket
-from common.seal import Seal
+from asyncrl.actors.environment_host import EnvironmentHost
+from asyncrl.common.config import EnvironmentSection, RunConfig
+from asyncrl.common.environments.protocol import EnvironmentFailed, EpisodeRow
+from asyncrl.common.observability.logs import get_logger
+from asyncrl.common.observability.metrics import ENVIRONMENT_REQUESTS
+from asyncrl.common.transport.channel import CurveServer
+from asyncrl.common.transport.rpc import ReplySocket
+from asyncrl.common.wire.seal import Seal
 
 log = get_logger("environment_service")
 OPS = ("make", "step", "score", "close")

@@ -1,11 +1,11 @@
 """Multi-turn episodes: the actor's ``multi_turn`` workflow, and the reward worker's replay that scores them.
 
-The actor runs the K episodes of a group at once. Each alternates a model turn (one vLLM request on the whole
-episode so far: the prompt's and the earlier turns' KV cache is reused through prefix caching where it is on) and an
-environment step on that turn's text (:mod:`common.environments`), whose observation is appended as the chat
-template writes it (:class:`common.turns.TurnEncoder`). The episode travels as one response: its tokens, μ and
-versions on the model's tokens (0 and the last sampled version on the environment's), and a loss mask that is 1 on
-the model's tokens only, so the learner trains those and nothing the environment wrote.
+The actor runs the K episodes of a group at once. Each alternates a model turn (one vLLM request on the whole episode so
+far: the prompt's and the earlier turns' KV cache is reused through prefix caching where it is on) and an environment
+step on that turn's text (:mod:`asyncrl.common.environments.protocol`), whose observation is appended as the chat
+template writes it (:class:`asyncrl.common.environments.turns.TurnEncoder`). The episode travels as one response: its
+tokens, μ and versions on the model's tokens (0 and the last sampled version on the environment's), and a loss mask that
+is 1 on the model's tokens only, so the learner trains those and nothing the environment wrote.
 
 After a model turn the environment steps only when the turn ended with the template's end of turn; a turn cut by
 its token budget, or one the model ended with EOS, ends the episode. An episode also ends when the environment says
@@ -19,14 +19,13 @@ Environments run in a process of their own (``actors/environment_host.py``), on 
 The reward worker does not take the actor's word for any of it: :func:`replay_episode` makes a fresh environment from
 the same row and seed, steps it with the model's turns as decoded from the trained tokens, checks that every
 environment segment is exactly what the template writes for its observation, and returns the episode's reward: the
-per-turn rewards summed, plus the environment's final :meth:`~common.environments.Environment.score`.
+per-turn rewards summed, plus the environment's final :meth:`~asyncrl.common.environments.protocol.Environment.score`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
-import functools
 import inspect
 import json
 import threading
@@ -34,14 +33,14 @@ import time
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
-from actors.environment_host import EnvironmentHost, HostedEnvironment
-from actors.generation import Generator, Response, Sampling, WorkflowContext, rollout_group, sampling_for
-from actors.remote_environments import RemoteEnvironments
-from common.config import EnvironmentSection
-from common.environments import (
+from asyncrl.actors.environment_host import EnvironmentHost, HostedEnvironment
+from asyncrl.actors.generation import Generator, Response, Sampling, WorkflowContext, rollout_group, sampling_for
+from asyncrl.actors.remote_environments import RemoteEnvironments
+from asyncrl.common.config import EnvironmentSection
+from asyncrl.common.environments.protocol import (
     Environment,
     EnvironmentFailed,
     EpisodeRow,
@@ -50,10 +49,14 @@ from common.environments import (
     checked_step,
     make_environment,
 )
-from common.logs import get_logger
-from common.metrics import ACTOR_ENVIRONMENT_STEP_SECONDS, ACTOR_EPISODE_ENDINGS, ACTOR_EPISODE_TURNS
-from common.turns import TurnEncoder, segments, turn_text
-from common.wire import PromptGroup, RolloutGroup, model_turns
+from asyncrl.common.environments.turns import EpisodeTools, episode_tools, segments, turn_text
+from asyncrl.common.observability.logs import get_logger
+from asyncrl.common.observability.metrics import (
+    ACTOR_ENVIRONMENT_STEP_SECONDS,
+    ACTOR_EPISODE_ENDINGS,
+    ACTOR_EPISODE_TURNS,
+)
+from asyncrl.common.wire.messages import PromptGroup, RolloutGroup, model_turns
 
 log = get_logger("episodes")
 
@@ -73,31 +76,6 @@ FINISH_REASONS = {
 """An episode's finish reason by its ending (``stop`` otherwise): ``length`` when a limit cut it, and
 ``environment_error`` when its environment failed — which the replay must know to tell that failure (score 0) from
 one of its own (retried)."""
-
-
-@dataclass(frozen=True)
-class EpisodeTools:
-    """A tokenizer and its :class:`TurnEncoder`."""
-
-    tokenizer: Any
-    encoder: TurnEncoder
-
-    @classmethod
-    def for_tokenizer(cls, tokenizer: Any) -> EpisodeTools:
-        return cls(tokenizer, TurnEncoder.for_tokenizer(tokenizer))
-
-    @property
-    def end_id(self) -> int:
-        """The token that ends an assistant turn: after it, and only after it, the environment steps."""
-        return self.encoder.end_id
-
-
-@functools.lru_cache(maxsize=4)
-def episode_tools(model_path: str) -> EpisodeTools:
-    """The tools of ``model.path``'s tokenizer, loaded once per process and folder (nothing is fetched from a hub)."""
-    from transformers import AutoTokenizer
-
-    return EpisodeTools.for_tokenizer(AutoTokenizer.from_pretrained(model_path))
 
 
 def episode_row(group: PromptGroup | RolloutGroup, index: int) -> EpisodeRow:
@@ -380,7 +358,7 @@ def replay_time_limit(section: EnvironmentSection) -> float:
 def environment_reward(group: RolloutGroup, options: dict[str, Any]) -> list[tuple[float, ...]]:
     """The ``environment`` reward function: each episode replayed, a reward per model turn (:func:`replay_turns`;
     the episode's reward is their sum). Its options are bound from the config by the reward worker
-    (``actors.rewards.bind_functions``): ``environment`` (the ``[environment]`` table) and ``model``
+    (``common.rewards.functions.bind_functions``): ``environment`` (the ``[environment]`` table) and ``model``
     (``model.path``)."""
     if "environment" not in options or "model" not in options:
         raise ValueError("environment needs options.environment and options.model (bind_functions sets them)")

@@ -1,12 +1,12 @@
 """Offline evaluation: the run's ``[eval]`` set on one vLLM engine in this process, scored by the run's reward
-functions — the figures an in-run round records (``common/evaluation.py``), for a saved policy.
+functions — the figures an in-run round records (``common/data/evaluation.py``), for a saved policy.
 
-It lives with the actors because it runs vLLM, which the learner never imports (DESIGN.md's dependency rule):
-``rl-actor eval`` is the command; ``rl-learner eval`` resolves ``--checkpoint latest`` (the learner owns checkpoints)
-and runs ``rl-actor eval`` as a child process. The model is an HF folder, or a checkpoint's ``step-<N>`` folder,
-whose ``hf/`` export is loaded. No Redis, no weight group, no reward worker: the engine samples every eval group
-(its own temperature, max_new_tokens and k, as an actor would) and :func:`actors.rewards.combine` scores it in this
-process, without the reward worker's time limits (a user's function that hangs hangs this command).
+It lives with the actors because it runs vLLM, which the learner never imports (DESIGN.md's dependency rule): ``rl-actor
+eval`` is the command; ``rl-learner eval`` resolves ``--checkpoint latest`` (the learner owns checkpoints) and runs
+``rl-actor eval`` as a child process. The model is an HF folder, or a checkpoint's ``step-<N>`` folder, whose ``hf/``
+export is loaded. No Redis, no weight group, no reward worker: the engine samples every eval group (its own temperature,
+max_new_tokens and k, as an actor would) and :func:`asyncrl.common.rewards.functions.combine` scores it in this process,
+without the reward worker's time limits (a user's function that hangs hangs this command).
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from typing import Any
 
 import numpy as np
 
-from actors.rewards import bind_functions, combine, episode_options
-from actors.workflows import WorkflowContext, check_workflow
-from common.config import RunConfig
-from common.evaluation import eval_examples, eval_groups, round_figures
-from common.logs import get_logger
-from common.prompts import Prompter
-from common.tasks import task_label
-from common.wire import PromptGroup, RolloutGroup, ScoredGroup
+from asyncrl.actors.workflows import WorkflowContext, check_workflow
+from asyncrl.common.config import RunConfig
+from asyncrl.common.data.evaluation import eval_examples, eval_groups, round_figures
+from asyncrl.common.data.prompts import Prompter
+from asyncrl.common.data.tasks import task_label
+from asyncrl.common.observability.logs import get_logger
+from asyncrl.common.rewards.functions import bind_functions, combine, episode_options
+from asyncrl.common.wire.messages import PromptGroup, RolloutGroup, ScoredGroup
 
 log = get_logger("eval")
 
@@ -46,7 +46,7 @@ def evaluate(config: RunConfig, model: str | Path) -> dict[str, Any]:
     """``eval/*`` of the ``[eval]`` set on the model at ``model`` (see :func:`model_folder`), plus ``model``."""
     from transformers import AutoTokenizer
 
-    from actors.engine import RolloutEngine
+    from asyncrl.actors.engine import RolloutEngine
 
     folder = model_folder(model)
     config = config.model_copy(update={"model": config.model.model_copy(update={"path": str(folder)})})

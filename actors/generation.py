@@ -13,8 +13,8 @@ from typing import Protocol
 
 import numpy as np
 
-from common.config import EnvironmentSection, RolloutSection, RunConfig
-from common.wire import PromptGroup, RolloutGroup
+from asyncrl.common.config import EnvironmentSection, RolloutSection, RunConfig
+from asyncrl.common.wire.messages import PromptGroup, RolloutGroup
 
 
 @dataclass(frozen=True)

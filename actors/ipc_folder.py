@@ -17,8 +17,8 @@ import stat
 import tempfile
 from pathlib import Path
 
-from common.logs import get_logger
-from common.procs import alive
+from asyncrl.common.observability.logs import get_logger
+from asyncrl.common.observability.procs import alive
 
 log = get_logger("engine")
 PREFIX = "asyncrl-vllm-"

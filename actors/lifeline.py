@@ -30,8 +30,8 @@ import signal
 import threading
 import time
 
-from common.logs import get_logger
-from common.procs import alive, parent_of
+from asyncrl.common.observability.logs import get_logger
+from asyncrl.common.observability.procs import alive, parent_of
 
 log = get_logger("lifeline")
 ACTOR_PID_ENV = "ASYNCRL_ACTOR_PID"

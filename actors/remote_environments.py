@@ -1,13 +1,14 @@
 """An actor's episodes' environments on the run's reward workers (``environment.isolation = "workers"``).
 
-:class:`RemoteEnvironments` has the interface of :class:`~actors.environment_host.EnvironmentHost` (``call_async``,
-``forget``), so :class:`~actors.environment_host.HostedEnvironment` and the episode loop use either. Each episode's
-environment is made on the live worker holding the fewest of this actor's episodes, and every later request of that
-episode goes to the same worker. The actor tells it which workers serve environments (:meth:`set_servers`, from the
-heartbeats it reads anyway); a request to a worker that has left, whose heartbeat expired or whose connection dropped
-(a worker that dies drops it at once) fails with :class:`~common.environments.EnvironmentLost`, and
-:class:`~actors.environment_host.HostedEnvironment` then makes the environment again on another worker and replays
-the episode's steps there. Every request has ``environment.step_timeout_s``.
+:class:`RemoteEnvironments` has the interface of :class:`~asyncrl.actors.environment_host.EnvironmentHost`
+(``call_async``, ``forget``), so :class:`~asyncrl.actors.environment_host.HostedEnvironment` and the episode loop use
+either. Each episode's environment is made on the live worker holding the fewest of this actor's episodes, and every
+later request of that episode goes to the same worker. The actor tells it which workers serve environments
+(:meth:`set_servers`, from the heartbeats it reads anyway); a request to a worker that has left, whose heartbeat expired
+or whose connection dropped (a worker that dies drops it at once) fails with
+:class:`~asyncrl.common.environments.protocol.EnvironmentLost`, and
+:class:`~asyncrl.actors.environment_host.HostedEnvironment` then makes the environment again on another worker and
+replays the episode's steps there. Every request has ``environment.step_timeout_s``.
 
 One thread owns the sockets (ZeroMQ sockets are not thread-safe): it sends what the episodes queue, polls for
 replies, and hands each to the future its request waits on.
@@ -27,12 +28,12 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from common.channel import CurveClient
-from common.config import EnvironmentSection
-from common.environments import EnvironmentFailed, EnvironmentLost
-from common.logs import get_logger
-from common.rpc import RequestSocket
-from common.seal import Seal
+from asyncrl.common.config import EnvironmentSection
+from asyncrl.common.environments.protocol import EnvironmentFailed, EnvironmentLost
+from asyncrl.common.observability.logs import get_logger
+from asyncrl.common.transport.channel import CurveClient
+from asyncrl.common.transport.rpc import RequestSocket
+from asyncrl.common.wire.seal import Seal
 
 log = get_logger("remote_environments")
 POLL_S = 0.005

@@ -9,7 +9,7 @@ One worker, one loop (:meth:`RewardWorker.run`)::
 
 Nothing is dropped silently: a group taken off the socket ends in the replay stream or in the
 dead-letter stream; a message that does not decode is counted, logged (rate-limited), dead-lettered (source
-``reward:malformed``, :class:`MalformedLetters`) and skipped (``common/channel.py``).
+``reward:malformed``, :class:`MalformedLetters`) and skipped (``common/transport/channel.py``).
 Groups are scored one at a time; run more workers to score more (actors' PUSH sockets deal groups
 round-robin among every live worker's PULL socket).
 
@@ -48,18 +48,13 @@ from typing import Any
 
 import numpy as np
 
-from actors.environment_service import EnvironmentService, serves_environments
-from actors.episodes import EpisodeMismatch, environment_host, replay_time_limit
-from actors.rewards import RewardError, Score, bind_functions, combine, episode_options, score
-from common.audit import Audit
-from common.channel import CurveServer, PullChannel
-from common.config import RewardFunction, RunConfig
-from common.control import ControlPlane
-from common.dead_letters import dead_letter, dead_letters
-from common.heartbeat import HeartbeatThread
-from common.keys import RunKeys, connect
-from common.logs import get_logger, worth_logging
-from common.metrics import (
+from asyncrl.actors.environment_service import EnvironmentService, serves_environments
+from asyncrl.actors.episodes import EpisodeMismatch, environment_host, replay_time_limit
+from asyncrl.common.config import RewardFunction, RunConfig
+from asyncrl.common.data.tasks import task_label
+from asyncrl.common.observability.audit import Audit
+from asyncrl.common.observability.logs import get_logger, worth_logging
+from asyncrl.common.observability.metrics import (
     REWARD_DEAD_LETTERED_GROUPS,
     REWARD_FAILED_CALLS,
     REWARD_REFUSED_GROUPS,
@@ -70,14 +65,27 @@ from common.metrics import (
     MetricsServer,
     start_metrics_server,
 )
-from common.net import advertise_host
-from common.outage import exit_for_outage, outage_clock, outage_in
-from common.provenance import episode_tokens, issue_mismatch
-from common.replay import ReplayWriter
-from common.response_text import ResponseTexts
-from common.seal import run_seal
-from common.tasks import task_label
-from common.wire import Heartbeat, Limits, RolloutGroup, ScoredGroup, WireError, encode_blob, pack_frames
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.dead_letters import dead_letter, dead_letters
+from asyncrl.common.plane.heartbeat import HeartbeatThread
+from asyncrl.common.plane.keys import RunKeys, connect
+from asyncrl.common.plane.outage import exit_for_outage, outage_clock, outage_in
+from asyncrl.common.plane.replay import ReplayWriter
+from asyncrl.common.rewards.functions import RewardError, Score, bind_functions, combine, episode_options, score
+from asyncrl.common.rewards.response_text import ResponseTexts
+from asyncrl.common.transport.channel import CurveServer, PullChannel
+from asyncrl.common.transport.net import advertise_host
+from asyncrl.common.wire.messages import (
+    Heartbeat,
+    Limits,
+    RolloutGroup,
+    ScoredGroup,
+    WireError,
+    encode_blob,
+    pack_frames,
+)
+from asyncrl.common.wire.provenance import episode_tokens, issue_mismatch
+from asyncrl.common.wire.seal import run_seal
 
 log = get_logger("reward")
 
@@ -392,12 +400,12 @@ class RewardWorker:
             log.warning("could not publish the new state now", worker=self.worker_id, error=exc)
 
     def _refusal(self, group: RolloutGroup) -> tuple[str, str] | None:
-        """(reason, detail) when ``group`` is not this run's to score (``common/provenance.py``), else None.
+        """(reason, detail) when ``group`` is not this run's to score (``common/wire/provenance.py``), else None.
 
         Every sealed message goes through the same checks in the same order, whatever its id's state: the id's
         standing (a group already trained is refused: its re-issued twin won, and nothing more is learnt from
         scoring it), then the issue record (id, task, prompt, K, versions), then the payload's bounds. Membership
-        (the seal) was checked before the message was decoded (``common/channel.py``).
+        (the seal) was checked before the message was decoded (``common/transport/channel.py``).
         """
         standing = self.plane.prompts.lookup([group.group_id])[group.group_id]
         if standing.completed:
@@ -411,7 +419,7 @@ class RewardWorker:
 
     def _hold(self, group: RolloutGroup) -> None:
         """This worker alone holds ``group`` now (the ledger's scorer): if it dies before the group is in the replay
-        stream, the learner re-issues it once this worker's heartbeat expires (``common/prompt_ledger.py``)."""
+        stream, the learner re-issues it once this worker's heartbeat expires (``common/plane/prompt_ledger.py``)."""
         self.plane.prompts.received(group.group_id, self.worker_id)
 
     def _refuse(self, group: RolloutGroup, reason: str, detail: str) -> None:
@@ -483,7 +491,7 @@ class RewardWorker:
 
 def _advertised(endpoint: str) -> str:
     """``endpoint`` as peers should connect to it: a wildcard host becomes the advertised host
-    (``$ASYNCRL_ADVERTISE_HOST``, else this machine's host name: ``common/net.py``)."""
+    (``$ASYNCRL_ADVERTISE_HOST``, else this machine's host name: ``common/transport/net.py``)."""
     scheme, _, rest = endpoint.partition("://")
     host, _, port = rest.rpartition(":")
     return f"{scheme}://{advertise_host()}:{port}" if host in _WILDCARD_HOSTS else endpoint

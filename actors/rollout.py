@@ -7,7 +7,7 @@ registers with a heartbeat, and then runs three loops side by side:
   to ``rollout.max_groups_in_flight`` groups generating; push each finished group to a reward
   worker (a PUSH socket per live worker, dealt round-robin: :class:`RewardPeers`) and record that
   worker in the ledger as the group's scorer, so that the worker's death re-issues it at once;
-- **weights**: take part in the learner's weight broadcasts (:class:`actors.weights_follower.WeightsFollower`);
+- **weights**: take part in the learner's weight broadcasts (:class:`asyncrl.actors.weights_follower.WeightsFollower`);
 - **peers**: follow reward workers joining and leaving.
 
 SIGTERM or SIGINT: stop taking groups, abort the ones generating and give them back to the
@@ -32,19 +32,15 @@ from typing import Literal
 import redis
 import zmq
 
-from actors.environment_service import serves_environments
-from actors.episodes import use_remote_environments
-from actors.remote_environments import RemoteEnvironments
-from actors.weights_follower import WeightsFollower
-from actors.workflows import WorkflowContext, check_workflow
-from common.audit import Audit
-from common.channel import ChannelBlocked, CurveClient, PushChannel
-from common.config import RunConfig
-from common.control import ControlPlane
-from common.heartbeat import HeartbeatThread
-from common.keys import connect
-from common.logs import get_logger
-from common.metrics import (
+from asyncrl.actors.environment_service import serves_environments
+from asyncrl.actors.episodes import use_remote_environments
+from asyncrl.actors.remote_environments import RemoteEnvironments
+from asyncrl.actors.weights_follower import WeightsFollower
+from asyncrl.actors.workflows import WorkflowContext, check_workflow
+from asyncrl.common.config import RunConfig
+from asyncrl.common.observability.audit import Audit
+from asyncrl.common.observability.logs import get_logger
+from asyncrl.common.observability.metrics import (
     ACTOR_GENERATED_GROUPS,
     ACTOR_GENERATED_TOKENS,
     ACTOR_GENERATION_SECONDS,
@@ -53,11 +49,15 @@ from common.metrics import (
     MetricsServer,
     start_metrics_server,
 )
-from common.net import advertise_host
-from common.outage import exit_for_outage, outage_in, settling
-from common.seal import Seal, run_seal
-from common.staleness import StalenessBound
-from common.wire import Heartbeat, PromptGroup, RolloutGroup
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.heartbeat import HeartbeatThread
+from asyncrl.common.plane.keys import connect
+from asyncrl.common.plane.outage import exit_for_outage, outage_in, settling
+from asyncrl.common.staleness import StalenessBound
+from asyncrl.common.transport.channel import ChannelBlocked, CurveClient, PushChannel
+from asyncrl.common.transport.net import advertise_host
+from asyncrl.common.wire.messages import Heartbeat, PromptGroup, RolloutGroup
+from asyncrl.common.wire.seal import Seal, run_seal
 
 log = get_logger("actor")
 _PEER_REFRESH_S = 2.0
@@ -66,7 +66,7 @@ _PEER_REFRESH_S = 2.0
 class RolloutActor:
     def __init__(self, config: RunConfig, redis_url: str, actor_id: str | None = None) -> None:
         self.config = config
-        self.redis_url = redis_url  # the weight group's rendezvous is in the run's Redis (common/rendezvous.py)
+        self.redis_url = redis_url  # the weight group's rendezvous is in the run's Redis (common/weights/rendezvous.py)
         self.bound = StalenessBound.of(config)
         self.actor_id = actor_id or f"actor-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
         self.plane = ControlPlane(connect(redis_url, config.transport.redis_outage_s), config.run.name)
@@ -137,7 +137,7 @@ class RolloutActor:
         ACTOR_RUNNING_GROUPS.set_function(lambda: len(self._running))
 
     async def run(self) -> None:
-        from actors.engine import RolloutEngine
+        from asyncrl.actors.engine import RolloutEngine
 
         self._serve_metrics()
         self.heartbeat.start()
@@ -346,7 +346,8 @@ class RolloutActor:
 
 class RewardPeers:
     """A PUSH socket per reward worker, so that the actor knows which worker each group went to (its scorer in the
-    ledger: ``common/prompt_ledger.py``); one shared socket would deal groups among workers without saying to whom.
+    ledger: ``common/plane/prompt_ledger.py``); one shared socket would deal groups among workers without saying to
+    whom.
 
     Delivery: a group goes to the next worker in turn whose queue has room (as ZeroMQ's own round robin skips a full
     peer); when every queue is full it waits on the next in turn for up to ``send_timeout_s``, then raises

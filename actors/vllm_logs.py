@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 
-from actors.lifeline import ACTOR_PID_ENV
+from asyncrl.actors.lifeline import ACTOR_PID_ENV
 
 ROUTINE = ("setting pause state to ", "Reloading and processing weights took ")
 """How the routine lines begin (their format strings, before their arguments)."""

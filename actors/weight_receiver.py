@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from actors.lifeline import follow_actor
-from common.weights import GroupAddress, WeightGroup, digest_mismatch, unpack_bucket
-from common.wire import Decoder, WeightManifest
+from asyncrl.actors.lifeline import follow_actor
+from asyncrl.common.weights.group import GroupAddress, WeightGroup, digest_mismatch, unpack_bucket
+from asyncrl.common.wire.messages import Decoder, WeightManifest
 
 
 class WeightReceiverExtension:

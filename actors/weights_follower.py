@@ -1,11 +1,11 @@
 """The actor's weights follower: it takes part in the learner's weight broadcasts and loads what they carry.
 
-The learner announces each broadcast with a manifest (``common/wire.py: WeightManifest``): its version, the members of
-the weight-group formation it goes to, and its buckets' digests. The follower reads the manifests of its formation in
-broadcast order (``RunRecord.formation_manifest``), joins a new formation when one lists this actor, and for each
-broadcast pauses generation (mode ``keep``), receives the buckets, checks them against the manifest's digests and loads
-them; later tokens carry the new version. Weights that do not match the digests are refused and the old ones go on
-serving. A formation it could not join is given up: the learner re-forms the group at its next sync.
+The learner announces each broadcast with a manifest (``common/wire/messages.py: WeightManifest``): its version, the
+members of the weight-group formation it goes to, and its buckets' digests. The follower reads the manifests of its
+formation in broadcast order (``RunRecord.formation_manifest``), joins a new formation when one lists this actor, and
+for each broadcast pauses generation (mode ``keep``), receives the buckets, checks them against the manifest's digests
+and loads them; later tokens carry the new version. Weights that do not match the digests are refused and the old ones
+go on serving. A formation it could not join is given up: the learner re-forms the group at its next sync.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import threading
 import time
 from collections.abc import Callable
 
-from common.audit import Audit
-from common.config import RunConfig
-from common.control import ControlPlane
-from common.logs import get_logger
-from common.metrics import ACTOR_WEIGHT_DIGEST_MISMATCHES
-from common.wire import WeightManifest
+from asyncrl.common.config import RunConfig
+from asyncrl.common.observability.audit import Audit
+from asyncrl.common.observability.logs import get_logger
+from asyncrl.common.observability.metrics import ACTOR_WEIGHT_DIGEST_MISMATCHES
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.wire.messages import WeightManifest
 
 log = get_logger("actor")
 

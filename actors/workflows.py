@@ -1,4 +1,5 @@
-"""Rollout workflows: how an actor turns one issued prompt group into a :class:`~common.wire.RolloutGroup`.
+"""Rollout workflows: how an actor turns one issued prompt group into a
+:class:`~asyncrl.common.wire.messages.RolloutGroup`.
 
 A workflow is chosen by ``rollout.workflow`` (a name in :data:`WORKFLOWS`, or an import path
 ``package.module:function`` for your own); it is given the engine as a
@@ -23,8 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 
-from actors.episodes import multi_turn
-from actors.generation import (
+from asyncrl.actors.generation import (
     Generator,
     Response,
     Sampling,
@@ -32,34 +32,33 @@ from actors.generation import (
     rollout_group,
     sampling_for,
 )
-from common.config import ConfigError
-from common.registry import Registry
-from common.wire import PromptGroup, RolloutGroup
+from asyncrl.common.wire.messages import PromptGroup, RolloutGroup
+from asyncrl.common.workflows import WORKFLOWS, check_workflow_name, register_workflow
 
-__all__ = ["Generator", "Response", "Sampling", "WorkflowContext", "register_workflow", "rollout_group", "sampling_for"]
+__all__ = [
+    "WORKFLOWS",
+    "Generator",
+    "Response",
+    "Sampling",
+    "WorkflowContext",
+    "register_workflow",
+    "rollout_group",
+    "sampling_for",
+]
 
 
 Workflow = Callable[[Generator, PromptGroup, WorkflowContext], Awaitable[RolloutGroup]]
-WORKFLOWS: Registry[Workflow] = Registry("rollout workflow")
-"""Rollout workflows by the name ``rollout.workflow`` gives (or an import path ``package.module:function``)."""
-register_workflow = WORKFLOWS.register
 
 
 def check_workflow(name: str) -> Workflow:
     """The workflow ``rollout.workflow`` names; a :class:`ConfigError` naming the registered ones otherwise."""
-    try:
-        return WORKFLOWS.get(name)
-    except ValueError as exc:
-        raise ConfigError(f"rollout.workflow: {exc}") from None
+    check_workflow_name(name)
+    return WORKFLOWS.get(name)
 
 
-@register_workflow("single_turn")
 async def single_turn(engine: Generator, group: PromptGroup, turn: WorkflowContext) -> RolloutGroup:
     """K responses to the group's prompt in one request: the prompt is prefilled once and its KV cache shared."""
     started = time.perf_counter()
     sampling = sampling_for(group, turn, engine.stop_ids)
     responses = await engine.generate(group.prompt_ids.tolist(), sampling, turn.request_id)
     return rollout_group(group, responses, turn, {"generate": time.perf_counter() - started})
-
-
-register_workflow("multi_turn")(multi_turn)

@@ -57,8 +57,8 @@ def reload_seconds(folder: Path, weights_path: Path, repeats: int) -> list[float
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     from vllm import LLM, EngineArgs
 
-    from actors.engine import engine_keywords
-    from common.config import load_config
+    from asyncrl.actors.engine import engine_keywords
+    from asyncrl.common.config import load_config
 
     config = load_config(None, engine_overrides(folder))
     llm = LLM(**engine_keywords(config, EngineArgs, has_gpu=False, extension=EXTENSION))

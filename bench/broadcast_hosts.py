@@ -1,8 +1,8 @@
 """A weight group's broadcast across two hosts against the same on loopback, on one machine.
 
-Two hosts are two Linux network namespaces joined by a veth pair, with addresses (10.78.0.1, 10.78.0.2) that exist
-only inside them; a Redis on the first holds the groups' rendezvous. Two two-rank :class:`common.weights.WeightGroup`
-s are formed through it, as the learner and the actors form theirs:
+Two hosts are two Linux network namespaces joined by a veth pair, with addresses (10.78.0.1, 10.78.0.2) that exist only
+inside them; a Redis on the first holds the groups' rendezvous. Two two-rank
+:class:`asyncrl.common.weights.group.WeightGroup` s are formed through it, as the learner and the actors form theirs:
 
 - ``across_hosts``: rank 0 on the first host, rank 1 on the second, each advertising its address
   (``$ASYNCRL_ADVERTISE_HOST``);
@@ -42,8 +42,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common.deploy import ADVERTISE_ENV  # noqa: E402
-from common.redis_server import find_redis_server  # noqa: E402
+from asyncrl.common.deploy import ADVERTISE_ENV  # noqa: E402
+from asyncrl.common.plane.redis_server import find_redis_server  # noqa: E402
 
 HOSTS = ("10.78.0.1", "10.78.0.2")
 RUN = "bench-broadcast"
@@ -96,7 +96,7 @@ def probe(url_file: str, run: str, epoch: str, rank: str, sizes: str, repeats: s
     """One rank of a two-rank weight group: its self-check seconds and, per size, the median seconds of a broadcast."""
     import torch
 
-    from common.weights import GroupAddress, WeightGroup
+    from asyncrl.common.weights.group import GroupAddress, WeightGroup
 
     url = Path(url_file).read_text().strip()
     group = WeightGroup(GroupAddress(url, run, epoch=int(epoch), rank=int(rank), world_size=2, timeout_s=60))

@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 
-from actors.rewards import get_reward
-from actors.sandbox import isolation
-from common.wire import RolloutGroup
+from asyncrl.common.rewards.functions import get_reward
+from asyncrl.common.rewards.sandbox import isolation
+from asyncrl.common.wire.messages import RolloutGroup
 
 PROGRAM = "```python\ndef add(a, b):\n    return a + b\n```\n"
 TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\n"

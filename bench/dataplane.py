@@ -33,8 +33,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import synthetic
-from common.wire import encode, pack_frames
+from asyncrl.common.tiny_models import synthetic
+from asyncrl.common.wire.messages import encode, pack_frames
 
 BATCH = 16
 MAXLEN = 2000
@@ -48,7 +48,7 @@ def pin(core: int) -> None:
 
 
 def run_producer(endpoint: str, samples: int, tokens: int) -> None:
-    from common.channel import PushChannel
+    from asyncrl.common.transport.channel import PushChannel
 
     pin(0)
     push = PushChannel("bench", hwm=HWM)
@@ -64,10 +64,10 @@ def run_bridge(redis_url: str, endpoint_queue: mp.Queue) -> None:
     """The reward worker's data path with a constant score: PULL, decode, wrap, XADD."""
     import numpy as np
 
-    from common.channel import PullChannel
-    from common.keys import RunKeys, connect
-    from common.replay import ReplayWriter
-    from common.wire import RolloutGroup, ScoredGroup
+    from asyncrl.common.plane.keys import RunKeys, connect
+    from asyncrl.common.plane.replay import ReplayWriter
+    from asyncrl.common.transport.channel import PullChannel
+    from asyncrl.common.wire.messages import RolloutGroup, ScoredGroup
 
     pin(0)
     pull = PullChannel("bench", RolloutGroup, hwm=HWM)
@@ -83,8 +83,8 @@ def run_bridge(redis_url: str, endpoint_queue: mp.Queue) -> None:
 
 def consume(redis_url: str, seconds: float) -> dict[str, float]:
     """Read, decode and acknowledge for ``seconds`` after the first entry arrives."""
-    from common.keys import RunKeys, connect
-    from common.replay import ReplayReader
+    from asyncrl.common.plane.keys import RunKeys, connect
+    from asyncrl.common.plane.replay import ReplayReader
 
     reader = ReplayReader(connect(redis_url), RunKeys("bench"))
     while not reader.read(count=1, block_ms=30_000):
@@ -119,7 +119,7 @@ def measure_pipeline(redis_url: str, seconds: float, samples: int, tokens: int) 
 
 
 def measure_raw_xadd(redis_url: str, seconds: float, blob: bytes, payload: int) -> dict[str, float]:
-    from common.keys import connect
+    from asyncrl.common.plane.keys import connect
 
     client = connect(redis_url)
     key = "asyncrl:bench:raw"
@@ -178,7 +178,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1024, help="tokens per response")
     args = parser.parse_args()
 
-    from common.redis_server import EmbeddedRedis
+    from asyncrl.common.plane.redis_server import EmbeddedRedis
 
     cores = sorted(os.sched_getaffinity(0))
     pin(0)

@@ -6,16 +6,16 @@
    rank 0 (learner/ranks.py) — with one rank (ZeRO-2), then with two ranks under ZeRO-2 and ZeRO-3 (NCCL, one GPU
    each; needs 2 GPUs, else gloo on CPU). Two ranks must equal one within 1e-4: loss and grad norm of each step and
    every weight the broadcaster sends (``params()``, ZeRO-3's bucket-by-bucket gather).
-2. ``weight_group``: :class:`common.weights.WeightGroup` (the learner → actors broadcast) between two processes —
-   NCCL when there are 2 GPUs (NCCL refuses two ranks on one GPU), else gloo — sending ``--mb`` MiB of sealed
-   buckets; the receiver checks every bucket's digest. Prints GB/s.
+2. ``weight_group``: ``WeightGroup`` (``common/weights/group.py``: the learner → actors broadcast) between two
+   processes — NCCL when there are 2 GPUs (NCCL refuses two ranks on one GPU), else gloo — sending ``--mb`` MiB of
+   sealed buckets; the receiver checks every bucket's digest. Prints GB/s.
 3. ``entropy_memory``: the entropy figure every training step reports (``token_entropy_no_grad``, chunked over
    positions) against the differentiable ``token_entropy``, on a Qwen-sized vocabulary (151,936) of bf16 logits on the
    GPU: the values agree, and the chunked one's peak memory above its input stays near one chunk instead of a few
    float32 copies of the logits. Needs one GPU (on CPUs it is ``skipped``).
-4. ``gpu_figures``: the learner's ``gpu/*`` step figures (``common/gpu.py``) read on the device: torch's allocator
-   figures hold a tensor made for the check, and NVML's utilisation and device memory where ``nvidia-ml-py`` is
-   installed. Needs one GPU.
+4. ``gpu_figures``: the learner's ``gpu/*`` step figures (``common/observability/gpu.py``) read on the device: torch's
+   allocator figures hold a tensor made for the check, and NVML's utilisation and device memory where
+   ``nvidia-ml-py`` is installed. Needs one GPU.
 5. ``tensor_parallel``: a vLLM engine with ``rollout.tensor_parallel_size = 2`` whose two workers each join the
    weight group as their own rank; needs vLLM and 2 GPUs (the device image has neither vLLM nor room to carry it),
    so it is reported ``skipped`` with the reason where they are missing.
@@ -68,8 +68,8 @@ def _case(out: Path, zero_stage: int) -> Path:
 def check_learner_ranks(work: Path) -> dict:
     from safetensors.torch import load_file
 
-    from common.tasks import TASK_ALPHABET
-    from common.tiny_model import init_model
+    from asyncrl.common.data.tasks import TASK_ALPHABET
+    from asyncrl.common.tiny_models.character import init_model
 
     gpus = torch.cuda.device_count()
     if 0 < gpus < 2:
@@ -94,7 +94,7 @@ def check_learner_ranks(work: Path) -> dict:
 
 
 def _weight_group_member(rank: int, port: int, backend: str, mb: int, queue) -> None:
-    from common.weights import GroupAddress, WeightGroup, digest_mismatch, pack_sealed
+    from asyncrl.common.weights.group import GroupAddress, WeightGroup, digest_mismatch, pack_sealed
 
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -134,7 +134,7 @@ def _reports(queue, members: list, timeout_s: float) -> list[dict]:
 
 
 def check_weight_group(mb: int) -> dict:
-    from common.redis_server import free_port
+    from asyncrl.common.plane.redis_server import free_port
 
     backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
     context = mp.get_context("spawn")
@@ -195,7 +195,7 @@ def check_entropy_memory(batch: int = 4, positions: int = 1024, vocabulary: int 
 def check_gpu_figures() -> dict:
     if not torch.cuda.is_available():
         return {"skipped": "no GPU"}
-    from common.gpu import gpu_figures
+    from asyncrl.common.observability.gpu import gpu_figures
 
     held = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")  # 256 MiB
     figures = gpu_figures()

@@ -19,8 +19,8 @@ What is the same in all three runs:
   no weight decay, gradient clip, KL 0 (``beta = 0``), clip ε low/high, temperature 1, top-p 1, max new tokens,
   one optimizer step per batch, token-mean loss over the batch (TRL ``loss_type = "dapo"``), advantages
   ``(r − mean) / std`` per group;
-- the reward: asyncrl's verifier (``actors.verifiers.get_verifier(task)``), called by TRL's reward function;
-- the evaluation: the run's ``[eval]`` set (``common.evaluation.eval_examples``: 64 held-out prompts drawn with
+- the reward: asyncrl's verifier (``common.rewards.verifiers.get_verifier(task)``), called by TRL's reward function;
+- the evaluation: the run's ``[eval]`` set (``common.data.evaluation.eval_examples``: 64 held-out prompts drawn with
   ``eval.seed``), greedy, one response each, solved when the reward reaches ``eval.success_threshold``; at step 0,
   every ``--eval-every`` steps and the last. asyncrl evaluates with its own ``[eval]`` rounds (vLLM, greedy, rows
   ``eval/accuracy`` in metrics.jsonl); TRL evaluates with HF ``generate(do_sample=False)`` in a callback.
@@ -124,7 +124,7 @@ THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9)
 
 
 def resolved(overrides: list[str]):
-    from common.config import load_config
+    from asyncrl.common.config import load_config
 
     return load_config(CONFIG, overrides)
 
@@ -191,7 +191,7 @@ def training_prompts(config) -> list[dict[str, str]]:
     """The run's prompt stream as asyncrl's dispatcher draws it (``random.Random(run.seed)``), one step's worth more."""
     import random
 
-    from learner.dispatcher import prompt_source
+    from asyncrl.learner.dispatcher import prompt_source
 
     task, _ = prompt_source(config.task)
     rng = random.Random(config.run.seed)
@@ -203,7 +203,7 @@ def trl_args(config, out: str):
     """GRPOConfig with the asyncrl run's hyper-parameters (see the module docstring)."""
     from trl import GRPOConfig
 
-    from learner.engine import ADAM_BETAS, ADAM_EPS
+    from asyncrl.learner.engine import ADAM_BETAS, ADAM_EPS
 
     clip = config.algorithm.loss_options
     learner, rollout = config.learner, config.rollout
@@ -248,9 +248,9 @@ class TrlRecord:
     stamps the end of every step and evaluates greedily (its time taken off the clock)."""
 
     def __init__(self, config, tokenizer) -> None:
-        from actors.verifiers import get_verifier
-        from common.evaluation import eval_examples, eval_max_new_tokens
-        from common.prompts import Prompter
+        from asyncrl.common.data.evaluation import eval_examples, eval_max_new_tokens
+        from asyncrl.common.data.prompts import Prompter
+        from asyncrl.common.rewards.verifiers import get_verifier
 
         self.config, self.tokenizer = config, tokenizer
         self.verify = get_verifier(config.task.name)
@@ -358,9 +358,9 @@ def parse_split(text: str) -> dict[str, str]:
 def run_asyncrl(tmp: Path, overrides: list[str], staleness: int, threshold: float, name: str = "") -> dict[str, Any]:
     """One asyncrl run (each process pinned to its cores of :data:`SPLIT`) and its figures; ``name``: the run's
     folder under ``tmp`` (default ``asyncrl-staleness-<staleness>``)."""
-    from common.control import ControlPlane
-    from common.keys import connect
-    from common.redis_server import EmbeddedRedis
+    from asyncrl.common.plane.control import ControlPlane
+    from asyncrl.common.plane.keys import connect
+    from asyncrl.common.plane.redis_server import EmbeddedRedis
 
     name = name or f"asyncrl-staleness-{staleness}"
     overrides = [*overrides, f"run.root={tmp}", f"run.name={name}", f"staleness.max_staleness={staleness}"]

@@ -30,10 +30,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.config import load_config
-from common.control import ControlPlane
-from common.keys import connect
-from common.redis_server import EmbeddedRedis
+from asyncrl.common.config import load_config
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.keys import connect
+from asyncrl.common.plane.redis_server import EmbeddedRedis
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent

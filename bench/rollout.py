@@ -29,16 +29,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-from common.channel import PullChannel
-from common.config import load_config
-from common.control import ControlPlane
-from common.keys import connect
-from common.redis_server import EmbeddedRedis
-from common.rendezvous import RedisStore
-from common.seal import run_seal
-from common.tasks import TASK_ALPHABET, get_task, prompt_group
-from common.weights import GroupAddress, WeightGroup, pack_sealed
-from common.wire import Heartbeat, PromptGroup, RolloutGroup, WeightManifest
+from asyncrl.common.config import load_config
+from asyncrl.common.data.tasks import TASK_ALPHABET, get_task, prompt_group
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.keys import connect
+from asyncrl.common.plane.redis_server import EmbeddedRedis
+from asyncrl.common.transport.channel import PullChannel
+from asyncrl.common.weights.group import GroupAddress, WeightGroup, pack_sealed
+from asyncrl.common.weights.rendezvous import RedisStore
+from asyncrl.common.wire.messages import Heartbeat, PromptGroup, RolloutGroup, WeightManifest
+from asyncrl.common.wire.seal import run_seal
 
 RUN = "bench-rollout"
 
@@ -137,7 +137,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from common.tiny_model import init_model
+    from asyncrl.common.tiny_models.character import init_model
 
     with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis") as redis:
         model_dir = init_model(Path(tmp) / "model", alphabet=TASK_ALPHABET, seed=0)

@@ -25,10 +25,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import synthetic
-from common.channel import PullChannel, PushChannel
-from common.seal import Seal
-from common.wire import RolloutGroup, encode
+from asyncrl.common.tiny_models import synthetic
+from asyncrl.common.transport.channel import PullChannel, PushChannel
+from asyncrl.common.wire.messages import RolloutGroup, encode
+from asyncrl.common.wire.seal import Seal
 
 
 def per_group_us(fn, groups: int) -> float:
@@ -59,9 +59,9 @@ def push_pull_us(frames: list, seal: Seal | None, groups: int) -> float:
 
 
 def measure(tokens: int, groups: int, rounds: int) -> dict[str, float]:
-    from common.response_text import ResponseTexts
-    from common.tasks import TASK_ALPHABET
-    from common.tiny_model import build_char_tokenizer
+    from asyncrl.common.data.tasks import TASK_ALPHABET
+    from asyncrl.common.rewards.response_text import ResponseTexts
+    from asyncrl.common.tiny_models.character import build_char_tokenizer
 
     tokenizer = build_char_tokenizer(TASK_ALPHABET)
     group = synthetic.rollout_group(8, tokens, seed=0, vocab_size=len(tokenizer))

@@ -85,14 +85,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 from safetensors.torch import save_file
 
-from bench.bare_reload import engine_overrides
-from common.audit import entry_line
-from common.config import load_config
-from common.control import ControlPlane
-from common.keys import RunKeys, connect
-from common.redis_server import EmbeddedRedis
-from common.rendezvous import RedisStore
-from common.weights import (
+from asyncrl.common.config import load_config
+from asyncrl.common.observability.audit import entry_line
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.keys import RunKeys, connect
+from asyncrl.common.plane.redis_server import EmbeddedRedis
+from asyncrl.common.weights.group import (
     GroupAddress,
     WeightGroup,
     pack_bucket,
@@ -102,7 +100,9 @@ from common.weights import (
     torch_dtype,
     unpack_bucket,
 )
-from common.wire import WeightBucket, WeightManifest
+from asyncrl.common.weights.rendezvous import RedisStore
+from asyncrl.common.wire.messages import WeightBucket, WeightManifest
+from bench.bare_reload import engine_overrides
 
 RUN = "bench-weights"
 SHAPES = {50: (512, 16, 1376), 200: (1024, 16, 2752)}  # hidden, layers, intermediate -> ~50M / ~200M params
@@ -111,8 +111,8 @@ SHAPES = {50: (512, 16, 1376), 200: (1024, 16, 2752)}  # hidden, layers, interme
 def make_model(folder: Path, millions: int) -> dict[str, torch.Tensor]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from common.tasks import TASK_ALPHABET
-    from common.tiny_model import init_model
+    from asyncrl.common.data.tasks import TASK_ALPHABET
+    from asyncrl.common.tiny_models.character import init_model
 
     hidden, layers, intermediate = SHAPES[millions]
     init_model(folder, alphabet=TASK_ALPHABET, hidden=hidden, layers=layers, heads=8, intermediate=intermediate)

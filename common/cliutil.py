@@ -10,7 +10,7 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
-from common.logs import configure
+from asyncrl.common.observability.logs import configure
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
@@ -25,7 +25,7 @@ def load(config_path: Path | None, overrides: list[str] | None, check: Callable[
     ``check`` validates further what the command will use (e.g. the learner's algorithm options against its
     registries); a ``ValueError`` it raises exits the same way, before anything starts.
     """
-    from common.config import ConfigError, load_config
+    from asyncrl.common.config import ConfigError, load_config
 
     try:
         config = load_config(config_path, overrides or [])

@@ -29,7 +29,7 @@ from pydantic import (
     model_validator,
 )
 
-from common.redact import redact
+from asyncrl.common.observability.redact import redact
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -169,7 +169,7 @@ class RolloutSection(Section):
     @field_validator("cpu_threads", "frontend_cpus")
     @classmethod
     def _cpu_list(cls, text: str) -> str:
-        from common.procs import cpu_list
+        from asyncrl.common.observability.procs import cpu_list
 
         if text and not cpu_list(text):
             raise ValueError(f"{text!r} is not a CPU list such as 1, 0-3 or 0,2-3")
@@ -243,8 +243,8 @@ class TaskSection(Section):
 
 
 class EvalSection(Section):
-    """Evaluation during the run on held-out prompts (``common/evaluation.py``): never trained on, scored by the run's
-    reward functions, written as ``eval/*`` rows of metrics.jsonl."""
+    """Evaluation during the run on held-out prompts (``common/data/evaluation.py``): never trained on, scored by the
+    run's reward functions, written as ``eval/*`` rows of metrics.jsonl."""
 
     every: Int = Field(0, ge=0, le=MAX_STEPS)
     """Evaluate the policy of every this many steps (at step 0, every N-th step and the last); 0 = no evaluation."""
@@ -535,7 +535,7 @@ class HealthSection(Section):
 
 class EnvironmentSection(Section):
     name: str = ""
-    """Environment of a ``multi_turn`` workflow (``common/environments.py``): a registered name (``calculator``) or an import path ``package.module:Class``."""  # noqa: E501
+    """Environment of a ``multi_turn`` workflow (``common/environments/protocol.py``): a registered name (``calculator``) or an import path ``package.module:Class``."""  # noqa: E501
     options: dict[str, Any] = Field(default_factory=dict)
     """Settings passed to the environment."""
     max_turns: Int = Field(4, ge=1, le=1000)

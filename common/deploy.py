@@ -17,7 +17,7 @@ the variables listed before them in the container (:data:`POD_INPUTS`: the downw
 
 No secret is ever an argument or an environment value here (DESIGN, "Across hosts"): the Redis URL with its password
 is read from ``--redis-url-file`` (a mounted Secret on Kubernetes), CURVE keys from the files that
-:data:`common.config.HOST_KEY_ENV` variables name, and the Redis password from a file that the Redis role feeds
+:data:`asyncrl.common.config.HOST_KEY_ENV` variables name, and the Redis password from a file that the Redis role feeds
 ``redis-server`` on standard input (``requirepass``), not through ``--requirepass``, which ``ps`` would show.
 No vLLM, DeepSpeed or torch import: the test and a launcher load this in milliseconds.
 """
@@ -29,10 +29,10 @@ import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from common.config import HOST_KEY_ENV
+from asyncrl.common.config import HOST_KEY_ENV
 
 ADVERTISE_ENV = "ASYNCRL_ADVERTISE_HOST"
-"""The address a process puts in its heartbeat for others to reach it (``common/metrics.py``)."""
+"""The address a process puts in its heartbeat for others to reach it (``common/observability/metrics.py``)."""
 _KEY_ENV = {path: var for var, path in HOST_KEY_ENV.items()}  # transport.curve_* field -> its per-host variable
 
 LEARNER_RESUME = """\
@@ -59,7 +59,7 @@ must need no quoting in a Redis config (``openssl rand -hex 32`` makes one)."""
 REDIS_CONF = """\
 # asyncrl's Redis: bound where the run's other hosts reach it (in a pod every interface: who may connect is the
 # NetworkPolicy's business), a password (requirepass, fed on standard input: it is in no file), and AOF so a restart
-# loses nothing (always: everysec lost acknowledged writes on a kill -9 of the server, common/outage.py). Past
+# loses nothing (always: everysec lost acknowledged writes on a kill -9 of the server, common/plane/outage.py). Past
 # maxmemory a write fails loudly (noeviction): nothing of the run is ever evicted.
 bind {bind}
 port {port}
@@ -123,7 +123,7 @@ def learner(site: Site) -> Process:
     torchrun = (
         "torchrun", "--standalone", "--nnodes=1", f"--nproc-per-node={site.nproc}",
         f"--shutdown-timeout={site.shutdown_timeout_s}",
-        "-m", "learner.cli", "train", site.config,
+        "-m", "asyncrl.learner.cli", "train", site.config,
         "--set", f"run.name={site.run}",
         "--set", f"run.root={site.root}",
         "--set", f"monitoring.metrics_port={site.metrics_port}",

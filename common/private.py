@@ -66,7 +66,7 @@ def _narrow(path: Path, mode: int) -> None:
     if found.st_mode & 0o777 == mode:
         return
     if found.st_uid != os.geteuid():  # another user's (a shared mount): only its owner may narrow it
-        from common.logs import get_logger
+        from asyncrl.common.observability.logs import get_logger
 
         if path in _WARNED:
             return

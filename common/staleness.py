@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from common.config import RunConfig
+    from asyncrl.common.config import RunConfig
 
 
 @dataclass(frozen=True)

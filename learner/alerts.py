@@ -1,9 +1,9 @@
 """Alerts on a run's health: rules over each step's metrics row, and their transitions, logged and POSTed.
 
 Each :class:`Rule` judges one metrics.jsonl row plus facts only the loop knows (:class:`ProcessFacts`) and returns a
-:class:`Check`. :class:`Alerts` keeps which alerts are *firing*; only a transition (firing ↔ resolved) is logged,
-passed to the metric callback (``common.metrics.set_alert``) and POSTed to the webhook (:class:`Webhook`, from a
-daemon thread), so a long incident is one line, not one a step. :class:`learner.health.HealthMonitor` feeds it.
+:class:`Check`. :class:`Alerts` keeps which alerts are *firing*; only a transition (firing ↔ resolved) is logged, passed
+to the metric callback (``common.observability.metrics.set_alert``) and POSTed to the webhook (:class:`Webhook`, from a
+daemon thread), so a long incident is one line, not one a step. :class:`asyncrl.learner.health.HealthMonitor` feeds it.
 
 Rules (thresholds in ``[health]``): ``kl_high``, ``grad_norm_high``, ``entropy_collapse``, ``reward_flat``,
 ``reward_errors``, ``stale_drops``, ``actor_lost``, ``learner_starving``; and the two the monitor raises itself,
@@ -24,8 +24,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, Literal
 
-from common.config import HealthSection
-from common.logs import get_logger
+from asyncrl.common.config import HealthSection
+from asyncrl.common.observability.logs import get_logger
 
 log = get_logger("health")
 

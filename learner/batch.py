@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from common.turns import segments
-from common.wire import ScoredGroup
+from asyncrl.common.environments.turns import segments
+from asyncrl.common.wire.messages import ScoredGroup
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,11 @@ staleness floor. One step asks it twice::
 
 An arriving group is judged in this order (:meth:`BatchSource.admit`): a **duplicate** (trained before, or twice
 in this batch: a re-issued group's two copies) is acknowledged; a group that does not answer its id's issue
-record is **refused** (``common/provenance.py``: dead-lettered, its id stays in flight for the real one); a group
+record is **refused** (``common/wire/provenance.py``: dead-lettered, its id stays in flight for the real one); a group
 with a token older than the staleness floor is **stale** and a group with equal rewards under dynamic sampling is
 **zero_variance** — both discarded, so admission releases replacements.
 
-Eval groups (``purpose = "eval"``) are routed to :class:`learner.evaluation.EvalRounds` before any of this: they
+Eval groups (``purpose = "eval"``) are routed to :class:`asyncrl.learner.evaluation.EvalRounds` before any of this: they
 are never admitted, judged stale, counted by admission or trained.
 
 Recovery: entries read and never acknowledged (an earlier learner's, or after a resume those its later steps
@@ -30,20 +30,20 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from common.config import RunConfig
-from common.control import ControlPlane
-from common.dead_letters import dead_letter
-from common.logs import get_logger, worth_logging
-from common.prompt_ledger import Standing
-from common.prompts import Prompter, model_vocab_size
-from common.provenance import episode_tokens, issue_mismatch
-from common.replay import ReplayEntry, ReplayReader
-from common.response_text import ResponseTexts
-from common.staleness import StalenessBound
-from common.wire import Limits, ScoredGroup, encode_blob
-from learner.dispatcher import Dispatcher
-from learner.evaluation import EvalRounds
-from learner.trained import Rewind, TrainedLog, replay_position
+from asyncrl.common.config import RunConfig
+from asyncrl.common.data.prompts import Prompter, model_vocab_size
+from asyncrl.common.observability.logs import get_logger, worth_logging
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.dead_letters import dead_letter
+from asyncrl.common.plane.prompt_ledger import Standing
+from asyncrl.common.plane.replay import ReplayEntry, ReplayReader
+from asyncrl.common.rewards.response_text import ResponseTexts
+from asyncrl.common.staleness import StalenessBound
+from asyncrl.common.wire.messages import Limits, ScoredGroup, encode_blob
+from asyncrl.common.wire.provenance import episode_tokens, issue_mismatch
+from asyncrl.learner.dispatcher import Dispatcher
+from asyncrl.learner.evaluation import EvalRounds
+from asyncrl.learner.trained import Rewind, TrainedLog, replay_position
 
 log = get_logger("learner")
 RECOVER_MAX = 100_000

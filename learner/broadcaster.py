@@ -1,17 +1,16 @@
 """The weight broadcaster: after a step, new weights to every live rollout actor.
 
-Membership is the set of actors whose heartbeat says they are up (not ``starting`` or
-``draining``). When it changes, the group is re-formed under a new epoch at the next sync. A
-formation or broadcast that misses ``weight_sync.timeout_s`` raises inside :class:`WeightGroup`;
-the actors that never announced themselves for the epoch are evicted (left out of the next
-``EVICT_SYNCS`` formations) and the run goes on — nobody waits on a hung actor for longer than
-the timeout, and a failed sync is never announced as done: the version is only bumped after a
-broadcast that every member completed. A member that is gone (its heartbeat expired, e.g. after
-``kill -9``, or it left) is not waited for at all: while the group forms, the learner's rendezvous
-store looks at the registry every :data:`MEMBER_POLL_S` and ends the wait as soon as one is
-(:class:`MemberWatch`), so the formation fails about a heartbeat TTL after the death, not at the timeout. A formation
-that failed is marked given up (:func:`common.weights.abandon_formation`): the members that came stop waiting in its
-rendezvous at once, and join the next one, instead of waiting there for the time limit.
+Membership is the set of actors whose heartbeat says they are up (not ``starting`` or ``draining``). When it changes,
+the group is re-formed under a new epoch at the next sync. A formation or broadcast that misses
+``weight_sync.timeout_s`` raises inside :class:`WeightGroup`; the actors that never announced themselves for the epoch
+are evicted (left out of the next ``EVICT_SYNCS`` formations) and the run goes on — nobody waits on a hung actor for
+longer than the timeout, and a failed sync is never announced as done: the version is only bumped after a broadcast that
+every member completed. A member that is gone (its heartbeat expired, e.g. after ``kill -9``, or it left) is not waited
+for at all: while the group forms, the learner's rendezvous store looks at the registry every :data:`MEMBER_POLL_S` and
+ends the wait as soon as one is (:class:`MemberWatch`), so the formation fails about a heartbeat TTL after the death,
+not at the timeout. A formation that failed is marked given up (:func:`asyncrl.common.weights.group.abandon_formation`):
+the members that came stop waiting in its rendezvous at once, and join the next one, instead of waiting there for the
+time limit.
 
 The broadcaster is the only owner of the transfer in flight and of the version the actors are told:
 
@@ -38,13 +37,12 @@ from datetime import timedelta
 
 import torch
 
-from common.audit import Audit
-from common.config import RunConfig, broadcast_overlaps
-from common.control import ControlPlane
-from common.logs import get_logger
-from common.outage import settling
-from common.rendezvous import RedisStore
-from common.weights import (
+from asyncrl.common.config import RunConfig, broadcast_overlaps
+from asyncrl.common.observability.audit import Audit
+from asyncrl.common.observability.logs import get_logger
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.outage import settling
+from asyncrl.common.weights.group import (
     GroupAddress,
     WeightGroup,
     WeightSyncError,
@@ -54,7 +52,8 @@ from common.weights import (
     plan_buckets,
     seal_buckets,
 )
-from common.wire import WeightManifest, WireError
+from asyncrl.common.weights.rendezvous import RedisStore
+from asyncrl.common.wire.messages import WeightManifest, WireError
 
 log = get_logger("broadcaster")
 EVICT_SYNCS = 5
@@ -93,7 +92,7 @@ class Broadcaster:
     def __init__(self, config: RunConfig, plane: ControlPlane, audit: Audit | None = None) -> None:
         self.config = config
         self.plane = plane
-        self.audit = audit  # records each version sent, with its digest and members (common/audit.py)
+        self.audit = audit  # records each version sent, with its digest and members (common/observability/audit.py)
         # The rendezvous lives in the run's Redis: nothing listens for it, and only the run's processes can join.
         self.store = MemberWatch(plane.client, config.run.name, config.weight_sync.timeout_s, self._members_gone)
         self.backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -219,7 +218,7 @@ class Broadcaster:
         return flats
 
     def _announce(self, manifest: WeightManifest, flats: list[torch.Tensor]) -> float:
-        """Seal the manifest's buckets (each member verifies every one before it loads any: ``common/weights.py``)
+        """Seal the manifest's buckets (each member verifies every one before it loads any: ``common/weights/group.py``)
         and publish it; returns the seconds spent hashing."""
         hashing = time.perf_counter()
         if flats and self.config.weight_sync.digests:

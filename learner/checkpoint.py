@@ -29,12 +29,12 @@ controller, the RNGs, the step. The positions in ``state.json`` (dispatcher coun
 last-delivered id) are a record for people and for a resume into an empty Redis (:meth:`Dispatcher.adopt`).
 
 **Exactly once.** The groups trained after the checkpoint are the only ones whose effect a resume loses; Redis knows
-which they are (:mod:`learner.trained`): their replay entries are acknowledged only once a checkpoint covers them,
-so a resume takes their ids out of the ``done`` set and trains them again from the pending list. Every other group
+which they are (:mod:`asyncrl.learner.trained`): their replay entries are acknowledged only once a checkpoint covers
+them, so a resume takes their ids out of the ``done`` set and trains them again from the pending list. Every other group
 is either in the checkpoint (trained at or before its step) or not trained yet (queued, in flight, or in the stream).
-Resuming from an older checkpoint than the latest, the groups trained between the two were acknowledged by the later
-one and cannot be read again: they are counted lost (``restore_lost`` in the dispatcher's counters) and admission
-releases replacements; the later checkpoints move to ``discarded/`` so that ``latest`` never picks one of them.
+Resuming from an older checkpoint than the latest, the groups trained between the two were acknowledged by the later one
+and cannot be read again: they are counted lost (``restore_lost`` in the dispatcher's counters) and admission releases
+replacements; the later checkpoints move to ``discarded/`` so that ``latest`` never picks one of them.
 """
 
 from __future__ import annotations
@@ -58,14 +58,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from common.config import RunConfig
-from common.logs import get_logger
-from common.private import open_private, private_dir
-from learner import dist, ranks
+from asyncrl.common.config import RunConfig
+from asyncrl.common.observability.logs import get_logger
+from asyncrl.common.private import open_private, private_dir
+from asyncrl.learner import dist, ranks
 
 if TYPE_CHECKING:
-    from learner.critic import ValueEngine
-    from learner.engine import PolicyEngine
+    from asyncrl.learner.critic import ValueEngine
+    from asyncrl.learner.engine import PolicyEngine
 
 log = get_logger("checkpoint")
 

@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from common.logs import get_logger
-from common.private import PRIVATE_UMASK, open_private, private_dir
-from common.procs import child_pids, cpu_list, ended
+from asyncrl.common.observability.logs import get_logger
+from asyncrl.common.observability.procs import child_pids, cpu_list, ended
+from asyncrl.common.private import PRIVATE_UMASK, open_private, private_dir
 
 log = get_logger("launch")
 _PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>

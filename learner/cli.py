@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from common.cliutil import RedisFileOpt, RedisOpt
+from asyncrl.common.cliutil import RedisFileOpt, RedisOpt
 
 if TYPE_CHECKING:
-    from common.config import RunConfig
+    from asyncrl.common.config import RunConfig
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="asyncrl learner: owns the run.")
 
@@ -34,9 +34,9 @@ def resolve(
 ) -> None:
     """Validate a config, write runs/<name>/config.json and (with --redis or --redis-url-file) publish it for
     actors."""
-    from common.cliutil import given_redis_url, load
-    from common.config import write_resolved
-    from learner.preflight import check_config
+    from asyncrl.common.cliutil import given_redis_url, load
+    from asyncrl.common.config import write_resolved
+    from asyncrl.learner.preflight import check_config
 
     resolved = load(config, set_, check=check_config)
     print(resolved.to_json())
@@ -46,8 +46,8 @@ def resolve(
     typer.echo(f"wrote {path}", err=True)
     url = given_redis_url(redis, redis_file) if redis or redis_file else None
     if url:
-        from common.control import ControlPlane
-        from common.keys import connect
+        from asyncrl.common.plane.control import ControlPlane
+        from asyncrl.common.plane.keys import connect
 
         ControlPlane(connect(url), resolved.run.name).run.publish_config(resolved)
         typer.echo(f"published to {url.split('@')[-1]} as run {resolved.run.name!r}", err=True)
@@ -71,9 +71,9 @@ def check_data(
     task.overlong = "skip" leaves out, answers longer than rollout.max_new_tokens, reference answers scoring below
     1.0; --strict fails on them too. Exit 2: a config error (also: not a file task, no such file, no tokenizer at
     model.path)."""
-    from common.cliutil import fail, load
-    from learner import data_check
-    from learner.preflight import check_config
+    from asyncrl.common.cliutil import fail, load
+    from asyncrl.learner import data_check
+    from asyncrl.learner.preflight import check_config
 
     resolved = load(config, set_, check=check_config)
     try:
@@ -106,8 +106,8 @@ def eval_command(
     import subprocess
     import sys
 
-    from common.cliutil import fail, load
-    from learner.checkpoint import CheckpointError, find_checkpoint
+    from asyncrl.common.cliutil import fail, load
+    from asyncrl.learner.checkpoint import CheckpointError, find_checkpoint
 
     resolved = load(config, set_)
     try:
@@ -125,7 +125,7 @@ def fields(
     markdown: Annotated[bool, typer.Option("--markdown", help="Print a Markdown table (the README's).")] = False,
 ) -> None:
     """Print the config reference: every field, its default and its meaning."""
-    from common.config import field_help
+    from asyncrl.common.config import field_help
 
     rows = field_help()
     if as_json:
@@ -162,10 +162,10 @@ def init_model_command(
     --kind agent: a tool-chat model warm-started on calculator episodes over the task's prompts (configs/agent.toml)."""
     import random
 
-    from common.cliutil import fail, load
-    from common.tasks import get_task
-    from common.tiny_model import model_fingerprint
-    from learner.preflight import check_config
+    from asyncrl.common.cliutil import fail, load
+    from asyncrl.common.data.tasks import get_task
+    from asyncrl.common.tiny_models.character import model_fingerprint
+    from asyncrl.learner.preflight import check_config
 
     if kind not in MODEL_KINDS:
         fail(f"--kind must be one of {', '.join(MODEL_KINDS)}, got {kind!r}")
@@ -190,8 +190,8 @@ def init_model_command(
 def _task_model() -> tuple[Callable, Callable]:
     from functools import partial
 
-    from common.tasks import TASK_ALPHABET
-    from common.tiny_model import init_model, warm_start
+    from asyncrl.common.data.tasks import TASK_ALPHABET
+    from asyncrl.common.tiny_models.character import init_model, warm_start
 
     return partial(init_model, alphabet=TASK_ALPHABET), warm_start
 
@@ -199,7 +199,7 @@ def _task_model() -> tuple[Callable, Callable]:
 def _agent_model() -> tuple[Callable, Callable]:
     from functools import partial
 
-    from common.tiny_agent_model import AGENT_WARM_START, init_agent_model, warm_start_calculator
+    from asyncrl.common.tiny_models.agent import AGENT_WARM_START, init_agent_model, warm_start_calculator
 
     return partial(init_agent_model, layers=4), partial(warm_start_calculator, **AGENT_WARM_START)
 
@@ -228,10 +228,10 @@ def train(
     saves a checkpoint and exits 3. --resume of a run whose checkpoint is at learner.steps says it finished and exits 0
     at once.
     With data.source = "preferences": offline DPO on the file data.path (no Redis, no actors)."""
-    from common.cliutil import fail, given_redis_url, load
-    from common.redis_server import EmbeddedRedis
-    from learner.batch_source import NO_ACTORS_EXIT_CODE, NoActorsLeft
-    from learner.preflight import check_config
+    from asyncrl.common.cliutil import fail, given_redis_url, load
+    from asyncrl.common.plane.redis_server import EmbeddedRedis
+    from asyncrl.learner.batch_source import NO_ACTORS_EXIT_CODE, NoActorsLeft
+    from asyncrl.learner.preflight import check_config
 
     resolved = load(config, set_, check=check_config)
     if resolved.data.source == "preferences":
@@ -249,8 +249,8 @@ def train(
     leader = os.environ.get("RANK", "0") == "0"  # rank 0 verifies the checkpoint and hands it on
     checkpoint = _verified_checkpoint(resolved, resume) if resume and leader else None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: rank 0 leads, the others follow
-        from learner import ranks
-        from learner.follower import follow
+        from asyncrl.learner import ranks
+        from asyncrl.learner.follower import follow
 
         ranks.start()
         if not ranks.leading():
@@ -260,9 +260,9 @@ def train(
     memory = resolved.transport.redis_maxmemory_mb
     server = None if url else EmbeddedRedis(resolved.run_dir / "redis", maxmemory_mb=memory).start()
     try:
-        from common.tasks import TaskError
-        from learner.checkpoint import CheckpointError
-        from learner.loop import Learner
+        from asyncrl.common.data.tasks import TaskError
+        from asyncrl.learner.checkpoint import CheckpointError
+        from asyncrl.learner.loop import Learner
 
         try:
             learner = Learner(resolved, url or server.url, resume=checkpoint, profile_step=profile)
@@ -273,8 +273,8 @@ def train(
         typer.echo(f"learner stopped: {exc}", err=True)
         raise typer.Exit(NO_ACTORS_EXIT_CODE) from None
     except Exception as exc:
-        from common.outage import exit_for_outage, outage_in
-        from learner import ranks
+        from asyncrl.common.plane.outage import exit_for_outage, outage_in
+        from asyncrl.learner import ranks
 
         if ranks.leading() and ranks.lost_rank(exc):
             ranks.say_lost(exc)
@@ -290,7 +290,7 @@ def train(
 def _finished_at(resolved: RunConfig, spec: str) -> int | None:
     """The step of the checkpoint ``--resume`` names when the run is done there (at ``learner.steps`` or past it), else
     None (a missing or bad checkpoint is :func:`_verified_checkpoint`'s to report)."""
-    from learner.checkpoint import CheckpointError, checkpoint_step, find_checkpoint
+    from asyncrl.learner.checkpoint import CheckpointError, checkpoint_step, find_checkpoint
 
     try:
         step = checkpoint_step(find_checkpoint(spec, resolved.run_dir / "checkpoints"))
@@ -301,8 +301,8 @@ def _finished_at(resolved: RunConfig, spec: str) -> int | None:
 
 def _verified_checkpoint(resolved: RunConfig, spec: str):
     """The checkpoint ``--resume`` names, every file checked against its manifest; a bad one exits 2 naming the file."""
-    from common.cliutil import fail
-    from learner.checkpoint import CheckpointError, check_world_size, find_checkpoint, open_checkpoint
+    from asyncrl.common.cliutil import fail
+    from asyncrl.learner.checkpoint import CheckpointError, check_world_size, find_checkpoint, open_checkpoint
 
     try:
         checkpoint = open_checkpoint(find_checkpoint(spec, resolved.run_dir / "checkpoints"))
@@ -314,10 +314,10 @@ def _verified_checkpoint(resolved: RunConfig, spec: str):
 
 def _train_offline(resolved: RunConfig) -> None:
     """Offline DPO on the preference file; a bad file or loss option exits with the reason, not a traceback."""
-    from common.cliutil import fail
-    from common.config import ConfigError
-    from learner.dpo import OfflineDPOTrainer
-    from learner.preferences import PreferenceFileError
+    from asyncrl.common.cliutil import fail
+    from asyncrl.common.config import ConfigError
+    from asyncrl.learner.dpo import OfflineDPOTrainer
+    from asyncrl.learner.preferences import PreferenceFileError
 
     try:
         trainer = OfflineDPOTrainer(resolved)
@@ -335,10 +335,10 @@ def make_preferences(
 ) -> None:
     """Write synthetic preference pairs from the config's task: chosen = the right answer, rejected = a wrong one
     (for tests and demos of offline DPO; seeded by run.seed). Train on them with --set data.path=OUT."""
-    from common.cliutil import fail, load
-    from common.tasks import get_task
-    from learner.preferences import write_synthetic_preferences
-    from learner.preflight import check_config
+    from asyncrl.common.cliutil import fail, load
+    from asyncrl.common.data.tasks import get_task
+    from asyncrl.learner.preferences import write_synthetic_preferences
+    from asyncrl.learner.preflight import check_config
 
     # data.path = OUT, so a preferences config (which requires data.path) validates before the file exists.
     resolved = load(config, [*(set_ or []), f"data.path={json.dumps(str(out))}"], check=check_config)
@@ -351,7 +351,7 @@ def make_preferences(
 
 
 def main() -> None:
-    from common.private import private_umask
+    from asyncrl.common.private import private_umask
 
     private_umask()  # what the run writes (checkpoints by DeepSpeed included) is its user's only
     app()

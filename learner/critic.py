@@ -5,15 +5,15 @@ with a scalar head ``nn.Linear(hidden, 1)`` on every position — the usual PPO 
 verl and OpenRLHF build theirs the same way). Started from the policy's checkpoint, its head is zero, so every value
 starts at 0 (a neutral baseline) and the backbone starts from the policy's features.
 
-:class:`ValueEngine` wraps it with ``deepspeed.initialize`` exactly like :class:`learner.engine.PolicyEngine` (same
-DeepSpeed config builder, warm-up schedule and loss convention: a micro-batch's loss is its share of the full-batch
-loss, normalised with global counts; ``backward`` without accumulation scaling, × the data-parallel size). Its
-optimizer settings come from ``[critic]``, falling back to ``[learner]`` (:func:`critic_learner_section`).
+:class:`ValueEngine` wraps it with ``deepspeed.initialize`` exactly like :class:`asyncrl.learner.engine.PolicyEngine`
+(same DeepSpeed config builder, warm-up schedule and loss convention: a micro-batch's loss is its share of the
+full-batch loss, normalised with global counts; ``backward`` without accumulation scaling, × the data-parallel size).
+Its optimizer settings come from ``[critic]``, falling back to ``[learner]`` (:func:`critic_learner_section`).
 
-**Alignment.** ``values[b, t] = V(x[b, :t]) = head(h[b, t−1])``: the value of the state in which token ``t`` is
-chosen, read from the hidden state that has seen the tokens before it. It sits at the same index as that token's
-log-prob in :func:`learner.engine.sequence_logprobs`, so one ``response_mask`` selects both; ``values[:, 0] = 0``
-and ``values[b, t] = 0`` where token ``t`` or ``t−1`` is padding.
+**Alignment.** ``values[b, t] = V(x[b, :t]) = head(h[b, t−1])``: the value of the state in which token ``t`` is chosen,
+read from the hidden state that has seen the tokens before it. It sits at the same index as that token's log-prob in
+:func:`asyncrl.learner.engine.sequence_logprobs`, so one ``response_mask`` selects both; ``values[:, 0] = 0`` and
+``values[b, t] = 0`` where token ``t`` or ``t−1`` is padding.
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from transformers import AutoModel, PreTrainedModel
 
-from common.config import LearnerSection, RunConfig
-from common.logs import get_logger
-from learner.algorithms.aggregations import TokenMeanSettings, token_mean
-from learner.algorithms.types import GlobalCounts
-from learner.algorithms.value import clipped_value_loss
-from learner.engine import DTYPES, Batch, PolicyEngine, StepStats
+from asyncrl.common.config import LearnerSection, RunConfig
+from asyncrl.common.observability.logs import get_logger
+from asyncrl.learner.algorithms.aggregations import TokenMeanSettings, token_mean
+from asyncrl.learner.algorithms.types import GlobalCounts
+from asyncrl.learner.algorithms.value import clipped_value_loss
+from asyncrl.learner.engine import DTYPES, Batch, PolicyEngine, StepStats
 
 log = get_logger("critic")
 
@@ -87,7 +87,8 @@ class ValueModel(nn.Module):
 
 
 def token_values(model: Callable[..., Tensor], input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-    """``values[b, t] = head(h[b, t−1])``, aligned with :func:`learner.engine.sequence_logprobs` (module docstring).
+    """``values[b, t] = head(h[b, t−1])``, aligned with :func:`asyncrl.learner.engine.sequence_logprobs` (module
+    docstring).
 
     Position ids count valid tokens (``cumsum(mask) − 1``), as in ``sequence_logprobs``, so left and right padding
     give the same values. Shapes: ``[B, T]`` ids and mask → ``[B, T]`` float32; differentiable unless under no_grad.
@@ -105,7 +106,8 @@ def token_values(model: Callable[..., Tensor], input_ids: Tensor, attention_mask
 
 
 def critic_learner_section(config: RunConfig) -> LearnerSection:
-    """``[learner]`` with the critic's own settings in place: what :func:`learner.engine.deepspeed_config` reads.
+    """``[learner]`` with the critic's own settings in place: what :func:`asyncrl.learner.engine.deepspeed_config`
+    reads.
 
     ``lr`` is the critic's; ``precision``, ``zero_stage``, ``offload`` and ``micro_batch_size`` are the critic's when
     set, else the learner's; warm-up, weight decay and gradient clip are always the learner's.

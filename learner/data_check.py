@@ -1,7 +1,7 @@
 """``rl-learner check-data``: a run's data file checked as the run will read it, before GPU hours are spent.
 
-Every row goes through the run's own checks — the row's keys and UTF-8 (``common.tasks``), the chat template,
-characters the tokenizer cannot encode and the prompt's token count (``common.prompts.Prompter``) — but where the
+Every row goes through the run's own checks — the row's keys and UTF-8 (``common.data.tasks``), the chat template,
+characters the tokenizer cannot encode and the prompt's token count (``common.data.prompts.Prompter``) — but where the
 run refuses the whole file at its first bad row, this collects every one. Then, over the rows those checks accept::
 
     prompt tokens     the prompt as the dispatcher encodes it (chat template, special tokens once)
@@ -13,8 +13,8 @@ run refuses the whole file at its first bad row, this collects every one. Then, 
     unknown           each character the tokenizer can only map to its unknown token, and its rows (refused)
     self-check        verify(answer, answer) with the verifier the run's ``task`` reward function binds
 
-Min, median, p95 and max are by nearest rank. A JSONL file is read here line by line, so that every line that does
-not parse is named; Parquet and ``save_to_disk`` folders are read by ``common.tasks.read_rows`` (pyarrow parses them
+Min, median, p95 and max are by nearest rank. A JSONL file is read here line by line, so that every line that does not
+parse is named; Parquet and ``save_to_disk`` folders are read by ``common.data.tasks.read_rows`` (pyarrow parses them
 whole; its one refusal, a string that is not UTF-8, names the first such row only).
 
 What exits 1 (:func:`failures`): what the run would refuse — a refused row, a prompt too long under
@@ -32,18 +32,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-# common.tasks reads and checks rows for the run, stopping at the first bad one; its per-row checks are used here
+# common.data.tasks reads and checks rows for the run, stopping at the first bad one; its per-row checks are used here
 # row by row, so that check-data and the run cannot disagree about a row.
-from common.tasks import TaskExample, TaskFileError, _example, _Keys, _prompt_tokens, json_row, jsonl_lines, read_rows
+from asyncrl.common.data.tasks import (
+    TaskExample,
+    TaskFileError,
+    _example,
+    _Keys,
+    _prompt_tokens,
+    json_row,
+    jsonl_lines,
+    read_rows,
+)
 
 if TYPE_CHECKING:
-    from common.config import RunConfig
-    from common.prompts import Prompter
+    from asyncrl.common.config import RunConfig
+    from asyncrl.common.data.prompts import Prompter
 
 MAX_LISTED = 10
 """Rows named per finding in the text report (``--json`` lists all)."""
 
-# Properties of built-in verifiers that actors/verifiers.py does not declare, so they are kept here by name.
+# Properties of built-in verifiers that common/rewards/verifiers.py does not declare, so they are kept here by name.
 NOT_RUN = {"code_tests": "its reference answer is the tests a program must pass; checking it would run the sandbox"}
 """Verifiers the self-check does not call, and why."""
 NOT_A_RESPONSE = {
@@ -143,8 +152,8 @@ def check_run_data(config: RunConfig) -> Report:
     Raises :class:`DataCheckError` when it cannot be: the task is not a file, the file or the tokenizer is missing,
     or the prompt settings do not fit the tokenizer (``task.chat = true`` without a template).
     """
-    from common.prompts import Prompter, PromptError
-    from learner.dispatcher import task_options
+    from asyncrl.common.data.prompts import Prompter, PromptError
+    from asyncrl.learner.dispatcher import task_options
 
     if config.task.name != "file":
         raise DataCheckError(
@@ -176,8 +185,8 @@ def check_eval_data(config: RunConfig) -> Report | None:
 
 
 def as_eval_run(config: RunConfig) -> RunConfig:
-    """``config`` with its ``[task]`` reading the eval file as evaluation reads it (``common/evaluation.py``)."""
-    from common.evaluation import eval_max_new_tokens
+    """``config`` with its ``[task]`` reading the eval file as evaluation reads it (``common/data/evaluation.py``)."""
+    from asyncrl.common.data.evaluation import eval_max_new_tokens
 
     section, task = config.eval, config.task
     keys = {"prompt_key": section.prompt_key or task.prompt_key, "answer_key": section.answer_key or task.answer_key}
@@ -197,12 +206,10 @@ def _tokenizer(model_path: str) -> Any:
 
 def run_verifiers(config: RunConfig) -> list[tuple[str, Callable[[str, str], float]]]:
     """``(verifier name, verify)`` of each ``task`` reward function, bound from the config as the reward workers
-    bind it (:func:`actors.rewards.bind_functions`)."""
-    # DESIGN: learner/ and actors/ do not import each other. Like check_config (learner/preflight.py), whose lazy import
-    # this repeats, the self-check reaches actors.rewards inside the command: it must run the very verifier the reward
-    # workers bind from this config, and no copy of the verifiers lives in common/.
-    from actors.rewards import bind_functions, task_verifier
-    from common.tasks import task_label
+    bind it (:func:`asyncrl.common.rewards.functions.bind_functions`)."""
+    # The very verifier the reward workers bind from this config: the check runs it on the data's own answers.
+    from asyncrl.common.data.tasks import task_label
+    from asyncrl.common.rewards.functions import bind_functions, task_verifier
 
     functions = [f for f in config.reward.functions if f.name == "task"]
     bound = bind_functions(functions, task_label(config.task)) if functions else []
@@ -217,7 +224,7 @@ def check_file(
 ) -> Report:
     """Every row of the run's data file through the run's checks, under ``prompter``; ``answer_tokens`` counts a
     reference answer's tokens as a response, ``verifiers`` are the run's (:func:`run_verifiers`)."""
-    from learner.dispatcher import task_options
+    from asyncrl.learner.dispatcher import task_options
 
     options = task_options(config.task)
     report = Report(
@@ -292,8 +299,8 @@ def file_rows(path: Path, split: str = "") -> tuple[list[tuple[str, Any]], list[
     """``(rows, unreadable)``: ``(where, row)`` of every row that parses, and ``(where, reason)`` of every one that
     does not (``where`` = ``file`` when the file cannot be read at all).
 
-    A JSONL file is read here line by line, as :func:`common.tasks.read_rows` reads it (with its reasons), since that
-    stops at the first bad line; a table (Parquet, ``save_to_disk``) is read by ``read_rows`` itself.
+    A JSONL file is read here line by line, as :func:`asyncrl.common.data.tasks.read_rows` reads it (with its reasons),
+    since that stops at the first bad line; a table (Parquet, ``save_to_disk``) is read by ``read_rows`` itself.
     """
     if split or path.is_dir() or path.suffix.lower() in (".parquet", ".pq"):
         try:

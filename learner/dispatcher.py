@@ -1,6 +1,6 @@
 """Prompt admission for the learner: releases prompt groups under the staleness bound, re-issues lost ones.
 
-Admission control (:class:`common.staleness.StalenessBound`, the one staleness rule of a run)::
+Admission control (:class:`asyncrl.common.staleness.StalenessBound`, the one staleness rule of a run)::
 
     released_total = distinct groups ever released − groups counted lost − groups discarded
     release(v)     releases max(0, capacity(v) − released_total) new groups
@@ -13,7 +13,7 @@ and, trained roughly in release order, lands in a batch no later than step v + m
 ``max_staleness = 0`` at most (v + 1) × groups_per_step groups exist at version v — the batch of step v is
 released only once v is reached: exactly synchronous on-policy training.
 
-State lives in Redis under the run's namespace (:class:`common.control.RunKeys`), so a restarted learner
+State lives in Redis under the run's namespace (:class:`asyncrl.common.plane.control.RunKeys`), so a restarted learner
 carries on: the ledger (``inflight``: issue time, version, holder, attempts), the payload of every group in
 flight (``groups``, for re-issue), the counters (``dispatch``: ``created`` numbers group ids and positions the
 prompt stream, ``released`` is ``released_total``) and the ids of completed groups (``done``).
@@ -33,23 +33,23 @@ import random
 import time
 from collections.abc import Callable, Collection, Iterable
 
-from common.config import RunConfig, TaskSection
-from common.control import ControlPlane
-from common.logs import get_logger
-from common.metrics import (
+from asyncrl.common.config import RunConfig, TaskSection
+from asyncrl.common.data.prompts import Prompter
+from asyncrl.common.data.tasks import Task, check_task_options, get_task, prompt_group, task_label
+from asyncrl.common.observability.logs import get_logger
+from asyncrl.common.observability.metrics import (
     DISPATCHER_DUPLICATE_GROUPS,
     DISPATCHER_LOST_GROUPS,
     DISPATCHER_REISSUED_GROUPS,
     DISPATCHER_RELEASED_GROUPS,
     DISPATCHER_SKIPPED_ROWS,
 )
-from common.outage import outage_clock
-from common.prompt_ledger import LedgerEntry, Standing
-from common.prompts import Prompter
-from common.seal import numbered_group_id, run_secret
-from common.staleness import StalenessBound
-from common.tasks import Task, check_task_options, get_task, prompt_group, task_label
-from common.wire import PromptGroup
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.outage import outage_clock
+from asyncrl.common.plane.prompt_ledger import LedgerEntry, Standing
+from asyncrl.common.staleness import StalenessBound
+from asyncrl.common.wire.messages import PromptGroup
+from asyncrl.common.wire.seal import numbered_group_id, run_secret
 
 log = get_logger("dispatcher")
 MAX_ATTEMPTS = 2
@@ -57,7 +57,7 @@ MAX_ATTEMPTS = 2
 
 
 def prompt_source(section: TaskSection) -> tuple[Task, str]:
-    """The run's task and the name its groups carry (:func:`common.tasks.task_label`: its verifier)."""
+    """The run's task and the name its groups carry (:func:`asyncrl.common.data.tasks.task_label`: its verifier)."""
     return get_task(section.name, **task_options(section)), task_label(section)
 
 
@@ -111,7 +111,8 @@ class Dispatcher:
     """Releases prompt groups into the run's prompt queue under admission control and tracks them.
 
     ``prompter`` makes each prompt (chat template, special tokens) and its token ids, once
-    (:class:`common.prompts.Prompter`); a plain ``encode`` function (text → ids) stands for one without a template.
+    (:class:`asyncrl.common.data.prompts.Prompter`); a plain ``encode`` function (text → ids) stands for one without a
+    template.
     """
 
     def __init__(self, config: RunConfig, plane: ControlPlane, prompter: Prompter | Callable[[str], list[int]]) -> None:
@@ -172,7 +173,7 @@ class Dispatcher:
 
     def group_id(self, number: int) -> str:
         """The id of the run's ``number``-th group: unique within the run, across learner restarts, and ending in a tag
-        keyed by the run secret (``common/seal.py: group_tag``), so that nobody outside the run can predict it."""
+        keyed by the run secret (``common/wire/seal.py: group_tag``), so that nobody outside the run can predict it."""
         return numbered_group_id(self.config.run.name, number, self._secret)
 
     def _new_groups(self, first: int, count: int, version: int) -> list[PromptGroup]:
@@ -223,7 +224,7 @@ class Dispatcher:
 
         A Redis restart re-issues nothing by itself: for a heartbeat TTL after Redis came back, holders whose
         heartbeat expired while it was down are not judged yet, and the time it was down does not count against
-        the deadline (``common/outage.py``).
+        the deadline (``common/plane/outage.py``).
         """
         now = time.time() if now is None else now
         live: set[str] | None = {heartbeat.process_id for heartbeat in self.plane.registry.processes()[0]}

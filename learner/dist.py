@@ -67,7 +67,7 @@ def init_distributed(timeout: timedelta = DEFAULT_TIMEOUT) -> str:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if os.environ["WORLD_SIZE"] == "1":
         _init_one_rank(backend, timeout)  # DeepSpeed then wraps this group
-    from learner.jit_lock import clear_stale_locks, prefer_environment_ninja
+    from asyncrl.learner.jit_lock import clear_stale_locks, prefer_environment_ninja
 
     prefer_environment_ninja()  # one ninja builds the ops (offload's cpu_adam): another's build log would rebuild
     clear_stale_locks()  # a dead build's lock would make the next build wait forever

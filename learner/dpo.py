@@ -29,13 +29,13 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from common.config import ConfigError, RunConfig, write_resolved
-from common.logs import get_logger
-from learner import dist
-from learner.algorithms import GlobalCounts, LossInput
-from learner.algorithms.assembly import assemble
-from learner.engine import Batch, PolicyEngine, ReferenceModel, reference_precision, split_micro_batches
-from learner.preferences import EncodedPair, PreferenceFileError, collate_pairs, encode_pairs, read_preferences
+from asyncrl.common.config import ConfigError, RunConfig, write_resolved
+from asyncrl.common.observability.logs import get_logger
+from asyncrl.learner import dist
+from asyncrl.learner.algorithms import GlobalCounts, LossInput
+from asyncrl.learner.algorithms.assembly import assemble
+from asyncrl.learner.engine import Batch, PolicyEngine, ReferenceModel, reference_precision, split_micro_batches
+from asyncrl.learner.preferences import EncodedPair, PreferenceFileError, collate_pairs, encode_pairs, read_preferences
 
 log = get_logger("dpo")
 

@@ -13,9 +13,9 @@ DeepSpeed's division by the accumulation steps, and multiplies by the data-paral
 (not sums) gradients over ranks. One rank with one micro-batch, one rank with many, and many ranks all give the same
 gradient — ``tests/integration/test_learner_engine.py`` checks it.
 
-DeepSpeed is imported through :mod:`learner.dist` (its accelerator is fixed at first import). Before DeepSpeed builds
-or loads a JIT-compiled op, a build lock that a killed process left in torch's extension cache is cleared
-(:mod:`learner.jit_lock`): otherwise the build waits for it forever.
+DeepSpeed is imported through :mod:`asyncrl.learner.dist` (its accelerator is fixed at first import). Before DeepSpeed
+builds or loads a JIT-compiled op, a build lock that a killed process left in torch's extension cache is cleared
+(:mod:`asyncrl.learner.jit_lock`): otherwise the build waits for it forever.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM
 
-from common.config import LearnerSection, RunConfig
-from learner import dist
-from learner.health import step_is_finite
-from learner.jit_lock import clear_stale_locks, prefer_environment_ninja
+from asyncrl.common.config import LearnerSection, RunConfig
+from asyncrl.learner import dist
+from asyncrl.learner.health import step_is_finite
+from asyncrl.learner.jit_lock import clear_stale_locks, prefer_environment_ninja
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ADAM_BETAS = (0.9, 0.999)
@@ -75,10 +75,10 @@ def sequence_logprobs_and_entropy(
     temperature: float = 1.0,
     entropy_grad: bool = True,
 ) -> tuple[Tensor, Tensor]:
-    """:func:`sequence_logprobs` and, at the same positions, the entropy −Σ_v p_v log p_v of the distribution each
-    token was drawn from (:func:`learner.algorithms.entropy.token_entropy`; 0 where the log-prob is 0). One forward.
+    """:func:`sequence_logprobs` and, at the same positions, the entropy −Σ_v p_v log p_v of the distribution each token
+    was drawn from (:func:`asyncrl.learner.algorithms.entropy.token_entropy`; 0 where the log-prob is 0). One forward.
     ``entropy_grad=False``: the entropy without a graph, a chunk of positions at a time (a figure, not a loss term)."""
-    from learner.algorithms.entropy import token_entropy, token_entropy_no_grad
+    from asyncrl.learner.algorithms.entropy import token_entropy, token_entropy_no_grad
 
     logits, valid = _next_token_logits(model, input_ids, attention_mask, temperature)
     per_token = token_entropy(logits) if entropy_grad else token_entropy_no_grad(logits)
@@ -341,7 +341,7 @@ class PolicyEngine:
         ``lm_head.weight``; a tied weight appears once, as in ``save_pretrained``). ``dtype`` defaults to
         ``config.model.dtype``, the actors' dtype. ZeRO 0–2 keep whole parameters on every rank: the tensors are
         detached views of the live weights on the engine's device (no copy; copy before the next ``train_step``
-        when sending in the background — ``common.weights.pack_bucket`` does). ZeRO-3: collective; parameters are
+        when sending in the background — ``common.weights.group.pack_bucket`` does). ZeRO-3: collective; parameters are
         all-gathered ``ZERO3_GATHER_NUMEL`` elements at a time with ``deepspeed.zero.GatheredParameters`` and
         rank 0 keeps CPU copies, so no rank ever holds the whole model on its device at once.
         """

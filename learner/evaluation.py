@@ -1,5 +1,5 @@
-"""The learner's eval rounds: issue the held-out prompts every ``eval.every`` steps, collect their scored groups
-apart from training, and write ``eval/*`` rows (what an eval group is and how it travels: ``common/evaluation.py``).
+"""The learner's eval rounds: issue the held-out prompts every ``eval.every`` steps, collect their scored groups apart
+from training, and write ``eval/*`` rows (what an eval group is and how it travels: ``common/data/evaluation.py``).
 
 :class:`EvalRounds` is owned by the batch source, which hands it every replay entry marked ``purpose = "eval"``
 before admission — so no eval group is ever judged by the staleness floor, counted by admission or trained::
@@ -23,16 +23,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import metrics as m
-from common.config import RunConfig
-from common.control import ControlPlane
-from common.evaluation import eval_examples, eval_groups, round_figures
-from common.logs import get_logger, worth_logging
-from common.prompts import Prompter
-from common.provenance import episode_tokens, issue_mismatch
-from common.replay import ReplayEntry, ReplayReader
-from common.seal import run_secret
-from common.wire import PromptGroup, ScoredGroup
+from asyncrl.common.config import RunConfig
+from asyncrl.common.data.evaluation import eval_examples, eval_groups, round_figures
+from asyncrl.common.data.prompts import Prompter
+from asyncrl.common.observability import metrics as m
+from asyncrl.common.observability.logs import get_logger, worth_logging
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.replay import ReplayEntry, ReplayReader
+from asyncrl.common.wire.messages import PromptGroup, ScoredGroup
+from asyncrl.common.wire.provenance import episode_tokens, issue_mismatch
+from asyncrl.common.wire.seal import run_secret
 
 log = get_logger("eval")
 SHOWN_ROUNDS = 8

@@ -1,5 +1,5 @@
 """A follower rank's whole life (ranks 1…N−1 of a learner): the same engines as rank 0's, driven by the commands rank 0
-leads on the rank channel (:mod:`learner.ranks`, which lists them) until ``stop``.
+leads on the rank channel (:mod:`asyncrl.learner.ranks`, which lists them) until ``stop``.
 
 It lives apart from the channel because it needs the engines (``learner/update.py``, ``learner/checkpoint.py``),
 which themselves lead commands through the channel.
@@ -12,16 +12,16 @@ from typing import TYPE_CHECKING
 
 from transformers import AutoTokenizer
 
-from common.logs import get_logger
-from learner import dist
-from learner.algorithms.assembly import assemble
-from learner.checkpoint import Checkpointer, restore_rng
-from learner.health import scale_lr_schedule
-from learner.ranks import lost_rank, receive, say_lost
-from learner.update import PolicyUpdate
+from asyncrl.common.observability.logs import get_logger
+from asyncrl.learner import dist
+from asyncrl.learner.algorithms.assembly import assemble
+from asyncrl.learner.checkpoint import Checkpointer, restore_rng
+from asyncrl.learner.health import scale_lr_schedule
+from asyncrl.learner.ranks import lost_rank, receive, say_lost
+from asyncrl.learner.update import PolicyUpdate
 
 if TYPE_CHECKING:
-    from common.config import RunConfig
+    from asyncrl.common.config import RunConfig
 
 log = get_logger("learner")
 

@@ -1,7 +1,7 @@
 """Stale build locks of torch's JIT extension cache, found before DeepSpeed builds or loads its ops.
 
 DeepSpeed compiles its small ops (``cpu_adam`` for optimizer offload; the learner skips the CPU shared-memory
-collective, :func:`learner.dist.skip_shared_memory_collective`) with
+collective, :func:`asyncrl.learner.dist.skip_shared_memory_collective`) with
 ``torch.utils.cpp_extension.load`` on first use. torch serialises builds with a ``torch.utils.file_baton.FileBaton``:
 the builder creates ``<extensions dir>/<op>/lock`` with ``O_EXCL``, runs ``ninja`` in that folder, and deletes the
 file; everyone else polls until the file is gone, with no timeout. The file holds no process id, so a learner killed
@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from common.logs import get_logger
+from asyncrl.common.observability.logs import get_logger
 
 log = get_logger("learner")
 

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 if TYPE_CHECKING:
-    from common.config import RunConfig
-    from common.redis_server import EmbeddedRedis
+    from asyncrl.common.config import RunConfig
+    from asyncrl.common.plane.redis_server import EmbeddedRedis
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="asyncrl local launcher.")
 
@@ -45,13 +45,13 @@ def _run_redis(
 ) -> Iterator[tuple[RunConfig, EmbeddedRedis, list[str]]]:
     """Resolve the config, start the run's embedded Redis, publish the config; stop Redis on exit. Yields the
     config, the server and the overrides in force (with ``curve``, the generated keys' settings added)."""
-    from common.cliutil import fail, load
-    from common.config import write_resolved
-    from common.control import ControlPlane
-    from common.keys import connect
-    from common.private import private_dir
-    from common.redis_server import EmbeddedRedis, EmbeddedRedisError
-    from learner.preflight import check_config
+    from asyncrl.common.cliutil import fail, load
+    from asyncrl.common.config import write_resolved
+    from asyncrl.common.plane.control import ControlPlane
+    from asyncrl.common.plane.keys import connect
+    from asyncrl.common.plane.redis_server import EmbeddedRedis, EmbeddedRedisError
+    from asyncrl.common.private import private_dir
+    from asyncrl.learner.preflight import check_config
 
     overrides = list(overrides or [])
     if curve:
@@ -75,7 +75,7 @@ def _curve_overrides(resolved: RunConfig) -> list[str]:
     """The run's CURVE keys (made in ``runs/<name>/keys/`` the first time) as ``--set`` overrides."""
     import json
 
-    from common.channel import create_run_keys
+    from asyncrl.common.transport.channel import create_run_keys
 
     folder = resolved.run_dir / "keys"
     settings = (
@@ -96,7 +96,7 @@ def keys(folder: Annotated[Path, typer.Argument(help="Folder for the keys (creat
     """Make CURVE keys for a run: the reward workers' server pair, a client pair for the actors, and the folder of
     authorised client keys; prints the settings that use them. Add a client by putting its public key file into
     the authorised folder."""
-    from common.channel import create_run_keys
+    from asyncrl.common.transport.channel import create_run_keys
 
     for key, value in create_run_keys(folder).items():
         print(f"--set {key}={value}")
@@ -137,8 +137,8 @@ def run(
     """Start embedded Redis, the learner, rollout actors and reward workers; show progress; Ctrl-C stops all
     (the learner saves a checkpoint first). A redis-server that dies is started again on its AOF, with the same
     port and password, while the other processes wait for it (transport.redis_outage_s)."""
-    from common.cliutil import fail
-    from learner.children import Children, parse_pins
+    from asyncrl.common.cliutil import fail
+    from asyncrl.learner.children import Children, parse_pins
 
     try:
         pins = parse_pins(pin or [])
@@ -157,8 +157,8 @@ def run(
 
 def _checkpoint_folder(resolved: RunConfig, spec: str) -> Path:
     """The checkpoint ``--resume`` names, found before anything starts (the learner verifies its files)."""
-    from common.cliutil import fail
-    from learner.checkpoint import CheckpointError, find_checkpoint
+    from asyncrl.common.cliutil import fail
+    from asyncrl.learner.checkpoint import CheckpointError, find_checkpoint
 
     try:
         return find_checkpoint(spec, resolved.run_dir / "checkpoints")
@@ -170,8 +170,8 @@ def _run_children(children, resolved, server, config, overrides, counts, learner
     import os
     import sys
 
-    from learner.batch_source import NO_ACTORS_EXIT_CODE
-    from learner.children import Progress, tail_metrics, why_it_failed
+    from asyncrl.learner.batch_source import NO_ACTORS_EXIT_CODE
+    from asyncrl.learner.children import Progress, tail_metrics, why_it_failed
 
     bin_dir = Path(sys.executable).parent
     # The URL holds the Redis password: children read it from the server's 0600 file, never from argv (ps shows argv).
@@ -225,7 +225,7 @@ def _run_children(children, resolved, server, config, overrides, counts, learner
 
 
 OUTAGE_EXIT_CODE = 75
-"""A child's exit status when Redis stayed down past ``transport.redis_outage_s`` (``common/outage.py``)."""
+"""A child's exit status when Redis stayed down past ``transport.redis_outage_s`` (``common/plane/outage.py``)."""
 
 
 def _serve(server: EmbeddedRedis, resolved: RunConfig) -> int:
@@ -246,7 +246,7 @@ def _serve(server: EmbeddedRedis, resolved: RunConfig) -> int:
 
 
 def main() -> None:
-    from common.private import private_umask
+    from asyncrl.common.private import private_umask
 
     private_umask()  # the run's files are its user's only, its children's too (they inherit it)
     app()

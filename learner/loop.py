@@ -13,10 +13,10 @@ and every ``checkpoint.every`` steps, at the end and on SIGTERM, :meth:`RunState
 With ``[eval]``, the batch source issues and records eval rounds on the way (``learner/evaluation.py``) and, at the
 end, waits for the last one.
 
-Staleness (:class:`common.staleness.StalenessBound`): a group whose oldest token is older than
+Staleness (:class:`asyncrl.common.staleness.StalenessBound`): a group whose oldest token is older than
 ``v − max_staleness`` is dropped and counted; admission control makes that rare. Replay entries are acknowledged
 only after the step that used them has been applied — with periodic checkpoints, only once a checkpoint holds
-that step (:mod:`learner.trained`) — so a learner crash re-reads them, and a resume trains them again.
+that step (:mod:`asyncrl.learner.trained`) — so a learner crash re-reads them, and a resume trains them again.
 
 Resume (``--resume``): the checkpoint's weights, optimizer, KL coefficient and RNGs come back, the groups
 trained after it are trained again, metrics.jsonl is cut back to its step (later lines move to
@@ -33,21 +33,21 @@ import signal
 import threading
 import time
 
-from common.config import RunConfig, write_resolved
-from common.control import ControlPlane
-from common.keys import connect
-from common.logs import get_logger
-from common.metrics import set_alert
-from learner import ranks
-from learner.algorithms.assembly import assemble
-from learner.batch_source import BatchSource, NoActorsLeft, StepInterrupted
-from learner.broadcaster import Broadcaster
-from learner.checkpoint import Checkpoint
-from learner.health import HealthMonitor
-from learner.profile import profiled
-from learner.recorder import Recorder, StepRecord
-from learner.run_state import RunState
-from learner.update import PolicyUpdate
+from asyncrl.common.config import RunConfig, write_resolved
+from asyncrl.common.observability.logs import get_logger
+from asyncrl.common.observability.metrics import set_alert
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.keys import connect
+from asyncrl.learner import ranks
+from asyncrl.learner.algorithms.assembly import assemble
+from asyncrl.learner.batch_source import BatchSource, NoActorsLeft, StepInterrupted
+from asyncrl.learner.broadcaster import Broadcaster
+from asyncrl.learner.checkpoint import Checkpoint
+from asyncrl.learner.health import HealthMonitor
+from asyncrl.learner.profile import profiled
+from asyncrl.learner.recorder import Recorder, StepRecord
+from asyncrl.learner.run_state import RunState
+from asyncrl.learner.update import PolicyUpdate
 
 log = get_logger("learner")
 
@@ -72,7 +72,7 @@ class Learner:
         self.broadcaster = Broadcaster(config, self.plane, self.recorder.audit)
         version = self.plane.run.version()
         # The newest version an actor can hold: after a resume, actors may still hold the discarded steps' versions.
-        # A bad data file (common.tasks.TaskFileError) fails here, before DeepSpeed starts.
+        # A bad data file (common.data.tasks.TaskFileError) fails here, before DeepSpeed starts.
         self.batches = BatchSource(config, self.plane, tokenizer, max(version, self.broadcaster.newest_version))
         self.update = PolicyUpdate(config, algorithm, tokenizer.pad_token_id or 0)
         self.state = RunState(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from common.config import RunConfig
+from asyncrl.common.config import RunConfig
 
 LENGTH_KEYS = (
     "max_position_embeddings",
@@ -67,19 +67,19 @@ def check_model_context(config: RunConfig) -> None:
 
 def check_config(config: RunConfig) -> None:
     """What every ``rl-learner`` command checks before it starts anything: the algorithm's names and options
-    (:func:`learner.algorithms.assembly.assemble`), the task's (:func:`learner.dispatcher.check_task`) and the
-    verifier of each ``task`` reward function with its options (:func:`actors.rewards.check_verifiers`), the rollout
-    workflow (:func:`actors.workflows.check_workflow`), and ``model.max_model_len`` against the model folder's context
-    (:func:`check_model_context`). Raises ``ValueError``."""
-    from actors.rewards import check_verifiers
-    from actors.workflows import check_workflow
-    from common.tasks import task_label
-    from learner.algorithms.assembly import assemble
-    from learner.dispatcher import check_task
+    (:func:`asyncrl.learner.algorithms.assembly.assemble`), the task's (:func:`asyncrl.learner.dispatcher.check_task`)
+    and the verifier of each ``task`` reward function with its options (``common/rewards/functions.py:
+    check_verifiers``), the rollout workflow's name (``common/workflows.py``), and ``model.max_model_len`` against the
+    model folder's context (:func:`check_model_context`). Raises ``ValueError``."""
+    from asyncrl.common.data.tasks import task_label
+    from asyncrl.common.rewards.functions import check_verifiers
+    from asyncrl.common.workflows import check_workflow_name
+    from asyncrl.learner.algorithms.assembly import assemble
+    from asyncrl.learner.dispatcher import check_task
 
     assemble(config)
     check_task(config.task)
-    check_workflow(config.rollout.workflow)
+    check_workflow_name(config.rollout.workflow)
     check_verifiers(config.reward.functions, task_label(config.task))
     check_model_context(config)
     check_episodes(config)
@@ -87,11 +87,11 @@ def check_config(config: RunConfig) -> None:
 
 def check_episodes(config: RunConfig) -> None:
     """A ``multi_turn`` run's environment resolves, and the model's chat template can carry its episodes as appended
-    tokens (:class:`common.turns.TurnEncoder`); ``ValueError`` naming the setting otherwise."""
+    tokens (:class:`asyncrl.common.environments.turns.TurnEncoder`); ``ValueError`` naming the setting otherwise."""
     if config.rollout.workflow != "multi_turn":
         return
-    from common.environments import ENVIRONMENTS
-    from common.turns import TemplateError
+    from asyncrl.common.environments.protocol import ENVIRONMENTS
+    from asyncrl.common.environments.turns import TemplateError, episode_tools
 
     try:
         ENVIRONMENTS.get(config.environment.name)
@@ -99,7 +99,6 @@ def check_episodes(config: RunConfig) -> None:
         raise ValueError(f"environment.name: {exc}") from None
     if not (Path(config.model.path) / "tokenizer_config.json").exists():
         return  # no model folder yet (init-model makes it): the actors check the template when they load it
-    from actors.episodes import episode_tools
 
     try:
         episode_tools(config.model.path)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from common.logs import get_logger
+from asyncrl.common.observability.logs import get_logger
 
 log = get_logger("learner")
 T = TypeVar("T")

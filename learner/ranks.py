@@ -5,7 +5,7 @@ rank 0 owns everything that talks to the outside — Redis, admission, the repla
 checkpoints, metrics, the audit trail and the broadcast — and ranks 1…N−1 hold only the engines. What the engines do
 is collective (DeepSpeed's gradient reduction, ZeRO-3's parameter gathers, checkpoint saves), so before rank 0 does
 any of it, it tells the others with one command on a gloo group of its own (:func:`lead`), and they do the same
-(:func:`learner.follower.follow`)::
+(:func:`asyncrl.learner.follower.follow`)::
 
     train     the step's whole TrainBatch    every rank: π_old and advantages over the batch, then its shard's
                                              backward (learner/update.py); the gradient is the sum of the shards'
@@ -23,7 +23,7 @@ number of ranks (a checkpoint records its ranks; another number is refused: Deep
 by rank).
 
 **Where the ranks meet.** One rank (``rl-learner train``, ``rl-launch``) starts its default group on an in-process
-store, with nothing listening beyond loopback (:func:`learner.dist.init_distributed`). Several ranks meet on the
+store, with nothing listening beyond loopback (:func:`asyncrl.learner.dist.init_distributed`). Several ranks meet on the
 launcher's store: torchrun's agent runs a TCPStore on ``--master-port`` (static rendezvous) or on the
 ``--rdzv-endpoint`` port (``--standalone`` picks a free one), and a TCPStore server accepts connections on every
 interface whatever ``--master-addr`` says, with no password. So on one host use ``--standalone`` (or
@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from common.logs import get_logger
-from learner import dist
+from asyncrl.common.observability.logs import get_logger
+from asyncrl.learner import dist
 
 log = get_logger("learner")
 

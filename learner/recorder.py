@@ -6,9 +6,10 @@ audit trail.
 a resume, ``restore/*`` — lets the health monitor judge it (``health/*``), appends it to metrics.jsonl, and
 publishes it to Prometheus, the Redis summary rl-top reads, and the active alerts.
 
-The learner's :attr:`Recorder.audit` records the run's start or resume, its end, and each process found lost; on
-rank 0 an :class:`~common.audit.AuditMirror` copies the run's audit stream into ``audit.jsonl`` on a daemon thread,
-and :meth:`Recorder.close` (at the end of the run, or at exit) copies what remains after the learner has left.
+The learner's :attr:`Recorder.audit` records the run's start or resume, its end, and each process found lost; on rank 0
+an :class:`~asyncrl.common.observability.audit.AuditMirror` copies the run's audit stream into ``audit.jsonl`` on a
+daemon thread, and :meth:`Recorder.close` (at the end of the run, or at exit) copies what remains after the learner has
+left.
 """
 
 from __future__ import annotations
@@ -24,23 +25,23 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from common.audit import Audit, AuditMirror
-from common.config import RunConfig
-from common.control import ControlPlane
-from common.gpu import gpu_figures
-from common.logs import get_logger
-from common.outage import settling
-from common.private import open_private
-from common.tool_calls import parse_tool_calls
-from common.turns import segments
-from common.wire import RolloutGroup, model_turns
-from learner.alerts import ProcessFacts
-from learner.batch import TrainBatch
-from learner.batch_source import Taken
-from learner.checkpoint import Checkpoint, config_hash
-from learner.health import HealthMonitor
-from learner.samples import SampleLog, row_advantages
-from learner.telemetry import StepTelemetry
+from asyncrl.common.config import RunConfig
+from asyncrl.common.environments.tool_calls import parse_tool_calls
+from asyncrl.common.environments.turns import segments
+from asyncrl.common.observability.audit import Audit, AuditMirror
+from asyncrl.common.observability.gpu import gpu_figures
+from asyncrl.common.observability.logs import get_logger
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.outage import settling
+from asyncrl.common.private import open_private
+from asyncrl.common.wire.messages import RolloutGroup, model_turns
+from asyncrl.learner.alerts import ProcessFacts
+from asyncrl.learner.batch import TrainBatch
+from asyncrl.learner.batch_source import Taken
+from asyncrl.learner.checkpoint import Checkpoint, config_hash
+from asyncrl.learner.health import HealthMonitor
+from asyncrl.learner.samples import SampleLog, row_advantages
+from asyncrl.learner.telemetry import StepTelemetry
 
 log = get_logger("learner")
 
@@ -252,7 +253,8 @@ def episode_figures(taken: Taken) -> dict[str, float]:
 
 def tool_call_figures(taken: Taken, decode: Callable[[list[int]], str] | None) -> dict[str, float]:
     """``rollout/episode_tool_calls_mean`` and ``rollout/episode_malformed_calls_mean``: the tool calls per episode in
-    the model's turns (``common/tool_calls.py``), well-formed and malformed, when the step trained episodes."""
+    the model's turns (``common/environments/tool_calls.py``), well-formed and malformed, when the step trained
+    episodes."""
     rollouts = episode_rollouts(taken)
     if not rollouts or decode is None:
         return {}

@@ -1,15 +1,15 @@
 """The run's position — its policy version — and everything that saves, restores or rolls it back.
 
 :class:`RunState` owns the version (optimizer steps applied; the step being trained is ``version + 1``) and the
-checkpoints of it (:mod:`learner.checkpoint` writes and verifies the files):
+checkpoints of it (:mod:`asyncrl.learner.checkpoint` writes and verifies the files):
 
 - :meth:`RunState.save` writes ``step-<N>`` and then acknowledges the replay entries it covers;
 - :meth:`RunState.restore` goes back to a checkpoint: the engines' weights, optimizer and KL coefficient, the
   RNGs and the step from it; in Redis the groups trained after it become untrained (:meth:`BatchSource.rewind`);
   metrics.jsonl is cut back to its step; the actors are sent the restored weights under a bumped restore
   generation;
-- for health (:class:`learner.health.Checkpoints`), :meth:`RunState.restore_latest_healthy` is a restore from the
-  newest checkpoint before a non-finite streak, and :meth:`RunState.set_lr_factor` lowers the lr through the
+- for health (:class:`asyncrl.learner.health.Checkpoints`), :meth:`RunState.restore_latest_healthy` is a restore from
+  the newest checkpoint before a non-finite streak, and :meth:`RunState.set_lr_factor` lowers the lr through the
   scheduler's public API.
 
 Each checkpoint written, verified (before a restore), restored or rolled back to is an event of the audit trail
@@ -21,13 +21,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from common.audit import Audit
-from common.config import RunConfig
-from common.logs import get_logger
-from learner import dist, ranks
-from learner.batch_source import BatchSource
-from learner.broadcaster import Broadcaster
-from learner.checkpoint import (
+from asyncrl.common.config import RunConfig
+from asyncrl.common.observability.audit import Audit
+from asyncrl.common.observability.logs import get_logger
+from asyncrl.learner import dist, ranks
+from asyncrl.learner.batch_source import BatchSource
+from asyncrl.learner.broadcaster import Broadcaster
+from asyncrl.learner.checkpoint import (
     Checkpoint,
     Checkpointer,
     SavedState,
@@ -43,8 +43,8 @@ from learner.checkpoint import (
     set_aside_after,
     truncate_metrics,
 )
-from learner.health import scale_lr_schedule
-from learner.update import PolicyUpdate
+from asyncrl.learner.health import scale_lr_schedule
+from asyncrl.learner.update import PolicyUpdate
 
 log = get_logger("learner")
 

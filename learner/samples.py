@@ -29,9 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
-from common.private import open_private
-from common.turns import segments
-from common.wire import ScoredGroup
+from asyncrl.common.environments.turns import segments
+from asyncrl.common.private import open_private
+from asyncrl.common.wire.messages import ScoredGroup
 
 MAX_TEXT = 2000
 """Characters kept of a prompt or a response."""

@@ -5,10 +5,10 @@ The learner's recorder needs two lines::
     self.telemetry = StepTelemetry(self.plane, config)   # serves /metrics, heartbeats its URL (kind learner)
     self.telemetry.publish(record.values)                 # after the row is written
 
-``publish`` updates the ``asyncrl_learner_*`` series (see ``common/metrics.py``), samples the queue depths and the
-process registry (a few Redis round trips per step), and writes a compact summary of the step to
-``asyncrl:<run>:summary`` for ``rl-top``. Telemetry never stops training: a Redis error here is logged and the
-step goes on (the loop's own Redis calls fail loudly anyway when Redis is really gone).
+``publish`` updates the ``asyncrl_learner_*`` series (see ``common/observability/metrics.py``), samples the queue depths
+and the process registry (a few Redis round trips per step), and writes a compact summary of the step to
+``asyncrl:<run>:summary`` for ``rl-top``. Telemetry never stops training: a Redis error here is logged and the step goes
+on (the loop's own Redis calls fail loudly anyway when Redis is really gone).
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from common import metrics as m
-from common.config import RunConfig
-from common.control import ControlPlane
-from common.heartbeat import HeartbeatThread
-from common.logs import get_logger
-from common.net import advertise_host
-from common.wire import Heartbeat
+from asyncrl.common.config import RunConfig
+from asyncrl.common.observability import metrics as m
+from asyncrl.common.observability.logs import get_logger
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.heartbeat import HeartbeatThread
+from asyncrl.common.transport.net import advertise_host
+from asyncrl.common.wire.messages import Heartbeat
 
 log = get_logger("telemetry")
 

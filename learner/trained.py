@@ -1,6 +1,6 @@
 """Which step trained each prompt group, and the replay acknowledgements held back until a checkpoint covers them.
 
-Two Redis hashes under the run's namespace (beside :class:`common.control.RunKeys`):
+Two Redis hashes under the run's namespace (beside :class:`asyncrl.common.plane.control.RunKeys`):
 
 - ``trained``: group id → the step whose update used it. Kept for the whole run: it is the audit that every group
   was trained exactly once in the surviving history (each step has exactly ``groups_per_step`` ids; a group trained
@@ -23,10 +23,10 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from common.control import ControlPlane
-from common.logs import get_logger
-from common.prompt_ledger import add_counts
-from common.replay import ReplayEntry, ReplayReader
+from asyncrl.common.observability.logs import get_logger
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.prompt_ledger import add_counts
+from asyncrl.common.plane.replay import ReplayEntry, ReplayReader
 
 log = get_logger("trained")
 

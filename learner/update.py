@@ -2,7 +2,7 @@
 
 Built in two stages, so that a typo costs a second, not a DeepSpeed start-up:
 
-- ``assemble`` (:mod:`learner.algorithms.assembly`) resolves and validates every name and option of
+- ``assemble`` (:mod:`asyncrl.learner.algorithms.assembly`) resolves and validates every name and option of
   ``[algorithm]`` (and the off-policy correction of ``[staleness]``) against the registries — no model needed.
   Every ``rl-learner`` command runs it on the config it loads; a bad option exits 2 naming it and the allowed names.
 - :class:`PolicyUpdate` then starts the engines the algorithm needs (policy, and only when its variants require
@@ -17,7 +17,7 @@ its log-probs, detached, are π_old exactly, and a separate no-grad pass over th
 numbers (verl's ``on_policy`` shortcut in ``dp_actor.py``: ``old_log_prob = log_prob.detach()``). That pass runs only
 when something needs π_old before the update: a KL penalty in the reward (k1 = log π_old − log π_ref).
 
-Offline DPO (:mod:`learner.dpo`) assembles its loss and aggregation through the same ``assemble``.
+Offline DPO (:mod:`asyncrl.learner.dpo`) assembles its loss and aggregation through the same ``assemble``.
 """
 
 from __future__ import annotations
@@ -26,18 +26,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.config import RunConfig
-from common.wire import ScoredGroup
-from learner import dist, ranks
-from learner.algorithms import (
+from asyncrl.common.config import RunConfig
+from asyncrl.common.wire.messages import ScoredGroup
+from asyncrl.learner import dist, ranks
+from asyncrl.learner.algorithms import (
     AdvantageInput,
     GlobalCounts,
     LossInput,
 )
-from learner.algorithms.kl import KLController
-from learner.algorithms.masked import masked_mean
-from learner.batch import TrainBatch, collate, preference_rows
-from learner.engine import (
+from asyncrl.learner.algorithms.kl import KLController
+from asyncrl.learner.algorithms.masked import masked_mean
+from asyncrl.learner.batch import TrainBatch, collate, preference_rows
+from asyncrl.learner.engine import (
     PolicyEngine,
     ReferenceModel,
     rank_micro_batches,
@@ -46,8 +46,8 @@ from learner.engine import (
 )
 
 if TYPE_CHECKING:
-    from learner.algorithms.assembly import Algorithm
-    from learner.critic import ValueEngine
+    from asyncrl.learner.algorithms.assembly import Algorithm
+    from asyncrl.learner.critic import ValueEngine
 
 
 class PolicyUpdate:
@@ -73,7 +73,7 @@ class PolicyUpdate:
     def _critic(self) -> ValueEngine | None:
         if "values" not in self.needs:
             return None
-        from learner.critic import ValueEngine
+        from asyncrl.learner.critic import ValueEngine
 
         return ValueEngine(self.config)
 
@@ -83,7 +83,7 @@ class PolicyUpdate:
 
     def params(self) -> dict[str, torch.Tensor]:
         """The policy's weights as the actors load them (what the broadcaster sends); ``{}`` on ranks but 0. Under
-        ZeRO-3 every rank takes part in the gather (:mod:`learner.ranks`)."""
+        ZeRO-3 every rank takes part in the gather (:mod:`asyncrl.learner.ranks`)."""
         if self.config.learner.zero_stage == 3:
             ranks.lead("params")
         return self.engine.state_dict_for_broadcast()
@@ -103,8 +103,9 @@ class PolicyUpdate:
     def train(self, batch: TrainBatch) -> dict[str, float]:
         """One step: π_old, advantages over the whole batch, the policy update, then (with a critic) the critic's.
 
-        With several learner ranks every rank gets the whole batch (:mod:`learner.ranks`), computes π_old and the
-        advantages over all of it, and runs backward on its shard (:func:`learner.engine.rank_micro_batches`)."""
+        With several learner ranks every rank gets the whole batch (:mod:`asyncrl.learner.ranks`), computes π_old and
+        the advantages over all of it, and runs backward on its shard
+        (:func:`asyncrl.learner.engine.rank_micro_batches`)."""
         ranks.lead("train", batch)
         tensors = batch.tensors()
         if "token_kl" in self.needs:  # the one consumer of π_old before the update (module docstring)
@@ -199,7 +200,7 @@ class PolicyUpdate:
     def _train_critic(
         self, tensors: dict[str, torch.Tensor], counts: GlobalCounts, metrics: dict[str, list[float]]
     ) -> dict[str, float]:
-        from learner.critic import value_loss_fn
+        from asyncrl.learner.critic import value_loss_fn
 
         keys = ("input_ids", "attention_mask", "response_mask", "old_values", "returns")
         shard = {k: tensors[k] for k in keys}

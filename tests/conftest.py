@@ -22,9 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from common import tiny_chat_model, tiny_model
-from common.keys import connect
-from common.redis_server import EmbeddedRedis
+from asyncrl.common.plane.keys import connect
+from asyncrl.common.plane.redis_server import EmbeddedRedis
+from asyncrl.common.tiny_models import character as tiny_model
+from asyncrl.common.tiny_models import chat as tiny_chat_model
 from tests.helpers import prefetch
 from tests.helpers.costs import StartupCounter
 

@@ -18,12 +18,12 @@ KL-in-reward coefficient, fixed or adaptive) and :func:`token_entropy` (for the 
 
 from __future__ import annotations
 
-from learner.algorithms import advantages, aggregations, entropy, kl, losses
-from learner.algorithms.advantages import AdvantageSettings
-from learner.algorithms.entropy import token_entropy
-from learner.algorithms.kl import KLController, KLRewardSettings
-from learner.algorithms.losses import OffPolicySettings, PolicyGradientSettings, importance_weights
-from learner.algorithms.registries import (
+from asyncrl.learner.algorithms import advantages, aggregations, entropy, kl, losses
+from asyncrl.learner.algorithms.advantages import AdvantageSettings
+from asyncrl.learner.algorithms.entropy import token_entropy
+from asyncrl.learner.algorithms.kl import KLController, KLRewardSettings
+from asyncrl.learner.algorithms.losses import OffPolicySettings, PolicyGradientSettings, importance_weights
+from asyncrl.learner.algorithms.registries import (
     ADVANTAGES,
     AGGREGATIONS,
     ALL_REGISTRIES,
@@ -44,7 +44,7 @@ from learner.algorithms.registries import (
     settings_tag,
     settings_type,
 )
-from learner.algorithms.types import (
+from asyncrl.learner.algorithms.types import (
     REQUIREMENTS,
     AdvantageInput,
     AdvantageOutput,

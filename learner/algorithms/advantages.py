@@ -23,9 +23,9 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from learner.algorithms.masked import masked_whiten, zero_masked
-from learner.algorithms.registries import register_advantage
-from learner.algorithms.types import AdvantageInput, AdvantageOutput, Settings
+from asyncrl.learner.algorithms.masked import masked_whiten, zero_masked
+from asyncrl.learner.algorithms.registries import register_advantage
+from asyncrl.learner.algorithms.types import AdvantageInput, AdvantageOutput, Settings
 
 
 class AdvantageSettings(Settings):
@@ -33,7 +33,7 @@ class AdvantageSettings(Settings):
 
     normalize: bool = False
     """Whiten the advantages over every response token of the batch after the estimator (mean-shifted,
-    unbiased variance: :func:`~learner.algorithms.masked.masked_whiten`); a longer response weighs more."""
+    unbiased variance: :func:`~asyncrl.learner.algorithms.masked.masked_whiten`); a longer response weighs more."""
 
 
 class GRPOSettings(AdvantageSettings):

@@ -1,6 +1,6 @@
 """Loss aggregations: per-token loss [B, T] of one micro-batch → its share of the global-batch loss.
 
-Every aggregation divides by :class:`~learner.algorithms.types.GlobalCounts` of the WHOLE global batch,
+Every aggregation divides by :class:`~asyncrl.learner.algorithms.types.GlobalCounts` of the WHOLE global batch,
 never by the micro-batch's own counts, so Σ over micro-batches and ranks of the aggregated losses is the
 full-batch loss exactly, and the gradient does not depend on how the batch was split. The per-sequence
 mean of ``seq_mean_token_mean`` uses the sequence's own token count, which is local because a sequence is
@@ -18,9 +18,9 @@ from typing import Literal
 from pydantic import Field
 from torch import Tensor
 
-from learner.algorithms.masked import zero_masked
-from learner.algorithms.registries import register_aggregation
-from learner.algorithms.types import GlobalCounts, Settings
+from asyncrl.learner.algorithms.masked import zero_masked
+from asyncrl.learner.algorithms.registries import register_aggregation
+from asyncrl.learner.algorithms.types import GlobalCounts, Settings
 
 
 class TokenMeanSettings(Settings):

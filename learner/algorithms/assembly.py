@@ -12,17 +12,17 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
-from common.config import ConfigError, RunConfig
-from learner.algorithms.kl import KLRewardSettings
-from learner.algorithms.losses import OffPolicySettings
-from learner.algorithms.registries import (
+from asyncrl.common.config import ConfigError, RunConfig
+from asyncrl.learner.algorithms.kl import KLRewardSettings
+from asyncrl.learner.algorithms.losses import OffPolicySettings
+from asyncrl.learner.algorithms.registries import (
     advantage_settings,
     build_advantage,
     build_aggregation,
     build_loss,
     loss_settings,
 )
-from learner.algorithms.types import AdvantageInput, LossInput
+from asyncrl.learner.algorithms.types import AdvantageInput, LossInput
 
 
 @dataclass(frozen=True)

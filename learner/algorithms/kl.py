@@ -23,8 +23,8 @@ from typing import Literal
 from pydantic import Field
 from torch import Tensor
 
-from learner.algorithms.registries import KL_ESTIMATORS, kl_settings, register_kl_estimator
-from learner.algorithms.types import Settings
+from asyncrl.learner.algorithms.registries import KL_ESTIMATORS, kl_settings, register_kl_estimator
+from asyncrl.learner.algorithms.types import Settings
 
 
 class K1Settings(Settings):

@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from torch import Tensor
 
-from learner.algorithms.kl import kl_estimate
-from learner.algorithms.masked import masked_max, masked_mean, zero_masked
-from learner.algorithms.registries import KL_ESTIMATORS, register_loss
-from learner.algorithms.types import LossInput, LossOutput, Settings
+from asyncrl.learner.algorithms.kl import kl_estimate
+from asyncrl.learner.algorithms.masked import masked_max, masked_mean, zero_masked
+from asyncrl.learner.algorithms.registries import KL_ESTIMATORS, register_loss
+from asyncrl.learner.algorithms.types import LossInput, LossOutput, Settings
 
 _LOG_CLAMP = 20.0
 """Log-ratios are clamped to ±20 before exp: exp(89) overflows float32, and beyond e^20 every correction

@@ -1,6 +1,6 @@
 """The four algorithm registries, their decorators, and settings validated per variant.
 
-Each axis of DESIGN.md "Algorithms as data" is a :class:`~common.registry.Registry` keyed by the name
+Each axis of DESIGN.md "Algorithms as data" is a :class:`~asyncrl.common.registry.Registry` keyed by the name
 used in the config. A registered function has the axis's one signature (see ``types.py``) and declares
 its settings model by annotating its ``settings`` parameter::
 
@@ -29,9 +29,9 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from torch import Tensor
 
-from common.config import ConfigError
-from common.registry import Registry
-from learner.algorithms.types import (
+from asyncrl.common.config import ConfigError
+from asyncrl.common.registry import Registry
+from asyncrl.learner.algorithms.types import (
     AdvantageFn,
     AdvantageInput,
     AdvantageOutput,

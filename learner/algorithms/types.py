@@ -63,9 +63,9 @@ class AdvantageInput:
     values [B, T] or None (critic values, for GAE: ``values[b, t]`` is V of the state before token t, so
     it is aligned with the log-probs, and V after a response's last token is 0);
     kl_coef: the coefficient of ``token_kl`` in the token rewards for this step, e.g. the current value of
-    a :class:`~learner.algorithms.kl.KLController`; None = the estimator's own ``settings.kl_coef``;
+    a :class:`~asyncrl.learner.algorithms.kl.KLController`; None = the estimator's own ``settings.kl_coef``;
     turn_rewards [B, T] or None: per-turn shares of ``rewards`` at the last token of each model turn of a multi-turn
-    response (``common.wire.ScoredGroup.turn_rewards``), 0 elsewhere; estimators that work per token use them.
+    response (``common.wire.messages.ScoredGroup.turn_rewards``), 0 elsewhere; estimators that work per token use them.
     """
 
     rewards: Tensor
@@ -105,7 +105,7 @@ class LossInput:
     the off-policy correction is ``none``; behaviour_logprobs: log μ, shipped by vLLM with each token;
     advantages: from the estimator; response_mask: bool; ref_logprobs: log π_ref of the frozen
     reference model, or None when no KL term is used; entropy: the per-token entropy of π_θ carrying the
-    graph (:func:`~learner.algorithms.entropy.token_entropy`), or None when no entropy bonus is used.
+    graph (:func:`~asyncrl.learner.algorithms.entropy.token_entropy`), or None when no entropy bonus is used.
 
     Preference losses (``dpo``) read the rows in pairs: row 2i is the chosen response and row 2i + 1 the
     rejected one for the same prompt, so B is even and a micro-batch split never separates a pair

@@ -12,7 +12,7 @@ since clipping to V_old exactly would freeze every value that starts on the wron
 
 All tensors are ``[B, T]`` with the package's conventions (``types.py``): masked positions may hold anything and
 never reach a result. The per-token loss is aggregated like a policy loss, normally with ``token_mean`` over
-:class:`~learner.algorithms.types.GlobalCounts` of the whole batch, so micro-batch shares sum to the batch loss.
+:class:`~asyncrl.learner.algorithms.types.GlobalCounts` of the whole batch, so micro-batch shares sum to the batch loss.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from learner.algorithms.masked import masked_mean, zero_masked
-from learner.algorithms.types import LossOutput
+from asyncrl.learner.algorithms.masked import masked_mean, zero_masked
+from asyncrl.learner.algorithms.types import LossOutput
 
 
 def clipped_value_loss(

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from common.control import ControlPlane
-from common.keys import connect
-from common.redis_server import EmbeddedRedis
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.keys import connect
+from asyncrl.common.plane.redis_server import EmbeddedRedis
 from tests.helpers.accounting import account_groups
 from tests.helpers.prefetch import AGENT, prefetched
 from tests.helpers.runs import actors_trained, eval_rows, step_rows

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from common.tiny_chat_model import chat_examples, init_chat_model, warm_start_chat
+from asyncrl.common.tiny_models.chat import chat_examples, init_chat_model, warm_start_chat
 from tests.helpers.stack import ONE_PROCESS_ENGINE, finish, launch, metrics
 
 pytestmark = pytest.mark.e2e

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from common.control import ControlPlane
-from common.keys import connect
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.keys import connect
 from tests.helpers.runs import check_samples
 from tests.helpers.stack import BIN, ONE_PROCESS_ENGINE, ROOT, Processes, _wait
 

@@ -22,13 +22,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.channel import PushChannel
-from common.control import ControlPlane
-from common.dead_letters import DEAD_LETTER_EXCERPT
-from common.keys import connect
-from common.replay import ReplayWriter
-from common.seal import numbered_group_id, run_seal, run_secret
-from common.wire import PromptGroup, RolloutGroup, ScoredGroup
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.dead_letters import DEAD_LETTER_EXCERPT
+from asyncrl.common.plane.keys import connect
+from asyncrl.common.plane.replay import ReplayWriter
+from asyncrl.common.transport.channel import PushChannel
+from asyncrl.common.wire.messages import PromptGroup, RolloutGroup, ScoredGroup
+from asyncrl.common.wire.seal import numbered_group_id, run_seal, run_secret
 from tests.helpers.runs import step_rows
 from tests.helpers.scrape import metric
 from tests.helpers.stack import BIN, DEMO, Processes, _wait

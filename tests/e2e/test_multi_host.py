@@ -1,19 +1,19 @@
 """A run across hosts, on one machine: four hosts made of Linux network namespaces on one bridge, with addresses
 (10.77.0.0/24) that exist only inside them, running the README's "On a cluster" commands as they are written.
 
-The commands are ``common/deploy.py``'s :func:`~common.deploy.cluster_steps` of
-:data:`~common.deploy.CLUSTER_EXAMPLE` (the README's block is that text: checked here and in
+The commands are ``common/deploy.py``'s :func:`~asyncrl.common.deploy.cluster_steps` of
+:data:`~asyncrl.common.deploy.CLUSTER_EXAMPLE` (the README's block is that text: checked here and in
 ``tests/unit/test_across_hosts.py``): setup commands run with ``sh -c``, each lasting process from the
-:class:`~common.deploy.Process` its command line renders, inside its host's namespace and in its host's own folder.
-Between them the test copies what the README says to copy (``redis-url``, the keys each role needs). On 10.77.0.1 Redis
-(a password, bound to that address, AOF) and the learner; on 10.77.0.2 a reward worker (CURVE on ``tcp://0.0.0.0``)
-and an actor; on 10.77.0.3 an actor. Once weights have reached both actors, 10.77.0.3's actor hangs (SIGSTOP) while
-its heartbeat still counts it live: the next broadcast gives up on it after ``weight_sync.timeout_s`` and evicts it,
-and it thaws (SIGCONT). Then 10.77.0.4 joins with an actor and, once that one served a version, 10.77.0.3 leaves
-(SIGTERM). Once a version sent without 10.77.0.3 has reached the two
-actors left, the learner is stopped as a person stops it (SIGTERM: it finishes the step, saves a checkpoint and exits
-0). The run must end with every step it trained once, every group trained once or accounted for (from Redis), and
-every actor host having loaded every version sent to it.
+:class:`~asyncrl.common.deploy.Process` its command line renders, inside its host's namespace and in its host's own
+folder. Between them the test copies what the README says to copy (``redis-url``, the keys each role needs). On
+10.77.0.1 Redis (a password, bound to that address, AOF) and the learner; on 10.77.0.2 a reward worker (CURVE on
+``tcp://0.0.0.0``) and an actor; on 10.77.0.3 an actor. Once weights have reached both actors, 10.77.0.3's actor hangs
+(SIGSTOP) while its heartbeat still counts it live: the next broadcast gives up on it after ``weight_sync.timeout_s``
+and evicts it, and it thaws (SIGCONT). Then 10.77.0.4 joins with an actor and, once that one served a version, 10.77.0.3
+leaves (SIGTERM). Once a version sent without 10.77.0.3 has reached the two actors left, the learner is stopped as a
+person stops it (SIGTERM: it finishes the step, saves a checkpoint and exits 0). The run must end with every step it
+trained once, every group trained once or accounted for (from Redis), and every actor host having loaded every version
+sent to it.
 
 The test reaches the run's Redis and the processes' ``/metrics`` from a thread of its own that entered 10.77.0.1's
 namespace: nothing of the run is reachable from the machine's own network. Its one addition to the hosts'
@@ -37,11 +37,11 @@ from pathlib import Path
 
 import pytest
 
-from common import deploy
-from common.audit import entry_line
-from common.control import ControlPlane
-from common.keys import connect
-from common.redis_server import find_redis_server
+from asyncrl.common import deploy
+from asyncrl.common.observability.audit import entry_line
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.keys import connect
+from asyncrl.common.plane.redis_server import find_redis_server
 from tests.helpers.accounting import account_groups
 from tests.helpers.readme import readme_block
 from tests.helpers.stack import BIN, Processes, actor_pid
@@ -285,7 +285,7 @@ class Cluster:
         """SIGTERM to the learner's rank (what torchrun passes on to it when its pod is stopped): the step in progress
         finishes, a checkpoint is saved, the rank exits 0 and so does torchrun. Returns the last step trained."""
         torchrun = self.procs.procs["learner"]
-        os.kill(_child_running(torchrun.pid, "learner.cli"), signal.SIGTERM)
+        os.kill(_child_running(torchrun.pid, "asyncrl.learner.cli"), signal.SIGTERM)
         assert torchrun.wait(300) == 0, self.procs.log("learner")[-3000:]
         return self.metric_steps()[-1]
 

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from common.control import ControlPlane
-from common.keys import connect
-from common.outage import OUTAGE_EXIT_CODE
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.keys import connect
+from asyncrl.common.plane.outage import OUTAGE_EXIT_CODE
 from tests.helpers.accounting import account_groups
 from tests.helpers.stack import BIN, ONE_PROCESS_ENGINE, ROOT, Processes, _steps, _wait
 

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import pytest
 
-from common.control import ControlPlane
-from common.keys import connect
-from common.seal import numbered_group_id, run_secret
-from learner.checkpoint import complete_checkpoints, open_checkpoint
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.keys import connect
+from asyncrl.common.wire.seal import numbered_group_id, run_secret
+from asyncrl.learner.checkpoint import complete_checkpoints, open_checkpoint
 from tests.helpers.runs import step_rows
 from tests.helpers.stack import DEMO, Processes, _steps, _wait, running
 from tests.helpers.torchrun import learner_command, rank_pid

@@ -27,8 +27,8 @@ from urllib.parse import urlsplit
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.control import ControlPlane
-from common.keys import connect
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.keys import connect
 from tests.helpers.runs import actors_trained, step_rows
 from tests.helpers.secrets import files_exposing, processes_showing
 from tests.helpers.stack import BIN, ROOT, actor_pid, finish, launch, metrics

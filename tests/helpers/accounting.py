@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from common.control import ControlPlane
-from common.seal import numbered_group_id, run_secret
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.wire.seal import numbered_group_id, run_secret
 
 
 def account_groups(plane: ControlPlane, steps: int, groups_per_step: int) -> dict[str, int]:

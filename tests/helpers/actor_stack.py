@@ -21,12 +21,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common.channel import PullChannel
-from common.control import ControlPlane
-from common.rendezvous import RedisStore
-from common.tasks import get_task, prompt_group
-from common.weights import GroupAddress, SealedWeights, WeightGroup, pack_sealed
-from common.wire import Heartbeat, PromptGroup, RolloutGroup, WeightManifest
+from asyncrl.common.data.tasks import get_task, prompt_group
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.transport.channel import PullChannel
+from asyncrl.common.weights.group import GroupAddress, SealedWeights, WeightGroup, pack_sealed
+from asyncrl.common.weights.rendezvous import RedisStore
+from asyncrl.common.wire.messages import Heartbeat, PromptGroup, RolloutGroup, WeightManifest
 from tests.helpers import waits
 from tests.helpers.scrape import metric
 

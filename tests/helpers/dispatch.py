@@ -3,10 +3,10 @@ heartbeat in the run's registry. Shared by the dispatcher's integration tests.""
 
 from __future__ import annotations
 
-from common.config import RunConfig, load_config
-from common.control import ControlPlane
-from common.wire import Heartbeat
-from learner.dispatcher import Dispatcher
+from asyncrl.common.config import RunConfig, load_config
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.wire.messages import Heartbeat
+from asyncrl.learner.dispatcher import Dispatcher
 
 RUN = "disp"
 

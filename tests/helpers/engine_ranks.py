@@ -1,4 +1,4 @@
-"""One optimizer step of :class:`learner.engine.PolicyEngine` on each learner rank, for the two-rank test.
+"""One optimizer step of :class:`asyncrl.learner.engine.PolicyEngine` on each learner rank, for the two-rank test.
 
 Run under a launcher, from the repository root::
 
@@ -22,10 +22,10 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from common.config import RunConfig
-from common.tasks import TASK_ALPHABET
-from learner import dist
-from learner.engine import Batch, LossFn, PolicyEngine, split_micro_batches
+from asyncrl.common.config import RunConfig
+from asyncrl.common.data.tasks import TASK_ALPHABET
+from asyncrl.learner import dist
+from asyncrl.learner.engine import Batch, LossFn, PolicyEngine, split_micro_batches
 
 LENGTHS = (12, 5, 9, 3, 11, 7, 10, 6)  # different lengths, so rows carry right padding
 FIRST_TOKEN_ID = 4  # ids 0..3 are <pad> <s> </s> <unk> in the tiny model's tokenizer

@@ -10,10 +10,11 @@ import json
 from dataclasses import replace
 from typing import Any
 
-from actors.workflows import Generator, WorkflowContext, multi_turn, single_turn
-from common.config import EnvironmentSection
-from common.environments import EpisodeRow, Step
-from common.wire import PromptGroup, RolloutGroup
+from asyncrl.actors.episodes import multi_turn
+from asyncrl.actors.workflows import Generator, WorkflowContext, single_turn
+from asyncrl.common.config import EnvironmentSection
+from asyncrl.common.environments.protocol import EpisodeRow, Step
+from asyncrl.common.wire.messages import PromptGroup, RolloutGroup
 
 ADAPTERS = {"skyrl_gym": {"env": "gsm8k_multi_turn", "extras": {"max_turns": 3}}, "textarena": {}}
 """The adapters' environments a row may name in its ``adapter`` field, with their options."""

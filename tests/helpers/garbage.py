@@ -18,7 +18,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from common.wire import SCHEMA_VERSION, Heartbeat, RolloutGroup, ScoredGroup, encode, pack_frames
+from asyncrl.common.wire.messages import SCHEMA_VERSION, Heartbeat, RolloutGroup, ScoredGroup, encode, pack_frames
 
 Frames = list[bytes]
 KINDS = (
@@ -32,7 +32,7 @@ KINDS = (
     "too_many_frames",
     "not_finite",
 )
-# Positions in a RolloutGroup's body (field order is the wire contract: common/wire.py).
+# Positions in a RolloutGroup's body (field order is the wire contract: common/wire/messages.py).
 _GROUP_ID, _PROMPT_IDS, _TEXTS, _TIMINGS = 0, 3, 9, 13
 
 
@@ -113,7 +113,7 @@ class _Maker:
 
     def oversized(self, rng: random.Random) -> Frames:
         """Every frame within the limit, all of them together above it (a single frame above the limit never reaches
-        the process: libzmq refuses it, see common/channel.py)."""
+        the process: libzmq refuses it, see common/transport/channel.py)."""
         return [self.frames[0], self.part, self.part, self.part]
 
     def too_many_frames(self, rng: random.Random) -> Frames:

@@ -6,8 +6,8 @@ steps in a real learner; with one micro-batch per step, call N is step N's loss.
 
 from __future__ import annotations
 
-from learner.algorithms import LossInput, LossOutput, Settings
-from learner.algorithms.losses import PPOClipSettings, ppo_clip
+from asyncrl.learner.algorithms import LossInput, LossOutput, Settings
+from asyncrl.learner.algorithms.losses import PPOClipSettings, ppo_clip
 
 _calls = 0
 

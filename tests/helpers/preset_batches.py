@@ -1,6 +1,6 @@
 """A named preset's real run config, and scored groups answering its dispatcher's prompts as an actor and a reward
 worker would: responses of chosen texts, lengths and finish reasons, the policy's own log-probs as μ, scored by the
-run's configured reward functions (``actors/rewards.py``: ``combine``, as the reward worker scores)."""
+run's configured reward functions (``common/rewards/functions.py``: ``combine``, as the reward worker scores)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from actors.rewards import bind_functions, combine
-from common.config import RunConfig, load_config
-from common.tasks import task_label
-from common.wire import PromptGroup, RolloutGroup, ScoredGroup
-from learner.update import PolicyUpdate
+from asyncrl.common.config import RunConfig, load_config
+from asyncrl.common.data.tasks import task_label
+from asyncrl.common.rewards.functions import bind_functions, combine
+from asyncrl.common.wire.messages import PromptGroup, RolloutGroup, ScoredGroup
+from asyncrl.learner.update import PolicyUpdate
 from tests.helpers.rollouts import encode
 
 REPO = Path(__file__).resolve().parents[2]

@@ -3,9 +3,9 @@ replay stream's integration tests."""
 
 from __future__ import annotations
 
-from common import synthetic
-from common.keys import RunKeys
-from common.replay import ReplayWriter
+from asyncrl.common.plane.keys import RunKeys
+from asyncrl.common.plane.replay import ReplayWriter
+from asyncrl.common.tiny_models import synthetic
 
 KEYS = RunKeys("test")
 

@@ -1,6 +1,6 @@
 """The learner's replay consumer alone: ``python -m tests.helpers.replay_consumer URL RUN MAX_BYTES VOCAB``.
 
-It reads the run's replay stream with :class:`common.replay.ReplayReader` under the limits a learner uses
+It reads the run's replay stream with :class:`asyncrl.common.plane.replay.ReplayReader` under the limits a learner uses
 (``transport.max_message_mb``, the tokenizer's size), acknowledges every group it decodes (as a learner does once
 the step that trained it is applied), and serves ``/metrics``; its first line on stdout is ``ready <port>``. It runs
 until SIGTERM, then exits 0. A whole learner would add DeepSpeed to what the flood test measures, not another reader.
@@ -12,11 +12,11 @@ import signal
 import sys
 import threading
 
-from common.keys import RunKeys, connect
-from common.logs import configure
-from common.metrics import serve
-from common.replay import ReplayReader
-from common.wire import Limits
+from asyncrl.common.observability.logs import configure
+from asyncrl.common.observability.metrics import serve
+from asyncrl.common.plane.keys import RunKeys, connect
+from asyncrl.common.plane.replay import ReplayReader
+from asyncrl.common.wire.messages import Limits
 
 
 def main(url: str, run: str, max_bytes: int, vocab_size: int) -> int:

@@ -12,11 +12,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from common.config import load_config
-from common.control import ControlPlane
-from common.keys import RunKeys
-from common.replay import ReplayEntry, ReplayReader
-from common.wire import Heartbeat
+from asyncrl.common.config import load_config
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.keys import RunKeys
+from asyncrl.common.plane.replay import ReplayEntry, ReplayReader
+from asyncrl.common.wire.messages import Heartbeat
 from tests.helpers import waits
 from tests.helpers.rollouts import tokenizer_dir
 from tests.helpers.stack import BIN, ROOT

@@ -14,15 +14,15 @@ from pathlib import Path
 
 import numpy as np
 
-from common.control import ControlPlane
-from common.wire import PromptGroup, RolloutGroup, ScoredGroup
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.wire.messages import PromptGroup, RolloutGroup, ScoredGroup
 
 
 @functools.cache
 def char_tokenizer():
     """The character tokenizer of the tests' tiny models (one token per character of the task alphabet)."""
-    from common.tasks import TASK_ALPHABET
-    from common.tiny_model import build_char_tokenizer
+    from asyncrl.common.data.tasks import TASK_ALPHABET
+    from asyncrl.common.tiny_models.character import build_char_tokenizer
 
     return build_char_tokenizer(TASK_ALPHABET)
 
@@ -31,7 +31,7 @@ def char_tokenizer():
 def tokenizer_dir() -> Path:
     """A folder holding only :func:`char_tokenizer`'s files: the ``model.path`` of a run whose reward workers decode
     responses but load no model (removed when the test process exits)."""
-    from common.tiny_model import _save_tokenizer
+    from asyncrl.common.tiny_models.character import _save_tokenizer
 
     folder = Path(tempfile.mkdtemp(prefix="asyncrl-test-tokenizer-"))
     atexit.register(shutil.rmtree, folder, True)
@@ -83,7 +83,7 @@ def make_group(
 
 def issue(plane: ControlPlane, *groups: RolloutGroup) -> None:
     """Store each group's issue record as the learner's dispatcher does when it releases a prompt group: reward
-    workers and the learner accept only groups that answer a record in flight (``common/provenance.py``)."""
+    workers and the learner accept only groups that answer a record in flight (``common/wire/provenance.py``)."""
     records = [
         PromptGroup(
             group_id=g.group_id,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import urllib.request
 
-from common.wire import Heartbeat
+from asyncrl.common.wire.messages import Heartbeat
 
 
 def metric(heartbeat: Heartbeat, name: str, labels: dict[str, str] | None = None) -> float:

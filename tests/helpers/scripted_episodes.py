@@ -8,11 +8,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from actors.episodes import EpisodeTools, replay_episode, run_episode
-from actors.workflows import Response, Sampling, WorkflowContext, rollout_group, sampling_for
-from common.config import load_config
-from common.tiny_chat_model import build_bpe_tokenizer
-from common.wire import PromptGroup, RolloutGroup
+from asyncrl.actors.episodes import replay_episode, run_episode
+from asyncrl.actors.workflows import Response, Sampling, WorkflowContext, rollout_group, sampling_for
+from asyncrl.common.config import load_config
+from asyncrl.common.environments.turns import EpisodeTools
+from asyncrl.common.tiny_models.chat import build_bpe_tokenizer
+from asyncrl.common.wire.messages import PromptGroup, RolloutGroup
 
 CALL = '<tool_call>{"name": "calc", "arguments": {"expression": "6*7"}}</tool_call>'
 QUESTION = [{"role": "user", "content": "What is 6*7?"}]

@@ -6,7 +6,7 @@ import stat
 import urllib.request
 from pathlib import Path
 
-from common.procs import descendants
+from asyncrl.common.observability.procs import descendants
 
 HOLDERS = {"redis/url", "redis/redis.conf"}
 """Files of a run folder that hold the Redis password by design (written 0600)."""

@@ -11,8 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common.control import ControlPlane
-from common.keys import connect
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.keys import connect
 from tests.helpers import waits
 from tests.helpers.runs import step_rows
 

@@ -9,8 +9,8 @@ import os
 import sys
 from pathlib import Path
 
-from common.procs import child_pids
-from common.redis_server import free_port
+from asyncrl.common.observability.procs import child_pids
+from asyncrl.common.plane.redis_server import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

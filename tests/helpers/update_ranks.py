@@ -1,4 +1,5 @@
-"""Steps of :class:`learner.update.PolicyUpdate` on every learner rank, led by rank 0 as in a run (learner/ranks.py).
+"""Steps of :class:`asyncrl.learner.update.PolicyUpdate` on every learner rank, led by rank 0 as in a run
+(learner/ranks.py).
 
 Run from the repository root, one rank or several, each ``--case ZERO_STAGE:PRESET`` in turn in the same processes
 (one launch pays the imports and the process group once)::
@@ -24,14 +25,14 @@ from pathlib import Path
 import numpy as np
 from safetensors.torch import save_file
 
-from common.config import RunConfig
-from common.tasks import TASK_ALPHABET
-from common.wire import RolloutGroup, ScoredGroup
-from learner import dist, ranks
-from learner.algorithms.assembly import assemble
-from learner.checkpoint import Checkpointer, SavedState, capture_rng, open_checkpoint
-from learner.follower import follow
-from learner.update import PolicyUpdate
+from asyncrl.common.config import RunConfig
+from asyncrl.common.data.tasks import TASK_ALPHABET
+from asyncrl.common.wire.messages import RolloutGroup, ScoredGroup
+from asyncrl.learner import dist, ranks
+from asyncrl.learner.algorithms.assembly import assemble
+from asyncrl.learner.checkpoint import Checkpointer, SavedState, capture_rng, open_checkpoint
+from asyncrl.learner.follower import follow
+from asyncrl.learner.update import PolicyUpdate
 
 SAMPLES = 3  # responses per group; 3 groups a step: 9 rows
 FIRST_TOKEN_ID = 4  # ids 0..3 are <pad> <s> </s> <unk> in the tiny model's tokenizer

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from common.outage import RedisUnavailable
+from asyncrl.common.plane.outage import RedisUnavailable
 
 T = TypeVar("T")
 NOT_YET = (FileNotFoundError, RedisUnavailable)

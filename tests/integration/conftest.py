@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from common.redis_server import free_port
-from common.tasks import TASK_ALPHABET
-from common.tiny_model import init_model
+from asyncrl.common.data.tasks import TASK_ALPHABET
+from asyncrl.common.plane.redis_server import free_port
+from asyncrl.common.tiny_models.character import init_model
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from common.config import RunConfig
-from common.control import ControlPlane
-from common.replay import ReplayWriter
-from common.wire import Heartbeat, PromptGroup
-from learner.batch_source import BatchSource
-from learner.dispatcher import Dispatcher
+from asyncrl.common.config import RunConfig
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.replay import ReplayWriter
+from asyncrl.common.wire.messages import Heartbeat, PromptGroup
+from asyncrl.learner.batch_source import BatchSource
+from asyncrl.learner.dispatcher import Dispatcher
 from tests.helpers.rollouts import answer
 
 pytestmark = pytest.mark.integration

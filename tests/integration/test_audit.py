@@ -1,6 +1,6 @@
-"""The audit trail (``common/audit.py``) against a real Redis: what an entry holds, that no secret gets in, that a
-Redis that is down stops nothing, that the mirror copies each entry exactly once across a restart, that refusal
-floods stay small, and that real processes (a reward worker, the registry) record what they should."""
+"""The audit trail (``common/observability/audit.py``) against a real Redis: what an entry holds, that no secret gets
+in, that a Redis that is down stops nothing, that the mirror copies each entry exactly once across a restart, that
+refusal floods stay small, and that real processes (a reward worker, the registry) record what they should."""
 
 from __future__ import annotations
 
@@ -19,15 +19,15 @@ import redis
 from redis.backoff import ConstantBackoff
 from redis.retry import Retry
 
-from common import audit as audit_module
-from common.audit import AUDIT_MAXLEN, MAX_REASONS, REDACTED, Audit, AuditMirror, scrub
-from common.channel import ChannelBlocked, CurveClient, PushChannel, create_keypair, create_run_keys
-from common.control import ControlPlane
-from common.dead_letters import dead_letter
-from common.keys import RunKeys
-from common.metrics import AUDIT_FAILURES
-from common.seal import run_seal
-from common.wire import Heartbeat
+from asyncrl.common.observability import audit as audit_module
+from asyncrl.common.observability.audit import AUDIT_MAXLEN, MAX_REASONS, REDACTED, Audit, AuditMirror, scrub
+from asyncrl.common.observability.metrics import AUDIT_FAILURES
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.dead_letters import dead_letter
+from asyncrl.common.plane.keys import RunKeys
+from asyncrl.common.transport.channel import ChannelBlocked, CurveClient, PushChannel, create_keypair, create_run_keys
+from asyncrl.common.wire.messages import Heartbeat
+from asyncrl.common.wire.seal import run_seal
 from tests.helpers.reward_stack import heartbeat, publish, start, stop
 from tests.helpers.rollouts import issue, make_group
 from tests.helpers.waits import wait_for
@@ -299,9 +299,9 @@ def test_a_reward_worker_records_its_life_and_what_it_refused(redis_server, redi
 def test_the_learner_records_the_run_and_mirrors_the_trail_into_its_folder(redis_client, tmp_path: Path) -> None:
     """The learner's recorder, without DeepSpeed: run.started with the config's hashes, a lost actor once, and at
     the end run.finished and the learner's own leaving, all in runs/<name>/audit.jsonl."""
-    from common.config import RunConfig, write_resolved
-    from learner.checkpoint import config_hash
-    from learner.recorder import Recorder
+    from asyncrl.common.config import RunConfig, write_resolved
+    from asyncrl.learner.checkpoint import config_hash
+    from asyncrl.learner.recorder import Recorder
 
     config = RunConfig.model_validate({"run": {"name": "recorded", "root": str(tmp_path)}})
     write_resolved(config)

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from common import synthetic
-from common.channel import (
+from asyncrl.common.observability.metrics import CHANNEL_REFUSED_CLIENTS
+from asyncrl.common.tiny_models import synthetic
+from asyncrl.common.transport.channel import (
     ChannelBlocked,
     CurveClient,
     CurveServer,
@@ -23,8 +24,7 @@ from common.channel import (
     create_run_keys,
     is_loopback,
 )
-from common.metrics import CHANNEL_REFUSED_CLIENTS
-from common.wire import RolloutGroup, encode
+from asyncrl.common.wire.messages import RolloutGroup, encode
 from tests.helpers.waits import wait_for
 
 pytestmark = pytest.mark.integration
@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SENDER = textwrap.dedent(
     """
     import sys
-    from common import synthetic
-    from common.channel import PushChannel
+    from asyncrl.common.tiny_models import synthetic
+    from asyncrl.common.transport.channel import PushChannel
     push = PushChannel("rollouts", send_timeout_s=10)
     push.connect(sys.argv[1])
     push.socket.send_multipart([b"\\x93garbage"])          # malformed header

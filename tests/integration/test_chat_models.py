@@ -1,5 +1,5 @@
 """Models as users bring them: a byte-level BPE tokenizer with a ChatML template, in two architectures (Llama, Qwen2
-with a padded, tied embedding), built locally (``common/tiny_chat_model.py``) and served by a real ``rl-actor``.
+with a padded, tied embedding), built locally (``common/tiny_models/chat.py``) and served by a real ``rl-actor``.
 
 The token path is checked end to end: the dispatcher templates and encodes each prompt once; a real vLLM engine
 samples from those ids; the learner's BatchSource reads the scored groups back from Redis and its batch holds
@@ -34,21 +34,21 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from actors.episodes import close_environment_hosts, episode_tools, replay_episode
-from common.channel import PullChannel
-from common.config import RunConfig
-from common.control import ControlPlane
-from common.gyms import verify_reasoning_gym
-from common.prompts import Prompter, model_vocab_size
-from common.replay import ReplayWriter
-from common.response_text import ResponseTexts
-from common.seal import run_seal
-from common.tasks import TaskExample, get_task
-from common.tiny_chat_model import ARCHITECTURES, IM_END, chat_examples, init_chat_model, warm_start_chat
-from common.turns import segments
-from common.wire import Heartbeat, RolloutGroup, ScoredGroup, model_turns
-from learner.batch import collate
-from learner.batch_source import BatchSource
+from asyncrl.actors.episodes import close_environment_hosts, replay_episode
+from asyncrl.common.config import RunConfig
+from asyncrl.common.data.prompts import Prompter, model_vocab_size
+from asyncrl.common.data.tasks import TaskExample, get_task
+from asyncrl.common.environments.gyms import verify_reasoning_gym
+from asyncrl.common.environments.turns import episode_tools, segments
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.replay import ReplayWriter
+from asyncrl.common.rewards.response_text import ResponseTexts
+from asyncrl.common.tiny_models.chat import ARCHITECTURES, IM_END, chat_examples, init_chat_model, warm_start_chat
+from asyncrl.common.transport.channel import PullChannel
+from asyncrl.common.wire.messages import Heartbeat, RolloutGroup, ScoredGroup, model_turns
+from asyncrl.common.wire.seal import run_seal
+from asyncrl.learner.batch import collate
+from asyncrl.learner.batch_source import BatchSource
 from tests.helpers.actor_stack import stop, transformers_logprobs
 from tests.helpers.episodes import ADAPTERS, adapter_of, adapter_section, is_episode
 from tests.helpers.rollouts import answer

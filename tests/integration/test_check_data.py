@@ -16,12 +16,12 @@ import pytest
 from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
-from common.config import RunConfig, TaskSection
-from common.prompts import Prompter
-from common.tasks import FileTask, TaskFileError
-from common.tiny_chat_model import init_chat_model
-from learner.cli import app
-from learner.data_check import check_file, run_verifiers
+from asyncrl.common.config import RunConfig, TaskSection
+from asyncrl.common.data.prompts import Prompter
+from asyncrl.common.data.tasks import FileTask, TaskFileError
+from asyncrl.common.tiny_models.chat import init_chat_model
+from asyncrl.learner.cli import app
+from asyncrl.learner.data_check import check_file, run_verifiers
 
 pytestmark = pytest.mark.integration
 BIN = Path(sys.executable).parent

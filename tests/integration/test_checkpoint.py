@@ -16,10 +16,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from common.config import RunConfig
-from common.control import ControlPlane
-from common.replay import ReplayReader
-from learner.checkpoint import (
+from asyncrl.common.config import RunConfig
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.replay import ReplayReader
+from asyncrl.learner.checkpoint import (
     Checkpointer,
     CheckpointError,
     SavedState,
@@ -29,8 +29,8 @@ from learner.checkpoint import (
     restore_rng,
     truncate_metrics,
 )
-from learner.engine import PolicyEngine, split_micro_batches
-from learner.trained import TrainedLog
+from asyncrl.learner.engine import PolicyEngine, split_micro_batches
+from asyncrl.learner.trained import TrainedLog
 from tests.helpers.engine_ranks import LENGTHS, fixed_batch, nll_loss, predicted_tokens
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_rank_world")]
@@ -102,7 +102,7 @@ def test_a_loaded_checkpoint_trains_on_exactly_like_the_saved_engine(
 
 
 def test_the_critic_is_saved_and_loaded_beside_the_policy(tmp_path: Path, tiny_model_dir: Path) -> None:
-    from learner.critic import ValueEngine
+    from asyncrl.learner.critic import ValueEngine
 
     config = run_config(tmp_path, tiny_model_dir, export_hf=False)
     policy, critic = new_engine(config), ValueEngine(config, global_batch=len(LENGTHS))

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from common.config import RunConfig
-from learner.checkpoint import (
+from asyncrl.common.config import RunConfig
+from asyncrl.learner.checkpoint import (
     Checkpointer,
     CheckpointError,
     SavedState,
@@ -25,7 +25,7 @@ from learner.checkpoint import (
     find_checkpoint,
     open_checkpoint,
 )
-from learner.engine import PolicyEngine
+from asyncrl.learner.engine import PolicyEngine
 from tests.helpers.engine_ranks import LENGTHS
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_rank_world")]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from common.procs import parent_of
+from asyncrl.common.observability.procs import parent_of
 from tests.helpers.waits import wait_for
 
 pytestmark = pytest.mark.integration
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.integration
 LAUNCHER = """
 import sys, time
 from pathlib import Path
-from learner.children import Children
+from asyncrl.learner.children import Children
 
 children = Children(Path(sys.argv[1]))
 # A child that starts a grandchild in a session of its own (out of reach of a process-group kill), then dies.
@@ -74,7 +74,7 @@ def test_stop_all_ends_and_reaps_what_a_child_left_in_another_session(tmp_path: 
 PINNING_LAUNCHER = """
 import sys
 from pathlib import Path
-from learner.children import Children
+from asyncrl.learner.children import Children
 
 children = Children(Path(sys.argv[1]))
 script = "import subprocess, sys; p = subprocess.Popen(['sleep', '300']); print(p.pid, flush=True); sys.stdin.read()"
@@ -105,7 +105,7 @@ def _allowed(pid: int) -> str:
 QUIET_LAUNCHER = """
 import sys, time
 from pathlib import Path
-from learner.children import Children
+from asyncrl.learner.children import Children
 
 children = Children(Path(sys.argv[1]))
 # A child whose own child ended before it did: adopted by the launcher, that one only waits to be reaped.

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from common.control import ControlPlane
-from common.keys import connect
-from common.wire import Heartbeat
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.keys import connect
+from asyncrl.common.wire.messages import Heartbeat
 from tests.helpers.waits import wait_for
 
 pytestmark = pytest.mark.integration
@@ -37,7 +37,7 @@ def test_every_console_script_answers_help(script: str) -> None:
 def test_help_imports_no_heavy_library() -> None:
     """--help stays fast because the CLIs import torch, vLLM, DeepSpeed, Redis... only inside commands."""
     code = (
-        "import sys, learner.cli, actors.cli, learner.launch, common.top; "
+        "import sys, learner.cli, actors.cli, learner.launch, common.observability.top; "
         f"print(sorted(set({sorted(HEAVY)!r}) & set(m.split('.')[0] for m in sys.modules)))"
     )
     assert run(sys.executable, "-c", code).stdout.strip() == "[]"

@@ -14,11 +14,11 @@ from textwrap import dedent
 import numpy as np
 import pytest
 
-from actors import sandbox
-from actors.rewards import code_tests_reward
-from actors.sandbox import run_python_tests
-from actors.verifiers import verify_code_tests
-from common.wire import RolloutGroup
+from asyncrl.common.rewards import sandbox
+from asyncrl.common.rewards.functions import code_tests_reward
+from asyncrl.common.rewards.sandbox import run_python_tests
+from asyncrl.common.rewards.verifiers import verify_code_tests
+from asyncrl.common.wire.messages import RolloutGroup
 
 pytestmark = pytest.mark.integration  # every test starts sandboxes
 

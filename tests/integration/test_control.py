@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.config import load_config
-from common.control import ControlPlane
-from common.keys import connect
-from common.redis_server import EmbeddedRedis, EmbeddedRedisError
-from common.run_record import RunNotFoundError
-from common.wire import Heartbeat, PromptGroup
+from asyncrl.common.config import load_config
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.keys import connect
+from asyncrl.common.plane.redis_server import EmbeddedRedis, EmbeddedRedisError
+from asyncrl.common.plane.run_record import RunNotFoundError
+from asyncrl.common.wire.messages import Heartbeat, PromptGroup
 from tests.helpers.waits import wait_for
 
 pytestmark = pytest.mark.integration

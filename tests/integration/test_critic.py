@@ -14,9 +14,9 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from common.config import RunConfig
-from learner.algorithms import GlobalCounts
-from learner.critic import (
+from asyncrl.common.config import RunConfig
+from asyncrl.learner.algorithms import GlobalCounts
+from asyncrl.learner.critic import (
     VALUE_HEAD_FILE,
     ValueEngine,
     ValueModel,
@@ -24,7 +24,7 @@ from learner.critic import (
     token_values,
     value_loss_fn,
 )
-from learner.engine import split_micro_batches
+from asyncrl.learner.engine import split_micro_batches
 from tests.helpers.engine_ranks import LENGTHS, fixed_batch
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_rank_world")]

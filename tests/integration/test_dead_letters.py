@@ -9,9 +9,9 @@ import uuid
 
 import pytest
 
-from common import audit as audit_module
-from common.dead_letters import DEAD_LETTER_EXCERPT, DEAD_LETTER_REASON, dead_letter, dead_letters
-from common.keys import RunKeys
+from asyncrl.common.observability import audit as audit_module
+from asyncrl.common.plane.dead_letters import DEAD_LETTER_EXCERPT, DEAD_LETTER_REASON, dead_letter, dead_letters
+from asyncrl.common.plane.keys import RunKeys
 
 pytestmark = pytest.mark.integration
 

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
-from common.config import RunConfig
-from common.control import ControlPlane
-from common.keys import connect
-from common.wire import Decoder, PromptGroup, decode_blob
-from learner.dispatcher import Dispatcher
+from asyncrl.common.config import RunConfig
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.keys import connect
+from asyncrl.common.wire.messages import Decoder, PromptGroup, decode_blob
+from asyncrl.learner.dispatcher import Dispatcher
 from tests.helpers.dispatch import RUN, actor, encode, make_config, make_dispatcher
 from tests.helpers.waits import wait_for
 

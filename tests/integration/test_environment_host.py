@@ -15,12 +15,12 @@ import time
 
 import pytest
 
-from actors.environment_host import EnvironmentHost
-from actors.episodes import close_environment_hosts, environment_host
-from common.config import load_config
-from common.environments import EnvironmentFailed
-from common.procs import child_pids
-from common.turns import segments
+from asyncrl.actors.environment_host import EnvironmentHost
+from asyncrl.actors.episodes import close_environment_hosts, environment_host
+from asyncrl.common.config import load_config
+from asyncrl.common.environments.protocol import EnvironmentFailed
+from asyncrl.common.environments.turns import segments
+from asyncrl.common.observability.procs import child_pids
 from tests.helpers.scripted_episodes import episode, replay, tools_for
 from tests.helpers.stack import running
 
@@ -63,9 +63,9 @@ def test_the_environments_process_ends_with_the_process_it_serves() -> None:
     """Killed with -9, the parent cannot stop its child: the child ends when its stdin closes."""
     script = (
         "import asyncio, sys, time\n"
-        "from actors.environment_host import EnvironmentHost, HostedEnvironment\n"
-        "from common.config import load_config\n"
-        "from common.environments import EpisodeRow\n"
+        "from asyncrl.actors.environment_host import EnvironmentHost, HostedEnvironment\n"
+        "from asyncrl.common.config import load_config\n"
+        "from asyncrl.common.environments.protocol import EpisodeRow\n"
         "section = load_config(None, ['environment.name=calculator']).environment\n"
         "asyncio.run(HostedEnvironment.open(EnvironmentHost(section), EpisodeRow('', '1')))\n"
         "print('ready', flush=True)\n"

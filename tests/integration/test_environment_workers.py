@@ -1,6 +1,6 @@
 """Environments on the run's reward workers (``environment.isolation = "workers"``): two ``rl-actor reward`` processes
 serve the episodes' environments, and the test drives episodes as an actor does (the episode loop with a scripted
-engine, and :class:`~actors.remote_environments.RemoteEnvironments` pointed at the workers their heartbeats
+engine, and :class:`~asyncrl.actors.remote_environments.RemoteEnvironments` pointed at the workers their heartbeats
 advertise). An episode whose worker is killed with -9 moves to the other, its steps replayed there; with no worker
 left, the next one fails within its time limit and says what to do. The worker makes the environment its own config
 names, never one a request names, and answers nothing that lacks the run's seal."""
@@ -17,15 +17,15 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY
 
-from actors.episodes import open_environment, use_remote_environments
-from actors.remote_environments import RemoteEnvironments
-from common.config import load_config
-from common.control import ControlPlane
-from common.environments import EnvironmentFailed, EpisodeRow
-from common.rpc import RequestSocket
-from common.seal import run_seal
-from common.tiny_chat_model import build_bpe_tokenizer
-from common.turns import segments
+from asyncrl.actors.episodes import open_environment, use_remote_environments
+from asyncrl.actors.remote_environments import RemoteEnvironments
+from asyncrl.common.config import load_config
+from asyncrl.common.environments.protocol import EnvironmentFailed, EpisodeRow
+from asyncrl.common.environments.turns import segments
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.tiny_models.chat import build_bpe_tokenizer
+from asyncrl.common.transport.rpc import RequestSocket
+from asyncrl.common.wire.seal import run_seal
 from tests.helpers.reward_stack import heartbeat, publish, start, wait_for
 from tests.helpers.scrape import metric
 from tests.helpers.scripted_episodes import CALL, episode, replay, tools_for

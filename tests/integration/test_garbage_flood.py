@@ -2,7 +2,7 @@
 memory, every bad message counted, bounded logs and dead-letter stream.
 
 Two receivers, each a real process: a reward worker (``rl-actor reward``: the one ZeroMQ socket that receives, its
-PULL) and the learner's replay consumer (:class:`common.replay.ReplayReader`, driven alone by
+PULL) and the learner's replay consumer (:class:`asyncrl.common.plane.replay.ReplayReader`, driven alone by
 ``tests/helpers/replay_consumer.py`` against a real redis-server). Each is flooded for ``ASYNCRL_FLOOD_S`` seconds
 (default 5) with every kind in ``tests/helpers/garbage.py``, then must still take a real group. Counts are exact:
 PUSH blocks at the high-water mark rather than drop, and the flood writes the replay stream without trimming, so every
@@ -27,12 +27,12 @@ from pathlib import Path
 import pytest
 import zmq
 
-from common import synthetic
-from common.control import ControlPlane
-from common.dead_letters import DEAD_LETTER_MAXLEN
-from common.keys import RunKeys
-from common.seal import run_seal
-from common.wire import encode, encode_blob
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.dead_letters import DEAD_LETTER_MAXLEN
+from asyncrl.common.plane.keys import RunKeys
+from asyncrl.common.tiny_models import synthetic
+from asyncrl.common.wire.messages import encode, encode_blob
+from asyncrl.common.wire.seal import run_seal
 from tests.helpers.garbage import bad_blob, bad_messages
 from tests.helpers.reward_stack import heartbeat, publish, read_replay, reward_worker, wait_for
 from tests.helpers.rollouts import issue, make_group
@@ -216,7 +216,7 @@ def flood_stream(client, stream: str, blobs: list[bytes]) -> tuple[int, float]:
 def test_a_fresh_curve_key_per_handshake_is_remembered_and_logged_within_bounds(tmp_path, monkeypatch) -> None:
     """A flood of handshakes, each with a new key: the refused-key set stops at MAX_LOGGED_KEYS, and past it a
     refusal is logged at the 1st, 10th, 100th, … (not once per key, which would be a line per handshake)."""
-    from common import channel
+    from asyncrl.common.transport import channel
 
     lines: list[dict] = []
     monkeypatch.setattr(channel.log, "warning", lambda message, **fields: lines.append(fields))

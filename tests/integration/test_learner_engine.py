@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from learner.engine import PolicyEngine, ReferenceModel, split_micro_batches
+from asyncrl.learner.engine import PolicyEngine, ReferenceModel, split_micro_batches
 from tests.helpers.engine_ranks import LENGTHS, fixed_batch, nll_loss, predicted_tokens, run_config
 from tests.helpers.ranks import run_ranks
 

@@ -12,18 +12,18 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from common.audit import Audit, entry_line
-from common.audit import flush as flush_audit
-from common.config import RunConfig
-from common.control import ControlPlane
-from common.replay import ReplayWriter
-from common.wire import Heartbeat
-from learner.algorithms.assembly import assemble
-from learner.batch_source import BatchSource, StepInterrupted
-from learner.broadcaster import Broadcaster
-from learner.checkpoint import complete_checkpoints, open_checkpoint
-from learner.run_state import RunState
-from learner.update import PolicyUpdate
+from asyncrl.common.config import RunConfig
+from asyncrl.common.observability.audit import Audit, entry_line
+from asyncrl.common.observability.audit import flush as flush_audit
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.replay import ReplayWriter
+from asyncrl.common.wire.messages import Heartbeat
+from asyncrl.learner.algorithms.assembly import assemble
+from asyncrl.learner.batch_source import BatchSource, StepInterrupted
+from asyncrl.learner.broadcaster import Broadcaster
+from asyncrl.learner.checkpoint import complete_checkpoints, open_checkpoint
+from asyncrl.learner.run_state import RunState
+from asyncrl.learner.update import PolicyUpdate
 from tests.helpers.rollouts import answer
 from tests.helpers.waits import wait_for
 

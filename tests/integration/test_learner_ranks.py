@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from learner.checkpoint import CheckpointError, check_world_size, complete_checkpoints, open_checkpoint
+from asyncrl.learner.checkpoint import CheckpointError, check_world_size, complete_checkpoints, open_checkpoint
 from tests.helpers.ranks import run_ranks
 from tests.helpers.update_ranks import case_dir
 

@@ -11,13 +11,13 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.config import load_config
-from common.control import ControlPlane
-from common.metrics import start_metrics_server
-from common.redis_server import free_port
-from common.replay import ReplayReader, ReplayWriter
-from common.wire import Heartbeat, PromptGroup, ScoredGroup
-from learner.telemetry import StepTelemetry
+from asyncrl.common.config import load_config
+from asyncrl.common.observability.metrics import start_metrics_server
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.redis_server import free_port
+from asyncrl.common.plane.replay import ReplayReader, ReplayWriter
+from asyncrl.common.wire.messages import Heartbeat, PromptGroup, ScoredGroup
+from asyncrl.learner.telemetry import StepTelemetry
 from tests.helpers.rollouts import make_group
 from tests.helpers.waits import wait_for
 

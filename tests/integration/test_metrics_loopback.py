@@ -9,9 +9,9 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry
 
-from common.config import load_config
-from common.metrics import start_metrics_server
-from common.net import advertise_host
+from asyncrl.common.config import load_config
+from asyncrl.common.observability.metrics import start_metrics_server
+from asyncrl.common.transport.net import advertise_host
 
 pytestmark = pytest.mark.integration
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from common.tasks import TASK_ALPHABET
-from common.tiny_model import init_model
+from asyncrl.common.data.tasks import TASK_ALPHABET
+from asyncrl.common.tiny_models.character import init_model
 from tests.helpers.stack import BIN, ROOT
 
 pytestmark = pytest.mark.integration

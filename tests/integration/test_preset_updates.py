@@ -24,14 +24,14 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from common.config import RunConfig
-from common.control import ControlPlane
-from common.replay import ReplayWriter
-from common.wire import PromptGroup, ScoredGroup
-from learner.algorithms.assembly import assemble
-from learner.batch import TrainBatch
-from learner.batch_source import BatchSource, Taken
-from learner.update import PolicyUpdate
+from asyncrl.common.config import RunConfig
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.replay import ReplayWriter
+from asyncrl.common.wire.messages import PromptGroup, ScoredGroup
+from asyncrl.learner.algorithms.assembly import assemble
+from asyncrl.learner.batch import TrainBatch
+from asyncrl.learner.batch_source import BatchSource, Taken
+from asyncrl.learner.update import PolicyUpdate
 from tests.helpers.preset_batches import answer_prompt, policy_logprobs, preset_config, response, score, with_behaviour
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_rank_world")]

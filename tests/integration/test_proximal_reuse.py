@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from learner.algorithms.assembly import assemble
-from learner.update import PolicyUpdate
+from asyncrl.learner.algorithms.assembly import assemble
+from asyncrl.learner.update import PolicyUpdate
 from tests.helpers.update_ranks import groups, run_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_rank_world")]

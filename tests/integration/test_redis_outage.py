@@ -20,12 +20,19 @@ from pathlib import Path
 
 import pytest
 
-from common.control import ControlPlane
-from common.keys import RunKeys, connect
-from common.outage import OUTAGE_EXIT_CODE, OutageClock, RedisUnavailable, exit_for_outage, outage_clock, settling
-from common.prompt_ledger import add_counts
-from common.redis_server import EmbeddedRedis, EmbeddedRedisError, is_redis_server
-from common.replay import ReplayReader
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.keys import RunKeys, connect
+from asyncrl.common.plane.outage import (
+    OUTAGE_EXIT_CODE,
+    OutageClock,
+    RedisUnavailable,
+    exit_for_outage,
+    outage_clock,
+    settling,
+)
+from asyncrl.common.plane.prompt_ledger import add_counts
+from asyncrl.common.plane.redis_server import EmbeddedRedis, EmbeddedRedisError, is_redis_server
+from asyncrl.common.plane.replay import ReplayReader
 from tests.helpers.dispatch import actor, make_config, make_dispatcher
 from tests.helpers.replay import KEYS, fill
 from tests.helpers.waits import wait_for

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from common import synthetic
-from common.keys import connect
-from common.redis_server import EmbeddedRedis
-from common.replay import ReplayReader, ReplayWriter
+from asyncrl.common.plane.keys import connect
+from asyncrl.common.plane.redis_server import EmbeddedRedis
+from asyncrl.common.plane.replay import ReplayReader, ReplayWriter
+from asyncrl.common.tiny_models import synthetic
 from tests.helpers.replay import KEYS, fill
 
 pytestmark = pytest.mark.integration
@@ -22,8 +22,8 @@ pytestmark = pytest.mark.integration
 READ_AND_HANG = textwrap.dedent(
     """
     import sys, time
-    from common.keys import RunKeys, connect
-    from common.replay import ReplayReader
+    from asyncrl.common.plane.keys import RunKeys, connect
+    from asyncrl.common.plane.replay import ReplayReader
     reader = ReplayReader(connect(sys.argv[1]), RunKeys("test"), consumer="doomed")
     entries = reader.read(count=int(sys.argv[2]), block_ms=5000)
     print(" ".join(e.entry_id for e in entries), flush=True)

@@ -9,12 +9,12 @@ import urllib.request
 
 import pytest
 
-from common.channel import PushChannel
-from common.control import ControlPlane
-from common.dead_letters import DEAD_LETTER_EXCERPT
-from common.keys import RunKeys
-from common.seal import Seal, run_seal
-from common.wire import Decoder, Heartbeat, RolloutGroup, decode_blob, encode_blob
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.dead_letters import DEAD_LETTER_EXCERPT
+from asyncrl.common.plane.keys import RunKeys
+from asyncrl.common.transport.channel import PushChannel
+from asyncrl.common.wire.messages import Decoder, Heartbeat, RolloutGroup, decode_blob, encode_blob
+from asyncrl.common.wire.seal import Seal, run_seal
 from tests.helpers.reward_stack import heartbeat, publish, read_replay, reward_worker, stop, wait_for
 from tests.helpers.rollouts import issue, make_group
 from tests.helpers.stack import BIN
@@ -163,7 +163,9 @@ def test_a_finished_run_stops_its_worker_and_a_run_published_again_runs(redis_se
     for command, who in ((["reward"], "reward worker"), ([], "actor")):  # started again after the end: nothing to do
         again = subprocess.run(
             [str(BIN / "rl-actor"), *command, "--redis", redis_server.url, "--run", run],
-            capture_output=True, text=True, timeout=120,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert again.returncode == 0 and f"finished at step 12: the {who} has nothing to do" in again.stderr, again
     publish(redis_client, run)
@@ -219,7 +221,13 @@ def test_a_task_name_from_the_wire_never_selects_or_imports_anything(redis_serve
     run = "hostile-task"
     publish(redis_client, run)
     marker = tmp_path / "pwned"
-    names = ["os:system", "subprocess:getoutput", "builtins:exec", "countdown", "actors.verifiers:verify_arithmetic"]
+    names = [
+        "os:system",
+        "subprocess:getoutput",
+        "builtins:exec",
+        "countdown",
+        "asyncrl.common.rewards.verifiers:verify_arithmetic",
+    ]
     hostile = [make_group([f"touch {marker}"], task=name, group_id=f"h-{i}") for i, name in enumerate(names)]
     log = tmp_path / f"{run}.log"
     with reward_worker(redis_server, redis_client, tmp_path, run) as (proc, endpoint):

@@ -25,17 +25,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.channel import PullChannel
-from common.config import load_config
-from common.control import ControlPlane
-from common.keys import connect
-from common.procs import child_pids, descendants, name_and_state, parent_of
-from common.redis_server import EmbeddedRedis
-from common.seal import run_seal
-from common.tasks import TASK_ALPHABET
-from common.tiny_model import init_model
-from common.weights import pack_sealed
-from common.wire import Heartbeat, PromptGroup, RolloutGroup
+from asyncrl.common.config import load_config
+from asyncrl.common.data.tasks import TASK_ALPHABET
+from asyncrl.common.observability.procs import child_pids, descendants, name_and_state, parent_of
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.keys import connect
+from asyncrl.common.plane.redis_server import EmbeddedRedis
+from asyncrl.common.tiny_models.character import init_model
+from asyncrl.common.transport.channel import PullChannel
+from asyncrl.common.weights.group import pack_sealed
+from asyncrl.common.wire.messages import Heartbeat, PromptGroup, RolloutGroup
+from asyncrl.common.wire.seal import run_seal
 from tests.helpers.actor_stack import (
     LOGPROB_TOLERANCE,
     SharedActor,

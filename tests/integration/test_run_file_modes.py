@@ -17,16 +17,16 @@ import numpy as np
 import pytest
 import redis
 
-from common.audit import Audit, AuditMirror, flush
-from common.config import load_config, write_resolved
-from common.keys import RunKeys, connect
-from common.private import private_umask
-from common.redis_server import EmbeddedRedis
-from common.replay import ReplayWriter
-from common.wire import ScoredGroup
-from learner.checkpoint import truncate_metrics
-from learner.recorder import Recorder, StepRecord
-from learner.samples import SampleLog
+from asyncrl.common.config import load_config, write_resolved
+from asyncrl.common.observability.audit import Audit, AuditMirror, flush
+from asyncrl.common.plane.keys import RunKeys, connect
+from asyncrl.common.plane.redis_server import EmbeddedRedis
+from asyncrl.common.plane.replay import ReplayWriter
+from asyncrl.common.private import private_umask
+from asyncrl.common.wire.messages import ScoredGroup
+from asyncrl.learner.checkpoint import truncate_metrics
+from asyncrl.learner.recorder import Recorder, StepRecord
+from asyncrl.learner.samples import SampleLog
 from tests.helpers.rollouts import make_group
 from tests.helpers.waits import wait_for
 
@@ -122,7 +122,7 @@ def _step_values() -> dict[str, float]:
 LAUNCHER = """
 import sys
 from pathlib import Path
-from learner.children import Children
+from asyncrl.learner.children import Children
 
 children = Children(Path(sys.argv[1]))
 writer = children.start("writer", [sys.executable, "-c", "import sys; open(sys.argv[1], 'w').write('x')",

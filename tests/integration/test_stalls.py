@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.rollout import RewardPeers
-from common.config import RunConfig, load_config
-from common.control import ControlPlane
-from common.replay import ReplayReader
-from common.seal import run_seal
-from common.wire import Heartbeat
-from learner.broadcaster import Broadcaster
-from learner.dispatcher import Dispatcher
+from asyncrl.actors.rollout import RewardPeers
+from asyncrl.common.config import RunConfig, load_config
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.replay import ReplayReader
+from asyncrl.common.wire.messages import Heartbeat
+from asyncrl.common.wire.seal import run_seal
+from asyncrl.learner.broadcaster import Broadcaster
+from asyncrl.learner.dispatcher import Dispatcher
 from tests.helpers.rollouts import encode, issue, make_group, tokenizer_dir
 from tests.helpers.waits import wait_for
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from common.audit import entry_line
-from common.keys import RunKeys
+from asyncrl.common.observability.audit import entry_line
+from asyncrl.common.plane.keys import RunKeys
 
 pytestmark = pytest.mark.integration
 BIN = Path(sys.executable).parent

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.episodes import close_environment_hosts, environment_host
-from common.turns import segments
+from asyncrl.actors.episodes import close_environment_hosts, environment_host
+from asyncrl.common.environments.turns import segments
 from tests.helpers.scripted_episodes import episode, replay, tools_for
 
 pytestmark = pytest.mark.integration

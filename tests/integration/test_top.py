@@ -14,11 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.config import load_config
-from common.control import ControlPlane
-from common.replay import ReplayReader, ReplayWriter
-from common.top import render, snapshot
-from common.wire import Heartbeat, PromptGroup, ScoredGroup
+from asyncrl.common.config import load_config
+from asyncrl.common.observability.top import render, snapshot
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.replay import ReplayReader, ReplayWriter
+from asyncrl.common.wire.messages import Heartbeat, PromptGroup, ScoredGroup
 from tests.helpers.rollouts import make_group
 from tests.helpers.waits import wait_for
 

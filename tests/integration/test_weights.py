@@ -12,8 +12,7 @@ import pytest
 import redis
 import torch
 
-from common.rendezvous import RedisStore, rendezvous_prefix
-from common.weights import (
+from asyncrl.common.weights.group import (
     GroupAddress,
     WeightGroup,
     WeightSyncError,
@@ -22,6 +21,7 @@ from common.weights import (
     plan_buckets,
     unpack_bucket,
 )
+from asyncrl.common.weights.rendezvous import RedisStore, rendezvous_prefix
 from tests.helpers.waits import wait_for
 
 pytestmark = pytest.mark.integration

@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.weight_receiver import WeightReceiverExtension
-from actors.weights_follower import WeightsFollower
-from common.audit import Audit
-from common.config import RunConfig
-from common.control import ControlPlane
-from common.weights import unpack_bucket
-from common.wire import Decoder, Heartbeat, WeightManifest
-from learner.broadcaster import Broadcaster
+from asyncrl.actors.weight_receiver import WeightReceiverExtension
+from asyncrl.actors.weights_follower import WeightsFollower
+from asyncrl.common.config import RunConfig
+from asyncrl.common.observability.audit import Audit
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.weights.group import unpack_bucket
+from asyncrl.common.wire.messages import Decoder, Heartbeat, WeightManifest
+from asyncrl.learner.broadcaster import Broadcaster
 from tests.helpers.waits import wait_for
 
 pytestmark = pytest.mark.integration

@@ -11,9 +11,9 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from common import deploy
-from common.config import HOST_KEY_ENV
-from common.weights import gloo_group
+from asyncrl.common import deploy
+from asyncrl.common.config import HOST_KEY_ENV
+from asyncrl.common.weights.group import gloo_group
 from tests.helpers.readme import readme_block
 
 STEPS = deploy.cluster_steps(**deploy.CLUSTER_EXAMPLE)

@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from common.config import ConfigError
-from learner.algorithms import (
+from asyncrl.common.config import ConfigError
+from asyncrl.learner.algorithms import (
     ADVANTAGES,
     AGGREGATIONS,
     ALL_REGISTRIES,
@@ -42,9 +42,9 @@ from learner.algorithms import (
     settings_tag,
     settings_type,
 )
-from learner.algorithms.advantages import GRPOSettings
-from learner.algorithms.losses import PPOClipSettings, ppo_clip
-from learner.algorithms.masked import zero_masked
+from asyncrl.learner.algorithms.advantages import GRPOSettings
+from asyncrl.learner.algorithms.losses import PPOClipSettings, ppo_clip
+from asyncrl.learner.algorithms.masked import zero_masked
 
 T_ = True
 F_ = False
@@ -627,7 +627,11 @@ def _all_subclasses(cls: type) -> list[type]:
 
 
 def test_every_settings_model_has_a_registered_function() -> None:
-    tagged = [m for m in _all_subclasses(Settings) if m.__module__.startswith("learner.algorithms") and settings_tag(m)]
+    tagged = [
+        m
+        for m in _all_subclasses(Settings)
+        if m.__module__.startswith("asyncrl.learner.algorithms") and settings_tag(m)
+    ]
     assert len(tagged) == sum(len(r.names()) for r in ALL_REGISTRIES)
     for model in tagged:
         owners = [r for r in ALL_REGISTRIES if settings_tag(model) in r]
@@ -717,7 +721,7 @@ def test_settings_and_types_validate_early() -> None:
 
 
 def test_every_requirement_a_variant_names_is_one_the_learner_knows() -> None:
-    from learner.algorithms import REQUIREMENTS
+    from asyncrl.learner.algorithms import REQUIREMENTS
 
     for registry in ALL_REGISTRIES:
         for name in registry.names():
@@ -726,7 +730,7 @@ def test_every_requirement_a_variant_names_is_one_the_learner_knows() -> None:
 
 
 def test_requirements_follow_the_settings() -> None:
-    from learner.algorithms import advantage_settings, loss_settings
+    from asyncrl.learner.algorithms import advantage_settings, loss_settings
 
     assert advantage_settings("grpo").requires() == frozenset()
     assert advantage_settings("gae").requires() == {"values"}

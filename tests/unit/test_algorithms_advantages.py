@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from common.config import ConfigError
-from learner.algorithms import (
+from asyncrl.common.config import ConfigError
+from asyncrl.learner.algorithms import (
     ADVANTAGES,
     AdvantageInput,
     AdvantageSettings,
@@ -26,8 +26,8 @@ from learner.algorithms import (
     build_advantage,
     settings_type,
 )
-from learner.algorithms.advantages import discounted_suffix_sum
-from learner.algorithms.masked import masked_whiten
+from asyncrl.learner.algorithms.advantages import discounted_suffix_sum
+from asyncrl.learner.algorithms.masked import masked_whiten
 
 T_ = True
 F_ = False

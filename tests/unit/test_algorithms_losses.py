@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from common.config import ConfigError
-from learner.algorithms import (
+from asyncrl.common.config import ConfigError
+from asyncrl.learner.algorithms import (
     GlobalCounts,
     LossInput,
     LossOutput,
@@ -25,7 +25,7 @@ from learner.algorithms import (
     loss_settings,
     token_entropy,
 )
-from learner.algorithms.losses import DPOSettings, GSPOSettings, gspo
+from asyncrl.learner.algorithms.losses import DPOSettings, GSPOSettings, gspo
 
 T_ = True
 F_ = False
@@ -478,7 +478,7 @@ def test_entropy_matches_a_loop_reference_and_is_float32(seed: int) -> None:
 def test_entropy_without_a_graph_in_chunks_equals_the_whole(monkeypatch) -> None:
     """The figure every step reports: the same values as :func:`token_entropy`, a few positions at a time (the chunk
     set to 2 vocabulary rows here: 3 chunks for 6 positions), with no graph."""
-    from learner.algorithms import entropy
+    from asyncrl.learner.algorithms import entropy
 
     logits = (4 * torch.randn(2, 3, 11, generator=_generator(5))).requires_grad_()
     monkeypatch.setattr(entropy, "ENTROPY_CHUNK_ELEMENTS", 22)

@@ -7,8 +7,8 @@ import dataclasses
 import numpy as np
 import torch
 
-from common.wire import ScoredGroup
-from learner.batch import collate, preference_rows
+from asyncrl.common.wire.messages import ScoredGroup
+from asyncrl.learner.batch import collate, preference_rows
 from tests.helpers.rollouts import make_group
 
 

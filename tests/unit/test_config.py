@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from common.config import ConfigError, RunConfig, field_help, load_config, with_host_keys, write_resolved
+from asyncrl.common.config import ConfigError, RunConfig, field_help, load_config, with_host_keys, write_resolved
 
 
 def write(path: Path, text: str) -> Path:
@@ -67,7 +67,7 @@ def test_invalid_values_name_the_field_and_what_is_allowed(override: str, expect
     ],
 )
 def test_sync_every_within_the_staleness_bound_is_accepted(sets: list[str], lag: int) -> None:
-    from common.config import weights_lag
+    from asyncrl.common.config import weights_lag
 
     assert weights_lag(load_config(None, sets)) == lag
 
@@ -118,7 +118,7 @@ def test_a_preset_that_switches_the_loss_does_not_inherit_the_old_loss_options(t
 
 
 def test_the_reference_model_precision_defaults_to_the_training_precision() -> None:
-    from learner.engine import reference_precision
+    from asyncrl.learner.engine import reference_precision
 
     assert reference_precision(load_config(None, ["learner.precision=bfloat16"])) == "bfloat16"
     both = ["learner.precision=bfloat16", "learner.reference_precision=float32"]

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from common.config import (
+from asyncrl.common.config import (
     GROUP_BASELINE_ADVANTAGES,
     MAX_DEPTH,
     ConfigError,
@@ -174,8 +174,8 @@ def test_a_group_baseline_needs_two_samples_and_dynamic_sampling_too(advantage: 
 
 def test_the_group_baseline_estimators_are_those_that_give_a_lone_response_advantage_zero() -> None:
     """The config's list, checked against what every registered estimator does with groups of one."""
-    from learner.algorithms import ADVANTAGES, build_advantage
-    from learner.algorithms.types import AdvantageInput
+    from asyncrl.learner.algorithms import ADVANTAGES, build_advantage
+    from asyncrl.learner.algorithms.types import AdvantageInput
 
     mask = torch.ones(4, 3, dtype=torch.bool)
     lone = AdvantageInput(
@@ -283,7 +283,7 @@ def test_no_exception_but_config_error_escapes_for_any_toml_file_or_json(text: s
 def test_each_command_exits_2_with_one_line_before_anything_starts(args: list[str], message: str) -> None:
     from typer.testing import CliRunner
 
-    from learner.cli import app
+    from asyncrl.learner.cli import app
 
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit)  # fail(): no traceback

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from common.config import ConfigError, load_config
-from learner.algorithms.assembly import assemble
-from learner.preflight import check_config
+from asyncrl.common.config import ConfigError, load_config
+from asyncrl.learner.algorithms.assembly import assemble
+from asyncrl.learner.preflight import check_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,9 +62,9 @@ def test_every_shipped_config_passes(config: Path) -> None:
 def test_no_registered_option_duplicates_a_config_section_unless_it_is_refused() -> None:
     """An option of a loss, estimator or aggregation whose settings are a section's fields (as ``off_policy`` holds
     ``[staleness]``'s) would let a run set one thing in two places: each such option is refused in the config."""
-    from common.config import RunConfig
-    from learner.algorithms.assembly import SECTION_OPTIONS
-    from learner.algorithms.registries import ALL_REGISTRIES, settings_type
+    from asyncrl.common.config import RunConfig
+    from asyncrl.learner.algorithms.assembly import SECTION_OPTIONS
+    from asyncrl.learner.algorithms.registries import ALL_REGISTRIES, settings_type
 
     sections = {
         name: set(f.annotation.model_fields) for name, f in RunConfig.model_fields.items() if _model(f.annotation)

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from actors.engine import EngineSettingsError, engine_settings
-from common.config import ConfigError, load_config
+from asyncrl.actors.engine import EngineSettingsError, engine_settings
+from asyncrl.common.config import ConfigError, load_config
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def test_settings_asyncrl_owns_or_out_of_range_are_refused_by_the_config(overrid
 
 def test_frontend_cpus_that_cannot_run_the_actor_are_refused_before_the_engine_starts() -> None:
     """CPU 1023 is on no machine this runs on: the kernel refuses it, and the error names the setting."""
-    from actors.engine import probe_frontend_cpus
+    from asyncrl.actors.engine import probe_frontend_cpus
 
     before = os.sched_getaffinity(0)
     probe_frontend_cpus("0")  # a CPU every machine has
@@ -108,7 +108,7 @@ def test_frontend_cpus_that_cannot_run_the_actor_are_refused_before_the_engine_s
 
 
 def test_moving_the_process_moves_every_thread() -> None:
-    from common.procs import move_process
+    from asyncrl.common.observability.procs import move_process
 
     before = os.sched_getaffinity(0)
     started, done = threading.Event(), threading.Event()

@@ -16,19 +16,19 @@ import numpy as np
 import pytest
 import torch
 
-from actors.episodes import EpisodeMismatch, EpisodeTools, environment_reward, replay_time_limit
-from actors.rewards import bind_functions, episode_options
-from common.config import ConfigError, EnvironmentSection, RewardFunction, load_config
-from common.environments import ENVIRONMENTS, EnvironmentFailed, EpisodeRow, Step, calculate, run_tools
-from common.prompts import Prompter, turn_end_id
-from common.tasks import TaskExample
-from common.tiny_chat_model import ARCHITECTURES, CHATML_TEMPLATE, build_bpe_tokenizer
-from common.tool_calls import parse_tool_calls
-from common.turns import TemplateError, TurnEncoder, segments
-from common.wire import ScoredGroup
-from learner.algorithms import GlobalCounts, LossInput, build_aggregation, build_loss
-from learner.batch import collate
-from learner.preflight import check_config
+from asyncrl.actors.episodes import EpisodeMismatch, EpisodeTools, environment_reward, replay_time_limit
+from asyncrl.common.config import ConfigError, EnvironmentSection, RewardFunction, load_config
+from asyncrl.common.data.prompts import Prompter, turn_end_id
+from asyncrl.common.data.tasks import TaskExample
+from asyncrl.common.environments.protocol import ENVIRONMENTS, EnvironmentFailed, EpisodeRow, Step, calculate, run_tools
+from asyncrl.common.environments.tool_calls import parse_tool_calls
+from asyncrl.common.environments.turns import TemplateError, TurnEncoder, segments
+from asyncrl.common.rewards.functions import bind_functions, episode_options
+from asyncrl.common.tiny_models.chat import ARCHITECTURES, CHATML_TEMPLATE, build_bpe_tokenizer
+from asyncrl.common.wire.messages import ScoredGroup
+from asyncrl.learner.algorithms import GlobalCounts, LossInput, build_aggregation, build_loss
+from asyncrl.learner.batch import collate
+from asyncrl.learner.preflight import check_config
 from tests.helpers.scripted_episodes import CALL, QUESTION, context, episode, replay, tools_for
 
 

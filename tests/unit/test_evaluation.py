@@ -8,11 +8,19 @@ import dataclasses
 import numpy as np
 import pytest
 
-from common.config import ConfigError, load_config
-from common.evaluation import eval_examples, eval_groups, round_figures
-from common.prompts import Prompter
-from common.provenance import issue_mismatch
-from common.wire import Decoder, PromptGroup, RolloutGroup, ScoredGroup, WireError, decode_blob, encode_blob
+from asyncrl.common.config import ConfigError, load_config
+from asyncrl.common.data.evaluation import eval_examples, eval_groups, round_figures
+from asyncrl.common.data.prompts import Prompter
+from asyncrl.common.wire.messages import (
+    Decoder,
+    PromptGroup,
+    RolloutGroup,
+    ScoredGroup,
+    WireError,
+    decode_blob,
+    encode_blob,
+)
+from asyncrl.common.wire.provenance import issue_mismatch
 
 
 def scored(rewards: list[float], lengths: list[int] | None = None, versions: int = 2) -> ScoredGroup:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from learner.checkpoint import MANIFEST
-from learner.cli import app
+from asyncrl.learner.checkpoint import MANIFEST
+from asyncrl.learner.cli import app
 
 
 def saved(root: Path, step: int) -> None:

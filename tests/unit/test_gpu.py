@@ -1,6 +1,7 @@
-"""The learner's GPU figures (``common/gpu.py``): none without CUDA, said once; with CUDA, torch's allocator figures
-(the peak reset each step) and NVML's utilisation and device memory where ``nvidia-ml-py`` is installed. Here, on a
-CPU machine, torch.cuda and pynvml are stand-ins: the real ones were read on a GPU by ``bench/gpu_check.py``."""
+"""The learner's GPU figures (``common/observability/gpu.py``): none without CUDA, said once; with CUDA, torch's
+allocator figures (the peak reset each step) and NVML's utilisation and device memory where ``nvidia-ml-py`` is
+installed. Here, on a CPU machine, torch.cuda and pynvml are stand-ins: the real ones were read on a GPU by
+``bench/gpu_check.py``."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import types
 import pytest
 import torch
 
-from common import gpu
+from asyncrl.common.observability import gpu
 
 MIB = 2**20
 

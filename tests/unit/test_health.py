@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from common.config import ConfigError, HealthSection, load_config
-from common.redis_server import free_port
-from learner.health import (
+from asyncrl.common.config import ConfigError, HealthSection, load_config
+from asyncrl.common.plane.redis_server import free_port
+from asyncrl.learner.health import (
     HealthMonitor,
     ProcessFacts,
     RollbackPolicy,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from actors import ipc_folder
+from asyncrl.actors import ipc_folder
 
 
 def use_temp(folder: Path, monkeypatch: pytest.MonkeyPatch) -> Path:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from learner import jit_lock
-from learner.jit_lock import StaleLockError, clear_stale_locks, extensions_root, processes_in
+from asyncrl.learner import jit_lock
+from asyncrl.learner.jit_lock import StaleLockError, clear_stale_locks, extensions_root, processes_in
 
 
 @pytest.fixture

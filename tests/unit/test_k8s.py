@@ -33,9 +33,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from common import deploy
-from common.config import RewardSection, load_config
-from common.keys import RunKeys
+from asyncrl.common import deploy
+from asyncrl.common.config import RewardSection, load_config
+from asyncrl.common.plane.keys import RunKeys
 
 pytestmark = pytest.mark.integration  # kubectl kustomize and a redis-server run as processes
 
@@ -364,7 +364,7 @@ def test_no_secret_in_a_configmap_an_arg_or_an_env_value(variant: str) -> None:
 
 def test_the_secret_patterns_catch_what_they_are_for(tmp_path: Path) -> None:
     """The patterns above match real secrets: a URL as rl-launch writes it, a redis.conf line, `rl-launch keys`."""
-    from common.channel import create_run_keys
+    from asyncrl.common.transport.channel import create_run_keys
 
     keys = create_run_keys(tmp_path / "keys")
     samples = ["redis://:0123abcd@asyncrl-redis:6379/0", "port 1\nrequirepass 0123abcd\n",
@@ -412,7 +412,7 @@ def test_the_code_sandbox_capabilities_start_the_namespaces_fence() -> None:
         pytest.skip("needs root and setpriv (as in CI) to start a process with the pod's capability set")
     added = container(workloads(build("gpu+code-sandbox"))["reward"])["securityContext"]["capabilities"]["add"]
     probe = (
-        "from actors.sandbox import isolation, run_python_tests\n"
+        "from asyncrl.common.rewards.sandbox import isolation, run_python_tests\n"
         "fence = isolation()\n"
         "caps = \"caps = [l.split()[1] for l in open('/proc/self/status') if l.startswith('Cap')]\\n"
         "assert set(caps) == {'0000000000000000'}, caps\"\n"
@@ -569,8 +569,8 @@ def test_keda_watches_the_runs_prompt_queue(overlay: str) -> None:
 def test_the_prompt_list_is_what_the_learner_reports_as_the_prompt_queue(redis_server) -> None:
     """KEDA reads LLEN of RunKeys.prompts; the HPA alternative reads asyncrl_learner_queue_depth_groups{queue=
     "prompts"}, the learner's sample of ControlPlane.queue_depths()["prompts"]: one number, two routes."""
-    from common.control import ControlPlane
-    from common.keys import connect
+    from asyncrl.common.plane.control import ControlPlane
+    from asyncrl.common.plane.keys import connect
 
     client = connect(redis_server.url)
     client.rpush(RunKeys("k8s").prompts, b"a", b"b", b"c")
@@ -578,7 +578,7 @@ def test_the_prompt_list_is_what_the_learner_reports_as_the_prompt_queue(redis_s
 
 
 def test_the_hpa_follows_a_series_the_learner_exports() -> None:
-    from common import metrics
+    from asyncrl.common.observability import metrics
 
     objects = build("gpu+prometheus-hpa")
     assert not by_kind(objects, "ScaledObject"), "two autoscalers on one Deployment fight"
@@ -599,7 +599,7 @@ def test_the_redis_command_starts_a_redis_that_needs_its_password(tmp_path: Path
     redis-server itself (it gets SIGTERM) and its command line holds no password."""
     import redis as redis_lib
 
-    from common.redis_server import find_redis_server, free_port
+    from asyncrl.common.plane.redis_server import find_redis_server, free_port
 
     password, port = "0123456789abcdef", free_port()
     (tmp_path / "password").write_text(password + "\n")
@@ -633,7 +633,7 @@ def test_the_redis_command_starts_a_redis_that_needs_its_password(tmp_path: Path
 def test_the_learner_resumes_exactly_when_a_complete_checkpoint_exists(tmp_path: Path, folders: list[str]) -> None:
     """The learner's wrapper adds --resume latest iff the checkpoint code finds a complete checkpoint in the folder
     the learner writes them to."""
-    from learner.checkpoint import complete_checkpoints
+    from asyncrl.learner.checkpoint import complete_checkpoints
 
     site = deploy.Site("r", "run.toml", "url", "host", root=str(tmp_path / "runs"))
     argv = deploy.learner(site).argv
@@ -678,9 +678,9 @@ def test_the_dockerfile_installs_as_bin_setup_does() -> None:
     assert torch < project < uninstall
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert {"cpu", "gpu"} <= set(extras) and 'case "$VARIANT" in cpu|gpu)' in dockerfile
-    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    folders = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values()
     copied = set(re.findall(r"^COPY (\w+) \./\1$", dockerfile, re.MULTILINE))
-    assert {p.rstrip("*") for p in packages["include"]} | {"configs"} <= copied
+    assert set(folders) | {"configs"} <= copied
     ignore = (ROOT / "docker" / "Dockerfile.dockerignore").read_text().split()
     assert {f"!{name}/" for name in copied} <= set(ignore)
     assert "util-linux" in dockerfile  # setpriv and unshare, for the code sandbox

@@ -1,10 +1,13 @@
 """The packages' layering, read from the source (nothing is imported): no two modules import each other, directly or
-through others, even inside a function (a circle there means a module with two jobs), and ``common`` imports neither
-``actors`` nor ``learner``. Imports under ``if TYPE_CHECKING:`` are only for annotations and do not count."""
+through others, even inside a function (a circle there means a module with two jobs); ``common`` imports neither
+``actors`` nor ``learner``, nor vLLM or DeepSpeed; ``actors`` and ``learner`` never import each other and ``learner``
+never imports vLLM. Imports under ``if TYPE_CHECKING:`` are only for annotations and do not count. Every part is
+imported under the one top-level package, ``asyncrl``, and the distribution installs every one of its packages."""
 
 from __future__ import annotations
 
 import ast
+import tomllib
 from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
@@ -13,11 +16,18 @@ PACKAGES = ("common", "actors", "learner")
 
 
 def module_files() -> dict[str, Path]:
+    """Every module of the three parts by its importable name (``asyncrl.common.plane.keys``)."""
     found = {}
     for package in PACKAGES:
         for path in (ROOT / package).rglob("*.py"):
-            found[".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")] = path
+            found["asyncrl." + ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")] = path
     return found
+
+
+def part(module: str) -> str:
+    """``common``, ``actors`` or ``learner`` for a module of asyncrl; the top-level package name otherwise."""
+    names = module.split(".")
+    return names[1] if names[0] == "asyncrl" and len(names) > 1 else names[0]
 
 
 def imported_names(path: Path) -> set[str]:
@@ -63,7 +73,42 @@ def test_no_module_imports_itself_through_others() -> None:
     assert circle_in(import_graph()) == []
 
 
-def test_common_imports_neither_actors_nor_learner() -> None:
-    graph = import_graph()
-    upward = {name: sorted(m for m in graph[name] if m.split(".")[0] in ("actors", "learner")) for name in graph}
-    assert {name: found for name, found in upward.items() if name.startswith("common") and found} == {}
+FORBIDDEN = {
+    "common": {"actors", "learner", "vllm", "deepspeed"},
+    "actors": {"learner", "deepspeed"},
+    "learner": {"actors", "vllm"},
+}
+
+
+def test_each_part_imports_only_what_its_layer_allows() -> None:
+    crossings = {}
+    for name, path in module_files().items():
+        found = sorted(m for m in imported_names(path) if part(m) in FORBIDDEN[part(name)])
+        if found:
+            crossings[name] = found
+    assert crossings == {}
+
+
+def test_the_layering_rule_sees_a_crossing() -> None:
+    assert part("asyncrl.learner.update") == "learner" and part("vllm.v1") == "vllm"
+    assert part("asyncrl.actors.episodes") in FORBIDDEN["learner"]
+
+
+def test_nothing_imports_the_parts_outside_the_asyncrl_package() -> None:
+    """``common``, ``actors`` and ``learner`` are folders, not packages: a ``from common.keys import …`` works
+    from the repository's root only, and would load a second copy of the module beside ``asyncrl.common.plane.keys``."""
+    bare = {}
+    for path in sorted(ROOT.glob("**/*.py")):
+        if ".venv" in path.parts or "build" in path.parts:
+            continue
+        found = sorted(m for m in imported_names(path) if m.split(".")[0] in PACKAGES)
+        if found:
+            bare[str(path.relative_to(ROOT))] = found
+    assert bare == {}
+
+
+def test_the_distribution_installs_every_package() -> None:
+    """``pyproject.toml`` lists the packages by hand (their folders are mapped): a new sub-package must be listed."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {name for name, path in module_files().items() if path.name == "__init__.py"} | {"asyncrl"}
+    assert listed == packages

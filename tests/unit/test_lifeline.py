@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from actors import lifeline
+from asyncrl.actors import lifeline
 
 ROOT = Path(__file__).resolve().parents[2]
 ACTOR = 4242

@@ -1,7 +1,7 @@
 """The monitoring files (Grafana dashboard, Prometheus rules and config) and rl-top's rendering, without servers.
 
-Every ``asyncrl_*`` series a dashboard panel or an alert names must be one that ``common/metrics.py`` defines,
-and every label value it selects one that the code sets: a renamed series or a typo would otherwise leave a
+Every ``asyncrl_*`` series a dashboard panel or an alert names must be one that ``common/observability/metrics.py``
+defines, and every label value it selects one that the code sets: a renamed series or a typo would otherwise leave a
 panel empty or an alert silent, with nothing failing.
 """
 
@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY
 
-from common import metrics
-from common.top import frame_for_terminal, render, targets
-from common.wire import Heartbeat
-from learner.telemetry import DROPPED, GAUGES
+from asyncrl.common.observability import metrics
+from asyncrl.common.observability.top import frame_for_terminal, render, targets
+from asyncrl.common.wire.messages import Heartbeat
+from asyncrl.learner.telemetry import DROPPED, GAUGES
 
 MONITORING = Path(__file__).resolve().parents[2] / "k8s" / "monitoring"
 SERIES = re.compile(r"\b(asyncrl_[a-z_]+)(\{[^}]*\})?")
@@ -102,7 +102,7 @@ def test_every_series_and_label_value_named_exists(source: str) -> None:
     defined, known = defined_series(), known_label_values()
     for expr in exprs:
         for name, selector in SERIES.findall(expr):
-            assert name in defined, f"{name} is not defined in common/metrics.py ({expr})"
+            assert name in defined, f"{name} is not defined in common/observability/metrics.py ({expr})"
             for label, op, value in SELECTOR.findall(selector):
                 if label in FREE_LABELS:
                     continue

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from common.wire import Heartbeat
-from learner.batch_source import ActorWatch, NoActorsLeft
-from learner.children import root_cause, why_it_failed
+from asyncrl.common.wire.messages import Heartbeat
+from asyncrl.learner.batch_source import ActorWatch, NoActorsLeft
+from asyncrl.learner.children import root_cause, why_it_failed
 
 
 class Registry:

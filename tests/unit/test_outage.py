@@ -8,9 +8,9 @@ import time
 import pytest
 from redis.exceptions import AuthenticationError, BusyLoadingError, ConnectionError
 
-from common.outage import OutageClock, OutageRetry, RedisUnavailable, outage_in
-from common.prompt_ledger import LedgerEntry
-from learner.dispatcher import overdue_reason
+from asyncrl.common.plane.outage import OutageClock, OutageRetry, RedisUnavailable, outage_in
+from asyncrl.common.plane.prompt_ledger import LedgerEntry
+from asyncrl.learner.dispatcher import overdue_reason
 
 
 def failing(times: int, error: Exception | None = None):

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.tasks import TASK_ALPHABET, get_task
-from common.tiny_model import build_char_tokenizer
-from learner.preferences import (
+from asyncrl.common.data.tasks import TASK_ALPHABET, get_task
+from asyncrl.common.tiny_models.character import build_char_tokenizer
+from asyncrl.learner.preferences import (
     EncodedPair,
     PreferenceFileError,
     PreferencePair,

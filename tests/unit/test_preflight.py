@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from common.config import load_config
-from learner.preflight import check_model_context, model_context
+from asyncrl.common.config import load_config
+from asyncrl.learner.preflight import check_model_context, model_context
 
 
 def folder_with(tmp_path: Path, config_json: dict) -> Path:

@@ -7,9 +7,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from common.config import load_config
-from common.provenance import episode_tokens, issue_mismatch
-from common.wire import PromptGroup, RolloutGroup
+from asyncrl.common.config import load_config
+from asyncrl.common.wire.messages import PromptGroup, RolloutGroup
+from asyncrl.common.wire.provenance import episode_tokens, issue_mismatch
 
 ISSUED = PromptGroup(
     group_id="run-00000007",

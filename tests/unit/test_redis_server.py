@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 import threading
 
-from common.redis_server import _free_or_zero, free_port
+from asyncrl.common.plane.redis_server import _free_or_zero, free_port
 
 
 def listen_on(port: int) -> socket.socket:

@@ -21,13 +21,16 @@ def options(command: click.Command, path: str = "") -> dict[str, set[str]]:
     return found
 
 
-@pytest.mark.parametrize("module", ["learner.cli", "learner.launch", "actors.cli", "common.top"])
+@pytest.mark.parametrize(
+    "module",
+    ["asyncrl.learner.cli", "asyncrl.learner.launch", "asyncrl.actors.cli", "asyncrl.common.observability.top"],
+)
 def test_every_command_that_takes_a_url_takes_a_url_file(module: str) -> None:
     app = __import__(module, fromlist=["app"]).app
     commands = options(typer.main.get_command(app))
     taking_url = {name for name, opts in commands.items() if "--redis" in opts}
     assert all("--redis-url-file" in commands[name] for name in taking_url), commands
-    if module != "learner.launch":  # the launcher starts its own Redis and hands its children the URL file
+    if module != "asyncrl.learner.launch":  # the launcher starts its own Redis and hands its children the URL file
         assert taking_url, f"{module}: no command takes --redis"
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.registry import Registry
+from asyncrl.common.registry import Registry
 
 
 def double(x: int) -> int:
@@ -30,14 +30,14 @@ def test_unknown_names_list_what_is_registered() -> None:
 
 def test_import_paths_resolve_to_callables_only() -> None:
     reg: Registry = Registry("thing")
-    assert reg.get("common.registry:Registry") is Registry
-    assert reg.get("common.registry:Registry.snapshot") is Registry.snapshot  # dotted attributes
+    assert reg.get("asyncrl.common.registry:Registry") is Registry
+    assert reg.get("asyncrl.common.registry:Registry.snapshot") is Registry.snapshot  # dotted attributes
     with pytest.raises(ValueError, match="cannot be resolved: ModuleNotFoundError"):
         reg.get("no_such_module:x")
     with pytest.raises(ValueError, match="not something callable"):
-        reg.get("common.registry:_IMPORTED")
+        reg.get("asyncrl.common.registry:_IMPORTED")
     with pytest.raises(ValueError, match="not of the form"):
-        reg.get("common.registry:")
+        reg.get("asyncrl.common.registry:")
 
 
 def test_snapshot_undoes_registrations() -> None:

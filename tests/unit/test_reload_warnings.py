@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from actors.weight_receiver import RELOAD_LOGGER, BufferOnlyLayers, quiet_buffer_only_layers
+from asyncrl.actors.weight_receiver import RELOAD_LOGGER, BufferOnlyLayers, quiet_buffer_only_layers
 
 
 class RotaryEmbedding(torch.nn.Module):

@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from actors import rewards
-from actors.reward_worker import CallTimedOut, TimedCalls, WorkerStalled
-from actors.rewards import (
+from asyncrl.actors.reward_worker import CallTimedOut, TimedCalls, WorkerStalled
+from asyncrl.common.config import RewardFunction
+from asyncrl.common.rewards import functions as rewards
+from asyncrl.common.rewards.functions import (
     RewardError,
     bind_functions,
     check_functions,
@@ -23,8 +24,7 @@ from actors.rewards import (
     reward_names,
     score,
 )
-from common.config import RewardFunction
-from common.wire import RolloutGroup
+from asyncrl.common.wire.messages import RolloutGroup
 from tests.helpers.rollouts import make_group
 from tests.helpers.waits import wait_for
 
@@ -136,8 +136,8 @@ def reward_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    from common.tasks import TASK_ALPHABET
-    from common.tiny_model import build_char_tokenizer
+    from asyncrl.common.data.tasks import TASK_ALPHABET
+    from asyncrl.common.tiny_models.character import build_char_tokenizer
 
     out = tmp_path_factory.mktemp("reward-model")
     tokenizer = build_char_tokenizer(TASK_ALPHABET, model_max_length=128)
@@ -308,7 +308,7 @@ def test_functions_resolve_by_import_path_once() -> None:
         ("tests.helpers.no_such_module:fn", "cannot be resolved"),
         ("tests.helpers.slow_rewards:missing", "cannot be resolved"),
         ("tests.helpers.slow_rewards:", "not of the form"),
-        ("common.wire:SCHEMA_VERSION", "names a int, not something callable"),
+        ("asyncrl.common.wire.messages:SCHEMA_VERSION", "names a int, not something callable"),
     ],
 )
 def test_bad_names_fail_at_check_time(name: str, message: str) -> None:

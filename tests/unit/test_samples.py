@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from common.replay import ReplayEntry
-from common.top import render
-from common.turns import segments
-from common.wire import ScoredGroup
-from learner.batch_source import Taken
-from learner.recorder import episode_figures, length_figures, tool_call_figures
-from learner.samples import MAX_TEXT, SampleLog, row_advantages
+from asyncrl.common.environments.turns import segments
+from asyncrl.common.observability.top import render
+from asyncrl.common.plane.replay import ReplayEntry
+from asyncrl.common.wire.messages import ScoredGroup
+from asyncrl.learner.batch_source import Taken
+from asyncrl.learner.recorder import episode_figures, length_figures, tool_call_figures
+from asyncrl.learner.samples import MAX_TEXT, SampleLog, row_advantages
 from tests.helpers.rollouts import make_group
 from tests.helpers.scripted_episodes import CALL, episode, tools_for
 

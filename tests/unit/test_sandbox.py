@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from actors import sandbox
-from actors.sandbox import Isolation, SandboxResult, run_python_tests
-from common.redis_server import EmbeddedRedis
+from asyncrl.common.plane.redis_server import EmbeddedRedis
+from asyncrl.common.rewards import sandbox
+from asyncrl.common.rewards.sandbox import Isolation, SandboxResult, run_python_tests
 from tests.helpers.waits import wait_for
 
 pytestmark = pytest.mark.integration  # every test starts processes
@@ -362,13 +362,14 @@ def test_an_interpreter_in_tmp_runs_behind_the_namespaces_fence(tmp_path: Path) 
     venv = clone / ".venv"
     try:
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+        site = [p for p in sys.path if p.endswith("site-packages")]
         probe = (
-            "from actors.sandbox import isolation, run_python_tests\n"
+            f"import site\nfor folder in {site!r}:\n    site.addsitedir(folder)\n"  # runs the install's .pth files
+            "from asyncrl.common.rewards.sandbox import isolation, run_python_tests\n"
             "fence = isolation()\nassert fence.fence == 'namespaces', fence\n"
             "assert run_python_tests('import sys\\nassert sys.prefix.startswith(\"/tmp/\")', '').passed\n"
         )
-        site = [p for p in sys.path if p.endswith("site-packages")]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *site])}
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
         kernel_allows = subprocess.run(["unshare", "--pid", "--net", "--mount", "--ipc", "--uts", "--fork", "true"])
         if kernel_allows.returncode != 0:  # not the interpreter's place: no namespaces for anyone here
             pytest.skip("this machine makes no namespaces (unshare refused)")
@@ -454,7 +455,8 @@ def test_the_parent_dying_kills_the_sandboxed_tree(tmp_path: Path) -> None:
     name = process_name()
     program = named(name, "import os, time\nos.fork()\ntime.sleep(600)\n")
     worker_code = (
-        f"from actors.sandbox import run_python_tests\nrun_python_tests({program!r}, '', cpu_s=600, wall_s=600)\n"
+        f"from asyncrl.common.rewards.sandbox import run_python_tests\n"
+        f"run_python_tests({program!r}, '', cpu_s=600, wall_s=600)\n"
     )
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # a worker killed by SIGKILL cannot remove its temporary folder
     worker = subprocess.Popen([sys.executable, "-c", worker_code], cwd=REPO, env=env)

@@ -1,4 +1,5 @@
-"""The data plane's seal (``common/seal.py``) and the decode of what is scored (``common/response_text.py``)."""
+"""The data plane's seal (``common/wire/seal.py``) and the decode of what is scored
+(``common/rewards/response_text.py``)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from common.response_text import ResponseTexts
-from common.seal import TAG_BYTES, Seal, group_tag, numbered_group_id
-from common.wire import encode
+from asyncrl.common.rewards.response_text import ResponseTexts
+from asyncrl.common.wire.messages import encode
+from asyncrl.common.wire.seal import TAG_BYTES, Seal, group_tag, numbered_group_id
 from tests.helpers.rollouts import char_tokenizer, make_group
 
 SECRET = bytes(range(32))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.config import load_config
-from common.staleness import StalenessBound
+from asyncrl.common.config import load_config
+from asyncrl.common.staleness import StalenessBound
 
 
 def test_capacity_floor_and_may_generate_by_hand() -> None:

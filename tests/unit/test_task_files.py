@@ -16,15 +16,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from actors.rewards import score
-from common.config import ConfigError, RewardFunction, TaskSection, load_config
-from common.prompts import Prompter, PromptError
-from common.provenance import issue_mismatch
-from common.tasks import TASK_ALPHABET, FileTask, TaskExample, TaskFileError, get_task, prompt_group
-from common.tiny_chat_model import build_bpe_tokenizer
-from common.tiny_model import build_char_tokenizer
-from common.wire import Decoder, PromptGroup, RolloutGroup, encode
-from learner.dispatcher import task_options
+from asyncrl.common.config import ConfigError, RewardFunction, TaskSection, load_config
+from asyncrl.common.data.prompts import Prompter, PromptError
+from asyncrl.common.data.tasks import TASK_ALPHABET, FileTask, TaskExample, TaskFileError, get_task, prompt_group
+from asyncrl.common.rewards.functions import score
+from asyncrl.common.tiny_models.character import build_char_tokenizer
+from asyncrl.common.tiny_models.chat import build_bpe_tokenizer
+from asyncrl.common.wire.messages import Decoder, PromptGroup, RolloutGroup, encode
+from asyncrl.common.wire.provenance import issue_mismatch
+from asyncrl.learner.dispatcher import task_options
 
 VERL_ROWS = [  # the layout of verl's GSM8K Parquet files: chat messages, the answer nested, other fields beside
     {
@@ -77,7 +77,7 @@ def test_parquet_with_chat_messages_and_a_dotted_answer_key(tmp_path: Path) -> N
 
 
 def test_a_save_to_disk_folder_is_read_without_the_datasets_package(tmp_path: Path) -> None:
-    """Written by the real ``datasets`` library; read by ``common.tasks`` with pyarrow alone."""
+    """Written by the real ``datasets`` library; read by ``common.data.tasks`` with pyarrow alone."""
     datasets = pytest.importorskip("datasets")
     datasets.Dataset.from_list(VERL_ROWS).save_to_disk(str(tmp_path / "one"))
     check_verl_rows(FileTask(tmp_path / "one", **VERL_KEYS))
@@ -292,7 +292,7 @@ def test_a_row_nested_too_deep_is_refused_naming_its_line(tmp_path: Path) -> Non
 
 def test_a_table_row_nested_too_deep_is_refused_naming_its_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Parquet's own schema limit (100 levels) stops the deepest rows first; this bound is checked all the same."""
-    monkeypatch.setattr("common.tasks.MAX_ROW_DEPTH", 8)
+    monkeypatch.setattr("asyncrl.common.data.tasks.MAX_ROW_DEPTH", 8)
     table = tmp_path / "deep.parquet"
     nested: object = "leaf"
     for _ in range(10):
@@ -325,7 +325,7 @@ def test_an_oversized_save_to_disk_index_is_refused(tmp_path: Path) -> None:
 def test_check_data_reads_hostile_jsonl_as_the_run_does_naming_each_row(tmp_path: Path) -> None:
     """``rl-learner check-data`` keeps reading past a bad row (it reports them all) but refuses each as the run would:
     a row nested too deep and a 100,001-digit number are named, and a file with no line end stops the read."""
-    from learner.data_check import file_rows
+    from asyncrl.learner.data_check import file_rows
 
     rows = tmp_path / "rows.jsonl"
     deep = "[" * 100_000 + "]" * 100_000

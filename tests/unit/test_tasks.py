@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from actors.verifiers import get_verifier
-from common import tasks
-from common.config import TaskSection
-from common.prompts import Prompter
-from common.tasks import (
+from asyncrl.common.config import TaskSection
+from asyncrl.common.data import tasks
+from asyncrl.common.data.prompts import Prompter
+from asyncrl.common.data.tasks import (
     TASK_ALPHABET,
     FileTask,
     Task,
@@ -24,7 +23,8 @@ from common.tasks import (
     register_task,
     task_names,
 )
-from common.tiny_model import build_char_tokenizer
+from asyncrl.common.rewards.verifiers import get_verifier
+from asyncrl.common.tiny_models.character import build_char_tokenizer
 
 GENERATED = ["arithmetic", "reverse", "countdown"]
 

@@ -8,17 +8,17 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from common.environments import Calculator, EpisodeRow
-from common.tiny_agent_model import (
+from asyncrl.common.environments.protocol import Calculator, EpisodeRow
+from asyncrl.common.environments.tool_calls import parse_tool_calls
+from asyncrl.common.environments.turns import TurnEncoder, turn_text
+from asyncrl.common.tiny_models.agent import (
     TOOL_CALL_OPEN,
     calculator_call,
     calculator_conversation,
     encode_conversation,
     init_agent_model,
 )
-from common.tiny_model import IGNORE_INDEX
-from common.tool_calls import parse_tool_calls
-from common.turns import TurnEncoder, turn_text
+from asyncrl.common.tiny_models.character import IGNORE_INDEX
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,7 @@ def test_the_calculator_scores_the_conversation_the_warm_start_teaches() -> None
 def test_init_model_refuses_an_unknown_kind(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from learner.cli import app
+    from asyncrl.learner.cli import app
 
     result = CliRunner().invoke(app, ["init-model", "--kind", "huge", "--set", f"model.path={tmp_path / 'm'}"])
     assert result.exit_code != 0 and "--kind must be one of task, agent" in result.output

@@ -14,8 +14,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from common.tasks import TASK_ALPHABET as ALPHABET
-from common.tiny_model import build_char_tokenizer, init_model, model_fingerprint, warm_start
+from asyncrl.common.data.tasks import TASK_ALPHABET as ALPHABET
+from asyncrl.common.tiny_models.character import build_char_tokenizer, init_model, model_fingerprint, warm_start
 
 
 def addition_examples(n: int, seed: int = 0) -> list[tuple[str, str]]:

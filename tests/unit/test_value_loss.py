@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from learner.algorithms import GlobalCounts, build_aggregation
-from learner.algorithms.value import clipped_value_loss
+from asyncrl.learner.algorithms import GlobalCounts, build_aggregation
+from asyncrl.learner.algorithms.value import clipped_value_loss
 
 NAN = math.nan
 T_, F_ = True, False

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors import verifiers
-from actors.verifiers import get_verifier, register_verifier, verifier_names
-from common.tasks import task_names
+from asyncrl.common.data.tasks import task_names
+from asyncrl.common.rewards import verifiers
+from asyncrl.common.rewards.verifiers import get_verifier, register_verifier, verifier_names
 
 CD = json.dumps({"numbers": [3, 5, 7], "target": 22})
 RULE_VERIFIERS = ["arithmetic", "reverse", "countdown"]

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from actors.rewards import bind_functions, score
-from actors.verifiers import Judge, bind_verifier, chosen_letter, final_answer, judge, normalise
-from common.config import ConfigError, RewardFunction, load_config
-from common.tasks import task_label
+from asyncrl.common.config import ConfigError, RewardFunction, load_config
+from asyncrl.common.data.tasks import task_label
+from asyncrl.common.rewards.functions import bind_functions, score
+from asyncrl.common.rewards.verifiers import Judge, bind_verifier, chosen_letter, final_answer, judge, normalise
 from tests.helpers.rollouts import make_group
 from tests.helpers.waits import wait_for
 
@@ -329,7 +329,7 @@ def test_the_judge_child_ends_when_its_parent_dies() -> None:
     script = textwrap.dedent(
         """
         import os
-        from actors.verifiers import judge
+        from asyncrl.common.rewards.verifiers import judge
         assert judge().ask("regex", ("(a)", "a", "a"), 5.0)
         print(judge()._process.pid, flush=True)
         os._exit(0)  # no clean-up: the child only sees its pipe close
@@ -376,7 +376,7 @@ def file_task(*overrides: str):
 
 
 def test_a_file_task_naming_math_is_scored_by_math() -> None:
-    from learner.preflight import check_config
+    from asyncrl.learner.preflight import check_config
 
     config = file_task("task.options={verifier='math'}")
     check_config(config)  # the file is not read
@@ -412,7 +412,7 @@ def test_verifier_options_come_from_the_task_function() -> None:
     ],
 )
 def test_a_verifier_typo_is_refused_at_config_check(overrides: list[str], message: str) -> None:
-    from learner.preflight import check_config
+    from asyncrl.learner.preflight import check_config
 
     with pytest.raises(ValueError) as raised:
         check_config(file_task(*overrides))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from actors.lifeline import ACTOR_PID_ENV
-from actors.vllm_logs import RoutineLines, quiet_routine_lines
+from asyncrl.actors.lifeline import ACTOR_PID_ENV
+from asyncrl.actors.vllm_logs import RoutineLines, quiet_routine_lines
 
 
 def record(msg: str, level: int = logging.INFO, *args) -> logging.LogRecord:
@@ -41,4 +41,4 @@ def test_vllm_finds_the_plugin_in_the_installed_package() -> None:
     from importlib.metadata import entry_points
 
     plugins = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
-    assert plugins.get("asyncrl_routine_lines") == "actors.vllm_logs:quiet_routine_lines", plugins
+    assert plugins.get("asyncrl_routine_lines") == "asyncrl.actors.vllm_logs:quiet_routine_lines", plugins

@@ -8,10 +8,10 @@ import blake3
 import pytest
 import torch
 
-from common.codec import Decoder, WireError, encode
-from common.top import unexpected_weights
-from common.weights import bucket_digest, digest_mismatch, pack_sealed, version_digest
-from common.wire import Heartbeat, WeightManifest
+from asyncrl.common.observability.top import unexpected_weights
+from asyncrl.common.weights.group import bucket_digest, digest_mismatch, pack_sealed, version_digest
+from asyncrl.common.wire.codec import Decoder, WireError, encode
+from asyncrl.common.wire.messages import Heartbeat, WeightManifest
 
 
 def params() -> dict[str, torch.Tensor]:

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common import synthetic
-from common.wire import (
+from asyncrl.common.tiny_models import synthetic
+from asyncrl.common.wire.messages import (
     SCHEMA_VERSION,
     Decoder,
     Heartbeat,

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from actors.workflows import (
+from asyncrl.actors.workflows import (
     WORKFLOWS,
     Response,
     Sampling,
@@ -21,9 +21,9 @@ from actors.workflows import (
     rollout_group,
     sampling_for,
 )
-from common.config import ConfigError, load_config
-from common.wire import PromptGroup
-from learner.preflight import check_config
+from asyncrl.common.config import ConfigError, load_config
+from asyncrl.common.wire.messages import PromptGroup
+from asyncrl.learner.preflight import check_config
 
 
 class ScriptedEngine:

@@ -16,7 +16,7 @@ import importlib.util
 import os
 import sys
 
-MODULE = "actors.weight_receiver"
+MODULE = "asyncrl.actors.weight_receiver"
 
 
 def _plant(module) -> None:

@@ -1,0 +1,131 @@
+"""An episode as token ids: model turns as sampled, environment turns tokenized once with the chat template.
+
+A multi-turn episode is one response of a rollout group: after the prompt, the model's first turn (as vLLM sampled
+it, ending with the template's end of an assistant turn), then the tokens the chat template writes for the
+environment's observation up to and including the next generation prompt, then the model's next turn, and so on.
+The rollout's ``loss_mask`` is 1 on the model's tokens and 0 on the environment's, so the segments of a response
+are the maximal runs of equal mask values (:func:`segments`), alternating model and environment.
+
+:class:`TurnEncoder` finds what the template writes for an observation by rendering a probe conversation twice
+(``[user, assistant]``, then ``[user, assistant, *observation]`` with the generation prompt) and keeping what the
+second rendering adds after the assistant's end of turn. That is correct exactly when the template extends a
+conversation by appending (ChatML, Llama 3, Mistral do). A template that rewrites earlier turns — a thinking model's
+template that drops the ``<think>`` blocks of past assistant turns — does not, and is refused when the encoder is
+made (:class:`TemplateError`) rather than training on a conversation the model would never see rendered that way.
+
+Both the actor (which builds the episode) and the reward worker (which replays the environment on the model's turns
+to score it) use this module, so both read a model turn as the same text: :func:`turn_text`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from asyncrl.common.data.prompts import turn_end_id
+
+Message = dict[str, str]
+_PROBE = "asyncrl-episode-probe"
+
+
+class TemplateError(ValueError):
+    """A tokenizer whose chat template cannot carry a multi-turn episode as appended tokens."""
+
+
+@dataclass(frozen=True)
+class TurnEncoder:
+    """Token ids of environment turns for one tokenizer with a chat template."""
+
+    tokenizer: Any
+    end_id: int
+    """The token that ends an assistant turn (ChatML: ``<|im_end|>``): after it, and only after it, the environment
+    steps."""
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any) -> TurnEncoder:
+        """The encoder of ``tokenizer``, whose turns end at :func:`asyncrl.common.data.prompts.turn_end_id`.
+        :class:`TemplateError` when the tokenizer has no chat template, or its template does not extend a conversation
+        by appending."""
+        if not getattr(tokenizer, "chat_template", None):
+            raise TemplateError(
+                "rollout.workflow = 'multi_turn' needs a chat template: the tokenizer of model.path has none"
+            )
+        encoder = cls(tokenizer, turn_end_id(tokenizer))
+        encoder.ids([{"role": "user", "content": "probe"}])  # refuses a template that rewrites earlier turns
+        return encoder
+
+    @property
+    def turn_end(self) -> str:
+        """The text of :attr:`end_id`."""
+        return self.tokenizer.convert_ids_to_tokens(self.end_id)
+
+    def _render(self, messages: list[Message], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def text(self, observation: Sequence[Message]) -> str:
+        """What the template writes after an assistant turn's end token for ``observation``, up to and including the
+        next generation prompt."""
+        base = [{"role": "user", "content": "1"}, {"role": "assistant", "content": _PROBE}]
+        before = self._render(base, generation_prompt=False)
+        after = self._render([*base, *observation], generation_prompt=True)
+        closed = before.find(_PROBE + self.turn_end)
+        if closed < 0:
+            raise TemplateError(
+                f"the chat template does not end an assistant turn with {self.turn_end!r} right after its content"
+            )
+        cut = closed + len(_PROBE) + len(self.turn_end)
+        if not after.startswith(before):
+            raise TemplateError(
+                "the chat template rewrites earlier turns when a turn is added (a thinking model's template that "
+                "drops past reasoning does): a multi-turn episode cannot be kept as appended tokens with it"
+            )
+        return after[cut:]
+
+    def ids(self, observation: Sequence[Message]) -> list[int]:
+        """:meth:`text` as token ids (the template's special tokens are in the text: none added)."""
+        return list(self.tokenizer(self.text(observation), add_special_tokens=False)["input_ids"])
+
+
+def turn_text(tokenizer: Any, ids: Sequence[int]) -> str:
+    """A model turn as the environment reads it: its tokens decoded without special tokens."""
+    return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def segments(trained: np.ndarray) -> list[tuple[int, int, bool]]:
+    """``(start, end, trained)`` of each maximal run of equal values in a response's loss mask, in order."""
+    mask = np.asarray(trained, dtype=bool)
+    if not len(mask):
+        return []
+    edges = np.flatnonzero(np.diff(mask.astype(np.int8))) + 1
+    starts = [0, *edges.tolist()]
+    ends = [*edges.tolist(), len(mask)]
+    return [(s, e, bool(mask[s])) for s, e in zip(starts, ends, strict=True)]
+
+
+@dataclass(frozen=True)
+class EpisodeTools:
+    """A tokenizer and its :class:`TurnEncoder`."""
+
+    tokenizer: Any
+    encoder: TurnEncoder
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any) -> EpisodeTools:
+        return cls(tokenizer, TurnEncoder.for_tokenizer(tokenizer))
+
+    @property
+    def end_id(self) -> int:
+        """The token that ends an assistant turn: after it, and only after it, the environment steps."""
+        return self.encoder.end_id
+
+
+@functools.lru_cache(maxsize=4)
+def episode_tools(model_path: str) -> EpisodeTools:
+    """The tools of ``model.path``'s tokenizer, loaded once per process and folder (nothing is fetched from a hub)."""
+    from transformers import AutoTokenizer
+
+    return EpisodeTools.for_tokenizer(AutoTokenizer.from_pretrained(model_path))

@@ -1,0 +1,643 @@
+r"""Rule verifiers: score a model's response against a task's ground truth.
+
+Every verifier has one signature, ``verify(response, answer) -> float`` with a result in [0, 1],
+and is registered under a name: a generated task's own (``common/data/tasks.py``), or one a ``file`` task names
+in ``task.options.verifier``::
+
+    get_verifier("arithmetic")("19\nand then", "19")   # 1.0
+    bind_verifier("regex", {"pattern": r"Answer: (\w+)"})("Answer: Paris", "paris")   # 1.0
+
+``response`` is the model's raw continuation after the prompt. ``arithmetic``, ``reverse`` and ``countdown``
+judge its first line with surrounding whitespace stripped, so text after a newline is ignored; ``exact``,
+``choice``, ``math`` and ``regex`` read the whole response. A verifier may declare options as keyword-only
+parameters (``regex``'s ``pattern``); :func:`bind_verifier` checks and binds them (an unknown option or a bad
+value raises ``ValueError`` when the config is checked). A response is hostile input: a malformed, empty,
+unicode, very long or huge-number one scores 0.0, never raises, and is judged in bounded time (``math`` and
+``regex`` run in a child process with a deadline: :class:`Judge`). A malformed ``answer`` is a bug in the
+data, not the model's fault, and raises ``ValueError``.
+
+Verifiers for user data files (scores are 0.0 or 1.0, no partial credit):
+
+==========  =================================================  ===================================  ===============
+verifier    what it takes from the response                    how it compares with ``answer``      options
+==========  =================================================  ===================================  ===============
+``exact``   the whole response                                 equal once both are normalised       none
+``choice``  a letter: the last ``\boxed{B}``, else the last    equal to the answer's letter         ``letters``
+            ``answer is (B)``, else one opening the response   (``B`` or ``(B)``, any case)
+``math``    the last ``\boxed{}``, else GSM8K's ``#### n``,    two plain numbers exactly, else     ``timeout_s``
+            else the last number                               math-verify (value, symbolic)
+``regex``   group 1 of the pattern's last match                equal once both are normalised       ``pattern``,
+                                                                                                    ``timeout_s``
+==========  =================================================  ===================================  ===============
+
+Normalised (:func:`normalise`): case-folded, surrounding whitespace, punctuation and ``$`` stripped, inner
+whitespace collapsed. Details in :func:`chosen_letter`, :func:`final_answer` and each verifier's docstring.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import json
+import logging
+import multiprocessing
+import os
+import re
+import resource
+import signal
+import subprocess
+import sys
+import threading
+from collections import Counter
+from collections.abc import Callable, Mapping
+from fractions import Fraction
+from multiprocessing.connection import Connection
+from typing import Any
+
+from asyncrl.common.config import ConfigError
+from asyncrl.common.observability.logs import get_logger, worth_logging
+from asyncrl.common.registry import Registry
+from asyncrl.common.rewards.sandbox import run_python_tests
+
+log = get_logger("verifiers")
+
+Verifier = Callable[[str, str], float]
+"""``verify(response, answer) -> score in [0, 1]``."""
+
+MAX_RESPONSE_CHARS = 200
+"""Longer first lines score 0.0 without being parsed (no task's answer is that long)."""
+
+MAX_ANSWER_CHARS = 1000
+"""A final answer (``math``'s ``\\boxed{}`` content, number or ``####`` line) longer than this scores 0.0 unparsed."""
+
+VERIFIERS: Registry[Verifier] = Registry("verifier")
+"""Rule verifiers by task name."""
+register_verifier = VERIFIERS.register
+get_verifier = VERIFIERS.get
+verifier_names = VERIFIERS.names
+# Needs reasoning-gym: imported when used.
+VERIFIERS.register_path("reasoning_gym", "asyncrl.common.environments.gyms:verify_reasoning_gym")
+
+_OPTION_CHECKS: dict[Callable[..., float], Callable[..., None]] = {}
+
+
+def checks_options(check: Callable[..., None]) -> Callable[[Callable[..., float]], Callable[..., float]]:
+    """Decorator: ``check(**options)`` validates a verifier's option values (raising ``ValueError``) when bound."""
+
+    def wrap(verify: Callable[..., float]) -> Callable[..., float]:
+        _OPTION_CHECKS[verify] = check
+        return verify
+
+    return wrap
+
+
+def bind_verifier(name: str, options: Mapping[str, Any] | None = None) -> Verifier:
+    """Verifier ``name`` (a registered name or an import path) with ``options`` bound: ``verify(response, answer)``.
+
+    A verifier declares its options as keyword-only parameters with defaults (``verify_regex(response, answer, *,
+    pattern="", timeout_s=1.0)``). An option it does not declare, or a value its check refuses (:func:`checks_options`),
+    raises :class:`~asyncrl.common.config.ConfigError` (a ``ValueError``) naming it — so a config is refused when it is
+    checked, not on every group.
+    """
+    verify = get_verifier(name)
+    options = dict(options or {})
+    declared = [
+        p.name for p in inspect.signature(verify).parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY
+    ]
+    unknown = sorted(set(options) - set(declared))
+    if unknown:
+        raise ConfigError(
+            f"verifier {name!r}: unknown option(s) {', '.join(map(repr, unknown))}; "
+            f"allowed: {', '.join(declared) or 'none'}"
+        )
+    check = _OPTION_CHECKS.get(verify)
+    if check is not None:
+        try:
+            check(**options)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"verifier {name!r}: {e}") from None
+    return functools.partial(verify, **options) if options else verify
+
+
+def first_line(response: str) -> str:
+    """The response up to its first newline, without surrounding whitespace: what rule verifiers judge."""
+    return response.split("\n", 1)[0].strip()
+
+
+# --------------------------------------------------------------------------- exact answers
+
+_INTEGER = re.compile(r"-?[0-9]{1,200}")  # ASCII digits only: int() would also accept "١٢" or "１２"
+
+
+@register_verifier("arithmetic")
+def verify_arithmetic(response: str, answer: str) -> float:
+    """1.0 when the first line is exactly an integer (ASCII digits, optional ``-``) equal to ``answer``."""
+    text = first_line(response)
+    if not _INTEGER.fullmatch(text):
+        return 0.0
+    return 1.0 if int(text) == int(answer) else 0.0
+
+
+@register_verifier("reverse")
+def verify_reverse(response: str, answer: str) -> float:
+    """1.0 when the first line equals ``answer`` exactly."""
+    return 1.0 if first_line(response) == answer else 0.0
+
+
+# --------------------------------------------------------------------------- countdown
+
+_EXPRESSION_CHARS = frozenset("0123456789+-*/() ")
+_OPERATORS: dict[type[ast.operator], Callable[[Fraction, Fraction], Fraction]] = {
+    ast.Add: lambda a, b: a + b,
+    ast.Sub: lambda a, b: a - b,
+    ast.Mult: lambda a, b: a * b,
+    ast.Div: lambda a, b: a / b,
+}
+_MAX_BITS = 1024  # no legitimate intermediate comes near; bounds the work any expression can cause
+
+
+class _Rejected(Exception):
+    """An expression outside the allowed grammar or range."""
+
+
+@register_verifier("countdown")
+def verify_countdown(response: str, answer: str) -> float:
+    """1.0 when the first line is an expression over the given numbers that equals the target.
+
+    ``answer`` is the task's JSON ``{"numbers": [...], "target": N, ...}``. The expression may use
+    ``+ - * /`` and parentheses; each given number at most once (repeats as often as given), no other
+    number, no unary minus. It is evaluated exactly over rationals (so ``(7/2)*4`` is 14): parsed with
+    ``ast`` and walked through a whitelist, never ``eval``-ed.
+    """
+    numbers, target = _countdown_answer(answer)
+    text = first_line(response)
+    if not text or len(text) > MAX_RESPONSE_CHARS or not set(text) <= _EXPRESSION_CHARS:
+        return 0.0
+    used: list[int] = []
+    try:
+        value = _evaluate(ast.parse(text, mode="eval").body, used)
+    except (_Rejected, SyntaxError, ValueError, ZeroDivisionError, RecursionError, MemoryError):
+        return 0.0
+    if Counter(used) - Counter(numbers):  # a number not given, or used more often than given
+        return 0.0
+    return 1.0 if value == target else 0.0
+
+
+def _countdown_answer(answer: str) -> tuple[list[int], int]:
+    """``(numbers, target)`` from a countdown answer; raises ``ValueError`` on a malformed one."""
+    try:
+        data = json.loads(answer)
+        numbers, target = data["numbers"], data["target"]
+    except (json.JSONDecodeError, TypeError, KeyError) as e:
+        raise ValueError(f"countdown answer must be JSON with 'numbers' and 'target': {answer[:100]!r}") from e
+    if not (isinstance(numbers, list) and all(type(n) is int for n in numbers) and type(target) is int):
+        raise ValueError(f"countdown answer needs integer 'numbers' and 'target': {answer[:100]!r}")
+    return numbers, target
+
+
+def _evaluate(node: ast.expr, used: list[int]) -> Fraction:
+    """The exact value of a whitelisted expression tree; appends every integer constant to ``used``."""
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        used.append(node.value)
+        return Fraction(node.value)
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+        left, right = _evaluate(node.left, used), _evaluate(node.right, used)
+        value = _OPERATORS[type(node.op)](left, right)
+        if max(abs(value.numerator).bit_length(), value.denominator.bit_length()) > _MAX_BITS:
+            raise _Rejected("value out of range")
+        return value
+    raise _Rejected(f"{type(node).__name__} is not allowed")
+
+
+# --------------------------------------------------------------------------- code
+
+_FENCED = re.compile(r"```[^\n]*\n(.*?)```", re.DOTALL)
+
+
+@register_verifier("code_tests")
+def verify_code_tests(response: str, answer: str) -> float:
+    """1.0 when the response's program passes ``answer`` (test source) in the sandbox (``common/rewards/sandbox.py``).
+
+    The program is the response's first fenced block (opened by a line starting with three backticks)
+    when there is one, else the whole response. The tests decide: a program that exits early, with any status,
+    scores 0 (the sandbox's module docstring gives the threat model: what a program can and cannot fake).
+    A sandbox that cannot start raises: that is the worker's failure, to be retried, not a zero score.
+    """
+    block = _FENCED.search(response)
+    code = block.group(1) if block else response
+    return 1.0 if run_python_tests(code, answer).passed else 0.0
+
+
+# --------------------------------------------------------------------------- exact strings
+
+# Surrounding characters normalise() strips: whitespace, sentence punctuation, quotes, brackets, markdown emphasis
+# and `$`. Not `-`, `+` or `%`, which change what an answer says ("-5" is not "5").
+_SURROUNDING = " \t\n\r\f\v.,;:!?'\"`()[]{}*_$“”‘’«»"
+
+
+def normalise(text: str) -> str:
+    """``text`` case-folded (``str.casefold``), with surrounding whitespace, ``. , ; : ! ? ' " ` ( ) [ ] { } * _ $``
+    and typographic quotes stripped from both ends, and each inner run of whitespace collapsed to one space.
+
+    ``normalise('  "The  Eiffel\\nTower."  ') == "the eiffel tower"``; ``normalise("(B)") == "b"``.
+    """
+    return " ".join(text.casefold().strip(_SURROUNDING).split())
+
+
+@register_verifier("exact")
+def verify_exact(response: str, answer: str) -> float:
+    """1.0 when the whole response equals ``answer`` once both are :func:`normalise`-d; an answer that normalises to
+    nothing raises ``ValueError``."""
+    expected = normalise(answer)
+    if not expected:
+        raise ValueError(f"exact answer is empty once normalised: {answer[:100]!r}")
+    return 1.0 if normalise(response) == expected else 0.0
+
+
+# --------------------------------------------------------------------------- boxed answers
+
+_BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, braces balanced, stripped.
+
+    None when there is none, or when the last one is not closed within :data:`MAX_ANSWER_CHARS` characters (a
+    cut-off final answer is no answer: an earlier box is not searched for). Linear in ``len(text)``.
+    """
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    opened = _BOX.match(text, start) if start >= 0 else None
+    if opened is None:
+        return None
+    depth = 1
+    for i in range(opened.end(), min(len(text), opened.end() + MAX_ANSWER_CHARS + 1)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[opened.end() : i].strip()
+    return None
+
+
+# --------------------------------------------------------------------------- multiple choice
+
+_TEXT = re.compile(r"\\(?:text|mathrm|textbf)\s*\{")
+
+
+@functools.lru_cache(maxsize=64)
+def _choice_patterns(letters: str) -> tuple[re.Pattern[str], re.Pattern[str]]:
+    """``(after "answer", opening the response)``. No two repeats that can match the same text are adjacent
+    (``\\s*:?\\s*`` would take quadratic time on ``answer`` and 100k spaces), so both take linear time on any text."""
+    one = f"[{re.escape(letters)}]"
+    stated = re.compile(rf"(?i:answer)(?:\s+(?i:is))?\s*(?::\s*)?[*_]{{0,2}}[(\[]?({one})[)\]]?[*_]{{0,2}}(?!\w)")
+    opening = re.compile(rf"\s*(?:[(\[]({one})[)\]]|({one})[.):](?=\s|$)|({one})[^\S\n]*(?:\n|$))")
+    return stated, opening
+
+
+def _check_letters(letters: str = "ABCDE") -> None:
+    if not (isinstance(letters, str) and letters.isalpha() and len(set(letters)) == len(letters)):
+        raise ValueError(f"option 'letters' must be distinct letters, e.g. 'ABCD', got {letters!r}")
+
+
+def chosen_letter(response: str, letters: str = "ABCDE") -> str | None:
+    """The letter a response chooses, or None; ``letters`` are matched case-sensitively.
+
+    In order: the content of the last ``\\boxed{}`` when it is one letter (``\\boxed{B}``, ``\\boxed{(B)}``,
+    ``\\boxed{\\text{B}}``); else the last ``answer`` (any case), optionally ``is`` and ``:``, then the letter alone
+    (``Answer: B``, ``the answer is (B).``, ``answer: **B**``); else a letter opening the response, alone on its line or
+    bracketed or followed by ``.``, ``)`` or ``:`` (``B``, ``(B) Paris``, ``B. Paris``; not ``A cat``).
+    """
+    stated, opening = _choice_patterns(letters)
+    boxed = last_boxed(response)
+    if boxed is not None and len(inside := _TEXT.sub("", boxed).strip(" ()[]{}.")) == 1 and inside in letters:
+        return inside
+    last = None
+    for last in stated.finditer(response):  # noqa: B007 (the last match is wanted)
+        pass
+    if last is not None:
+        return last.group(1)
+    first = opening.match(response)
+    return next(g for g in first.groups() if g) if first else None
+
+
+@register_verifier("choice")
+@checks_options(_check_letters)
+def verify_choice(response: str, answer: str, *, letters: str = "ABCDE") -> float:
+    """1.0 when the letter the response chooses (:func:`chosen_letter`) is ``answer``'s (``B`` or ``(B)``, any case).
+
+    Option ``letters``: the choices (default ``"ABCDE"``). An answer that is not one of them raises ``ValueError``.
+    """
+    expected = answer.strip().strip("().[] ").upper()
+    if len(expected) != 1 or expected not in letters.upper():
+        raise ValueError(f"choice answer must be one of the letters {letters!r}: {answer[:100]!r}")
+    chosen = chosen_letter(response, letters)
+    return 1.0 if chosen is not None and chosen.upper() == expected else 0.0
+
+
+# --------------------------------------------------------------------------- math
+
+_GROUPED = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")  # 1,234,567.5: thousands separators
+_NUMBER = re.compile(rf"{_GROUPED.pattern}|-?\d+(?:\.\d+)?(?:/\d+)?")  # the last number of a response
+_PLAIN = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")  # compared exactly, without math-verify
+_DIGIT = re.compile(r"\d")
+
+
+def final_answer(text: str) -> str | None:
+    """The final answer a response states, as text, or None; at most :data:`MAX_ANSWER_CHARS` characters.
+
+    In order: the content of the last ``\\boxed{...}`` (:func:`last_boxed`; a response with an unclosed last box has
+    no answer); else what follows the last ``####`` on its line (GSM8K's format); else the last number (``-``,
+    digits, an optional ``.`` and decimals or ``/`` and a denominator; ``1,234`` with thousands separators). Any
+    ``$`` is dropped and thousands separators are removed. Linear in ``len(text)``.
+    """
+    if "\\boxed" in text or "\\fbox" in text:
+        answer = last_boxed(text)
+    elif (hashes := text.rfind("####")) >= 0:
+        answer = text[hashes + 4 :].split("\n", 1)[0][: MAX_ANSWER_CHARS + 1]
+    else:
+        answer = _last_number(text)
+    if answer is None:
+        return None
+    answer = answer.replace("\\$", "").replace("$", "").strip().rstrip(".").strip()
+    if _GROUPED.fullmatch(answer):
+        answer = answer.replace(",", "")
+    return answer if 0 < len(answer) <= MAX_ANSWER_CHARS else None
+
+
+def _last_number(text: str) -> str | None:
+    """The last number in ``text``, found from its last digit backwards (a regex scan from the start of 1 MB of
+    numbers would make a match object for each); None when it is longer than :data:`MAX_ANSWER_CHARS`."""
+    last_digit = _DIGIT.search(text[::-1])
+    if last_digit is None:
+        return None
+    end = len(text) - last_digit.start()
+    start = max(0, end - MAX_ANSWER_CHARS - 1)
+    number = None
+    for number in _NUMBER.finditer(text, start, end):  # noqa: B007 (the last match is wanted)
+        pass
+    if number is None or (number.start() == start and start > 0):  # it may begin before the window: too long
+        return None
+    return number.group()
+
+
+def _check_timeout(timeout_s: float = 1.0) -> None:
+    if isinstance(timeout_s, bool) or not (isinstance(timeout_s, int | float) and 0 < timeout_s <= 60):
+        raise ValueError(f"option 'timeout_s' must be a number of seconds in (0, 60], got {timeout_s!r}")
+
+
+@register_verifier("math")
+@checks_options(_check_timeout)
+def verify_math(response: str, answer: str, *, timeout_s: float = 1.0) -> float:
+    """1.0 when the response's :func:`final_answer` equals ``answer``'s by value or symbolically.
+
+    ``answer`` is the reference: a GSM8K solution (``... #### 72``: what follows ``####``), a MATH one (the content
+    of its last ``\\boxed{}``), or else the whole string (``\\frac{1}{2}``); an empty one raises ``ValueError``. Two
+    plain numbers (``72``, ``-0.5``, ``3/4``) are compared exactly here (``72.0`` equals ``72``, ``0.333`` is not
+    ``1/3``); anything else goes to math-verify (``parse`` of each as ``$...$``, then ``verify(gold, pred)``: ``0.5``,
+    ``1/2`` and ``\\frac12`` are equal, and so are ``x^2+2x+1`` and ``(x+1)^2``), run by the :class:`Judge` within
+    ``timeout_s`` seconds (option, default 1.0); a call past it scores 0.0.
+    """
+    expected = _reference(answer)
+    got = final_answer(response)
+    if got is None:
+        return 0.0
+    if got == expected:
+        return 1.0
+    if _PLAIN.fullmatch(got) and _PLAIN.fullmatch(expected):
+        return 1.0 if _exact_number(got) == _exact_number(expected) else 0.0
+    return 1.0 if judge().ask("math", (expected, got), timeout_s) else 0.0
+
+
+def _reference(answer: str) -> str:
+    """The answer part of a reference solution (see :func:`verify_math`); raises ``ValueError`` when there is none."""
+    if "\\boxed" in answer or "\\fbox" in answer or "####" in answer:
+        expected = final_answer(answer)
+    else:
+        expected = answer.replace("$", "").strip()
+        expected = expected.replace(",", "") if _GROUPED.fullmatch(expected) else expected
+    if not expected:
+        raise ValueError(f"math answer has no final answer: {answer[:100]!r}")
+    return expected
+
+
+def _exact_number(text: str) -> Fraction | None:
+    try:
+        return Fraction(text)
+    except (ValueError, ZeroDivisionError):  # 1/0
+        return None
+
+
+def _math_equal(gold: str, pred: str) -> bool:
+    """math-verify's verdict on two final answers (run in the judge process)."""
+    from math_verify import parse, verify
+
+    return bool(verify(_parsed(gold), parse(f"${pred}$", parsing_timeout=None), timeout_seconds=None))
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed(gold: str) -> list[Any]:
+    from math_verify import parse
+
+    return parse(f"${gold}$", parsing_timeout=None)  # the K responses of a group share one reference
+
+
+# --------------------------------------------------------------------------- regex
+
+
+def _check_pattern(pattern: str = "", timeout_s: float = 1.0) -> None:
+    if not (isinstance(pattern, str) and pattern):
+        raise ValueError("needs option 'pattern': a regular expression whose group 1 is the answer")
+    try:
+        groups = re.compile(pattern).groups
+    except re.error as e:
+        raise ValueError(f"option 'pattern' {pattern!r} is not a regular expression: {e}") from None
+    if groups < 1:
+        raise ValueError(f"option 'pattern' {pattern!r} has no capture group: group 1 is the answer")
+    _check_timeout(timeout_s)
+
+
+@register_verifier("regex")
+@checks_options(_check_pattern)
+def verify_regex(response: str, answer: str, *, pattern: str = "", timeout_s: float = 1.0) -> float:
+    """1.0 when group 1 of the last match of ``pattern`` in the response equals ``answer``, both :func:`normalise`-d.
+
+    Options: ``pattern`` (required; a Python regular expression with at least one group, e.g.
+    ``'Answer:\\s*(\\S+)'``; flags inline, ``(?i)``), ``timeout_s`` (default 1.0). The pattern comes from the config,
+    but the response is hostile: a pattern can backtrack for ever on some text (``(a+)+$`` on ``aaa…b``), so the
+    search runs in the :class:`Judge` and a search past ``timeout_s`` scores 0.0.
+    """
+    if not pattern:
+        raise ValueError("regex needs options.pattern (bind_verifier checks it)")
+    expected = normalise(answer)
+    if not expected:
+        raise ValueError(f"regex answer is empty once normalised: {answer[:100]!r}")
+    return 1.0 if judge().ask("regex", (pattern, response, expected), timeout_s) else 0.0
+
+
+def _regex_equal(pattern: str, response: str, expected: str) -> bool:
+    """Whether group 1 of the last match, normalised, is ``expected`` (run in the judge process)."""
+    last = None
+    for last in re.finditer(pattern, response):  # noqa: B007 (the last match is wanted)
+        pass
+    return last is not None and last.group(1) is not None and normalise(last.group(1)) == expected
+
+
+# --------------------------------------------------------------------------- the judge process
+
+JUDGE_GRACE_S = 0.5
+"""How long past a call's ``timeout_s`` the judge waits for an answer before it kills the child."""
+JUDGE_START_S = 60.0
+"""How long a new child may take to import math-verify and say it is ready (not counted in any call's deadline)."""
+JUDGE_MEMORY_BYTES = 2 * 2**30
+"""The child's address space beyond what it holds once started (``RLIMIT_AS``): ``10^{10^{10}}`` fails fast."""
+
+_JOBS: dict[str, Callable[..., bool]] = {"math": _math_equal, "regex": _regex_equal}
+
+
+class _Overtime(BaseException):
+    """The judge's timer went off: a ``BaseException``, so no ``except Exception`` in math-verify or sympy hides it."""
+
+
+class Judge:
+    """Runs checks that hostile text can make slow (math-verify, a config's regex) in a child process, with deadlines.
+
+    Reward functions run on worker threads, where no signal can interrupt them, and a Python thread cannot be killed:
+    a hung check in-process would hold a core (and the GIL) for ever. So one child process (``python -c``, started
+    with ``subprocess``: safe from a threaded process, and unlike ``multiprocessing``'s spawn it never re-runs the
+    parent's main script) runs every check, one at a time (a lock), over a socket pair carrying JSON. In the child
+    each check runs in its main thread under an interval timer of ``timeout_s``, whose signal interrupts Python code
+    and the ``re`` engine: the check answers False and the child lives on. A check stuck where no signal reaches it
+    (a C loop) gets no answer by ``timeout_s + JUDGE_GRACE_S``: the parent kills the child, answers False, and starts
+    another on the next call (its start-up, about a second for math-verify's import, is in no check's deadline, though
+    it is in the reward call's ``reward.timeout_s``). The child also limits its own memory (:data:`JUDGE_MEMORY_BYTES`)
+    and CPU time per check, so it ends by itself if the parent died while it was stuck, and ends at EOF otherwise. Any
+    exception a check raises answers False (hostile text, not a bug to report).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._process: subprocess.Popen[bytes] | None = None
+        self._conn: Connection | None = None
+        self.restarts = 0
+        """Children killed or lost so far (for tests and logs)."""
+
+    def ask(self, job: str, args: tuple[str, ...], timeout_s: float) -> bool:
+        """``_JOBS[job](*args)`` in the child, or False after ``timeout_s`` or any error. Raises ``RuntimeError``
+        only when a child cannot start (the worker's failure, to be retried; not a score)."""
+        with self._lock:
+            conn = self._ready()
+            try:
+                conn.send_bytes(json.dumps([job, list(args), timeout_s]).encode())
+                if conn.poll(timeout_s + JUDGE_GRACE_S):
+                    return conn.recv_bytes() == b"1"
+            except (EOFError, OSError):  # the child died: memory, or its CPU limit
+                pass
+            self._stop()
+            self.restarts += 1
+            if worth_logging(self.restarts):
+                log.warning("verifier judge killed: no answer in time", job=job, timeout_s=timeout_s, n=self.restarts)
+            return False
+
+    def close(self) -> None:
+        """End the child, if any (a later call starts a new one)."""
+        with self._lock:
+            self._stop()
+
+    def _ready(self) -> Connection:
+        if self._conn is not None and self._process is not None and self._process.poll() is None:
+            return self._conn
+        self._stop()
+        parent, child = multiprocessing.Pipe()
+        boot = "from asyncrl.common.rewards.verifiers import _judge_main; _judge_main()"
+        fd = child.fileno()
+        process = subprocess.Popen(
+            [sys.executable, "-c", boot], stdin=subprocess.DEVNULL, pass_fds=(fd,), env={**os.environ, _FD: str(fd)}
+        )
+        child.close()
+        try:
+            hello = parent.recv_bytes().decode() if parent.poll(JUDGE_START_S) else f"silent for {JUDGE_START_S:g} s"
+        except (EOFError, OSError):
+            hello = f"exited with status {process.wait(5)}"
+        if hello != "ready":
+            process.kill()
+            process.wait(5)
+            parent.close()
+            raise RuntimeError(f"verifier judge process did not start: {hello}")
+        self._process, self._conn = process, parent
+        return parent
+
+    def _stop(self) -> None:
+        if self._process is not None:
+            self._process.kill()
+            self._process.wait(5)
+        if self._conn is not None:
+            self._conn.close()
+        self._process = self._conn = None
+
+
+_FD = "ASYNCRL_JUDGE_FD"
+_JUDGE: Judge | None = None
+_JUDGE_LOCK = threading.Lock()
+
+
+def judge() -> Judge:
+    """The process's one :class:`Judge` (its child starts on the first check)."""
+    global _JUDGE
+    with _JUDGE_LOCK:
+        if _JUDGE is None:
+            _JUDGE = Judge()
+        return _JUDGE
+
+
+def _judge_main() -> None:
+    """The judge child: imports math-verify, says ``ready``, then answers ``[job, args, timeout_s]`` until EOF."""
+    conn = Connection(int(os.environ[_FD]))
+    try:
+        import math_verify  # noqa: F401 (imported before "ready": its second of start-up is no call's)
+
+        logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled": the timer below is ours
+        signal.signal(signal.SIGALRM, _overtime)
+        _limit(resource.RLIMIT_AS, _address_space() + JUDGE_MEMORY_BYTES)
+    except Exception as e:
+        conn.send_bytes(f"{type(e).__name__}: {e}".encode())
+        return
+    conn.send_bytes(b"ready")
+    while True:
+        try:
+            job, args, timeout_s = json.loads(conn.recv_bytes())
+        except (EOFError, OSError):  # the parent closed the pipe, or died
+            return
+        try:
+            answer = _judged(job, args, timeout_s)
+        except _Overtime:  # the timer went off just as the check returned
+            answer = False
+        conn.send_bytes(b"1" if answer else b"0")
+
+
+def _judged(job: str, args: list[str], timeout_s: float) -> bool:
+    used = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
+    _limit(resource.RLIMIT_CPU, int(used + timeout_s + JUDGE_GRACE_S) + 2)  # SIGXCPU ends a child stuck in C
+    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        return bool(_JOBS[job](*args))
+    except (_Overtime, Exception):
+        return False
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def _overtime(signum: int, frame: object) -> None:
+    raise _Overtime
+
+
+def _limit(which: int, soft: int) -> None:
+    _, hard = resource.getrlimit(which)
+    resource.setrlimit(which, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
+
+
+def _address_space() -> int:
+    """This process's address space in bytes (``/proc/self/statm``), or 0 where there is none to read."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0

@@ -1,0 +1,201 @@
+"""Tiny chat models as users bring them: a real byte-level BPE tokenizer with a ChatML template, built locally.
+
+Beside the character-level tiny model (``common/tiny_models/character.py``), tests and demos need models that look like
+the Hugging Face instruct models users arrive with — a BPE tokenizer trained with ``tokenizers`` (here on generated
+text), special tokens ``<|im_start|>`` / ``<|im_end|>`` and a chat template in ``tokenizer_config.json`` — in two
+architectures that vLLM and transformers both load from a plain folder. Nothing is fetched from a hub.
+
+==========  ========================================================================================================
+``llama``   LlamaForCausalLM; BOS ``<s>`` (the template writes it, the tokenizer also adds it to plain text), EOS =
+            ``<|im_end|>`` (as in Qwen2.5-Instruct: vLLM stops on it by itself), untied embeddings
+``qwen2``   Qwen2ForCausalLM (grouped-query attention, q/k/v biases); no BOS, EOS = ``<|endoftext|>`` (as in a base
+            model: the template's ``<|im_end|>`` ends a turn only through ``Prompter.stop_ids``), tied embeddings
+            padded beyond the tokenizer (as Qwen2.5's 151,936 rows for 151,665 tokens)
+==========  ========================================================================================================
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Literal
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+
+from asyncrl.common.tiny_models.character import IGNORE_INDEX, Row, _save_tokenizer, _seeded, warm_start_rows
+
+Architecture = Literal["llama", "qwen2"]
+ARCHITECTURES: tuple[Architecture, ...] = ("llama", "qwen2")
+IM_START, IM_END, END_OF_TEXT, BOS, PAD = "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<s>", "<pad>"
+
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+"""ChatML, as Qwen's templates write it (without their tool-calling parts)."""
+
+_WORDS_TEXT = (
+    "what is the sum of and plus minus times answer question number result please compute tell me how much "
+    "a an one two three four five six seven eight nine ten value total give only write think step first then "
+    "café naïve über déjà vu résumé why who where when which"
+)
+_WORDS = _WORDS_TEXT.split()
+
+
+def corpus(n: int = 3000, seed: int = 0) -> list[str]:
+    """Generated text to train the tokenizer on: arithmetic questions and answers, words, punctuation (``? ! .``),
+    a few accented letters, so that the BPE merges look like a small natural-language vocabulary."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        words = " ".join(rng.choices(_WORDS, k=rng.randint(3, 12)))
+        lines.append(rng.choice([f"What is {a}+{b}?", f"{a} plus {b} is {a + b}.", f"{words.capitalize()}?", words]))
+    return lines
+
+
+def build_bpe_tokenizer(arch: Architecture, *, vocab_size: int = 512, seed: int = 0) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on :func:`corpus`, with the special tokens and template of ``arch``.
+
+    Byte-level: every string encodes (no unknown token), and decoding a whole response gives its text back; but
+    decoding a token *prefix* and re-encoding it need not give the same ids — why ids, never text, travel to the
+    learner.
+    """
+    specials = [END_OF_TEXT, IM_START, IM_END] + ([BOS, PAD] if arch == "llama" else [])
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(corpus(seed=seed), trainer)
+    if arch == "llama":  # plain text gets BOS from the tokenizer; the chat template writes its own
+        bos = backend.token_to_id(BOS)
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, bos)]
+        )
+        names = {"bos_token": BOS, "eos_token": IM_END, "pad_token": PAD}
+        template = "{{- bos_token }}" + CHATML_TEMPLATE
+    else:
+        backend.post_processor = processors.ByteLevel(trim_offsets=False)
+        names = {"eos_token": END_OF_TEXT, "pad_token": END_OF_TEXT}
+        template = CHATML_TEMPLATE
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, clean_up_tokenization_spaces=False, model_max_length=512, **names
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": [IM_START, IM_END]})
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+def init_chat_model(
+    out_dir: str | Path,
+    arch: Architecture,
+    *,
+    vocab_size: int = 512,
+    padded_vocab: int | None = None,
+    hidden: int = 128,
+    layers: int = 2,
+    heads: int = 4,
+    intermediate: int = 256,
+    max_position: int = 512,
+    seed: int = 0,
+    dtype: str = "float32",
+) -> Path:
+    """Write a Hugging Face folder of ``arch`` (random weights from ``seed``, :func:`build_bpe_tokenizer`).
+
+    ``padded_vocab`` (at least the tokenizer's length) sets the embedding's rows; by default ``qwen2`` pads to the
+    next multiple of 64 plus 64 and ``llama`` does not pad. Returns the folder's path.
+    """
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"arch must be one of {', '.join(ARCHITECTURES)}, got {arch!r}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_bpe_tokenizer(arch, vocab_size=vocab_size, seed=seed)
+    if padded_vocab is None:
+        padded_vocab = len(tokenizer) if arch == "llama" else (len(tokenizer) // 64 + 2) * 64
+    if padded_vocab < len(tokenizer):
+        raise ValueError(f"padded_vocab {padded_vocab} is below the tokenizer's {len(tokenizer)} tokens")
+    eos = [tokenizer.eos_token_id]
+    shape = {
+        "vocab_size": padded_vocab,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "max_position_embeddings": max_position,
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": eos[0],
+        "dtype": dtype,
+    }
+    if arch == "llama":
+        config = LlamaConfig(num_key_value_heads=heads, tie_word_embeddings=False, **shape)
+        model_class = LlamaForCausalLM
+    else:
+        from transformers import Qwen2ForCausalLM
+
+        config = Qwen2Config(num_key_value_heads=max(1, heads // 2), tie_word_embeddings=True, **shape)
+        model_class = Qwen2ForCausalLM
+    with _seeded(seed):
+        model = model_class(config)
+    model.to(getattr(torch, dtype))
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id
+    )
+    model.save_pretrained(out, safe_serialization=True)
+    _save_chat_tokenizer(tokenizer, out)
+    return out
+
+
+def _save_chat_tokenizer(tokenizer: PreTrainedTokenizerFast, out: Path) -> None:
+    """Save the tokenizer with its chat template inside ``tokenizer_config.json``, where most hub models keep it
+    (transformers 5 writes ``chat_template.jinja`` instead; both are read)."""
+    _save_tokenizer(tokenizer, out)
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = tokenizer.chat_template
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (out / "chat_template.jinja").unlink(missing_ok=True)
+
+
+def chat_examples(n: int, seed: int = 0, max_number: int = 9) -> list[dict]:
+    """``n`` chat rows ``{"messages": [{"role": "user", "content": "What is 3+4?"}], "answer": "7"}`` (addition of
+    numbers up to ``max_number``), as a user's chat-formatted JSONL holds them; the ``arithmetic`` verifier scores
+    a response whose first line is the sum."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        a, b = rng.randint(0, max_number), rng.randint(0, max_number)
+        rows.append({"messages": [{"role": "user", "content": f"What is {a}+{b}?"}], "answer": str(a + b), "id": i})
+    return rows
+
+
+def warm_start_chat(model_dir: str | Path, rows: list[dict], *, steps: int, seed: int = 0, **options) -> dict:
+    """Fine-tune the folder's model on chat rows (:func:`chat_examples`): the templated prompt (masked), then the
+    answer and the template's end of turn, so that it learns to answer and to close its turn. Options as
+    :func:`asyncrl.common.tiny_models.character.warm_start_rows`, which returns the figures."""
+    from transformers import AutoTokenizer
+
+    from asyncrl.common.config import TaskSection
+    from asyncrl.common.data.prompts import Prompter, turn_end_id
+    from asyncrl.common.data.tasks import TaskExample
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompter = Prompter.for_tokenizer(tokenizer, TaskSection(chat=True))
+    end = turn_end_id(tokenizer)
+    encoded: list[Row] = []
+    for row in rows:
+        example = TaskExample(row["messages"][-1]["content"], row["answer"], tuple(row["messages"]))
+        prompt = prompter.encode(prompter.text(example))
+        answer = [*tokenizer(row["answer"], add_special_tokens=False)["input_ids"], end]
+        encoded.append((prompt + answer, [IGNORE_INDEX] * len(prompt) + answer))
+    return warm_start_rows(model_dir, encoded, steps=steps, seed=seed, **options)

@@ -1,0 +1,415 @@
+"""ZeroMQ PUSH/PULL channels that carry wire messages between processes.
+
+Delivery semantics (ZeroMQ PUSH/PULL, https://zguide.zeromq.org/docs/chapter2/):
+
+- **Fan-out / fan-in**: a PUSH socket connected to several PULL peers deals messages round-robin
+  among them (load balancing); a PULL socket fair-queues from all its PUSH peers. Messages from
+  one sender arrive in order; there is no order across senders.
+- **Back-pressure**: each side queues at most ``hwm`` messages; beyond that ``send`` blocks, up to
+  ``send_timeout_s``, then raises :class:`ChannelBlocked` — nothing is dropped silently.
+- **No durability**: messages queued in a process die with it, and ``close`` discards what is
+  still queued (linger 0, so a dead peer can never hang a shutdown). At-least-once delivery of
+  prompt groups is the in-flight ledger's job (a lost group is re-issued), not the channel's.
+- **Bad input**: a message that does not decode is counted
+  (``asyncrl_wire_malformed_messages_total``, by channel and the field's schema path), handed to
+  ``on_malformed`` (the reward worker dead-letters it), logged at the 1st, 10th, 100th, … of each
+  field, and skipped; the receiver keeps running. A frame above ``max_bytes`` is refused inside
+  libzmq, which drops the connection (the sender reconnects): that message never reaches the
+  process, so it is not counted. libzmq queues a whole multi-frame message before the process
+  sees its first frame and bounds only each frame, so a peer that may connect can still make one
+  message large: beyond loopback only CURVE-authorised peers may.
+- **Membership**: a channel with a :class:`~asyncrl.common.wire.seal.Seal` sends every message with the run secret's MAC
+  as an extra first frame, and its receiving end refuses a message whose seal does not verify before decoding any of it:
+  counted (``asyncrl_channel_unsealed_messages_total``), logged at the 1st, 10th, 100th, …, handed to ``on_unsealed``,
+  never dead-lettered (a stranger's bytes are not the run's to keep). Loopback included.
+- **Security**: CURVE encryption and authentication; required whenever a socket binds beyond
+  loopback, optional on loopback. The binding side holds the server secret key and accepts only
+  the client public keys found in its authorised-keys folder (re-read when an unknown key knocks, so
+  a key dropped into the folder is accepted without a restart); every refused client is counted
+  (``asyncrl_channel_refused_clients_total``), logged once per key and handed to ``CurveServer.on_refused`` (the
+  reward worker's audit trail). The connecting side holds its
+  client key pair and the server's public key — from a file, or as advertised in the server's heartbeat.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import zmq
+
+from asyncrl.common.observability.logs import get_logger, worth_logging
+from asyncrl.common.observability.metrics import (
+    CHANNEL_RECEIVED,
+    CHANNEL_REFUSED_CLIENTS,
+    CHANNEL_SENT,
+    CHANNEL_SENT_BYTES,
+    CHANNEL_UNSEALED,
+    WIRE_MALFORMED,
+)
+from asyncrl.common.wire.messages import Decoder, Limits, WireError, encode
+from asyncrl.common.wire.seal import Seal, absorb, finish
+
+log = get_logger("channel")
+
+
+class ChannelBlocked(TimeoutError):
+    """The peer's queue stayed full (high-water mark) for longer than the send timeout."""
+
+
+MAX_LOGGED_KEYS = 1000
+"""Refused CURVE client keys remembered (and each logged once); beyond them a refusal is logged at the 1st, 10th, …"""
+
+
+class InsecureBindError(PermissionError):
+    """Refused to bind beyond loopback without CURVE keys."""
+
+
+@dataclass(frozen=True)
+class CurveServer:
+    """CURVE for the binding side: its key pair and the folder of authorised client public keys; ``on_refused`` is
+    called with the Z85 public key of each refused handshake (on the ZAP thread: it must be quick and not raise)."""
+
+    secret_key_file: Path
+    authorized_clients: Path
+    on_refused: Callable[[str], None] | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class CurveClient:
+    """CURVE for the connecting side: its own key pair, and the server's public key (a certificate file, or
+    the Z85 key itself, e.g. from the server's heartbeat)."""
+
+    secret_key_file: Path
+    server_public_key: Path | bytes
+
+    def server_key(self) -> bytes:
+        import zmq.auth
+
+        if isinstance(self.server_public_key, bytes):
+            return self.server_public_key
+        public, _ = zmq.auth.load_certificate(str(self.server_public_key))
+        return public
+
+
+class _AuthorizedKeys:
+    """The ZAP callback of a CURVE server: is a client's public key in the authorised folder? Counts refusals."""
+
+    def __init__(self, channel: str, folder: Path, on_refused: Callable[[str], None] | None = None) -> None:
+        self.channel = channel
+        self.folder = folder
+        self.on_refused = on_refused
+        self.keys = self._load()
+        self.refused: set[bytes] = set()  # keys logged so far (at most MAX_LOGGED_KEYS)
+        self.refusals = 0
+
+    def _load(self) -> set[bytes]:
+        import zmq.auth
+
+        if not self.folder.is_dir():
+            raise ValueError(f"authorised CURVE client keys: {self.folder} is not a folder")
+        return set(zmq.auth.load_certificates(str(self.folder)))
+
+    def callback(self, domain: str, client_key: bytes) -> bool:
+        if client_key in self.keys:
+            return True
+        self.keys = self._load()  # a key added since the start is accepted without a restart
+        if client_key in self.keys:
+            return True
+        CHANNEL_REFUSED_CLIENTS.labels(self.channel).inc()
+        if self.on_refused is not None:
+            self.on_refused(client_key.decode())
+        self.refusals += 1
+        # Each key once, up to MAX_LOGGED_KEYS of them; past that (a fresh key per handshake) the 1st, 10th, 100th, …
+        if len(self.refused) < MAX_LOGGED_KEYS and client_key not in self.refused:
+            self.refused.add(client_key)
+        elif client_key in self.refused or not worth_logging(self.refusals):
+            return False
+        log.warning(
+            "refused a CURVE client whose public key is not authorised",
+            channel=self.channel,
+            client_key=client_key.decode(),
+            refused=self.refusals,
+            action=f"if it is one of the run's processes, put its public key file into {self.folder}",
+        )
+        return False
+
+
+def create_keypair(directory: str | Path, name: str) -> tuple[Path, Path]:
+    """Write ``name.key`` (public) and ``name.key_secret`` into ``directory``; returns both paths."""
+    import zmq.auth
+
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    public, secret = zmq.auth.create_certificates(str(directory), name)
+    return Path(public), Path(secret)
+
+
+def create_run_keys(directory: str | Path) -> dict[str, str]:
+    """CURVE keys for one run in ``directory``: the reward workers' server pair, one client pair for the actors,
+    and ``authorized/`` holding that client's public key. Secret files are 0600, the folder 0700. Returns the
+    ``transport.*`` settings that use them (``--set`` them, or put them in the config)."""
+    folder = Path(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    folder.chmod(0o700)
+    _server_public, server_secret = create_keypair(folder, "server")
+    client_public, client_secret = create_keypair(folder, "client")
+    authorized = folder / "authorized"
+    authorized.mkdir(exist_ok=True)
+    (authorized / client_public.name).write_bytes(client_public.read_bytes())
+    for secret in (server_secret, client_secret):
+        secret.chmod(0o600)
+    return {
+        "transport.curve_server_key": str(server_secret),
+        "transport.curve_client_keys": str(authorized),
+        "transport.curve_client_key": str(client_secret),
+    }
+
+
+def is_loopback(endpoint: str) -> bool:
+    """True for ``inproc``/``ipc`` and for ``tcp`` on a loopback address or ``localhost``."""
+    parts = urlsplit(endpoint)
+    if parts.scheme in ("inproc", "ipc"):
+        return True
+    host = (parts.hostname or "").strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # '*', an interface name or a host name: assume it reaches beyond this machine
+
+
+class _Channel:
+    def __init__(self, kind: int, name: str, hwm: int) -> None:
+        self.name = name
+        self.context = zmq.Context.instance()
+        self.socket = self.context.socket(kind)
+        self.socket.linger = 0
+        self.socket.sndhwm = hwm
+        self.socket.rcvhwm = hwm
+        self._authenticator: Any = None
+        self.endpoint = ""
+        self.curve_public_key = ""
+        """The server public key (Z85) a CURVE-bound socket advertises to its clients; empty without CURVE."""
+        self.authorized: _AuthorizedKeys | None = None  # a CURVE server's ZAP check
+
+    def bind(self, endpoint: str, curve: CurveServer | None = None) -> str:
+        """Bind (``tcp://host:0`` picks a free port); returns the endpoint actually bound."""
+        if curve is None and not is_loopback(endpoint):
+            raise InsecureBindError(
+                f"channel {self.name!r}: binding {endpoint} beyond loopback needs CURVE keys "
+                "(set transport.curve_server_key and transport.curve_client_keys)"
+            )
+        if curve is not None:
+            self._serve_curve(curve)
+        if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
+            port = self.socket.bind_to_random_port(endpoint.rsplit(":", 1)[0])
+            self.endpoint = f"{endpoint.rsplit(':', 1)[0]}:{port}"
+        else:
+            self.socket.bind(endpoint)
+            self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        return self.endpoint
+
+    def _serve_curve(self, curve: CurveServer) -> None:
+        import zmq.auth
+        from zmq.auth.thread import ThreadAuthenticator
+
+        public, secret = zmq.auth.load_certificate(str(curve.secret_key_file))
+        if secret is None:
+            raise ValueError(f"{curve.secret_key_file} holds no secret key")
+        self.authorized = _AuthorizedKeys(self.name, Path(curve.authorized_clients), curve.on_refused)
+        self._own_context()
+        self._authenticator = ThreadAuthenticator(self.context)
+        self._authenticator.start()
+        self._authenticator.configure_curve_callback(domain="*", credentials_provider=self.authorized)
+        self.socket.curve_publickey = public
+        self.socket.curve_secretkey = secret
+        self.socket.curve_server = True
+        self.curve_public_key = public.decode()
+
+    def _own_context(self) -> None:
+        """Move the (not yet bound) socket into a context of its own: a CURVE server's ZAP handler binds
+        ``inproc://zeromq.zap.01`` once per context, so two servers in one process (or one closed and the next
+        opened at once) must not share the process-wide context."""
+        old = self.socket
+        self.context = zmq.Context()
+        self.socket = self.context.socket(old.type)
+        for option in (zmq.LINGER, zmq.SNDHWM, zmq.RCVHWM, zmq.SNDTIMEO, zmq.RCVTIMEO, zmq.MAXMSGSIZE):
+            self.socket.setsockopt(option, old.getsockopt(option))
+        old.close(linger=0)
+
+    def connect(self, endpoint: str, curve: CurveClient | None = None) -> None:
+        """Connect; with ``curve``, this connection is encrypted and authenticated (options are read per connect,
+        so one socket may reach several servers, each with its own key)."""
+        if curve is not None:
+            import zmq.auth
+
+            public, secret = zmq.auth.load_certificate(str(curve.secret_key_file))
+            if secret is None:
+                raise ValueError(f"{curve.secret_key_file} holds no secret key")
+            self.socket.curve_publickey = public
+            self.socket.curve_secretkey = secret
+            self.socket.curve_serverkey = curve.server_key()
+        self.socket.connect(endpoint)
+        self.endpoint = endpoint
+
+    def close(self) -> None:
+        """Close at once (linger 0): queued messages are discarded, a dead peer cannot block us."""
+        self.socket.close(linger=0)
+        if self._authenticator is not None:
+            self._authenticator.stop()
+            self._authenticator = None
+            self.context.destroy(linger=0)  # the server's own context (see _own_context)
+
+    def __enter__(self) -> _Channel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class PushChannel(_Channel):
+    """The sending end; blocks at the high-water mark for up to ``send_timeout_s`` (None = forever)."""
+
+    def __init__(
+        self, name: str, hwm: int = 64, send_timeout_s: float | None = None, seal: Seal | None = None
+    ) -> None:
+        super().__init__(zmq.PUSH, name, hwm)
+        self.socket.sndtimeo = -1 if send_timeout_s is None else int(send_timeout_s * 1000)
+        self.seal = seal
+
+    def send(self, message: Any) -> None:
+        self.send_frames(encode(message))
+
+    def send_frames(self, frames: Sequence[Any]) -> None:
+        """Send already-encoded frames (sealed first when the channel has a seal); arrays go out without a copy."""
+        if self.seal is not None:
+            frames = self.seal.seal(frames)
+        try:
+            self.socket.send_multipart(frames, copy=False)
+        except zmq.Again:
+            raise ChannelBlocked(
+                f"channel {self.name!r}: peer queue full for {self.socket.sndtimeo} ms; "
+                "is the receiving side alive and keeping up?"
+            ) from None
+        CHANNEL_SENT.labels(self.name).inc()
+        CHANNEL_SENT_BYTES.labels(self.name).inc(sum(len(memoryview(f)) for f in frames))
+
+
+class PullChannel(_Channel):
+    """The receiving end: decodes into ``expected`` and skips (and counts) anything malformed.
+
+    ``on_malformed(frames, error)`` is called with every message that does not decode (the frames kept of it: at
+    most ``limits.max_frames + 1`` of them, about ``limits.max_bytes`` in all), e.g. to dead-letter it.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        expected: type,
+        hwm: int = 64,
+        limits: Limits | None = None,
+        on_malformed: Callable[[list[Any], WireError], None] | None = None,
+        seal: Seal | None = None,
+        on_unsealed: Callable[[int], None] | None = None,
+    ) -> None:
+        super().__init__(zmq.PULL, name, hwm)
+        self.limits = limits or Limits()
+        self.decoder = Decoder(expected, self.limits)
+        # Refuse oversized frames inside libzmq, before they are even buffered (the limit is per frame there).
+        self.socket.setsockopt(zmq.MAXMSGSIZE, self.limits.max_bytes)
+        self.on_malformed = on_malformed
+        self.malformed = 0
+        self._malformed_by_label: dict[str, int] = {}  # keys: WireError.label, bounded by the schema
+        self.seal = seal
+        self.on_unsealed = on_unsealed
+        self.unsealed = 0
+
+    def recv(self, timeout_s: float | None = None) -> Any | None:
+        """The next well-formed message, or None when none arrived within ``timeout_s`` (malformed ones are counted
+        and skipped meanwhile: a flood of them cannot keep the caller from checking for a stop past its timeout)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            # A message already queued is read without a poll: pyzmq's poll costs tens of microseconds per call.
+            if not self.socket.get(zmq.EVENTS) & zmq.POLLIN:
+                wait_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+                if not self.socket.poll(wait_ms, zmq.POLLIN):
+                    return None
+            frames, sealed = self._recv_frames()
+            if not sealed:
+                self._count_unsealed()
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
+                continue
+            try:
+                message = self.decoder.decode(frames)
+            except WireError as exc:
+                self._count_malformed(frames, exc)
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
+                continue  # skip it and keep waiting for a good one
+            CHANNEL_RECEIVED.labels(self.name).inc()
+            return message
+
+    def _recv_frames(self) -> tuple[list[Any], bool]:
+        """The frames of the next message, and whether its seal verified (always True on a channel without a seal).
+
+        Past ``max_frames`` frames or ``max_bytes`` in all, the rest are read and dropped: the decoder refuses what was
+        kept (too many frames, too large) without this process holding more. (libzmq itself queues a whole message
+        before its first frame can be read, and bounds only each frame.) The seal covers every frame, dropped ones
+        included, so membership is known for the whole message while only a bounded part of it is kept.
+        """
+        first = self.socket.recv(copy=False)
+        hasher = self.seal.hasher() if self.seal is not None else None
+        frames = [] if hasher is not None else [first]  # a sealed message's first frame is its tag
+        size, more, count = sum(len(f) for f in frames), first.more, 0
+        while more:
+            frame = self.socket.recv(copy=False)
+            more, count = frame.more, count + 1
+            if hasher is not None:
+                absorb(hasher, frame)
+            if len(frames) <= self.limits.max_frames and size <= self.limits.max_bytes:
+                frames.append(frame)
+                size += len(frame)
+        if hasher is None:
+            return frames, True
+        assert self.seal is not None
+        return frames, self.seal.verifies(first, finish(hasher, count))
+
+    def _count_unsealed(self) -> None:
+        """A message without a valid seal: refused before decoding, counted, logged at the 1st, 10th, 100th, …"""
+        self.unsealed += 1
+        CHANNEL_UNSEALED.labels(self.name).inc()
+        if self.on_unsealed is not None:
+            self.on_unsealed(self.unsealed)
+        if worth_logging(self.unsealed):
+            log.warning(
+                "refused a message without a valid seal",
+                channel=self.name,
+                refused=self.unsealed,
+                action="only processes that reach the run's Redis (and so its secret) may send here; "
+                "a flood of these is a local or remote peer that is not one of the run's processes",
+            )
+
+    def _count_malformed(self, frames: list[Any], exc: WireError) -> None:
+        """Count (by field label), hand to ``on_malformed``, and log the 1st, 10th, 100th, … of each field."""
+        self.malformed += 1
+        WIRE_MALFORMED.labels(self.name, exc.label).inc()
+        if self.on_malformed is not None:
+            self.on_malformed(frames, exc)
+        count = self._malformed_by_label[exc.label] = self._malformed_by_label.get(exc.label, 0) + 1
+        if worth_logging(count):
+            log.warning(
+                "dropped a malformed message",
+                channel=self.name,
+                field=exc.field,
+                reason=exc.reason,
+                count=count,
+                action="check that every process runs the same asyncrl version; a flood of these is a peer that is "
+                "not one of the run's processes (bind beyond loopback only with CURVE keys)",
+            )
