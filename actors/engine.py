@@ -181,7 +181,7 @@ def engine_settings(
     """The ``AsyncEngineArgs`` keywords the ``[rollout]`` table sets: memory, parallelism, batching, prefix caching,
     on CPUs whole-prompt prefills (:func:`whole_prompt_prefills`), then ``rollout.engine_args`` as given, each checked
     against ``engine_args_cls``'s fields (the installed vLLM's). The config already refused the fields asyncrl sets
-    itself (``common.config.ENGINE_ARGS_OWNED``)."""
+    itself (``common/config/training.py: ENGINE_ARGS_OWNED``)."""
     if rollout.kv_cache_bytes == 0 and not has_gpu:
         raise EngineSettingsError(
             "rollout.kv_cache_bytes = 0 sizes the KV cache from GPU memory, and this machine has no GPU: set "
