@@ -5,7 +5,7 @@ registers with a heartbeat, and then runs three loops side by side:
 
 - **work**: while its weights are recent enough (version ≥ published − max_staleness), keep up
   to ``rollout.max_groups_in_flight`` groups generating; push each finished group to a reward
-  worker (a PUSH socket per live worker, dealt round-robin: :class:`RewardPeers`) and record that
+  worker (a PUSH socket per live worker, dealt round-robin: ``actors/reward_peers.py``) and record that
   worker in the ledger as the group's scorer, so that the worker's death re-issues it at once;
 - **weights**: take part in the learner's weight broadcasts (:class:`asyncrl.actors.weights_follower.WeightsFollower`);
 - **peers**: follow reward workers joining and leaving.
@@ -25,16 +25,13 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterable
-from pathlib import Path
-from typing import Literal
 
 import redis
-import zmq
 
 from asyncrl.actors.environment_service import serves_environments
 from asyncrl.actors.episodes import use_remote_environments
 from asyncrl.actors.remote_environments import RemoteEnvironments
+from asyncrl.actors.reward_peers import PeerDiscovery, RewardPeers
 from asyncrl.actors.weights_follower import WeightsFollower
 from asyncrl.actors.workflows import WorkflowContext, check_workflow
 from asyncrl.common.config import RunConfig
@@ -52,12 +49,12 @@ from asyncrl.common.observability.metrics import (
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.heartbeat import HeartbeatThread
 from asyncrl.common.plane.keys import connect
-from asyncrl.common.plane.outage import exit_for_outage, outage_in, settling
+from asyncrl.common.plane.outage import exit_for_outage, outage_in
 from asyncrl.common.staleness import StalenessBound
-from asyncrl.common.transport.channel import ChannelBlocked, CurveClient, PushChannel
+from asyncrl.common.transport.channel import ChannelBlocked
 from asyncrl.common.transport.net import advertise_host
 from asyncrl.common.wire.messages import Heartbeat, PromptGroup, RolloutGroup
-from asyncrl.common.wire.seal import Seal, run_seal
+from asyncrl.common.wire.seal import run_seal
 
 log = get_logger("actor")
 _PEER_REFRESH_S = 2.0
@@ -85,8 +82,7 @@ class RolloutActor:
             use_remote_environments(self.environments)
         # A ZeroMQ socket is not thread-safe: every send goes through this one thread, in order.
         self._sender = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="push")
-        self._peers: set[str] = set()
-        self._unreachable: set[str] = set()  # workers that require CURVE while this actor has no key (logged once)
+        self.peers = PeerDiscovery(config, self.plane, self.push, self._sender, self.environments)
         self._running: dict[str, tuple[PromptGroup, asyncio.Task]] = {}
         self._tasks: set[asyncio.Task] = set()  # every generation task, including ones still delivering
         self._tokens = _Rate()
@@ -111,7 +107,7 @@ class RolloutActor:
             return "generating"
         if self._behind:
             return "waiting-weights"
-        return "idle" if self._peers else "waiting-reward"
+        return "idle" if self.peers.connected else "waiting-reward"
 
     def _heartbeat(self) -> Heartbeat:
         return Heartbeat(
@@ -166,7 +162,7 @@ class RolloutActor:
     async def _work_loop(self) -> None:
         limit = self.config.rollout.max_groups_in_flight
         while not self._stopping.is_set():
-            if len(self._running) >= limit or not self._peers or not await asyncio.to_thread(self._in_sync):
+            if len(self._running) >= limit or not self.peers.connected or not await asyncio.to_thread(self._in_sync):
                 await self._sleep(0.05)
                 continue
             group = await asyncio.to_thread(self.plane.prompts.take_prompt, self.actor_id, 0.5)
@@ -224,63 +220,15 @@ class RolloutActor:
     # ------------------------------------------------------------------ peers
 
     async def _peers_loop(self) -> None:
-        """Connect to every live reward worker the actor can talk to (see :meth:`_curve_for`); drop the gone. Stop the
-        actor once the run has finished (its learner took the last step)."""
+        """Follow reward workers joining and leaving (:class:`PeerDiscovery`); stop the actor once the run has
+        finished (its learner took the last step)."""
         while not self._stopping.is_set():
             if (finished := await asyncio.to_thread(self.plane.run.finished)) is not None:
                 log.info("run finished; the actor stops", run=self.config.run.name, step=finished)
                 self._stopping.set()
                 return
-            live, _ = await asyncio.to_thread(self.plane.registry.processes)
-            workers = {h.endpoint: h for h in live if h.kind == "reward" and h.endpoint}
-            self._environment_servers(workers.values())
-            for endpoint in workers.keys() & self._peers:  # a worker restarted on the same endpoint has a new id
-                self.push.workers[endpoint] = workers[endpoint].process_id
-            for endpoint in workers.keys() - self._peers:
-                curve = self._curve_for(endpoint, workers[endpoint].curve_public_key)
-                if curve is False:
-                    continue
-                await self._on_sender(self.push.connect, endpoint, workers[endpoint].process_id, curve)
-                self._peers.add(endpoint)
-                log.info("connected to reward worker", endpoint=endpoint, curve=curve is not None)
-            gone = self._peers - workers.keys()
-            if settling(self.plane.client, self.config.transport.heartbeat_ttl_s):
-                gone = set()  # Redis just came back: a worker's heartbeat that expired meanwhile is being renewed
-            for endpoint in gone:
-                await self._on_sender(self.push.disconnect, endpoint)
-                self._peers.discard(endpoint)
-                log.info("reward worker gone; disconnected", endpoint=endpoint)
+            await self.peers.refresh()
             await self._sleep(_PEER_REFRESH_S)
-
-    def _environment_servers(self, workers: Iterable[Heartbeat]) -> None:
-        """Tell the episodes which live reward workers serve environments, and how to reach each."""
-        if self.environments is None:
-            return
-        servers = {}
-        for beat in workers:
-            if beat.environment_endpoint and beat.state != "draining":
-                curve = self._curve_for(beat.environment_endpoint, beat.curve_public_key)
-                if curve is not False:
-                    servers[beat.environment_endpoint] = curve
-        self.environments.set_servers(servers)
-
-    def _curve_for(self, endpoint: str, server_key: str) -> CurveClient | Literal[False] | None:
-        """How to reach a worker: with CURVE when it advertises a server key (this actor needs
-        ``transport.curve_client_key`` then), in the clear when it does not; False when it cannot be reached."""
-        client_key = self.config.transport.curve_client_key
-        if server_key and client_key:
-            return CurveClient(Path(client_key), server_key.encode())
-        if not server_key:
-            return None
-        if endpoint not in self._unreachable:
-            self._unreachable.add(endpoint)
-            log.error(
-                "a reward worker requires CURVE and this actor has no client key; not sending to it",
-                endpoint=endpoint,
-                action="set transport.curve_client_key to this actor's key pair (name.key_secret), whose public key "
-                "is in the workers' transport.curve_client_keys folder",
-            )
-        return False
 
     async def _on_sender(self, fn, *args):
         """Run ``fn(*args)`` on the one thread that owns the PUSH socket."""
@@ -342,52 +290,6 @@ class RolloutActor:
         if self.metrics is not None:
             self.metrics.close()
         log.info("actor stopped", actor=self.actor_id)
-
-
-class RewardPeers:
-    """A PUSH socket per reward worker, so that the actor knows which worker each group went to (its scorer in the
-    ledger: ``common/plane/prompt_ledger.py``); one shared socket would deal groups among workers without saying to
-    whom.
-
-    Delivery: a group goes to the next worker in turn whose queue has room (as ZeroMQ's own round robin skips a full
-    peer); when every queue is full it waits on the next in turn for up to ``send_timeout_s``, then raises
-    :class:`ChannelBlocked`, as it does at once when no worker is connected. Each socket is a :class:`PushChannel`
-    (sealed, CURVE per worker, linger 0: what is queued for a worker is dropped when it is disconnected or closed).
-    Not thread-safe: the actor calls it from its one sender thread.
-    """
-
-    def __init__(self, hwm: int, send_timeout_s: float, seal: Seal | None = None) -> None:
-        self.hwm, self.send_timeout_s, self.seal = hwm, send_timeout_s, seal
-        self.channels: dict[str, PushChannel] = {}  # endpoint -> its socket
-        self.workers: dict[str, str] = {}  # endpoint -> the id of the worker bound there (its heartbeat's)
-        self._turn = 0
-
-    def connect(self, endpoint: str, worker: str, curve: CurveClient | None = None) -> None:
-        channel = PushChannel("rollouts", hwm=self.hwm, send_timeout_s=self.send_timeout_s, seal=self.seal)
-        channel.connect(endpoint, curve)
-        self.channels[endpoint], self.workers[endpoint] = channel, worker
-
-    def disconnect(self, endpoint: str) -> None:
-        self.workers.pop(endpoint, None)
-        if (channel := self.channels.pop(endpoint, None)) is not None:
-            channel.close()
-
-    def send(self, message: object) -> str:
-        """Send ``message`` to one worker (see the class docstring); returns that worker's id."""
-        endpoints = list(self.channels)
-        if not endpoints:
-            raise ChannelBlocked("channel 'rollouts': no reward worker connected")
-        first = self._turn % len(endpoints)
-        order = endpoints[first:] + endpoints[:first]
-        ready = (e for e in order if self.channels[e].socket.get(zmq.EVENTS) & zmq.POLLOUT)
-        endpoint = next(ready, order[0])
-        self._turn = endpoints.index(endpoint) + 1
-        self.channels[endpoint].send(message)
-        return self.workers[endpoint]
-
-    def close(self) -> None:
-        for endpoint in list(self.channels):
-            self.disconnect(endpoint)
 
 
 class _Rate:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncrl.actors.rollout import RewardPeers
+from asyncrl.actors.reward_peers import RewardPeers
 from asyncrl.common.config import RunConfig, load_config
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.replay import ReplayReader
