@@ -9,7 +9,7 @@ One worker, one loop (:meth:`RewardWorker.run`)::
 
 Nothing is dropped silently: a group taken off the socket ends in the replay stream or in the
 dead-letter stream; a message that does not decode is counted, logged (rate-limited), dead-lettered (source
-``reward:malformed``, :class:`MalformedLetters`) and skipped (``common/transport/channel.py``).
+``reward:malformed``, ``common/plane/dead_letters.py: MalformedLetters``) and skipped (``common/transport/channel.py``).
 Groups are scored one at a time; run more workers to score more (actors' PUSH sockets deal groups
 round-robin among every live worker's PULL socket).
 
@@ -30,9 +30,9 @@ environments to every actor (``actors/environment_service.py``), on a port of it
 A finished run (its learner took the last step) stops the worker as SIGTERM does, within a few seconds.
 
 Stopping (SIGTERM/SIGINT): finish and write the group in hand, leave the registry, close the socket,
-exit 0. Groups still queued in the socket die with it; the in-flight ledger re-issues them. A worker
-whose reward calls keep hanging (:data:`MAX_ABANDONED_CALLS` abandoned and still running) dead-letters
-the group in hand and exits 1: only a new process frees those threads.
+exit 0. Groups still queued in the socket die with it; the in-flight ledger re-issues them. A worker whose reward
+calls keep hanging (``actors/timed_calls.py: MAX_ABANDONED_CALLS`` abandoned and still running) dead-letters the group
+in hand and exits 1: only a new process frees those threads.
 """
 
 from __future__ import annotations
@@ -41,15 +41,13 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from asyncrl.actors.environment_service import EnvironmentService, serves_environments
 from asyncrl.actors.episodes import EpisodeMismatch, environment_host, replay_time_limit
+from asyncrl.actors.timed_calls import CallTimedOut, TimedCalls, WorkerStalled
 from asyncrl.common.config import RewardFunction, RunConfig
 from asyncrl.common.data.tasks import task_label
 from asyncrl.common.observability.audit import Audit
@@ -66,9 +64,9 @@ from asyncrl.common.observability.metrics import (
     start_metrics_server,
 )
 from asyncrl.common.plane.control import ControlPlane
-from asyncrl.common.plane.dead_letters import dead_letter, dead_letters
+from asyncrl.common.plane.dead_letters import MalformedLetters, dead_letter
 from asyncrl.common.plane.heartbeat import HeartbeatThread
-from asyncrl.common.plane.keys import RunKeys, connect
+from asyncrl.common.plane.keys import connect
 from asyncrl.common.plane.outage import exit_for_outage, outage_clock, outage_in
 from asyncrl.common.plane.replay import ReplayWriter
 from asyncrl.common.rewards.functions import RewardError, Score, bind_functions, combine, episode_options, score
@@ -80,9 +78,7 @@ from asyncrl.common.wire.messages import (
     Limits,
     RolloutGroup,
     ScoredGroup,
-    WireError,
     encode_blob,
-    pack_frames,
 )
 from asyncrl.common.wire.provenance import episode_tokens, issue_mismatch
 from asyncrl.common.wire.seal import run_seal
@@ -95,100 +91,7 @@ POLL_S = 0.2
 """How long the loop waits for a group before checking for a stop request."""
 FINISHED_CHECK_S = 2.0
 """How often an idle worker asks Redis whether the run has finished (then it exits 0)."""
-DEAD_PAYLOAD_BYTES = 1024
-"""Most bytes of an undecodable message kept in its dead letter: its header's start shows what was sent (the reason
-says what is wrong), and a flood stays cheap for Redis (a 16 KiB dead letter costs it ten times a 1 KiB one here)."""
-MAX_ABANDONED_CALLS = 8
-"""Abandoned (timed-out, still running) reward calls a worker tolerates before it stalls."""
 _WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]")
-
-
-class CallTimedOut(TimeoutError):
-    """A reward call ran past its time limit and was abandoned."""
-
-
-class WorkerStalled(RewardError):
-    """Too many abandoned calls are still running: only a restart of the process frees their threads."""
-
-
-class TimedCalls:
-    """Runs calls with a time limit, each on a daemon thread of its own, and abandons those that overrun.
-
-    A Python thread cannot be killed: a call past its limit is abandoned — its thread runs on and its
-    result is ignored. Reward functions whose work can hang should do it in a killable subprocess, as
-    ``code_tests`` does (every sandbox run has its own wall-clock limit), so their abandoned threads end
-    soon after. At most ``max_abandoned`` abandoned calls may still be running; beyond that :meth:`run`
-    raises :class:`WorkerStalled` instead of starting more threads.
-
-    Why not ``concurrent.futures.ThreadPoolExecutor``: its threads are joined at interpreter exit, so one
-    hung call would hang the worker's shutdown; and once its threads were all hung, new calls would wait
-    in its queue, and their time limit would measure the queue rather than the call.
-    """
-
-    def __init__(self, max_abandoned: int = MAX_ABANDONED_CALLS) -> None:
-        self.max_abandoned = max_abandoned
-        self._abandoned: set[Future[Any]] = set()
-
-    def abandoned(self) -> int:
-        """Abandoned calls whose threads are still running."""
-        self._abandoned = {f for f in self._abandoned if not f.done()}
-        return len(self._abandoned)
-
-    def run(self, name: str, fn: Callable[..., Any], args: tuple[Any, ...], timeout_s: float) -> Any:
-        """``fn(*args)``, or :class:`CallTimedOut` after ``timeout_s``; ``fn``'s own exceptions propagate."""
-        if self.abandoned() >= self.max_abandoned:
-            raise WorkerStalled(name, f"{self.max_abandoned} abandoned calls are still running; restart the worker")
-        future: Future[Any] = Future()
-        threading.Thread(target=_fill, args=(future, fn, args), name=f"reward:{name}", daemon=True).start()
-        try:
-            return future.result(timeout=timeout_s)
-        except TimeoutError:
-            if not future.done():
-                self._abandoned.add(future)
-                raise CallTimedOut(f"timed out after {timeout_s} s") from None
-            return future.result()  # it finished at the limit, or raised a TimeoutError of its own
-
-
-def _fill(future: Future[Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-    if not future.set_running_or_notify_cancel():
-        return
-    try:
-        result = fn(*args)
-    except BaseException as exc:  # handed to the waiting caller, never lost in this thread
-        future.set_exception(exc)
-    else:
-        future.set_result(result)
-
-
-class MalformedLetters:
-    """Dead-letters the rollout messages that did not decode (source ``reward:malformed``), ``batch`` per round trip.
-
-    Each keeps its frames as one blob (``pack_frames``), every frame cut so that at most :data:`DEAD_PAYLOAD_BYTES`
-    are kept in all: enough to see what was sent, while a flood of large garbage stays small in the dead-letter
-    stream (``MAXLEN ~`` bounds its entries). The worker flushes whenever it writes scored groups or goes idle.
-    """
-
-    def __init__(self, client: Any, keys: RunKeys, batch: int = 64) -> None:
-        self.client = client
-        self.keys = keys
-        self.batch = batch
-        self._pending: list[tuple[str, str, bytes]] = []  # (source, reason, payload)
-
-    def add(self, frames: list[Any], exc: WireError) -> None:
-        budget, kept, size = DEAD_PAYLOAD_BYTES, [], 0
-        for frame in frames:
-            view = memoryview(getattr(frame, "buffer", frame)).cast("B")
-            size += view.nbytes
-            kept.append(bytes(view[: max(budget, 0)]))
-            budget -= view.nbytes
-        reason = str(exc) if budget >= 0 else f"{exc} (payload cut to {DEAD_PAYLOAD_BYTES} of {size} bytes)"
-        self._pending.append(("reward:malformed", reason, pack_frames(kept)))
-        if len(self._pending) >= self.batch:
-            self.flush()
-
-    def flush(self) -> None:
-        dead_letters(self.client, self.keys, self._pending)
-        self._pending.clear()
 
 
 class RewardWorker:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.common.observability.audit import dead_lettered
 from asyncrl.common.plane.keys import RunKeys
+from asyncrl.common.wire.messages import WireError, pack_frames
 
 if TYPE_CHECKING:
     import redis
@@ -68,3 +69,39 @@ def letter_fields(source: str, reason: str, payload: bytes, at: str) -> dict[str
         "digest": hashlib.blake2b(view, digest_size=32).hexdigest(),
         "at": at,
     }
+
+
+DEAD_PAYLOAD_BYTES = 1024
+"""Most bytes of an undecodable message kept in its dead letter: its header's start shows what was sent (the reason
+says what is wrong), and a flood stays cheap for Redis (a 16 KiB dead letter costs it ten times a 1 KiB one here)."""
+
+
+class MalformedLetters:
+    """Dead-letters the rollout messages that did not decode (source ``reward:malformed``), ``batch`` per round trip.
+
+    Each keeps its frames as one blob (``pack_frames``), every frame cut so that at most :data:`DEAD_PAYLOAD_BYTES`
+    are kept in all: enough to see what was sent, while a flood of large garbage stays small in the dead-letter
+    stream (``MAXLEN ~`` bounds its entries). The worker flushes whenever it writes scored groups or goes idle.
+    """
+
+    def __init__(self, client: Any, keys: RunKeys, batch: int = 64) -> None:
+        self.client = client
+        self.keys = keys
+        self.batch = batch
+        self._pending: list[tuple[str, str, bytes]] = []  # (source, reason, payload)
+
+    def add(self, frames: list[Any], exc: WireError) -> None:
+        budget, kept, size = DEAD_PAYLOAD_BYTES, [], 0
+        for frame in frames:
+            view = memoryview(getattr(frame, "buffer", frame)).cast("B")
+            size += view.nbytes
+            kept.append(bytes(view[: max(budget, 0)]))
+            budget -= view.nbytes
+        reason = str(exc) if budget >= 0 else f"{exc} (payload cut to {DEAD_PAYLOAD_BYTES} of {size} bytes)"
+        self._pending.append(("reward:malformed", reason, pack_frames(kept)))
+        if len(self._pending) >= self.batch:
+            self.flush()
+
+    def flush(self) -> None:
+        dead_letters(self.client, self.keys, self._pending)
+        self._pending.clear()

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from asyncrl.actors.reward_worker import CallTimedOut, TimedCalls, WorkerStalled
+from asyncrl.actors.timed_calls import CallTimedOut, TimedCalls, WorkerStalled
 from asyncrl.common.config import RewardFunction
 from asyncrl.common.rewards import functions as rewards
 from asyncrl.common.rewards.functions import (
