@@ -14,9 +14,10 @@ from textwrap import dedent
 import numpy as np
 import pytest
 
-from asyncrl.common.rewards import sandbox
 from asyncrl.common.rewards.functions import code_tests_reward
 from asyncrl.common.rewards.sandbox import run_python_tests
+from asyncrl.common.rewards.sandbox_fences import candidates
+from asyncrl.common.rewards.sandbox_run import Limits, run_behind
 from asyncrl.common.rewards.verifiers import verify_code_tests
 from asyncrl.common.wire.messages import RolloutGroup
 
@@ -185,11 +186,11 @@ def test_the_attack_is_real_against_an_exit_status_verdict(name: str) -> None:
 
 def test_every_fence_that_starts_here_judges_by_the_tests() -> None:
     """The weaker fences run the harness in the host folder as another uid (or none): the same verdicts there."""
-    limits = sandbox._Limits(cpu_s=2, memory_mb=256, wall_s=5)
+    limits = Limits(cpu_s=2, memory_mb=256, wall_s=5)
     started = 0
-    for fence in sandbox._candidates():
+    for fence in candidates():
         try:
-            honest = sandbox._run_python_tests(fence, ADD, TESTS, limits)
+            honest = run_behind(fence, ADD, TESTS, limits)
         except RuntimeError:  # e.g. the per-run uid cannot reach an interpreter under /root
             continue
         started += 1
@@ -199,10 +200,10 @@ def test_every_fence_that_starts_here_judges_by_the_tests() -> None:
             "the parent exits 0 and a forked child carries on",
             "writes to every inherited descriptor",
         ):
-            result = sandbox._run_python_tests(fence, program(name), FAILING, limits)
+            result = run_behind(fence, program(name), FAILING, limits)
             assert not result.passed, (fence.fence, name, result)
         peek = "import os\nassert 'tests.py' not in os.listdir('.'), os.listdir('.')\n"
-        assert sandbox._run_python_tests(fence, peek, "", limits).passed, fence
+        assert run_behind(fence, peek, "", limits).passed, fence
     assert started
 
 

@@ -3,11 +3,13 @@
 Every escape program asserts that its escape worked, so a contained escape scores 0 (``passed`` is False) with the
 reason of the failure; the test process stands in for the reward worker and must live through each. Where an escape
 would only be contained by namespaces, a control runs the same program unfenced to show that the attack is real.
-Processes are found from outside by a name the program gives itself (``PR_SET_NAME``; children inherit it).
+Processes are found from outside by a name the program gives itself (``PR_SET_NAME``; children inherit it). Every
+test starts processes (marked ``integration``) but the source checks of stage 2 and the harness, which only parse.
 """
 
 from __future__ import annotations
 
+import ast
 import itertools
 import os
 import shutil
@@ -26,10 +28,10 @@ import pytest
 
 from asyncrl.common.plane.redis_server import EmbeddedRedis
 from asyncrl.common.rewards import sandbox
-from asyncrl.common.rewards.sandbox import Isolation, SandboxResult, run_python_tests
+from asyncrl.common.rewards.sandbox import run_python_tests
+from asyncrl.common.rewards.sandbox_fences import MAX_PROCESSES, Isolation, candidates
+from asyncrl.common.rewards.sandbox_run import HARNESS, MAX_FILE_BYTES, SUPERVISOR, Limits, SandboxResult, run_behind
 from tests.helpers.waits import wait_for
-
-pytestmark = pytest.mark.integration  # every test starts processes
 
 TESTS = "assert add(2, 3) == 5, 'add(2, 3)'\n"
 REPO = Path(__file__).resolve().parents[2]
@@ -111,9 +113,39 @@ def stand_in_worker() -> Iterator[subprocess.Popen[bytes]]:
         proc.wait()
 
 
+# --------------------------------------------------------------------------- the programs of the sandboxed interpreters
+
+
+def imported_modules(path: Path) -> set[str]:
+    """The top-level name of every module ``path`` imports, at any depth; ``.`` for a relative import."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.partition(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            names.add("." if node.level else (node.module or "").partition(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("program", [SUPERVISOR, HARNESS], ids=["supervisor", "harness"])
+def test_stage_2_and_the_harness_import_the_standard_library_only(program: Path) -> None:
+    """They run in interpreters where asyncrl is not importable (``-I -S``; inside the private root, not even its
+    files): an import of anything else would fail every run, so it fails here first."""
+    assert program.is_file() and program.parent == Path(sandbox.__file__).resolve().parent, program
+    imported = imported_modules(program)
+    assert imported and imported <= sys.stdlib_module_names, sorted(imported - sys.stdlib_module_names)
+
+
+def test_stage_2_imports_nothing_slow() -> None:
+    """Stage 2 starts once per run, in a bare interpreter: ``typing`` (and ``re`` with it) would cost every run
+    milliseconds; its imports are the few it uses."""
+    assert imported_modules(SUPERVISOR) <= {"__future__", "ctypes", "marshal", "os", "resource", "sys"}
+
+
 # --------------------------------------------------------------------------- limits (every fence)
 
 
+@pytest.mark.integration
 def test_passing_and_failing_tests() -> None:
     ok = run_python_tests("def add(a, b):\n    return a + b\n", TESTS)
     assert (ok.passed, ok.reason) == (True, "passed")
@@ -123,24 +155,28 @@ def test_passing_and_failing_tests() -> None:
     assert not broken.passed and "SyntaxError" in broken.reason
 
 
+@pytest.mark.integration
 def test_kills_an_infinite_loop_at_the_cpu_limit() -> None:
     result = run_python_tests("while True:\n    pass\n", "", cpu_s=1, wall_s=4)
     # Killed by the CPU limit, or by the wall clock when a loaded machine gives it less than a core (no time asserted).
     assert not result.passed and result.reason.startswith("timeout:")
 
 
+@pytest.mark.integration
 def test_kills_a_sleeper_at_the_wall_clock_limit() -> None:
     result = run_python_tests("import time\ntime.sleep(60)\n", "", wall_s=1)
     assert not result.passed and result.reason.startswith("timeout: wall-clock")
     assert result.seconds >= 1  # never before its limit (an upper bound would depend on the machine's load)
 
 
+@pytest.mark.integration
 def test_stops_a_memory_hog() -> None:
     hog = "chunks = []\nwhile True:\n    chunks.append(bytearray(16 * 2**20))\n"
     result = run_python_tests(hog, "", memory_mb=128, wall_s=5)
     assert not result.passed and result.reason.startswith("memory:")
 
 
+@pytest.mark.integration
 def test_child_sees_no_parent_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ASYNCRL_SECRET", "hunter2")
     code = "import os, sys\nassert 'ASYNCRL_SECRET' not in os.environ, 'leak'\nassert sys.flags.isolated\n"
@@ -149,6 +185,7 @@ def test_child_sees_no_parent_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
     assert result.passed, result.reason
 
 
+@pytest.mark.integration
 def test_a_program_cannot_forge_the_report() -> None:
     """Stage 2 reports on a pipe the program never holds: words on stdout/stderr or writes to any fd change nothing."""
     forge = """
@@ -166,33 +203,35 @@ def test_a_program_cannot_forge_the_report() -> None:
     contained(result, "failed: exit status 1")
 
 
+@pytest.mark.integration
 def test_a_launcher_that_cannot_start_raises() -> None:
     """A sandbox that does not start is the worker's fault: it raises, it never scores the response 0."""
     broken = replace(sandbox.isolation(), launcher=("/bin/sh", "-c", "echo cannot start >&2; exit 1", "--"))
     with pytest.raises(RuntimeError, match=r"did not start.*cannot start"):
-        sandbox._run_python_tests(broken, "", TESTS, sandbox._Limits(2, 256, 5))
+        run_behind(broken, "", TESTS, Limits(2, 256, 5))
 
 
+@pytest.mark.integration
 def test_every_candidate_that_starts_here_runs_and_limits_programs() -> None:
     """The weaker fences are real code paths too: each one that starts on this machine passes, fails and limits."""
-    limits = sandbox._Limits(cpu_s=2, memory_mb=128, wall_s=2)
+    limits = Limits(cpu_s=2, memory_mb=128, wall_s=2)
     started = []
-    for fence in sandbox._candidates():
+    for fence in candidates():
         try:
-            ok = sandbox._run_python_tests(fence, "def add(a, b):\n    return a + b\n", TESTS, limits)
+            ok = run_behind(fence, "def add(a, b):\n    return a + b\n", TESTS, limits)
         except RuntimeError:  # e.g. the per-run uid cannot reach an interpreter under /root
             continue
         started.append(fence.fence)
         assert ok.passed, (fence, ok)
-        bad = sandbox._run_python_tests(fence, "def add(a, b):\n    return 0\n", TESTS, limits)
+        bad = run_behind(fence, "def add(a, b):\n    return 0\n", TESTS, limits)
         assert bad.reason.startswith("failed:") and "add(2, 3)" in bad.reason, (fence, bad)
-        sleeper = sandbox._run_python_tests(fence, "import time\ntime.sleep(60)\n", "", limits)
+        sleeper = run_behind(fence, "import time\ntime.sleep(60)\n", "", limits)
         assert sleeper.reason.startswith("timeout: wall-clock"), (fence, sleeper)
-        hog = sandbox._run_python_tests(fence, "x = bytearray(20 * 2**30)\n", "", limits)
+        hog = run_behind(fence, "x = bytearray(20 * 2**30)\n", "", limits)
         assert hog.reason.startswith("memory:"), (fence, hog)
         # Where the program may kill stage 2 (its parent), that scores 0 too: it never makes the worker raise.
         killer = "import os, time\nos.kill(os.getppid(), 9)\ntime.sleep(5)\n"
-        assert not sandbox._run_python_tests(fence, killer, "", limits).passed
+        assert not run_behind(fence, killer, "", limits).passed
     assert started[0] == sandbox.isolation().fence  # the detected fence is the strongest that starts
 
 
@@ -220,6 +259,7 @@ def sandbox_log(monkeypatch: pytest.MonkeyPatch) -> LogSpy:
     return spy
 
 
+@pytest.mark.integration
 def test_isolation_is_detected_once_and_logged(sandbox_log: LogSpy) -> None:
     first = sandbox.isolation()
     assert sandbox.isolation() is first
@@ -231,14 +271,15 @@ def test_isolation_is_detected_once_and_logged(sandbox_log: LogSpy) -> None:
         assert first.per_run_uid and first.processes.startswith("RLIMIT_NPROC")
 
 
+@pytest.mark.integration
 def test_a_refused_fence_falls_back_to_the_next_and_says_so(
     monkeypatch: pytest.MonkeyPatch, sandbox_log: LogSpy
 ) -> None:
-    strongest = sandbox._candidates()
+    strongest = candidates()
     refused = replace(
         strongest[0], launcher=("/bin/sh", "-c", "echo 'unshare failed: Operation not permitted' >&2; exit 1", "--")
     )
-    monkeypatch.setattr(sandbox, "_candidates", lambda: [refused, *strongest])
+    monkeypatch.setattr(sandbox, "candidates", lambda: [refused, *strongest])
     fence = sandbox.isolation()
     assert fence.launcher == strongest[0].launcher and "Operation not permitted" in fence.refused
     [(level, message, fields)] = sandbox_log.events
@@ -246,9 +287,10 @@ def test_a_refused_fence_falls_back_to_the_next_and_says_so(
     assert "Operation not permitted" in str(fields["refused"]) and fields["action"]
 
 
+@pytest.mark.integration
 def test_no_fence_at_all_raises(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)
-    monkeypatch.setattr(sandbox.os, "access", lambda path, mode: False)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
     monkeypatch.setattr(sandbox, "_ISOLATION", None)
     with pytest.raises(RuntimeError, match="needs setpriv from util-linux"):
         run_python_tests("", "")
@@ -257,6 +299,7 @@ def test_no_fence_at_all_raises(monkeypatch: pytest.MonkeyPatch) -> None:
 # --------------------------------------------------------------------------- escapes
 
 
+@pytest.mark.integration
 def test_escape_kill_the_parent(stand_in_worker: subprocess.Popen[bytes]) -> None:
     """From inside, the parent is the namespace's init (which ignores signals) or, without namespaces, root's."""
     needs_another_uid_or_namespaces()
@@ -281,6 +324,7 @@ def test_escape_kill_the_parent(stand_in_worker: subprocess.Popen[bytes]) -> Non
     assert stand_in_worker.poll() is None  # the stand-in worker and this test process both live
 
 
+@pytest.mark.integration
 def test_escape_fork_bomb() -> None:
     needs_a_process_limit()
     name = process_name()
@@ -300,10 +344,11 @@ def test_escape_fork_bomb() -> None:
     """
     result = run_python_tests(named(name, bomb), "", wall_s=20)
     contained(result, "failed:", "stopped after")
-    assert int(result.reason.rsplit("after ", 1)[1].split()[0]) < sandbox.MAX_PROCESSES
+    assert int(result.reason.rsplit("after ", 1)[1].split()[0]) < MAX_PROCESSES
     wait_until_gone(name)  # every one of them ended with the run
 
 
+@pytest.mark.integration
 def test_a_fork_bomb_does_not_starve_runs_beside_it() -> None:
     """Each run has its own process budget: the other responses of a group score as if it were not there."""
     needs_a_process_limit()
@@ -317,6 +362,7 @@ def test_a_fork_bomb_does_not_starve_runs_beside_it() -> None:
     assert all(r.passed for r in results[1:]), results
 
 
+@pytest.mark.integration
 def test_escape_connect_to_the_runs_redis(tmp_path: Path) -> None:
     server = EmbeddedRedis(tmp_path / "redis").start()
     try:
@@ -338,6 +384,7 @@ def test_escape_connect_to_the_runs_redis(tmp_path: Path) -> None:
         server.stop()
 
 
+@pytest.mark.integration
 def test_escape_read_the_run_folder(tmp_path: Path) -> None:
     secret = tmp_path / "run" / "secret.txt"
     secret.parent.mkdir()
@@ -356,6 +403,7 @@ def test_escape_read_the_run_folder(tmp_path: Path) -> None:
     contained(run_python_tests(listing, ""), "failed:", "nothing there")
 
 
+@pytest.mark.integration
 def test_an_interpreter_in_tmp_runs_behind_the_namespaces_fence(tmp_path: Path) -> None:
     """A venv under /tmp (a fresh clone's) must stay visible below the sandbox's own /tmp, so the fence starts."""
     clone = Path(tempfile.mkdtemp(prefix="sandbox-clone-", dir="/tmp"))  # 0700, as mktemp -d makes a clone's
@@ -381,6 +429,7 @@ def test_an_interpreter_in_tmp_runs_behind_the_namespaces_fence(tmp_path: Path) 
         shutil.rmtree(clone, ignore_errors=True)
 
 
+@pytest.mark.integration
 def test_escape_read_the_workers_environment(stand_in_worker: subprocess.Popen[bytes]) -> None:
     needs_another_uid_or_namespaces()
     scan = f"""
@@ -398,6 +447,7 @@ def test_escape_read_the_workers_environment(stand_in_worker: subprocess.Popen[b
     contained(run_python_tests(textwrap.dedent(scan), ""), "failed:", "no secret readable")
 
 
+@pytest.mark.integration
 def test_escape_fill_the_disk() -> None:
     one_big = "open('big', 'wb').write(b'x' * 100 * 2**20)\n"
     contained(run_python_tests(one_big, "", memory_mb=512), "output:")
@@ -406,10 +456,11 @@ def test_escape_fill_the_disk() -> None:
         for i in range(20):
             with open(f'part{i}', 'wb') as f:
                 f.write(b'x' * (sandbox_limit - 1))
-    """).replace("sandbox_limit", str(sandbox.MAX_FILE_BYTES))
+    """).replace("sandbox_limit", str(MAX_FILE_BYTES))
     contained(run_python_tests(many, "", memory_mb=512), "failed:", "No space left on device")
 
 
+@pytest.mark.integration
 def test_escape_sleep_forever_and_leave_children() -> None:
     name = process_name()
     sleeper = """
@@ -425,10 +476,12 @@ def test_escape_sleep_forever_and_leave_children() -> None:
     wait_until_gone(name)
 
 
+@pytest.mark.integration
 def test_escape_allocate_20_gb() -> None:
     contained(run_python_tests("x = bytearray(20 * 2**30)\n", ""), "memory:")
 
 
+@pytest.mark.integration
 def test_escape_gain_privileges() -> None:
     """No capability, no_new_privs, not the worker's uid (when the worker is root), and a parent with no capability."""
     probe = textwrap.dedent("""
@@ -449,6 +502,7 @@ def test_escape_gain_privileges() -> None:
         )
 
 
+@pytest.mark.integration
 def test_the_parent_dying_kills_the_sandboxed_tree(tmp_path: Path) -> None:
     """A worker killed mid-run takes every process of its sandbox with it (setpriv → unshare → init → all)."""
     needs_namespaces()  # the rlimits fence leaves children that left the process group behind a dead worker
@@ -468,6 +522,7 @@ def test_the_parent_dying_kills_the_sandboxed_tree(tmp_path: Path) -> None:
     wait_until_gone(name)
 
 
+@pytest.mark.integration
 def test_concurrent_runs_from_threads_all_finish() -> None:
     """The reward worker runs sandboxes from a thread pool: no lock, no stray, no crossed report."""
     codes = [f"def add(a, b):\n    return a + b + {i % 2}\n" for i in range(8)]
@@ -484,6 +539,7 @@ def test_concurrent_runs_from_threads_all_finish() -> None:
     assert results == {i: i % 2 == 0 for i in range(len(codes))}
 
 
+@pytest.mark.integration
 def test_isolation_describes_this_machine() -> None:
     fence = sandbox.isolation()
     assert isinstance(fence, Isolation)
