@@ -128,8 +128,8 @@ def _unlocked(lock: Path) -> bool:
         os.close(fd)
 
 
-def test_readme_config_reference_is_current() -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+def test_docs_config_reference_is_current() -> None:
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
     table = run(str(BIN / "rl-learner"), "fields", "--markdown").stdout.strip()
-    between = readme.split("<!-- config-reference:", 1)[1].split("\n", 1)[1].split("<!-- /config-reference -->")[0]
-    assert between.strip() == table, "README's config reference is stale: paste `rl-learner fields --markdown`"
+    between = docs.split("<!-- config-reference:", 1)[1].split("\n", 1)[1].split("<!-- /config-reference -->")[0]
+    assert between.strip() == table, "docs/configuration.md's reference is stale: paste `rl-learner fields --markdown`"

@@ -20,12 +20,13 @@ STEPS = deploy.cluster_steps(**deploy.CLUSTER_EXAMPLE)
 HOST_KEY_ENV_BY_FIELD = {path: var for var, path in HOST_KEY_ENV.items()}
 
 
-def test_the_readme_gives_the_commands_deploy_builds() -> None:
+def test_the_cluster_docs_give_the_commands_deploy_builds() -> None:
+    """docs/cluster.md's "On a cluster" block is exactly what ``common/deploy.py`` builds."""
     assert readme_block() == deploy.cluster_readme(STEPS)
 
 
 def test_each_lasting_process_is_its_command_line() -> None:
-    """What the README shows is what a launcher starts: the shell words are the environment, then the argv."""
+    """What the docs show is what a launcher starts: the shell words are the environment, then the argv."""
     lasting = [step for step in STEPS if step.process is not None]
     assert len(lasting) == 2 + 1 + len(deploy.CLUSTER_EXAMPLE["worker_hosts"])  # Redis, learner, reward, actors
     for step in lasting:

@@ -34,8 +34,8 @@ def test_every_command_that_takes_a_url_takes_a_url_file(module: str) -> None:
         assert taking_url, f"{module}: no command takes --redis"
 
 
-def test_the_readme_never_puts_a_redis_url_in_a_command_line() -> None:
-    readme = (ROOT / "README.md").read_text()
-    blocks = "\n".join(re.findall(r"```(?:bash|sh)?\n(.*?)```", readme, flags=re.DOTALL))
+def test_the_docs_never_put_a_redis_url_in_a_command_line() -> None:
+    docs = "\n".join(path.read_text() for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+    blocks = "\n".join(re.findall(r"```(?:bash|sh)?\n(.*?)```", docs, flags=re.DOTALL))
     assert "--redis-url-file runs/demo/redis/url" in blocks  # the by-hand learner of the demo
     assert not re.search(r"--redis[ =]+[\"']?(\$\(|redis://)", blocks), "a URL (password and all) in argv: ps shows it"
