@@ -6,9 +6,9 @@ reviewable, patched by kustomize overlays), and both users of a command take it 
 builds every overlay and asserts that each container's ``command + args`` and ``env`` are exactly
 :func:`kube_container` of its role; the multi-host test starts its processes from :func:`learner`, :func:`actor`,
 :func:`reward` and :func:`redis` with its own :class:`Site`. A changed command fails that test until the manifests
-say the same, so they cannot drift apart. The README's "On a cluster" commands are :func:`cluster_steps` of
-:data:`CLUSTER_EXAMPLE`, rendered by :func:`cluster_readme`: ``tests/unit/test_cluster_steps.py`` asserts the README
-holds that text and ``tests/e2e/test_multi_host.py`` runs those very steps, host by host.
+say the same, so they cannot drift apart. The "On a cluster" commands of ``docs/cluster.md`` are
+:func:`cluster_steps` of :data:`CLUSTER_EXAMPLE`, rendered by :func:`cluster_doc`: ``tests/unit/test_across_hosts.py``
+asserts the docs hold that text and ``tests/e2e/test_multi_host.py`` runs those very steps, host by host.
 
 What differs between hosts or pods is a :class:`Site` parameter. On Kubernetes (:data:`KUBE`) the parameters that
 differ per pod or per overlay are the kubelet's ``$(NAME)`` references: it expands them in ``args`` and ``env`` from
@@ -233,12 +233,12 @@ def cluster_steps(run: str, learner_host: str, worker_hosts: Sequence[str], redi
 
 
 CLUSTER_EXAMPLE = {"run": "exp1", "learner_host": "10.77.0.1", "worker_hosts": ("10.77.0.2", "10.77.0.3", "10.77.0.4")}
-"""The README's run across hosts: ``10.77.0.4`` is the host that joins mid-run (the multi-host test builds these
-four hosts as network namespaces, with exactly these addresses)."""
+"""The docs' run across hosts (``docs/cluster.md``): ``10.77.0.4`` is the host that joins mid-run (the multi-host test
+builds these four hosts as network namespaces, with exactly these addresses)."""
 
 
-def cluster_readme(steps: Sequence[Step]) -> str:
-    """The steps as the README's shell block: each host's commands after a ``# on HOST`` line."""
+def cluster_doc(steps: Sequence[Step]) -> str:
+    """The steps as the cluster doc's shell block: each host's commands after a ``# on HOST`` line."""
     lines: list[str] = []
     host = None
     for step in steps:

@@ -122,7 +122,9 @@ def eval_command(
 @app.command()
 def fields(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON rows.")] = False,
-    markdown: Annotated[bool, typer.Option("--markdown", help="Print a Markdown table (the README's).")] = False,
+    markdown: Annotated[
+        bool, typer.Option("--markdown", help="Print a Markdown table (as in docs/configuration.md).")
+    ] = False,
 ) -> None:
     """Print the config reference: every field, its default and its meaning."""
     from asyncrl.common.config import field_help

@@ -336,7 +336,7 @@ class Cluster:
 def test_a_run_across_hosts_serves_every_actor_host(tmp_path: Path, model_dir: Path, hosts: Hosts) -> None:
     started = time.monotonic()
     steps = deploy.cluster_steps(**EXAMPLE)
-    assert readme_block() == deploy.cluster_readme(steps), "docs/cluster.md's block differs from common/deploy.py"
+    assert readme_block() == deploy.cluster_doc(steps), "docs/cluster.md's block differs from common/deploy.py"
     assert "10.77.0." not in subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True).stdout
     run = Cluster(hosts, tmp_path / "hosts", steps)
     try:

@@ -22,7 +22,7 @@ HOST_KEY_ENV_BY_FIELD = {path: var for var, path in HOST_KEY_ENV.items()}
 
 def test_the_cluster_docs_give_the_commands_deploy_builds() -> None:
     """docs/cluster.md's "On a cluster" block is exactly what ``common/deploy.py`` builds."""
-    assert readme_block() == deploy.cluster_readme(STEPS)
+    assert readme_block() == deploy.cluster_doc(STEPS)
 
 
 def test_each_lasting_process_is_its_command_line() -> None:
