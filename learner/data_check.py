@@ -1,8 +1,9 @@
 """``rl-learner check-data``: a run's data file checked as the run will read it, before GPU hours are spent.
 
-Every row goes through the run's own checks — the row's keys and UTF-8 (``common.data.tasks``), the chat template,
-characters the tokenizer cannot encode and the prompt's token count (``common.data.prompts.Prompter``) — but where the
-run refuses the whole file at its first bad row, this collects every one. Then, over the rows those checks accept::
+Every row goes through the run's own checks — the row's keys and UTF-8 (``common.data.task_files``), the chat
+template, characters the tokenizer cannot encode and the prompt's token count (``common.data.prompts.Prompter``) — but
+where the run refuses the whole file at its first bad row, this collects every one. Then, over the rows those checks
+accept::
 
     prompt tokens     the prompt as the dispatcher encodes it (chat template, special tokens once)
     answer tokens     the reference answer as a response would hold it (no special tokens)
@@ -14,8 +15,8 @@ run refuses the whole file at its first bad row, this collects every one. Then, 
     self-check        verify(answer, answer) with the verifier the run's ``task`` reward function binds
 
 Min, median, p95 and max are by nearest rank. A JSONL file is read here line by line, so that every line that does not
-parse is named; Parquet and ``save_to_disk`` folders are read by ``common.data.tasks.read_rows`` (pyarrow parses them
-whole; its one refusal, a string that is not UTF-8, names the first such row only).
+parse is named; Parquet and ``save_to_disk`` folders are read by ``common.data.task_files.read_rows`` (pyarrow parses
+them whole; its one refusal, a string that is not UTF-8, names the first such row only).
 
 What exits 1 (:func:`failures`): what the run would refuse — a refused row, a prompt too long under
 ``task.overlong = "refuse"``, a file with no row to serve — and a reference answer the verifier raises on (the reward
@@ -32,10 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-# common.data.tasks reads and checks rows for the run, stopping at the first bad one; its per-row checks are used here
-# row by row, so that check-data and the run cannot disagree about a row.
-from asyncrl.common.data.tasks import (
-    TaskExample,
+# common.data.task_files reads and checks rows for the run, stopping at the first bad one; its per-row checks are used
+# here row by row, so that check-data and the run cannot disagree about a row.
+from asyncrl.common.data.task_files import (
     TaskFileError,
     _example,
     _Keys,
@@ -44,6 +44,7 @@ from asyncrl.common.data.tasks import (
     jsonl_lines,
     read_rows,
 )
+from asyncrl.common.data.tasks import TaskExample
 
 if TYPE_CHECKING:
     from asyncrl.common.config import RunConfig
@@ -299,8 +300,9 @@ def file_rows(path: Path, split: str = "") -> tuple[list[tuple[str, Any]], list[
     """``(rows, unreadable)``: ``(where, row)`` of every row that parses, and ``(where, reason)`` of every one that
     does not (``where`` = ``file`` when the file cannot be read at all).
 
-    A JSONL file is read here line by line, as :func:`asyncrl.common.data.tasks.read_rows` reads it (with its reasons),
-    since that stops at the first bad line; a table (Parquet, ``save_to_disk``) is read by ``read_rows`` itself.
+    A JSONL file is read here line by line, as :func:`asyncrl.common.data.task_files.read_rows` reads it (with its
+    reasons), since that stops at the first bad line; a table (Parquet, ``save_to_disk``) is read by ``read_rows``
+    itself.
     """
     if split or path.is_dir() or path.suffix.lower() in (".parquet", ".pq"):
         try:

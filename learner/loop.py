@@ -72,7 +72,7 @@ class Learner:
         self.broadcaster = Broadcaster(config, self.plane, self.recorder.audit)
         version = self.plane.run.version()
         # The newest version an actor can hold: after a resume, actors may still hold the discarded steps' versions.
-        # A bad data file (common.data.tasks.TaskFileError) fails here, before DeepSpeed starts.
+        # A bad data file (common.data.task_files.TaskFileError) fails here, before DeepSpeed starts.
         self.batches = BatchSource(config, self.plane, tokenizer, max(version, self.broadcaster.newest_version))
         self.update = PolicyUpdate(config, algorithm, tokenizer.pad_token_id or 0)
         self.state = RunState(

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from asyncrl.common.data.tasks import Task, TaskExample, TaskFileError, read_rows
+from asyncrl.common.data.task_files import TaskFileError, read_rows
+from asyncrl.common.data.tasks import Task, TaskExample
 from asyncrl.common.observability.logs import get_logger
 
 log = get_logger("preferences")

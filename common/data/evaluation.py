@@ -43,8 +43,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from asyncrl.common.config import RunConfig
+from asyncrl.common.data.file_task import FileTask
 from asyncrl.common.data.prompts import Prompter
-from asyncrl.common.data.tasks import FileTask, Task, TaskExample, get_task, prompt_group, task_label
+from asyncrl.common.data.tasks import Task, TaskExample, get_task, prompt_group, task_label
 from asyncrl.common.wire.messages import PromptGroup, ScoredGroup
 from asyncrl.common.wire.seal import group_tag
 

@@ -17,8 +17,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from asyncrl.common.config import ConfigError, RewardFunction, TaskSection, load_config
+from asyncrl.common.data.file_task import FileTask
 from asyncrl.common.data.prompts import Prompter, PromptError
-from asyncrl.common.data.tasks import TASK_ALPHABET, FileTask, TaskExample, TaskFileError, get_task, prompt_group
+from asyncrl.common.data.task_files import TaskFileError
+from asyncrl.common.data.tasks import TASK_ALPHABET, TaskExample, get_task, prompt_group
 from asyncrl.common.rewards.functions import score
 from asyncrl.common.tiny_models.character import build_char_tokenizer
 from asyncrl.common.tiny_models.chat import build_bpe_tokenizer
@@ -77,7 +79,7 @@ def test_parquet_with_chat_messages_and_a_dotted_answer_key(tmp_path: Path) -> N
 
 
 def test_a_save_to_disk_folder_is_read_without_the_datasets_package(tmp_path: Path) -> None:
-    """Written by the real ``datasets`` library; read by ``common.data.tasks`` with pyarrow alone."""
+    """Written by the real ``datasets`` library; read by ``common.data.task_files`` with pyarrow alone."""
     datasets = pytest.importorskip("datasets")
     datasets.Dataset.from_list(VERL_ROWS).save_to_disk(str(tmp_path / "one"))
     check_verl_rows(FileTask(tmp_path / "one", **VERL_KEYS))
@@ -292,7 +294,7 @@ def test_a_row_nested_too_deep_is_refused_naming_its_line(tmp_path: Path) -> Non
 
 def test_a_table_row_nested_too_deep_is_refused_naming_its_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Parquet's own schema limit (100 levels) stops the deepest rows first; this bound is checked all the same."""
-    monkeypatch.setattr("asyncrl.common.data.tasks.MAX_ROW_DEPTH", 8)
+    monkeypatch.setattr("asyncrl.common.data.task_files.MAX_ROW_DEPTH", 8)
     table = tmp_path / "deep.parquet"
     nested: object = "leaf"
     for _ in range(10):

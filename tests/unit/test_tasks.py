@@ -11,13 +11,13 @@ import pytest
 
 from asyncrl.common.config import TaskSection
 from asyncrl.common.data import tasks
+from asyncrl.common.data.file_task import FileTask
 from asyncrl.common.data.prompts import Prompter
+from asyncrl.common.data.task_files import TaskFileError
 from asyncrl.common.data.tasks import (
     TASK_ALPHABET,
-    FileTask,
     Task,
     TaskExample,
-    TaskFileError,
     get_task,
     outside_alphabet,
     register_task,
