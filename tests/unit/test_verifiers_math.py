@@ -20,7 +20,8 @@ import pytest
 from asyncrl.common.config import ConfigError, RewardFunction, load_config
 from asyncrl.common.data.tasks import task_label
 from asyncrl.common.rewards.functions import bind_functions, score
-from asyncrl.common.rewards.verifiers import Judge, bind_verifier, chosen_letter, final_answer, judge, normalise
+from asyncrl.common.rewards.judge import Judge, judge
+from asyncrl.common.rewards.verifiers import MATH_JOB, bind_verifier, chosen_letter, final_answer, normalise
 from tests.helpers.rollouts import make_group
 from tests.helpers.waits import wait_for
 
@@ -310,17 +311,17 @@ def test_a_judge_child_that_stops_answering_is_killed_and_replaced() -> None:
     """A child stuck where its own timer cannot reach (here: stopped) is killed at timeout_s + grace."""
     own = Judge()
     try:
-        assert own.ask("math", ("5", "\\frac{10}{2}"), 5.0) is True
+        assert own.ask(MATH_JOB, ("5", "\\frac{10}{2}"), 5.0) is True
         assert own._process is not None
         stuck = own._process.pid
         os.kill(stuck, signal.SIGSTOP)
         start = time.perf_counter()
-        assert own.ask("math", ("5", "5"), 0.2) is False
+        assert own.ask(MATH_JOB, ("5", "5"), 0.2) is False
         print(f"a stuck child answered False after {time.perf_counter() - start:.2f} s")
         assert own.restarts == 1
         with pytest.raises(ProcessLookupError):
             os.kill(stuck, 0)  # killed and reaped
-        assert own.ask("math", ("5", "\\frac{10}{2}"), 5.0) is True  # a new child answers
+        assert own.ask(MATH_JOB, ("5", "\\frac{10}{2}"), 5.0) is True  # a new child answers
     finally:
         own.close()
 
@@ -329,8 +330,9 @@ def test_the_judge_child_ends_when_its_parent_dies() -> None:
     script = textwrap.dedent(
         """
         import os
-        from asyncrl.common.rewards.verifiers import judge
-        assert judge().ask("regex", ("(a)", "a", "a"), 5.0)
+        from asyncrl.common.rewards.judge import judge
+        from asyncrl.common.rewards.verifiers import REGEX_JOB
+        assert judge().ask(REGEX_JOB, ("(a)", "a", "a"), 5.0)
         print(judge()._process.pid, flush=True)
         os._exit(0)  # no clean-up: the child only sees its pipe close
         """
