@@ -22,7 +22,6 @@ from asyncrl.common.wire.codec import (
     DEFAULT_MAX_MESSAGE_BYTES,
     SCHEMA_VERSION,
     ArraySpec,
-    Decoder,
     Frames,
     Limits,
     WireError,
@@ -34,6 +33,7 @@ from asyncrl.common.wire.codec import (
     pack_frames,
     unpack_frames,
 )
+from asyncrl.common.wire.decoding import Decoder
 
 PROCESS_KINDS = ("actor", "reward", "learner")
 """Who may heartbeat in a run."""

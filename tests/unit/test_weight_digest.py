@@ -10,7 +10,8 @@ import torch
 
 from asyncrl.common.observability.top import unexpected_weights
 from asyncrl.common.weights.group import bucket_digest, digest_mismatch, pack_sealed, version_digest
-from asyncrl.common.wire.codec import Decoder, WireError, encode
+from asyncrl.common.wire.codec import WireError, encode
+from asyncrl.common.wire.decoding import Decoder
 from asyncrl.common.wire.messages import Heartbeat, WeightManifest
 
 
