@@ -72,7 +72,7 @@ def check_data(
     1.0; --strict fails on them too. Exit 2: a config error (also: not a file task, no such file, no tokenizer at
     model.path)."""
     from asyncrl.common.cliutil import fail, load
-    from asyncrl.learner import data_check
+    from asyncrl.learner import data_check, data_report
     from asyncrl.learner.preflight import check_config
 
     resolved = load(config, set_, check=check_config)
@@ -81,14 +81,14 @@ def check_data(
         held_out = data_check.check_eval_data(resolved)
     except data_check.DataCheckError as exc:
         fail(str(exc))
-    code = max(data_check.exit_code(r, strict) for r in (report, held_out) if r is not None)
+    code = max(data_report.exit_code(r, strict) for r in (report, held_out) if r is not None)
     if as_json:
-        found = data_check.as_json(report, strict)
+        found = data_report.as_json(report, strict)
         if held_out is not None:
-            found |= {"eval": data_check.as_json(held_out, strict), "exit": code}
+            found |= {"eval": data_report.as_json(held_out, strict), "exit": code}
         print(json.dumps(found, indent=1))
     else:
-        print("\n\n".join(data_check.render(r, strict) for r in (report, held_out) if r is not None))
+        print("\n\n".join(data_report.render(r, strict) for r in (report, held_out) if r is not None))
     raise typer.Exit(code)
 
 
@@ -107,7 +107,8 @@ def eval_command(
     import sys
 
     from asyncrl.common.cliutil import fail, load
-    from asyncrl.learner.checkpoint import CheckpointError, find_checkpoint
+    from asyncrl.learner.checkpoint_format import CheckpointError
+    from asyncrl.learner.checkpoint_history import find_checkpoint
 
     resolved = load(config, set_)
     try:
@@ -263,7 +264,7 @@ def train(
     server = None if url else EmbeddedRedis(resolved.run_dir / "redis", maxmemory_mb=memory).start()
     try:
         from asyncrl.common.data.tasks import TaskError
-        from asyncrl.learner.checkpoint import CheckpointError
+        from asyncrl.learner.checkpoint_format import CheckpointError
         from asyncrl.learner.loop import Learner
 
         try:
@@ -292,7 +293,8 @@ def train(
 def _finished_at(resolved: RunConfig, spec: str) -> int | None:
     """The step of the checkpoint ``--resume`` names when the run is done there (at ``learner.steps`` or past it), else
     None (a missing or bad checkpoint is :func:`_verified_checkpoint`'s to report)."""
-    from asyncrl.learner.checkpoint import CheckpointError, checkpoint_step, find_checkpoint
+    from asyncrl.learner.checkpoint_format import CheckpointError
+    from asyncrl.learner.checkpoint_history import checkpoint_step, find_checkpoint
 
     try:
         step = checkpoint_step(find_checkpoint(spec, resolved.run_dir / "checkpoints"))
@@ -304,7 +306,9 @@ def _finished_at(resolved: RunConfig, spec: str) -> int | None:
 def _verified_checkpoint(resolved: RunConfig, spec: str):
     """The checkpoint ``--resume`` names, every file checked against its manifest; a bad one exits 2 naming the file."""
     from asyncrl.common.cliutil import fail
-    from asyncrl.learner.checkpoint import CheckpointError, check_world_size, find_checkpoint, open_checkpoint
+    from asyncrl.learner.checkpoint_format import CheckpointError, open_checkpoint
+    from asyncrl.learner.checkpoint_history import find_checkpoint
+    from asyncrl.learner.checkpoint_settings import check_world_size
 
     try:
         checkpoint = open_checkpoint(find_checkpoint(spec, resolved.run_dir / "checkpoints"))

@@ -15,7 +15,8 @@ from transformers import AutoTokenizer
 from asyncrl.common.observability.logs import get_logger
 from asyncrl.learner import dist
 from asyncrl.learner.algorithms.assembly import assemble
-from asyncrl.learner.checkpoint import Checkpointer, restore_rng
+from asyncrl.learner.checkpoint import Checkpointer
+from asyncrl.learner.checkpoint_format import restore_rng
 from asyncrl.learner.health import scale_lr_schedule
 from asyncrl.learner.ranks import lost_rank, receive, say_lost
 from asyncrl.learner.update import PolicyUpdate

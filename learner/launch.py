@@ -158,7 +158,8 @@ def run(
 def _checkpoint_folder(resolved: RunConfig, spec: str) -> Path:
     """The checkpoint ``--resume`` names, found before anything starts (the learner verifies its files)."""
     from asyncrl.common.cliutil import fail
-    from asyncrl.learner.checkpoint import CheckpointError, find_checkpoint
+    from asyncrl.learner.checkpoint_format import CheckpointError
+    from asyncrl.learner.checkpoint_history import find_checkpoint
 
     try:
         return find_checkpoint(spec, resolved.run_dir / "checkpoints")

@@ -42,7 +42,7 @@ from asyncrl.learner import ranks
 from asyncrl.learner.algorithms.assembly import assemble
 from asyncrl.learner.batch_source import BatchSource, NoActorsLeft, StepInterrupted
 from asyncrl.learner.broadcaster import Broadcaster
-from asyncrl.learner.checkpoint import Checkpoint
+from asyncrl.learner.checkpoint_format import Checkpoint
 from asyncrl.learner.health import HealthMonitor
 from asyncrl.learner.profile import profiled
 from asyncrl.learner.recorder import Recorder, StepRecord

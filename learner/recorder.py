@@ -38,7 +38,8 @@ from asyncrl.common.wire.messages import RolloutGroup, model_turns
 from asyncrl.learner.alerts import ProcessFacts
 from asyncrl.learner.batch import TrainBatch
 from asyncrl.learner.batch_source import Taken
-from asyncrl.learner.checkpoint import Checkpoint, config_hash
+from asyncrl.learner.checkpoint_format import Checkpoint
+from asyncrl.learner.checkpoint_settings import config_hash
 from asyncrl.learner.health import HealthMonitor
 from asyncrl.learner.samples import SampleLog, row_advantages
 from asyncrl.learner.telemetry import StepTelemetry

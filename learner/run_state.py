@@ -1,7 +1,8 @@
 """The run's position — its policy version — and everything that saves, restores or rolls it back.
 
 :class:`RunState` owns the version (optimizer steps applied; the step being trained is ``version + 1``) and the
-checkpoints of it (:mod:`asyncrl.learner.checkpoint` writes and verifies the files):
+checkpoints of it (:mod:`asyncrl.learner.checkpoint` writes the files, :mod:`asyncrl.learner.checkpoint_format`
+verifies them):
 
 - :meth:`RunState.save` writes ``step-<N>`` and then acknowledges the replay entries it covers;
 - :meth:`RunState.restore` goes back to a checkpoint: the engines' weights, optimizer and KL coefficient, the
@@ -27,22 +28,17 @@ from asyncrl.common.observability.logs import get_logger
 from asyncrl.learner import dist, ranks
 from asyncrl.learner.batch_source import BatchSource
 from asyncrl.learner.broadcaster import Broadcaster
-from asyncrl.learner.checkpoint import (
+from asyncrl.learner.checkpoint import Checkpointer
+from asyncrl.learner.checkpoint_format import (
     Checkpoint,
-    Checkpointer,
     SavedState,
     capture_rng,
-    complete_checkpoints,
-    config_changes,
-    config_hash,
-    count_lines,
-    flat_config,
     manifest_digest,
     open_checkpoint,
     restore_rng,
-    set_aside_after,
-    truncate_metrics,
 )
+from asyncrl.learner.checkpoint_history import complete_checkpoints, count_lines, set_aside_after, truncate_metrics
+from asyncrl.learner.checkpoint_settings import config_changes, config_hash, flat_config
 from asyncrl.learner.health import scale_lr_schedule
 from asyncrl.learner.update import PolicyUpdate
 

@@ -30,7 +30,8 @@ import pytest
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.keys import connect
 from asyncrl.common.wire.seal import numbered_group_id, run_secret
-from asyncrl.learner.checkpoint import complete_checkpoints, open_checkpoint
+from asyncrl.learner.checkpoint_format import open_checkpoint
+from asyncrl.learner.checkpoint_history import complete_checkpoints
 from tests.helpers.runs import step_rows
 from tests.helpers.stack import DEMO, Processes, _steps, _wait, running
 from tests.helpers.torchrun import learner_command, rank_pid

@@ -30,7 +30,8 @@ from asyncrl.common.data.tasks import TASK_ALPHABET
 from asyncrl.common.wire.messages import RolloutGroup, ScoredGroup
 from asyncrl.learner import dist, ranks
 from asyncrl.learner.algorithms.assembly import assemble
-from asyncrl.learner.checkpoint import Checkpointer, SavedState, capture_rng, open_checkpoint
+from asyncrl.learner.checkpoint import Checkpointer
+from asyncrl.learner.checkpoint_format import SavedState, capture_rng, open_checkpoint
 from asyncrl.learner.follower import follow
 from asyncrl.learner.update import PolicyUpdate
 

@@ -300,7 +300,7 @@ def test_the_learner_records_the_run_and_mirrors_the_trail_into_its_folder(redis
     """The learner's recorder, without DeepSpeed: run.started with the config's hashes, a lost actor once, and at
     the end run.finished and the learner's own leaving, all in runs/<name>/audit.jsonl."""
     from asyncrl.common.config import RunConfig, write_resolved
-    from asyncrl.learner.checkpoint import config_hash
+    from asyncrl.learner.checkpoint_settings import config_hash
     from asyncrl.learner.recorder import Recorder
 
     config = RunConfig.model_validate({"run": {"name": "recorded", "root": str(tmp_path)}})

@@ -16,15 +16,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from asyncrl.common.config import RunConfig
-from asyncrl.learner.checkpoint import (
-    Checkpointer,
-    CheckpointError,
-    SavedState,
-    capture_rng,
-    disk_refusal,
-    find_checkpoint,
-    open_checkpoint,
-)
+from asyncrl.learner.checkpoint import Checkpointer
+from asyncrl.learner.checkpoint_disk import disk_refusal
+from asyncrl.learner.checkpoint_format import CheckpointError, SavedState, capture_rng, open_checkpoint
+from asyncrl.learner.checkpoint_history import find_checkpoint
 from asyncrl.learner.engine import PolicyEngine
 from tests.helpers.engine_ranks import LENGTHS
 

@@ -21,7 +21,8 @@ from asyncrl.common.wire.messages import Heartbeat
 from asyncrl.learner.algorithms.assembly import assemble
 from asyncrl.learner.batch_source import BatchSource, StepInterrupted
 from asyncrl.learner.broadcaster import Broadcaster
-from asyncrl.learner.checkpoint import complete_checkpoints, open_checkpoint
+from asyncrl.learner.checkpoint_format import open_checkpoint
+from asyncrl.learner.checkpoint_history import complete_checkpoints
 from asyncrl.learner.run_state import RunState
 from asyncrl.learner.update import PolicyUpdate
 from tests.helpers.rollouts import answer

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from asyncrl.learner.checkpoint import MANIFEST
+from asyncrl.learner.checkpoint_format import MANIFEST
 from asyncrl.learner.cli import app
 
 

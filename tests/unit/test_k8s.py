@@ -633,7 +633,7 @@ def test_the_redis_command_starts_a_redis_that_needs_its_password(tmp_path: Path
 def test_the_learner_resumes_exactly_when_a_complete_checkpoint_exists(tmp_path: Path, folders: list[str]) -> None:
     """The learner's wrapper adds --resume latest iff the checkpoint code finds a complete checkpoint in the folder
     the learner writes them to."""
-    from asyncrl.learner.checkpoint import complete_checkpoints
+    from asyncrl.learner.checkpoint_history import complete_checkpoints
 
     site = deploy.Site("r", "run.toml", "url", "host", root=str(tmp_path / "runs"))
     argv = deploy.learner(site).argv
