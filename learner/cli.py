@@ -127,10 +127,13 @@ def fields(
         bool, typer.Option("--markdown", help="Print a Markdown table (as in docs/configuration.md).")
     ] = False,
 ) -> None:
-    """Print the config reference: every field, its default and its meaning."""
+    """Print the config reference: every field, its default and its meaning, then the options of every algorithm
+    variant (what ``algorithm.advantage_options``, ``loss_options`` and ``aggregation_options`` take)."""
     from asyncrl.common.config import field_help
+    from asyncrl.learner.algorithms.assembly import SECTION_OPTIONS
+    from asyncrl.learner.algorithms.registries import variant_help
 
-    rows = field_help()
+    rows = field_help() + variant_help(frozenset(SECTION_OPTIONS))
     if as_json:
         print(json.dumps([{"field": n, "default": d, "help": h} for n, d, h in rows], indent=1))
         return

@@ -22,6 +22,7 @@ validated settings bound, which is what the learner calls.
 from __future__ import annotations
 
 import functools
+import json
 import typing
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -186,3 +187,25 @@ def build_aggregation(
 def build_kl_estimator(name: str, options: Mapping[str, Any] | None = None) -> Callable[[Tensor, Tensor], Tensor]:
     """KL estimator ``name`` with its settings bound: ``fn(logprobs, ref_logprobs) -> [B, T]``."""
     return functools.partial(KL_ESTIMATORS.get(name), settings=kl_settings(name, options))
+
+
+# --------------------------------------------------------------------------- the reference
+
+OPTION_TABLES = (("advantage", ADVANTAGES), ("loss", LOSSES), ("aggregation", AGGREGATIONS))
+"""The config's ``algorithm.<axis>`` names and the registry each picks from; its options go in ``<axis>_options``."""
+
+
+def variant_help(set_elsewhere: frozenset[str] = frozenset()) -> list[tuple[str, str, str]]:
+    """(``algorithm.<axis>_options.<option>``, default, "``<axis> = <variant>``: " + docstring) of every option of
+    every registered variant: the part of the config reference that ``algorithm.*_options`` tables take. Options in
+    ``set_elsewhere`` are left out (a section of their own sets them for the whole run)."""
+    rows = []
+    for axis, registry in OPTION_TABLES:
+        for name in registry.names():
+            for option, info in settings_type(registry.get(name)).model_fields.items():
+                if option == "name" or option in set_elsewhere:
+                    continue
+                default = "(required)" if info.is_required() else json.dumps(info.get_default(), default=str)
+                doc = " ".join((info.description or "").split())
+                rows.append((f"algorithm.{axis}_options.{option}", default, f'`{axis} = "{name}"`: {doc}'))
+    return rows

@@ -740,3 +740,23 @@ def test_requirements_follow_the_settings() -> None:
     assert loss_settings("ppo_clip", {"kl_coef": 0.1, "entropy_coef": 0.01}).requires() == {"ref_logprobs", "entropy"}
     assert loss_settings("gspo", {"entropy_coef": 0.01}).requires() == {"entropy"}
     assert loss_settings("dpo").requires() == {"ref_logprobs", "pairs"}
+
+
+def test_the_reference_lists_every_option_of_every_variant() -> None:
+    """``rl-learner fields`` shows what each ``algorithm.*_options`` table takes, variant by variant; options a section
+    sets for the whole run are not offered there."""
+    from asyncrl.learner.algorithms.assembly import SECTION_OPTIONS
+    from asyncrl.learner.algorithms.registries import OPTION_TABLES, variant_help
+
+    rows = variant_help(frozenset(SECTION_OPTIONS))
+    shown = {
+        (field.split(".")[1].removesuffix("_options"), doc.split('"')[1], field.split(".")[2]) for field, _, doc in rows
+    }
+    for axis, registry in OPTION_TABLES:
+        for name in registry.names():
+            options = set(settings_type(registry.get(name)).model_fields) - {"name", *SECTION_OPTIONS}
+            assert {(axis, name, option) for option in options} <= shown, (axis, name)
+    assert not any(field.endswith((".name", ".off_policy")) for field, _, _ in rows)
+    clip_high = {doc.split('"')[1]: d for field, d, doc in rows if field == "algorithm.loss_options.clip_high"}
+    assert clip_high == {"gspo": "0.0004", "ppo_clip": "0.2"}
+    assert ("algorithm.aggregation_options.norm", "(required)") in {(f, d) for f, d, _ in rows}
