@@ -7,7 +7,7 @@ a resume, ``restore/*`` — lets the health monitor judge it (``health/*``), app
 publishes it to Prometheus, the Redis summary rl-top reads, and the active alerts.
 
 The learner's :attr:`Recorder.audit` records the run's start or resume, its end, and each process found lost; on rank 0
-an :class:`~asyncrl.common.observability.audit.AuditMirror` copies the run's audit stream into ``audit.jsonl`` on a
+an :class:`~asyncrl.common.observability.audit_file.AuditMirror` copies the run's audit stream into ``audit.jsonl`` on a
 daemon thread, and :meth:`Recorder.close` (at the end of the run, or at exit) copies what remains after the learner has
 left.
 """
@@ -28,7 +28,8 @@ import numpy as np
 from asyncrl.common.config import RunConfig
 from asyncrl.common.environments.tool_calls import parse_tool_calls
 from asyncrl.common.environments.turns import segments
-from asyncrl.common.observability.audit import Audit, AuditMirror
+from asyncrl.common.observability.audit import Audit
+from asyncrl.common.observability.audit_file import AuditMirror
 from asyncrl.common.observability.gpu import gpu_figures
 from asyncrl.common.observability.logs import get_logger
 from asyncrl.common.plane.control import ControlPlane

@@ -38,7 +38,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.common import deploy
-from asyncrl.common.observability.audit import entry_line
+from asyncrl.common.observability.audit_file import entry_line
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.keys import connect
 from asyncrl.common.plane.redis_server import find_redis_server

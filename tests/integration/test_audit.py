@@ -20,7 +20,8 @@ from redis.backoff import ConstantBackoff
 from redis.retry import Retry
 
 from asyncrl.common.observability import audit as audit_module
-from asyncrl.common.observability.audit import AUDIT_MAXLEN, MAX_REASONS, REDACTED, Audit, AuditMirror, scrub
+from asyncrl.common.observability.audit import AUDIT_MAXLEN, MAX_REASONS, REDACTED, Audit, scrub
+from asyncrl.common.observability.audit_file import AuditMirror, entry_line
 from asyncrl.common.observability.metrics import AUDIT_FAILURES
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.dead_letters import dead_letter
@@ -38,7 +39,7 @@ pytestmark = pytest.mark.integration
 def entries(client, run: str) -> list[dict]:
     """The run's audit stream as audit.jsonl lines (once this process's writer has written what it recorded)."""
     assert audit_module.flush(30, client)
-    return [audit_module.entry_line(i.decode(), f) for i, f in client.xrange(RunKeys(run).audit)]
+    return [entry_line(i.decode(), f) for i, f in client.xrange(RunKeys(run).audit)]
 
 
 def jsonl(path: Path) -> list[dict]:
@@ -57,7 +58,7 @@ def test_an_entry_says_what_happened_when_and_who_recorded_it(redis_client) -> N
     assert before - 1 <= float(fields["unix"]) <= time.time() + 1
     assert fields["time"].endswith("Z") and fields["time"][:4].isdigit()  # ISO 8601, UTC
     assert json.loads(fields["data"]) == {"version": 7, "digest": "ab" * 32}
-    line = audit_module.entry_line(entry_id.decode(), raw)
+    line = entry_line(entry_id.decode(), raw)
     assert line["who"] == {"process": "actor-3", "kind": "actor", "host": socket.gethostname(), "pid": os.getpid()}
     assert (line["id"], line["event"], line["version"]) == (entry_id.decode(), "weights.loaded", 7)
 

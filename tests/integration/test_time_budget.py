@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.common.observability.audit import entry_line
+from asyncrl.common.observability.audit_file import entry_line
 from asyncrl.common.plane.keys import RunKeys
 
 pytestmark = pytest.mark.integration
