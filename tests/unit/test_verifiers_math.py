@@ -19,9 +19,10 @@ import pytest
 
 from asyncrl.common.config import ConfigError, RewardFunction, load_config
 from asyncrl.common.data.tasks import task_label
+from asyncrl.common.rewards.answers import chosen_letter, final_answer, normalise
 from asyncrl.common.rewards.functions import bind_functions, score
 from asyncrl.common.rewards.judge import Judge, judge
-from asyncrl.common.rewards.verifiers import MATH_JOB, bind_verifier, chosen_letter, final_answer, normalise
+from asyncrl.common.rewards.verifiers import MATH_JOB, bind_verifier
 from tests.helpers.rollouts import make_group
 from tests.helpers.waits import wait_for
 
