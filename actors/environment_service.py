@@ -28,7 +28,7 @@ from asyncrl.common.config import EnvironmentSection, RunConfig
 from asyncrl.common.environments.protocol import EnvironmentFailed, EpisodeRow
 from asyncrl.common.observability.logs import get_logger
 from asyncrl.common.observability.metrics import ENVIRONMENT_REQUESTS
-from asyncrl.common.transport.channel import CurveServer
+from asyncrl.common.transport.curve import CurveServer
 from asyncrl.common.transport.rpc import ReplySocket
 from asyncrl.common.wire.seal import Seal
 

@@ -31,7 +31,7 @@ from zmq.utils.monitor import recv_monitor_message
 from asyncrl.common.config import EnvironmentSection
 from asyncrl.common.environments.protocol import EnvironmentFailed, EnvironmentLost
 from asyncrl.common.observability.logs import get_logger
-from asyncrl.common.transport.channel import CurveClient
+from asyncrl.common.transport.curve import CurveClient
 from asyncrl.common.transport.rpc import RequestSocket
 from asyncrl.common.wire.seal import Seal
 

@@ -20,7 +20,8 @@ from asyncrl.common.config import RunConfig
 from asyncrl.common.observability.logs import get_logger
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.outage import settling
-from asyncrl.common.transport.channel import ChannelBlocked, CurveClient, PushChannel
+from asyncrl.common.transport.channel import ChannelBlocked, PushChannel
+from asyncrl.common.transport.curve import CurveClient
 from asyncrl.common.wire.messages import Heartbeat
 from asyncrl.common.wire.seal import Seal
 

@@ -71,8 +71,9 @@ from asyncrl.common.plane.outage import exit_for_outage, outage_clock, outage_in
 from asyncrl.common.plane.replay import ReplayWriter
 from asyncrl.common.rewards.functions import RewardError, Score, bind_functions, combine, episode_options, score
 from asyncrl.common.rewards.response_text import ResponseTexts
-from asyncrl.common.transport.channel import CurveServer, PullChannel
-from asyncrl.common.transport.net import advertise_host
+from asyncrl.common.transport.channel import PullChannel
+from asyncrl.common.transport.curve import CurveServer
+from asyncrl.common.transport.net import advertise_host, advertised_endpoint
 from asyncrl.common.wire.messages import (
     Heartbeat,
     Limits,
@@ -91,7 +92,6 @@ POLL_S = 0.2
 """How long the loop waits for a group before checking for a stop request."""
 FINISHED_CHECK_S = 2.0
 """How often an idle worker asks Redis whether the run has finished (then it exits 0)."""
-_WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]")
 
 
 class RewardWorker:
@@ -141,7 +141,7 @@ class RewardWorker:
         """Register, bind the PULL socket, serve /metrics; returns the endpoint advertised in the heartbeat."""
         self.heartbeats.start()  # "starting": visible in rl-top before the socket is up
         bound = self.channel.bind(self.config.transport.zmq_endpoint, self._curve())
-        self.endpoint = _advertised(bound)
+        self.endpoint = advertised_endpoint(bound)
         if serves_environments(self.config):
             self._serve_environments(bound)
         monitoring = self.config.monitoring
@@ -364,7 +364,7 @@ class RewardWorker:
             metrics_url=self.metrics.url if self.metrics is not None else "",
             endpoint=self.endpoint,
             curve_public_key=self.channel.curve_public_key,
-            environment_endpoint=_advertised(self.environments.endpoint) if self.environments is not None else "",
+            environment_endpoint="" if self.environments is None else advertised_endpoint(self.environments.endpoint),
         )
 
     def _serve_environments(self, pull_endpoint: str) -> None:
@@ -390,14 +390,6 @@ class RewardWorker:
     def _key_refused(self, client_key: str) -> None:
         """A CURVE client key was refused: in the audit trail, the 1st, 10th, 100th, … refusal of each key."""
         self.audit.refused("key.refused", client_key, channel=self.channel.name, client_key=client_key)
-
-
-def _advertised(endpoint: str) -> str:
-    """``endpoint`` as peers should connect to it: a wildcard host becomes the advertised host
-    (``$ASYNCRL_ADVERTISE_HOST``, else this machine's host name: ``common/transport/net.py``)."""
-    scheme, _, rest = endpoint.partition("://")
-    host, _, port = rest.rpartition(":")
-    return f"{scheme}://{advertise_host()}:{port}" if host in _WILDCARD_HOSTS else endpoint
 
 
 def run_until_stopped(worker: RewardWorker) -> int:

@@ -1,9 +1,10 @@
 """Alerts on a run's health: rules over each step's metrics row, and their transitions, logged and POSTed.
 
 Each :class:`Rule` judges one metrics.jsonl row plus facts only the loop knows (:class:`ProcessFacts`) and returns a
-:class:`Check`. :class:`Alerts` keeps which alerts are *firing*; only a transition (firing ↔ resolved) is logged, passed
-to the metric callback (``common.observability.metrics.set_alert``) and POSTed to the webhook (:class:`Webhook`, from a
-daemon thread), so a long incident is one line, not one a step. :class:`asyncrl.learner.health.HealthMonitor` feeds it.
+:class:`Check`. :class:`Alerts` keeps which alerts are *firing*; only a transition (firing ↔ resolved) is logged,
+passed to the metric callback (``common.observability.metrics.set_alert``) and POSTed to the webhook
+(``learner/alert_webhook.py``, from a daemon thread), so a long incident is one line, not one a step.
+``learner/health.py: HealthMonitor`` feeds it.
 
 Rules (thresholds in ``[health]``): ``kl_high``, ``grad_norm_high``, ``entropy_collapse``, ``reward_flat``,
 ``reward_errors``, ``stale_drops``, ``actor_lost``, ``learner_starving``; and the two the monitor raises itself,
@@ -12,20 +13,16 @@ Rules (thresholds in ``[health]``): ``kl_high``, ``grad_norm_high``, ``entropy_c
 
 from __future__ import annotations
 
-import json
 import math
-import queue
 import statistics
-import threading
-import time
-import urllib.request
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from asyncrl.common.config import HealthSection
 from asyncrl.common.observability.logs import get_logger
+from asyncrl.learner.alert_webhook import Transition, Webhook
 
 log = get_logger("health")
 
@@ -284,78 +281,6 @@ def build_rules(settings: HealthSection, groups_per_step: int, synchronous: bool
     if settings.starving_idle_fraction > 0 and not synchronous:
         rules.append(LearnerStarving(settings.starving_idle_fraction, settings.starving_window))
     return rules
-
-
-# --------------------------------------------------------------------------- transitions, webhook
-
-
-@dataclass(frozen=True)
-class Transition:
-    """An alert that changed state; the webhook's JSON body (:meth:`payload`)."""
-
-    alert: str
-    state: Literal["firing", "resolved"]
-    step: int
-    value: float
-    message: str
-    severity: str
-    run: str = ""
-    at: float = field(default_factory=time.time)
-
-    def payload(self) -> dict[str, Any]:
-        body = asdict(self)
-        body["value"] = self.value if math.isfinite(self.value) else str(self.value)  # JSON has no NaN
-        return body
-
-
-class Webhook:
-    """POSTs JSON bodies to one URL from a daemon thread, so a slow or dead receiver never blocks a training step.
-
-    Delivery is best effort: at most ``backlog`` bodies wait (more are dropped and logged); a failed POST (refused,
-    timed out, an HTTP error status) is logged and not retried. :meth:`close` waits a bounded time for the backlog.
-    """
-
-    def __init__(self, url: str, timeout_s: float = 2.0, backlog: int = 100) -> None:
-        self.url = url
-        self.timeout_s = timeout_s
-        self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue(backlog)
-        self._thread = threading.Thread(target=self._run, name="health-webhook", daemon=True)
-        self._thread.start()
-
-    def send(self, body: dict[str, Any]) -> None:
-        try:
-            self._queue.put_nowait(body)
-        except queue.Full:
-            action = "the receiver is slow or down; the alert is still in the log and the metrics"
-            log.warning("alert webhook backlog full, dropped one", url=self.url, alert=body.get("alert"), action=action)
-
-    def close(self, wait_s: float = 5.0) -> None:
-        """Send what is queued (for at most ``wait_s``), then stop the thread."""
-        try:
-            self._queue.put(None, timeout=wait_s)
-        except queue.Full:
-            return
-        self._thread.join(wait_s)
-
-    def _run(self) -> None:
-        while (body := self._queue.get()) is not None:
-            self._post(body)
-
-    def _post(self, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode()
-        request = urllib.request.Request(self.url, data, {"Content-Type": "application/json"}, method="POST")
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                response.read()
-        except (OSError, ValueError) as exc:  # URLError and HTTPError are OSErrors; ValueError: a malformed URL
-            log.warning(
-                "alert webhook failed",
-                url=self.url,
-                alert=body.get("alert"),
-                state=body.get("state"),
-                error=exc,
-                action="check health.webhook_url and the receiver; the alert is still in the log and the metrics",
-            )
 
 
 # --------------------------------------------------------------------------- firing and resolved

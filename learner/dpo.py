@@ -34,7 +34,8 @@ from asyncrl.common.observability.logs import get_logger
 from asyncrl.learner import dist
 from asyncrl.learner.algorithms import GlobalCounts, LossInput
 from asyncrl.learner.algorithms.assembly import assemble
-from asyncrl.learner.engine import Batch, PolicyEngine, ReferenceModel, reference_precision, split_micro_batches
+from asyncrl.learner.batch import split_micro_batches
+from asyncrl.learner.engine import Batch, PolicyEngine, ReferenceModel, reference_precision
 from asyncrl.learner.preferences import EncodedPair, PreferenceFileError, collate_pairs, encode_pairs, read_preferences
 
 log = get_logger("dpo")

@@ -110,38 +110,6 @@ def _pick(logits: Tensor, input_ids: Tensor, valid: Tensor) -> Tensor:
     return torch.cat([picked.new_zeros(picked.shape[0], 1), picked], dim=1)
 
 
-def split_micro_batches(batch: Mapping[str, Tensor], size: int) -> list[Batch]:
-    """Cut a batch of ``[N, ...]`` tensors along dim 0 into micro-batches of at most ``size`` rows (views)."""
-    if size < 1:
-        raise ValueError(f"micro-batch size must be >= 1, got {size}")
-    rows = {len(value) for value in batch.values()}
-    if len(rows) != 1:
-        raise ValueError(f"batch tensors disagree on the row count: {sorted(rows)}")
-    total = rows.pop()
-    return [{key: value[start : start + size] for key, value in batch.items()} for start in range(0, total, size)]
-
-
-def rank_micro_batches(batch: Mapping[str, Tensor], size: int, rank: int, world: int, unit: int = 1) -> list[Batch]:
-    """Rank ``rank``'s micro-batches of a batch every one of ``world`` ranks holds whole.
-
-    The rows are cut into ``world`` contiguous shards of ⌈U / world⌉ units of ``unit`` rows (U units in all; a pair
-    of a pairwise loss is never split), each shard into micro-batches of at most ``size`` rows. Every rank runs the
-    same number, ⌈rows per shard / size⌉, of forward and backward passes — ZeRO-3 gathers parameters in each, so a
-    rank with one fewer would hang the others; where a short shard (the last, or an empty one) has too few, the rest
-    are one unit of the batch with its ``response_mask`` zeroed, which adds 0 to the loss and the gradient. With one
-    rank this is :func:`split_micro_batches`. Global-count aggregation makes the shards' gradients sum to the whole
-    batch's, so the update does not depend on ``world``.
-    """
-    total = len(next(iter(batch.values())))
-    per_rank = math.ceil(total // unit / world) * unit
-    start, stop = min(rank * per_rank, total), min((rank + 1) * per_rank, total)
-    pieces = split_micro_batches({k: v[start:stop] for k, v in batch.items()}, size) if stop > start else []
-    filler = {k: v[:unit].clone() for k, v in batch.items()}
-    if "response_mask" in filler:
-        filler["response_mask"].zero_()
-    return pieces + [filler] * (max(1, math.ceil(per_rank / size)) - len(pieces))
-
-
 # --------------------------------------------------------------------------- DeepSpeed config
 
 

@@ -75,7 +75,7 @@ def _curve_overrides(resolved: RunConfig) -> list[str]:
     """The run's CURVE keys (made in ``runs/<name>/keys/`` the first time) as ``--set`` overrides."""
     import json
 
-    from asyncrl.common.transport.channel import create_run_keys
+    from asyncrl.common.transport.curve import create_run_keys
 
     folder = resolved.run_dir / "keys"
     settings = (
@@ -96,7 +96,7 @@ def keys(folder: Annotated[Path, typer.Argument(help="Folder for the keys (creat
     """Make CURVE keys for a run: the reward workers' server pair, a client pair for the actors, and the folder of
     authorised client keys; prints the settings that use them. Add a client by putting its public key file into
     the authorised folder."""
-    from asyncrl.common.transport.channel import create_run_keys
+    from asyncrl.common.transport.curve import create_run_keys
 
     for key, value in create_run_keys(folder).items():
         print(f"--set {key}={value}")

@@ -36,14 +36,8 @@ from asyncrl.learner.algorithms import (
 )
 from asyncrl.learner.algorithms.kl import KLController
 from asyncrl.learner.algorithms.masked import masked_mean
-from asyncrl.learner.batch import TrainBatch, collate, preference_rows
-from asyncrl.learner.engine import (
-    PolicyEngine,
-    ReferenceModel,
-    rank_micro_batches,
-    reference_precision,
-    split_micro_batches,
-)
+from asyncrl.learner.batch import TrainBatch, collate, preference_rows, rank_micro_batches, split_micro_batches
+from asyncrl.learner.engine import PolicyEngine, ReferenceModel, reference_precision
 
 if TYPE_CHECKING:
     from asyncrl.learner.algorithms.assembly import Algorithm
@@ -105,7 +99,7 @@ class PolicyUpdate:
 
         With several learner ranks every rank gets the whole batch (:mod:`asyncrl.learner.ranks`), computes π_old and
         the advantages over all of it, and runs backward on its shard
-        (:func:`asyncrl.learner.engine.rank_micro_batches`)."""
+        (:func:`asyncrl.learner.batch.rank_micro_batches`)."""
         ranks.lead("train", batch)
         tensors = batch.tensors()
         if "token_kl" in self.needs:  # the one consumer of π_old before the update (module docstring)

@@ -17,7 +17,8 @@ from typing import Any
 import zmq
 
 from asyncrl.common.observability.logs import get_logger, worth_logging
-from asyncrl.common.transport.channel import CurveClient, CurveServer, _Channel
+from asyncrl.common.transport.channel import _Channel
+from asyncrl.common.transport.curve import CurveClient, CurveServer
 from asyncrl.common.wire.seal import Seal, absorb, finish
 
 log = get_logger("rpc")

@@ -25,7 +25,8 @@ from torch import Tensor
 from asyncrl.common.config import RunConfig
 from asyncrl.common.data.tasks import TASK_ALPHABET
 from asyncrl.learner import dist
-from asyncrl.learner.engine import Batch, LossFn, PolicyEngine, split_micro_batches
+from asyncrl.learner.batch import split_micro_batches
+from asyncrl.learner.engine import Batch, LossFn, PolicyEngine
 
 LENGTHS = (12, 5, 9, 3, 11, 7, 10, 6)  # different lengths, so rows carry right padding
 FIRST_TOKEN_ID = 4  # ids 0..3 are <pad> <s> </s> <unk> in the tiny model's tokenizer

@@ -26,7 +26,8 @@ from asyncrl.common.observability.metrics import AUDIT_FAILURES
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.dead_letters import dead_letter
 from asyncrl.common.plane.keys import RunKeys
-from asyncrl.common.transport.channel import ChannelBlocked, CurveClient, PushChannel, create_keypair, create_run_keys
+from asyncrl.common.transport.channel import ChannelBlocked, PushChannel
+from asyncrl.common.transport.curve import CurveClient, create_keypair, create_run_keys
 from asyncrl.common.wire.messages import Heartbeat
 from asyncrl.common.wire.seal import run_seal
 from tests.helpers.reward_stack import heartbeat, publish, start, stop

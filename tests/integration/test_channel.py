@@ -13,17 +13,8 @@ import pytest
 
 from asyncrl.common.observability.metrics import CHANNEL_REFUSED_CLIENTS
 from asyncrl.common.tiny_models import synthetic
-from asyncrl.common.transport.channel import (
-    ChannelBlocked,
-    CurveClient,
-    CurveServer,
-    InsecureBindError,
-    PullChannel,
-    PushChannel,
-    create_keypair,
-    create_run_keys,
-    is_loopback,
-)
+from asyncrl.common.transport.channel import ChannelBlocked, InsecureBindError, PullChannel, PushChannel, is_loopback
+from asyncrl.common.transport.curve import CurveClient, CurveServer, create_keypair, create_run_keys
 from asyncrl.common.wire.messages import RolloutGroup, encode
 from tests.helpers.waits import wait_for
 

@@ -19,10 +19,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from asyncrl.common.config import RunConfig
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.replay import ReplayReader
+from asyncrl.learner.batch import split_micro_batches
 from asyncrl.learner.checkpoint import Checkpointer
 from asyncrl.learner.checkpoint_format import CheckpointError, SavedState, capture_rng, open_checkpoint, restore_rng
 from asyncrl.learner.checkpoint_history import find_checkpoint, truncate_metrics
-from asyncrl.learner.engine import PolicyEngine, split_micro_batches
+from asyncrl.learner.engine import PolicyEngine
 from asyncrl.learner.trained import TrainedLog
 from tests.helpers.engine_ranks import LENGTHS, fixed_batch, nll_loss, predicted_tokens
 

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from asyncrl.common.config import RunConfig
 from asyncrl.learner.algorithms import GlobalCounts
+from asyncrl.learner.batch import split_micro_batches
 from asyncrl.learner.critic import (
     VALUE_HEAD_FILE,
     ValueEngine,
@@ -24,7 +25,6 @@ from asyncrl.learner.critic import (
     token_values,
     value_loss_fn,
 )
-from asyncrl.learner.engine import split_micro_batches
 from tests.helpers.engine_ranks import LENGTHS, fixed_batch
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_rank_world")]

@@ -216,15 +216,15 @@ def flood_stream(client, stream: str, blobs: list[bytes]) -> tuple[int, float]:
 def test_a_fresh_curve_key_per_handshake_is_remembered_and_logged_within_bounds(tmp_path, monkeypatch) -> None:
     """A flood of handshakes, each with a new key: the refused-key set stops at MAX_LOGGED_KEYS, and past it a
     refusal is logged at the 1st, 10th, 100th, … (not once per key, which would be a line per handshake)."""
-    from asyncrl.common.transport import channel
+    from asyncrl.common.transport import curve
 
     lines: list[dict] = []
-    monkeypatch.setattr(channel.log, "warning", lambda message, **fields: lines.append(fields))
+    monkeypatch.setattr(curve.log, "warning", lambda message, **fields: lines.append(fields))
     (tmp_path / "authorized").mkdir()
-    check = channel._AuthorizedKeys("rollouts", tmp_path / "authorized")
+    check = curve.AuthorizedKeys("rollouts", tmp_path / "authorized")
     for n in range(10_000):
         assert not check.callback("*", f"{n:040d}".encode())
     assert not check.callback("*", f"{0:040d}".encode())  # a key seen before is not logged again
-    assert len(check.refused) == channel.MAX_LOGGED_KEYS and check.refusals == 10_001
-    assert len(lines) == channel.MAX_LOGGED_KEYS + 1  # each of the first 1000 keys, then the 10000th refusal
+    assert len(check.refused) == curve.MAX_LOGGED_KEYS and check.refusals == 10_001
+    assert len(lines) == curve.MAX_LOGGED_KEYS + 1  # each of the first 1000 keys, then the 10000th refusal
     assert lines[-1]["refused"] == 10_000

@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from asyncrl.common.config import RunConfig
-from asyncrl.learner.engine import Batch, LossFn, PolicyEngine, split_micro_batches
+from asyncrl.learner.batch import split_micro_batches
+from asyncrl.learner.engine import Batch, LossFn, PolicyEngine
 from asyncrl.learner.health import scale_lr_schedule
 from tests.helpers.engine_ranks import LEARNING_RATE, LENGTHS, fixed_batch, nll_loss, predicted_tokens
 

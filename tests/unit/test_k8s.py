@@ -364,7 +364,7 @@ def test_no_secret_in_a_configmap_an_arg_or_an_env_value(variant: str) -> None:
 
 def test_the_secret_patterns_catch_what_they_are_for(tmp_path: Path) -> None:
     """The patterns above match real secrets: a URL as rl-launch writes it, a redis.conf line, `rl-launch keys`."""
-    from asyncrl.common.transport.channel import create_run_keys
+    from asyncrl.common.transport.curve import create_run_keys
 
     keys = create_run_keys(tmp_path / "keys")
     samples = ["redis://:0123abcd@asyncrl-redis:6379/0", "port 1\nrequirepass 0123abcd\n",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncrl.learner.engine import rank_micro_batches, split_micro_batches
+from asyncrl.learner.batch import rank_micro_batches, split_micro_batches
 
 
 def batch(rows: int) -> dict[str, torch.Tensor]:
