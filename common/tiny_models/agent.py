@@ -47,17 +47,21 @@ def init_agent_model(out_dir: str | Path, *, seed: int = 0, **shape) -> Path:
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in (TOOL_CALL_OPEN, TOOL_CALL_CLOSE)])
     tokenizer.eos_token = IM_END
     tokenizer.chat_template = TOOL_CHAT_TEMPLATE
-    _resize(out, tokenizer)
+    _resize(out, tokenizer, seed)
     return out
 
 
-def _resize(out: Path, tokenizer) -> None:
-    """Grow the saved model's embeddings to the tokenizer and make ``<|im_end|>`` its EOS; save both."""
+def _resize(out: Path, tokenizer, seed: int) -> None:
+    """Grow the saved model's embeddings to the tokenizer and make ``<|im_end|>`` its EOS; save both. The new rows are
+    drawn from ``seed`` too: unseeded, every build would start its warm start from other special-token embeddings, and
+    the warm-started agent's skill would differ from build to build."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     model.config.eos_token_id = tokenizer.eos_token_id
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id

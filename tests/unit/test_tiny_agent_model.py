@@ -80,3 +80,16 @@ def test_init_model_refuses_an_unknown_kind(tmp_path: Path) -> None:
 
     result = CliRunner().invoke(app, ["init-model", "--kind", "huge", "--set", f"model.path={tmp_path / 'm'}"])
     assert result.exit_code != 0 and "--kind must be one of task, agent" in result.output
+
+
+def test_the_same_seed_makes_the_same_model_whatever_ran_before(tmp_path: Path) -> None:
+    """The embeddings of the added tokens are drawn from the seed too: a build does not depend on the process's RNG."""
+    import torch
+
+    shape = {"hidden": 32, "layers": 1, "heads": 2, "intermediate": 64}
+    first = init_agent_model(tmp_path / "first", seed=3, **shape)
+    torch.rand(1000)  # whatever else the process drew meanwhile
+    second = init_agent_model(tmp_path / "second", seed=3, **shape)
+    assert (first / "model.safetensors").read_bytes() == (second / "model.safetensors").read_bytes()
+    other = init_agent_model(tmp_path / "other", seed=4, **shape)
+    assert (first / "model.safetensors").read_bytes() != (other / "model.safetensors").read_bytes()
