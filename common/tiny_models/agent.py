@@ -59,7 +59,7 @@ def _resize(out: Path, tokenizer, seed: int) -> None:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    with torch.random.fork_rng():
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     model.config.eos_token_id = tokenizer.eos_token_id
