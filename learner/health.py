@@ -78,7 +78,7 @@ def non_finite_skip(loss: float, grad_norm: float, applied: bool, *, fp16: bool 
 
 
 class Checkpoints(Protocol):
-    """What a rollback needs from the checkpoint side (``learner/checkpoint.py`` wires it)."""
+    """What a rollback needs from the checkpoint side (``learner/run_state.py: RunState`` provides it)."""
 
     def restore_latest_healthy(self, before_step: int) -> int:
         """Load the newest checkpoint whose step is below ``before_step`` (weights, optimizer, scheduler) into the
