@@ -20,6 +20,7 @@ from asyncrl.common.observability.audit import Audit
 from asyncrl.common.observability.logs import get_logger
 from asyncrl.common.observability.metrics import ACTOR_WEIGHT_DIGEST_MISMATCHES
 from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.weights.group import group_backend
 from asyncrl.common.wire.messages import WeightManifest
 
 log = get_logger("actor")
@@ -99,7 +100,7 @@ class WeightsFollower:
             "rank": manifest.ranks_of(self.actor_id).start,  # of its first worker; the others take the next
             "world_size": manifest.world_size,
             "timeout_s": self.config.weight_sync.timeout_s,
-            "backend": "nccl" if _has_cuda() else "gloo",
+            "backend": group_backend(),
         }
 
     async def _load(
@@ -152,9 +153,3 @@ class WeightsFollower:
             action="the transfer was altered or the manifest does not describe it: check the learner's log and the "
             "network between them; the actor takes the next version",
         )
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()

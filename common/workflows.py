@@ -25,9 +25,7 @@ def check_workflow_name(name: str) -> None:
     """A :class:`ConfigError` naming the registered workflows unless ``name`` is one of them; an import path is
     imported (it is the user's own code) so that a typo in it fails here too."""
     try:
-        if ":" in name:
-            WORKFLOWS.get(name)
-        elif name not in WORKFLOWS:
-            WORKFLOWS.get(name)  # raises, naming the registered ones
+        if ":" in name or name not in WORKFLOWS:
+            WORKFLOWS.get(name)  # imports the path; raises naming the registered ones for an unknown name
     except ValueError as exc:
         raise ConfigError(f"rollout.workflow: {exc}") from None

@@ -48,6 +48,7 @@ from asyncrl.common.weights.group import (
     WeightSyncError,
     abandon_formation,
     absent_ranks,
+    group_backend,
     pack_bucket,
     plan_buckets,
     seal_buckets,
@@ -95,7 +96,7 @@ class Broadcaster:
         self.audit = audit  # records each version sent, with its digest and members (common/observability/audit.py)
         # The rendezvous lives in the run's Redis: nothing listens for it, and only the run's processes can join.
         self.store = MemberWatch(plane.client, config.run.name, config.weight_sync.timeout_s, self._members_gone)
-        self.backend = "nccl" if torch.cuda.is_available() else "gloo"
+        self.backend = group_backend()
         # A restarted learner goes on from the last published manifest: a reused epoch would look to the actors
         # like the formation they already joined (of the dead learner), so they would not join this one.
         previous = _previous_manifest(plane)

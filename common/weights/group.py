@@ -146,6 +146,12 @@ def unpack_bucket(bucket: WeightBucket, flat: torch.Tensor) -> Iterator[tuple[st
         yield name, flat[offset : offset + math.prod(shape)].view(shape)
 
 
+def group_backend() -> str:
+    """The weight group's backend on this machine: NCCL where CUDA is, gloo on CPUs. The learner and every actor's
+    workers decide it alike, so one formation never mixes the two."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
 def gloo_group(store, rank: int, world_size: int, timeout: timedelta, environ: Mapping[str, str] | None = None):
     """A ``ProcessGroupGloo`` whose sockets are bound to ``$ASYNCRL_ADVERTISE_HOST``'s address when that is set.
 
