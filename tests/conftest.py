@@ -155,10 +155,17 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     for line in counter.report(config.stash[_STARTED]):
         terminalreporter.write_line(line)
     spent: dict[str, float] = {}
+    spans: list[tuple[str, float, float]] = []
     for reports in terminalreporter.stats.values():
         for report in reports:
             if isinstance(report, pytest.TestReport):
                 spent[report.nodeid] = spent.get(report.nodeid, 0.0) + report.duration
+                if runs_serially(report.nodeid):  # only the serial chain starts engines: the others ran beside it
+                    spans.append((report.nodeid, report.start, report.stop))
+    engines = counter.by_module("vLLM engines", spans)
+    if engines:
+        paid = ", ".join(f"{module} {n}" for module, n in engines.most_common())
+        terminalreporter.write_line(f"vLLM engines by module: {paid}")
     for nodeid, seconds in sorted(spent.items(), key=lambda kv: -kv[1])[:SLOWEST]:
         terminalreporter.write_line(f"{seconds:8.1f}s  {nodeid}")
 

@@ -6,11 +6,12 @@ equals π_old (the learner) and every sample in samples.jsonl has staleness 0. E
 and 4 of a 4-step run appear in metrics.jsonl with every prompt scored by the reward worker, sampled by the policy of
 their step, and no eval group is ever trained, counted by admission or left behind in Redis; then
 `rl-learner eval --checkpoint latest` evaluates the run's last checkpoint offline. CURVE, set up as the README says
-(`rl-launch keys`): the run trains to the end, and an actor whose key is not authorised (its own key path from
-``ASYNCRL_CURVE_CLIENT_KEY``) is refused, counted and logged once; nothing it sends is scored."""
+(`rl-launch keys`): the run trains to the end, and a stranger whose key pair the run never authorised, connecting as
+an actor does, is refused, counted and logged once; nothing it sends is scored."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import urllib.request
 from collections import Counter
@@ -20,6 +21,10 @@ import pytest
 
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.keys import connect
+from asyncrl.common.transport.channel import ChannelBlocked, PushChannel
+from asyncrl.common.transport.curve import CurveClient
+from asyncrl.common.wire.seal import run_seal
+from tests.helpers.forgery import reward_endpoints, right_texts
 from tests.helpers.runs import check_samples
 from tests.helpers.stack import BIN, ONE_PROCESS_ENGINE, ROOT, Processes, _wait
 
@@ -45,6 +50,19 @@ def refused_clients(plane: ControlPlane) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
 
 
+def strike_as_stranger(plane: ControlPlane, key_file: str) -> PushChannel:
+    """A peer whose key pair the run never authorised connects to the reward worker as an actor does (CURVE with the
+    server key the worker advertises, the run's seal: it reached the run's Redis) and sends a rollout for every group
+    in flight. Its handshake is refused, so nothing it sends ever arrives (each send gives up at once)."""
+    worker = next(h for h in plane.registry.processes()[0] if h.kind == "reward")
+    channel = PushChannel("rollouts", send_timeout_s=0.1, seal=run_seal(plane.client, plane.keys, "rollouts"))
+    channel.connect(worker.endpoint, CurveClient(Path(key_file), worker.curve_public_key.encode()))
+    for group in right_texts(plane, actor="intruder"):
+        with contextlib.suppress(ChannelBlocked):
+            channel.send(group)
+    return channel
+
+
 def test_a_synchronous_curve_run_has_no_policy_mismatch_refuses_a_stranger_and_never_trains_an_eval_round(
     tmp_path: Path, model_dir: Path
 ) -> None:
@@ -65,12 +83,11 @@ def test_a_synchronous_curve_run_has_no_policy_mismatch_refuses_a_stranger_and_n
         plane = ControlPlane(connect(run_args[1]), RUN)
         assert plane.run.read_config().transport.curve_client_key.endswith("client.key_secret")
         procs.start_actor("actor-0", run_args, core=1)
-        intruder_key = {"ASYNCRL_CURVE_CLIENT_KEY": stranger["transport.curve_client_key"]}
-        procs.start_actor("intruder", run_args, core=0, env=intruder_key)
         learner = procs.start("learner", [BIN / "rl-learner", "train", config, *sets, "--redis", run_args[1]])
+        _wait(lambda: reward_endpoints(plane) and plane.prompts.ledger(), "groups in flight", learner)
+        intruder = strike_as_stranger(plane, stranger["transport.curve_client_key"])
         _wait(lambda: refused_clients(plane) >= 1, "the intruder's handshake refused", learner)
-        _wait(lambda: "connected to reward worker" in procs.log("intruder"), "the intruder to try", learner)
-        assert procs.stop("intruder") == 0, procs.log("intruder")[-2000:]  # gives back what it held
+        intruder.close()
         assert learner.wait(900) == 0, procs.log("learner")[-3000:]
         assert "curve=True" in procs.log("actor-0")  # the authorised actor's hop is CURVE
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

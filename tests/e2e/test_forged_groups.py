@@ -27,44 +27,15 @@ from asyncrl.common.plane.dead_letters import DEAD_LETTER_EXCERPT
 from asyncrl.common.plane.keys import connect
 from asyncrl.common.plane.replay import ReplayWriter
 from asyncrl.common.transport.channel import PushChannel
-from asyncrl.common.wire.messages import PromptGroup, RolloutGroup, ScoredGroup
+from asyncrl.common.wire.messages import RolloutGroup, ScoredGroup
 from asyncrl.common.wire.seal import numbered_group_id, run_seal, run_secret
+from tests.helpers.forgery import honest, reward_endpoints, right_texts
 from tests.helpers.runs import step_rows
 from tests.helpers.scrape import metric
 from tests.helpers.stack import BIN, DEMO, Processes, _wait
 
 pytestmark = pytest.mark.e2e
 RUN, STEPS, GROUPS = "forged", 8, 16
-
-
-def honest(issued: PromptGroup, lengths: list[int], versions: int = 0) -> RolloutGroup:
-    """A rollout shaped as an actor would send it for ``issued`` (zeros for tokens: any in-vocabulary id would do)."""
-    total = sum(lengths)
-    return RolloutGroup(
-        group_id=issued.group_id,
-        task=issued.task,
-        prompt=issued.prompt,
-        prompt_ids=issued.prompt_ids,
-        answer=issued.answer,
-        token_ids=np.zeros(total, np.int32),
-        logprobs=np.full(total, -1.0, np.float32),
-        versions=np.full(total, versions, np.int32),
-        lengths=np.asarray(lengths, np.int32),
-        texts=["1"] * len(lengths),
-        finish_reasons=["stop"] * len(lengths),
-        actor_id="forger",
-        issued_version=issued.issued_version,
-    )
-
-
-def right_texts(plane: ControlPlane) -> list[RolloutGroup]:
-    """A group for every id in flight, as a stranger who predicted the ids would send them: K responses of token 0."""
-    return [honest(plane.prompts.load_group(g), [1] * 8) for g in sorted(plane.prompts.ledger())]
-
-
-def reward_endpoints(plane: ControlPlane) -> list[str]:
-    """The endpoints of the live reward workers in the run's registry."""
-    return [h.endpoint for h in plane.registry.processes()[0] if h.kind == "reward"]
 
 
 def queued_ids(plane: ControlPlane, count: int) -> list[str]:

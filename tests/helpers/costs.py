@@ -39,6 +39,7 @@ class StartupCounter:
         self.poll_s = poll_s
         self.counts: Counter[str] = Counter()
         self.in_process: Counter[str] = Counter()  # start-ups paid inside the pytest process (by the fixtures)
+        self.seen_at: dict[str, list[float]] = {kind: [] for kind in KINDS}  # wall-clock times, for :meth:`by_test`
         self._seen: set[tuple[str, str]] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="startup-counter", daemon=True)
@@ -83,6 +84,7 @@ class StartupCounter:
             for kind, matches in KINDS.items():
                 if command and matches(command):
                     self.counts[kind] += 1
+                    self.seen_at[kind].append(time.time())
                     self._seen.add(key)
                     break
 
@@ -90,3 +92,13 @@ class StartupCounter:
         minutes = (time.monotonic() - started) / 60
         parts = ", ".join(f"{self.total(kind)} {kind}" for kind in KINDS)
         return [f"start-ups in {minutes:.1f} min: {parts}"]
+
+    def by_module(self, kind: str, spans: list[tuple[str, float, float]]) -> Counter[str]:
+        """How many start-ups of ``kind`` each test module paid, given each test phase's ``(nodeid, start, stop)``
+        in wall-clock seconds: a start-up belongs to the phase it was seen in (the serial chain runs one such phase
+        at a time); one seen between phases to ``(between tests)``."""
+        paid: Counter[str] = Counter()
+        for seen in self.seen_at[kind]:
+            owners = [nodeid for nodeid, start, stop in spans if start <= seen <= stop + self.poll_s]
+            paid[owners[0].split("::", 1)[0] if owners else "(between tests)"] += 1
+        return paid
