@@ -10,6 +10,7 @@ response that spans a weight update carries both versions. The same code runs on
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import difflib
 import gc
@@ -61,6 +62,8 @@ class RolloutEngine:
             log.info("actor frontend moved off its engine's CPUs", cpus=config.rollout.frontend_cpus)
         self._request_seed = seed * 1_000_003
         self.stop_ids = _stop_ids(config)
+        self._adapter: Any = None  # a LoRA run's request for the policy's adapter slot, once the slot is filled
+        self._adapter_lock = asyncio.Lock()
 
     async def generate(self, prompt_ids: Sequence[int], sampling: Sampling, request_id: str) -> list[Response]:
         """``sampling.n`` responses to ``prompt_ids``; each token is stamped with ``self.version()`` as it arrives."""
@@ -81,7 +84,8 @@ class RolloutEngine:
             output_kind=RequestOutputKind.DELTA,
         )
         responses = [Response() for _ in range(sampling.n)]
-        async for output in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params, request_id):
+        prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
+        async for output in self.llm.generate(prompt, params, request_id, lora_request=await self._policy_adapter()):
             stamp = self.version()
             for completion in output.outputs:
                 _append(responses[completion.index], completion, stamp)
@@ -120,13 +124,29 @@ class RolloutEngine:
             verify = self.config.weight_sync.digests
             received = _merged(await self.llm.collective_rpc("asyncrl_receive", receive_timeout, args=(frames, verify)))
             load = "refused" not in received  # on every worker, or on none
-            figures["load_s"] = max(await self.llm.collective_rpc("asyncrl_load", receive_timeout, args=(load,)))
+            async with self._adapter_lock:  # an adapter of zeros must not land after this version's
+                adapter = adapter_settings(self.config) if self.config.lora.enabled else None
+                loaded = await self.llm.collective_rpc("asyncrl_load", receive_timeout, args=(load, adapter))
+                if load and adapter is not None:
+                    self._adapter = policy_adapter_request()
+            figures["load_s"] = max(loaded)
             figures.update(received)
             if on_loaded is not None and "refused" not in received:
                 on_loaded()  # before resuming: every token sampled from now on is stamped with the new version
             return figures
         finally:
             await self.llm.resume_generation()
+
+    async def _policy_adapter(self) -> Any:
+        """A LoRA run's ``LoRARequest`` for the policy's adapter slot (None without ``[lora]``). Until the first
+        version's adapters arrive, the slot holds an adapter of zeros, which computes exactly the base model."""
+        if not self.config.lora.enabled or self._adapter is not None:
+            return self._adapter
+        async with self._adapter_lock:
+            if self._adapter is None:
+                await self.llm.collective_rpc("asyncrl_zero_adapter")
+                self._adapter = policy_adapter_request()
+        return self._adapter
 
     async def leave_weight_group(self) -> None:
         await self.llm.collective_rpc("asyncrl_leave")
@@ -137,6 +157,37 @@ class RolloutEngine:
         # Drop the engine now: AsyncLLM.__del__ at interpreter exit would try to shut it down again.
         self.llm = None
         gc.collect()
+
+
+POLICY_ADAPTER_ID = 1
+"""vLLM's id of the one adapter a LoRA run's actor serves: each version replaces its tensors under this id."""
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM's ``max_lora_rank`` takes (``vllm.config.lora.MaxLoRARanks``)."""
+
+
+def lora_engine_settings(config: RunConfig) -> dict[str, Any]:
+    """Engine keywords of a ``[lora]`` run: adapters on, one adapter slot (the policy's, see
+    :func:`policy_adapter_request`) kept in one cache entry so it is never evicted, the smallest ``max_lora_rank``
+    vLLM offers that holds ``lora.rank``."""
+    if not config.lora.enabled:
+        return {}
+    rank = next(r for r in VLLM_LORA_RANKS if r >= config.lora.rank)  # the config bounds lora.rank by the largest
+    return {"enable_lora": True, "max_loras": 1, "max_cpu_loras": 1, "max_lora_rank": rank}
+
+
+def adapter_settings(config: RunConfig) -> dict[str, Any]:
+    """The PEFT settings vLLM reads with each version's adapters (``adapter_config.json``'s fields)."""
+    lora = config.lora
+    return {"r": lora.rank, "lora_alpha": lora.alpha, "target_modules": lora.target_modules, "bias": "none"}
+
+
+def policy_adapter_request() -> Any:
+    """The ``LoRARequest`` every request of a LoRA run names: the one slot whose tensors each version replaces in
+    memory (``actors/weight_receiver.py: install_adapter``). Its path is never read while the slot holds an adapter;
+    were it read, it names no adapter folder and the load fails loudly instead of serving stale weights."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest("asyncrl-policy", POLICY_ADAPTER_ID, "/nonexistent/asyncrl-policy-adapter-lives-in-memory")
 
 
 def _stop_ids(config: RunConfig) -> tuple[int, ...]:
@@ -167,6 +218,7 @@ def engine_keywords(
         "logprobs_mode": "processed_logprobs",
         "worker_extension_cls": extension,
         "disable_log_stats": True,
+        **lora_engine_settings(config),
         **engine_settings(config.rollout, engine_args_cls, has_gpu, config.model.max_model_len),
     }
 

@@ -49,7 +49,9 @@ def evaluate(config: RunConfig, model: str | Path) -> dict[str, Any]:
     from asyncrl.actors.engine import RolloutEngine
 
     folder = model_folder(model)
-    config = config.model_copy(update={"model": config.model.model_copy(update={"path": str(folder)})})
+    # a LoRA run's checkpoint exports its adapters merged (hf/): the folder is the whole policy
+    model_section = config.model.model_copy(update={"path": str(folder)})
+    config = config.model_copy(update={"model": model_section, "lora": config.lora.model_copy(update={"rank": 0})})
     prompter = Prompter.for_run(AutoTokenizer.from_pretrained(folder), config)
     groups = eval_groups(config, eval_examples(config, prompter), prompter.encode, step=0, version=0)
     started = time.perf_counter()

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from asyncrl.actors.engine import POLICY_ADAPTER_ID
 from asyncrl.actors.lifeline import follow_actor
 from asyncrl.common.weights.group import GroupAddress, WeightGroup, digest_mismatch, unpack_bucket
 from asyncrl.common.wire.messages import Decoder, WeightManifest
@@ -71,23 +72,69 @@ class WeightReceiverExtension:
         self._asyncrl_received = (manifest, flats)
         return figures
 
-    def asyncrl_load(self, load: bool) -> float:
-        """Load the weights :meth:`asyncrl_receive` verified (``load``), or drop them; returns the seconds taken."""
+    def asyncrl_load(self, load: bool, adapter: dict[str, Any] | None = None) -> float:
+        """Load the weights :meth:`asyncrl_receive` verified (``load``), or drop them; returns the seconds taken.
+        ``adapter``: the weights are a LoRA run's adapters, with these PEFT settings (:func:`install_adapter`)."""
         start = time.perf_counter()
         received, self._asyncrl_received = self._asyncrl_received, None
         if load and received is not None:
             manifest, flats = received
             pairs = zip(manifest.buckets, flats, strict=True)
             weights = (pair for bucket, flat in pairs for pair in unpack_bucket(bucket, flat))
-            quiet_buffer_only_layers(self.model_runner.model)
-            self.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+            if adapter is not None:
+                install_adapter(self.model_runner.lora_manager, dict(weights), adapter)
+            else:
+                quiet_buffer_only_layers(self.model_runner.model)
+                self.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
         return time.perf_counter() - start
+
+    def asyncrl_zero_adapter(self) -> None:
+        """Serve the policy's adapter slot with an adapter of zeros (exactly the base model) until the first
+        version's adapters arrive: every request names the slot from the start, so a request in flight across an
+        update switches adapters at the pause as one without adapters would switch weights."""
+        manager = self.model_runner.lora_manager
+        rank = manager.lora_config.max_lora_rank
+        zero = manager._adapter_manager.create_dummy_lora(POLICY_ADAPTER_ID, rank, manager.embedding_modules)
+        _replace_adapter(manager, zero)
 
     def asyncrl_leave(self) -> None:
         """Drop the current group and close its store connection."""
         if self._asyncrl_group is not None:
             self._asyncrl_group.close()
         self._asyncrl_group = None
+
+
+def install_adapter(manager: Any, tensors: dict[str, torch.Tensor], settings: dict[str, Any]) -> None:
+    """Put ``tensors`` (named as a saved PEFT adapter's) into vLLM's adapter cache as :data:`POLICY_ADAPTER_ID`,
+    replacing the version it served, straight from memory: vLLM's own path (``LoRARequest.lora_path``) reads a
+    folder, and none is written.
+
+    ``manager`` is the model runner's ``LRUCacheWorkerLoRAManager``; it keeps one adapter (``max_cpu_loras = 1``), so
+    the one in memory is never evicted and never read back from a path."""
+    from vllm.lora.peft_helper import PEFTHelper
+
+    helper = PEFTHelper.from_dict(settings)
+    helper.validate_legal(manager.lora_config)
+    model = manager._adapter_manager.model
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    adapter = manager._lora_model_cls.from_lora_tensors(
+        lora_model_id=POLICY_ADAPTER_ID,
+        tensors=tensors,
+        peft_helper=helper,
+        device="cpu",
+        dtype=manager.lora_config.lora_dtype,
+        model_vocab_size=manager.vocab_size,
+        weights_mapper=None if mapper is None else mapper.get_rename_mapper(),
+        skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+    )
+    _replace_adapter(manager, adapter)
+
+
+def _replace_adapter(manager: Any, adapter: Any) -> None:
+    cache = manager._adapter_manager
+    cache.remove_adapter(adapter.id)
+    cache.add_adapter(adapter)
+    cache.activate_adapter(adapter.id)
 
 
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"

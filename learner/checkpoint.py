@@ -45,7 +45,7 @@ import torch
 from asyncrl.common.config import RunConfig
 from asyncrl.common.observability.logs import get_logger
 from asyncrl.common.private import private_dir
-from asyncrl.learner import dist, ranks
+from asyncrl.learner import dist, lora, ranks
 from asyncrl.learner.checkpoint_disk import disk_refusal, remove_partial_saves
 from asyncrl.learner.checkpoint_format import (
     DS_TAG,
@@ -121,8 +121,12 @@ class Checkpointer:
             private_dir(tmp)  # 0700 (the weights); what DeepSpeed writes in it follows the umask
         dist.barrier()
         failed = None
+        # A LoRA run's frozen base is model.path itself: the checkpoint holds the adapters and their optimizer state.
+        frozen_left_out = self.config.lora.enabled
         try:
-            self.policy.engine.save_checkpoint(str(tmp / "policy"), tag=DS_TAG, save_latest=False)
+            self.policy.engine.save_checkpoint(
+                str(tmp / "policy"), tag=DS_TAG, save_latest=False, exclude_frozen_parameters=frozen_left_out
+            )
             if self.critic is not None:
                 self.critic.engine.save_checkpoint(str(tmp / "critic"), tag=DS_TAG, save_latest=False)
         except (OSError, RuntimeError) as exc:  # told to every rank first, so that none waits for a shard
@@ -132,11 +136,14 @@ class Checkpointer:
             raise failed
         if problems:
             raise RuntimeError(f"another learner rank could not write its checkpoint shard: {problems[0]}")
-        params = self.policy.state_dict_for_broadcast() if self.config.checkpoint.export_hf else {}
+        params = self.policy.full_state_dict() if self.config.checkpoint.export_hf else {}
+        adapters = self.policy.state_dict_for_broadcast() if self.config.lora.enabled else {}
         entries: dict[str, dict[str, Any]] = {}
         if dist.rank() == 0:
             if self.config.checkpoint.export_hf:
                 export_hf(self.policy.module, params, self.tokenizer, tmp / "hf")
+            if adapters:
+                export_adapter(self.policy.module, adapters, tmp / "adapter")
             (tmp / STATE).write_text(state.to_json())
             entries = write_manifest(tmp)
             _replace(tmp, final)
@@ -168,24 +175,41 @@ class Checkpointer:
                 f"{checkpoint.path} was saved by a run {'with' if state.has_critic else 'without'} a critic, and this "
                 f"config has {have}; resume with the config the run was started with"
             )
-        _load_engine(self.policy.engine, checkpoint.path / "policy")
+        _load_engine(self.policy.engine, checkpoint.path / "policy", whole=not self.config.lora.enabled)
         if self.critic is not None:
             _load_engine(self.critic.engine, checkpoint.path / "critic")
         return state
 
 
-def _load_engine(engine: Any, folder: Path) -> None:
-    path, _ = engine.load_checkpoint(str(folder), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
+def _load_engine(engine: Any, folder: Path, whole: bool = True) -> None:
+    """Load one engine's DeepSpeed state; ``whole = False``: the checkpoint left the frozen parameters out (a LoRA
+    run's base, loaded from ``model.path`` already)."""
+    path, _ = engine.load_checkpoint(
+        str(folder), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True, load_module_strict=whole
+    )
     if path is None:
         raise CheckpointError(f"{folder / DS_TAG}: DeepSpeed found no checkpoint to load; resume from another one")
 
 
 def export_hf(module: torch.nn.Module, params: dict[str, torch.Tensor], tokenizer: Any, out: Path) -> Path:
-    """The policy as a Hugging Face folder: ``params`` (full weights, named as in the HF checkpoint) as safetensors,
-    the model's config, and the tokenizer. transformers' ``AutoModelForCausalLM`` and vLLM load it as is."""
-    module.save_pretrained(out, state_dict=params, safe_serialization=True)  # type: ignore[operator]
+    """The policy as a Hugging Face folder: ``params`` (full weights, named as in the HF checkpoint; a LoRA run's
+    merged) as safetensors, the model's config, and the tokenizer. transformers' ``AutoModelForCausalLM`` and vLLM load
+    it as is."""
+    hf_model = module.get_base_model() if hasattr(module, "get_base_model") else module  # under PEFT's wrapper
+    hf_model.save_pretrained(out, state_dict=params, safe_serialization=True)  # type: ignore[operator]
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
+    return out
+
+
+def export_adapter(module: torch.nn.Module, adapters: dict[str, torch.Tensor], out: Path) -> Path:
+    """A LoRA run's adapters as a PEFT adapter folder (``adapter_config.json``, ``adapter_model.safetensors``):
+    ``peft.PeftModel.from_pretrained`` and vLLM's LoRA requests load it over the base model (``model.path``)."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    module.peft_config[lora.ADAPTER].save_pretrained(out)  # type: ignore[index, union-attr]
+    save_file({name: value.contiguous() for name, value in adapters.items()}, out / "adapter_model.safetensors")
     return out
 
 

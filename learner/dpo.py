@@ -35,7 +35,7 @@ from asyncrl.learner import dist
 from asyncrl.learner.algorithms import GlobalCounts, LossInput
 from asyncrl.learner.algorithms.assembly import assemble
 from asyncrl.learner.batch import split_micro_batches
-from asyncrl.learner.engine import Batch, PolicyEngine, ReferenceModel, reference_precision
+from asyncrl.learner.engine import Batch, PolicyEngine, reference_for
 from asyncrl.learner.preferences import EncodedPair, PreferenceFileError, collate_pairs, encode_pairs, read_preferences
 
 log = get_logger("dpo")
@@ -60,7 +60,7 @@ class OfflineDPOTrainer:
                 f"{config.algorithm.loss!r} is not a pairwise loss; use the dpo preset (configs/dpo.toml)"
             )
         self.engine = PolicyEngine(config, global_batch=2 * config.data.batch_pairs)
-        self.reference = ReferenceModel(config.model.path, reference_precision(config), str(self.engine.device))
+        self.reference = reference_for(self.engine)
         # Micro-batches of whole pairs: an even number of rows, at least one pair.
         self.micro_rows = 2 * max(1, self.engine.micro_batch_size // 2)
         self.rank, self.world = dist.rank(), dist.world_size()

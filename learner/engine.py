@@ -33,7 +33,7 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM
 
 from asyncrl.common.config import LearnerSection, RunConfig
-from asyncrl.learner import dist
+from asyncrl.learner import dist, lora
 from asyncrl.learner.health import step_is_finite
 from asyncrl.learner.jit_lock import clear_stale_locks, prefer_environment_ninja
 
@@ -219,7 +219,8 @@ class PolicyEngine:
         host memory. Loading straight into partitions needs transformers' ``HfDeepSpeedConfig``, which requires the
         ``accelerate`` package (not a dependency of this project).
         """
-        return AutoModelForCausalLM.from_pretrained(self.model_path, dtype=DTYPES[self.config.learner.precision])
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=DTYPES[self.config.learner.precision])
+        return lora.add_adapters(model, self.config.lora) if self.config.lora.enabled else model
 
     @property
     def module(self) -> torch.nn.Module:
@@ -303,26 +304,42 @@ class PolicyEngine:
     # ----------------------------------------------------------------------- weights out
 
     def state_dict_for_broadcast(self, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
-        """The policy's full parameters on rank 0 (``{}`` on other ranks), named as in the HF checkpoint.
+        r"""What the actors load, on rank 0 (``{}`` on other ranks): the policy's full parameters, named as in the HF
+        checkpoint — or with ``[lora]`` only the adapters' tensors, named as in a saved PEFT adapter.
 
-        Names are ``named_parameters()`` of the HF model (``model.layers.0.self_attn.q_proj.weight``,
-        ``lm_head.weight``; a tied weight appears once, as in ``save_pretrained``). ``dtype`` defaults to
-        ``config.model.dtype``, the actors' dtype. ZeRO 0–2 keep whole parameters on every rank: the tensors are
-        detached views of the live weights on the engine's device (no copy; copy before the next ``train_step``
-        when sending in the background — ``common.weights.group.pack_bucket`` does). ZeRO-3: collective; parameters are
-        all-gathered ``ZERO3_GATHER_NUMEL`` elements at a time with ``deepspeed.zero.GatheredParameters`` and
-        rank 0 keeps CPU copies, so no rank ever holds the whole model on its device at once.
+        Full names are ``named_parameters()`` of the HF model (``model.layers.0.self_attn.q_proj.weight``,
+        ``lm_head.weight``; a tied weight appears once, as in ``save_pretrained``); adapter names are as
+        :func:`asyncrl.learner.lora.saved_name` gives them. ``dtype`` defaults to ``config.model.dtype``, the actors'.
+        ZeRO 0–2 keep whole parameters on every rank: the tensors are detached views of the live weights on the
+        engine's device (no copy; copy before the next ``train_step`` when sending in the background —
+        ``common.weights.group.pack_bucket`` does). ZeRO-3: collective; parameters are all-gathered
+        ``ZERO3_GATHER_NUMEL`` elements at a time with ``deepspeed.zero.GatheredParameters`` and rank 0 keeps CPU
+        copies, so no rank ever holds the whole model on its device at once.
         """
-        dtype = dtype or DTYPES[self.config.model.dtype]
+        named = list(self.module.named_parameters())
+        if self.config.lora.enabled:
+            named = [(lora.saved_name(name), p) for name, p in named if lora.is_adapter(name)]
+        return self._collect(named, dtype or DTYPES[self.config.model.dtype])
+
+    def full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+        """Every weight of the policy under its HF name, on rank 0 (``{}`` on others; collective under ZeRO-3): with
+        ``[lora]`` each targeted layer merged, ``W + (alpha / rank) · B A``
+        (:func:`asyncrl.learner.lora.merged_weights`), otherwise :meth:`state_dict_for_broadcast`."""
+        if not self.config.lora.enabled:
+            return self.state_dict_for_broadcast(dtype)
+        params = self._collect(list(self.module.named_parameters()), dtype or DTYPES[self.config.model.dtype])
+        return lora.merged_weights(params, self.config.lora.alpha / self.config.lora.rank) if params else {}
+
+    def _collect(self, named: list[tuple[str, Any]], dtype: torch.dtype) -> dict[str, Tensor]:
         if self.config.learner.zero_stage == 3:
-            return self._gather_zero3(dtype)
+            return self._gather_zero3(named, dtype)
         if self.rank != 0:
             return {}
-        return {name: p.detach().to(dtype) for name, p in self.module.named_parameters()}
+        return {name: p.detach().to(dtype) for name, p in named}
 
-    def _gather_zero3(self, dtype: torch.dtype) -> dict[str, Tensor]:
+    def _gather_zero3(self, named: list[tuple[str, Any]], dtype: torch.dtype) -> dict[str, Tensor]:
         gathered: dict[str, Tensor] = {}
-        for chunk in _chunks_by_numel(list(self.module.named_parameters()), ZERO3_GATHER_NUMEL):
+        for chunk in _chunks_by_numel(named, ZERO3_GATHER_NUMEL):
             with self.deepspeed.zero.GatheredParameters([p for _, p in chunk], modifier_rank=None):
                 if self.rank == 0:
                     gathered.update((name, p.detach().to("cpu", dtype, copy=True)) for name, p in chunk)
@@ -363,6 +380,15 @@ class ReferenceModel:
     def token_logprobs(self, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0) -> Tensor:
         """``[B, T]`` log π_ref(x_t | x_<t); see :func:`sequence_logprobs` for the alignment."""
         return sequence_logprobs(self.model, input_ids.to(self.device), attention_mask.to(self.device), temperature)
+
+
+def reference_for(policy: PolicyEngine) -> ReferenceModel | lora.AdapterOffReference:
+    """The frozen reference policy of the KL terms and DPO: the policy's own module with its adapters off in a
+    ``[lora]`` run (no second copy), else a :class:`ReferenceModel` loaded from ``model.path``."""
+    config = policy.config
+    if config.lora.enabled:
+        return lora.AdapterOffReference(policy)
+    return ReferenceModel(config.model.path, reference_precision(config), str(policy.device))
 
 
 def reference_precision(config: RunConfig) -> str:

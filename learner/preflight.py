@@ -83,6 +83,7 @@ def check_config(config: RunConfig) -> None:
     check_verifiers(config.reward.functions, task_label(config.task))
     check_model_context(config)
     check_episodes(config)
+    check_adapters(config)
 
 
 def check_episodes(config: RunConfig) -> None:
@@ -104,3 +105,41 @@ def check_episodes(config: RunConfig) -> None:
         episode_tools(config.model.path)
     except TemplateError as exc:
         raise ValueError(f"model.path: {exc}") from None
+
+
+def adapter_targets(model_path: str) -> tuple[set[str], str]:
+    """The names a ``[lora]`` target may take in the model at ``model_path`` — the last part of the name of each
+    linear layer inside its transformer blocks — and the output head's, which never takes an adapter. The model is
+    built on the meta device from its ``config.json``: no weight is read."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    head = model.get_output_embeddings()
+    linear = {
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and module is not head
+    }
+    head_name = next((name for name, module in model.named_modules() if module is head), "lm_head")
+    return linear, head_name
+
+
+def check_adapters(config: RunConfig) -> None:
+    """A ``[lora]`` run's ``target_modules`` name linear layers of the model's transformer blocks (the layers PEFT
+    adapts and vLLM serves adapters for); ``ValueError`` naming the field otherwise. A run without adapters, or
+    without a model folder yet, is not checked."""
+    lora = config.lora
+    if not lora.enabled or not (Path(config.model.path) / "config.json").is_file():
+        return
+    if lora.target_modules == "all-linear":
+        return
+    linear, head = adapter_targets(config.model.path)
+    unknown = [name for name in lora.target_modules if name not in linear]
+    if unknown:
+        why = f"{head!r} is the output head, which takes no adapter" if head in unknown else "no such linear layer"
+        raise ValueError(
+            f"lora.target_modules: {', '.join(map(repr, unknown))} in {config.model.path}: {why}; the model's "
+            f"linear layers are {', '.join(sorted(linear))} (or set \"all-linear\")"
+        )

@@ -37,11 +37,12 @@ from asyncrl.learner.algorithms import (
 from asyncrl.learner.algorithms.kl import KLController
 from asyncrl.learner.algorithms.masked import masked_mean
 from asyncrl.learner.batch import TrainBatch, collate, preference_rows, rank_micro_batches, split_micro_batches
-from asyncrl.learner.engine import PolicyEngine, ReferenceModel, reference_precision
+from asyncrl.learner.engine import PolicyEngine, ReferenceModel, reference_for
 
 if TYPE_CHECKING:
     from asyncrl.learner.algorithms.assembly import Algorithm
     from asyncrl.learner.critic import ValueEngine
+    from asyncrl.learner.lora import AdapterOffReference
 
 
 class PolicyUpdate:
@@ -59,10 +60,10 @@ class PolicyUpdate:
         self.temperature = config.rollout.temperature or 1.0
         self.last_advantages: torch.Tensor | None = None  # [B, T] of the last step (samples.jsonl)
 
-    def _reference(self) -> ReferenceModel | None:
+    def _reference(self) -> ReferenceModel | AdapterOffReference | None:
         if not self.needs & {"ref_logprobs", "token_kl"}:
             return None
-        return ReferenceModel(self.config.model.path, reference_precision(self.config), str(self.engine.device))
+        return reference_for(self.engine)
 
     def _critic(self) -> ValueEngine | None:
         if "values" not in self.needs:

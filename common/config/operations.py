@@ -106,7 +106,8 @@ class CheckpointSection(Section):
     keep_best: bool = True
     """Also keep the checkpoint with the highest mean reward over its steps (those since the one before)."""
     export_hf: bool = True
-    """Write the policy into each checkpoint as a Hugging Face folder (``hf/``) that transformers and vLLM load."""
+    """Write the policy into each checkpoint as a Hugging Face folder (``hf/``) that transformers and vLLM load; with
+    ``[lora]``, the adapters merged in (the adapters alone are always in ``adapter/``)."""
 
 
 class MonitoringSection(Section):

@@ -31,6 +31,7 @@ from asyncrl.common.config.training import (
     EnvironmentSection,
     EvalSection,
     LearnerSection,
+    LoraSection,
     ModelSection,
     RewardSection,
     RolloutSection,
@@ -51,6 +52,7 @@ class RunConfig(Section):
     algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
     learner: LearnerSection = Field(default_factory=LearnerSection)
     critic: CriticSection = Field(default_factory=CriticSection)
+    lora: LoraSection = Field(default_factory=LoraSection)
     data: DataSection = Field(default_factory=DataSection)
     staleness: StalenessSection = Field(default_factory=StalenessSection)
     transport: TransportSection = Field(default_factory=TransportSection)

@@ -283,6 +283,41 @@ class LearnerSection(Section):
     for a batch ends at once), saves a checkpoint (reason ``max_minutes``) and exits 0; unset = no budget."""
 
 
+LORA_ALL_LINEAR = "all-linear"
+
+
+class LoraSection(Section):
+    """Low-rank adapters (LoRA, Hu et al. 2021): ``W x + (alpha / rank) · B A x`` with ``A`` of shape
+    ``rank × in`` and ``B`` of shape ``out × rank``, ``B = 0`` at the start. Only ``A`` and ``B`` train; the reference
+    policy is the same model with its adapters switched off, and each weight version sends only the adapters to the
+    actors. ``rank = 0`` trains every parameter."""
+
+    rank: Int = Field(0, ge=0, le=512)
+    """Adapter rank r; 0 = no adapters (full-parameter training). At most 512, the largest vLLM serves."""
+    alpha: float = Field(16.0, gt=0.0, le=1e6)
+    """Scale numerator: the adapter's output is multiplied by ``alpha / rank``."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapter's input. Must stay 0: the learner computes π_old and π_θ without dropout, so that the
+    importance ratio is exactly 1 before an update, as the actors' engine samples."""
+    target_modules: list[Annotated[str, Field(min_length=1, max_length=128)]] | Literal["all-linear"] = LORA_ALL_LINEAR
+    """Linear layers that get adapters, by module name (``["q_proj", "v_proj"]``) or ``"all-linear"`` (every linear
+    layer of the transformer blocks; never the output head)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @field_validator("dropout")
+    @classmethod
+    def _no_dropout(cls, value: float) -> float:
+        if value:
+            raise ValueError(
+                "the learner computes π_old and π_θ without dropout (the importance ratio must be 1 before an update, "
+                "and the actors sample without it); set lora.dropout = 0"
+            )
+        return value
+
+
 class CriticSection(Section):
     """The value model V(s) that the ``gae`` advantage estimator needs (unused by critic-free algorithms).
 

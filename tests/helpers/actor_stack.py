@@ -27,6 +27,7 @@ from asyncrl.common.transport.channel import PullChannel
 from asyncrl.common.weights.group import GroupAddress, SealedWeights, WeightGroup, pack_sealed
 from asyncrl.common.weights.rendezvous import RedisStore
 from asyncrl.common.wire.messages import Heartbeat, PromptGroup, RolloutGroup, WeightManifest
+from asyncrl.common.wire.seal import run_seal
 from tests.helpers import waits
 from tests.helpers.scrape import metric
 
@@ -45,6 +46,14 @@ def start_actor(url: str, run: str, actor_id: str, core: str | None = None, temp
         **({"TMPDIR": str(temp)} if temp else {}),
     }
     return subprocess.Popen([ACTOR, "--redis", url, "--run", run, "--id", actor_id], env=env)
+
+
+def register_collector(plane: ControlPlane) -> PullChannel:
+    """A PULL socket registered as a reward worker, so actors push their groups here."""
+    pull = PullChannel("rollouts", RolloutGroup, seal=run_seal(plane.client, plane.keys, "rollouts"))
+    endpoint = pull.bind("tcp://127.0.0.1:0")
+    plane.registry.beat(Heartbeat(process_id="collector", kind="reward", state="ready", endpoint=endpoint), ttl_s=3600)
+    return pull
 
 
 def stop(proc: subprocess.Popen) -> int:

@@ -32,13 +32,16 @@ BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_config(tmp_path: Path, model_dir: Path, zero_stage: int = 0, **checkpoint: object) -> RunConfig:
+def run_config(
+    tmp_path: Path, model_dir: Path, zero_stage: int = 0, lora_rank: int = 0, **checkpoint: object
+) -> RunConfig:
     return RunConfig.model_validate(
         {
             "run": {"name": "ckpt", "root": str(tmp_path / "runs")},
             "model": {"path": str(model_dir)},
             # warm-up: a fresh scheduler would give the third step another lr than a restored one
             "learner": {"zero_stage": zero_stage, "micro_batch_size": 4, "lr": 1e-3, "warmup_steps": 4},
+            "lora": {"rank": lora_rank},
             "checkpoint": checkpoint,
         }
     )
@@ -67,12 +70,16 @@ def save(engine: PolicyEngine, config: RunConfig, step: int, reward: float | Non
     return Checkpointer(config, engine, tokenizer=tokenizer).save(state)
 
 
-@pytest.mark.parametrize("zero_stage", [0, 2])
+@pytest.mark.parametrize(
+    ("zero_stage", "lora_rank"), [(0, 0), (2, 0), (0, 4), (3, 4)], ids=["zero0", "zero2", "lora-zero0", "lora-zero3"]
+)
 def test_a_loaded_checkpoint_trains_on_exactly_like_the_saved_engine(
-    tmp_path: Path, tiny_model_dir: Path, zero_stage: int
+    tmp_path: Path, tiny_model_dir: Path, zero_stage: int, lora_rank: int
 ) -> None:
-    """Weights, Adam moments, the warm-up schedule and the RNGs all come back: the step after a load is identical."""
-    config = run_config(tmp_path, tiny_model_dir, zero_stage)
+    """Weights, Adam moments, the warm-up schedule and the RNGs all come back: the step after a load is identical.
+    A LoRA run's checkpoint holds its adapters and their optimizer state, not the frozen base (a fraction of the
+    bytes), and its ``adapter/`` folder."""
+    config = run_config(tmp_path, tiny_model_dir, zero_stage, lora_rank)
     saved = new_engine(config)
     for _ in range(2):
         train_step(saved)
@@ -93,6 +100,11 @@ def test_a_loaded_checkpoint_trains_on_exactly_like_the_saved_engine(
     assert got.lr == pytest.approx(expected.lr) and got.lr == pytest.approx(3 / 4 * 1e-3)  # third warm-up step
     for name, tensor in weights(loaded).items():
         torch.testing.assert_close(tensor, expected_weights[name], rtol=0, atol=1e-7)  # Adam state included
+    if lora_rank:
+        saved_bytes = sum(f.stat().st_size for f in (path / "policy").rglob("*") if f.is_file())
+        model_bytes = sum(f.stat().st_size for f in tiny_model_dir.glob("*.safetensors"))
+        assert saved_bytes < model_bytes, (saved_bytes, model_bytes)  # adapters + Adam moments, not the base
+        assert (path / "adapter" / "adapter_model.safetensors").is_file()
 
 
 def test_the_critic_is_saved_and_loaded_beside_the_policy(tmp_path: Path, tiny_model_dir: Path) -> None:

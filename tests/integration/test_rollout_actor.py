@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from asyncrl.common.config import load_config
 from asyncrl.common.data.tasks import TASK_ALPHABET
@@ -34,8 +35,8 @@ from asyncrl.common.plane.redis_server import EmbeddedRedis
 from asyncrl.common.tiny_models.character import init_model
 from asyncrl.common.transport.channel import PullChannel
 from asyncrl.common.weights.group import pack_sealed
-from asyncrl.common.wire.messages import Heartbeat, PromptGroup, RolloutGroup
-from asyncrl.common.wire.seal import run_seal
+from asyncrl.common.wire.messages import PromptGroup, RolloutGroup
+from asyncrl.learner.lora import adapter_tensors, add_adapters
 from tests.helpers.actor_stack import (
     LOGPROB_TOLERANCE,
     SharedActor,
@@ -47,6 +48,7 @@ from tests.helpers.actor_stack import (
     load_model,
     perturbed,
     prompt_groups,
+    register_collector,
     start_actor,
     stop,
     transformers_logprobs,
@@ -89,14 +91,6 @@ SHARED_SETTINGS = (
     # be allowed to generate (staleness is not what these tests check).
     "staleness.max_staleness=1000",
 )
-
-
-def register_collector(plane: ControlPlane) -> PullChannel:
-    """A PULL socket registered as a reward worker, so actors push their groups here."""
-    pull = PullChannel("rollouts", RolloutGroup, seal=run_seal(plane.client, plane.keys, "rollouts"))
-    endpoint = pull.bind("tcp://127.0.0.1:0")
-    plane.registry.beat(Heartbeat(process_id="collector", kind="reward", state="ready", endpoint=endpoint), ttl_s=3600)
-    return pull
 
 
 @pytest.fixture
@@ -322,17 +316,21 @@ def test_the_engines_worker_runs_in_its_own_process_and_loads_new_weights(shared
     assert_served_by(new, [g for g in loaded if np.all(g.versions == version)])
 
 
-def test_the_engines_worker_runs_in_its_engine_core_and_an_engine_death_hands_the_groups_back(
+def test_the_engines_worker_runs_in_its_engine_core_serves_adapter_versions_and_an_engine_death_hands_back_groups(
     redis_server, plane, rollouts, model_dir
 ):
     """``rollout.cpu_single_process = true``: the worker inside the engine core, pinned to ``cpu_threads``; every
-    thread of the actor itself on ``rollout.frontend_cpus`` once the engine is up; a broadcast version loads and is
-    served (log-probs of a transformers forward).
+    thread of the actor itself on ``rollout.frontend_cpus`` once the engine is up.
+
+    The run trains LoRA adapters (``[lora]``): version 0 serves the base model exactly (the adapter slot holds
+    zeros); versions 1 and 2 send only the adapters' tensors over the weight group, and the actor's log-probs of what
+    it samples are PEFT's forward of the base model with those adapters on.
 
     Then its EngineCore is killed while the actor generates: every group the actor held goes back to the queue and
     the actor exits with status 1 instead of taking (and returning) groups in a loop."""
-    own = [f"model.path={model_dir}", "rollout.cpu_threads=0", "rollout.cpu_single_process=true"]
-    plane.run.publish_config(load_config(None, [*PLANE_SETTINGS, *own, "rollout.frontend_cpus=1"]))
+    own = [f"model.path={model_dir}", "rollout.cpu_threads=0", "rollout.cpu_single_process=true", *LORA]
+    config = load_config(None, [*PLANE_SETTINGS, *own, "rollout.frontend_cpus=1"])
+    plane.run.publish_config(config)
     groups = prompt_groups(model_dir, 400)
     issue(plane, groups)
     actor = start_actor(redis_server.url, RUN, "a1")
@@ -340,11 +338,20 @@ def test_the_engines_worker_runs_in_its_engine_core_and_an_engine_death_hands_th
     try:
         delivered = collect(rollouts, lambda got: len(got) >= 1)
         assert_layout(actor.pid, single_process=True)
-        new = load_model(model_dir)
-        sealed = pack_sealed(perturbed(new), bucket_bytes=256 * 1024)
-        root.publish(1, sealed)
-        delivered += collect(rollouts, lambda got: sum(bool(np.all(g.versions == 1)) for g in got) >= 2)
-        assert_served_by(new, [g for g in delivered if np.all(g.versions == 1)])
+        policies = {0: load_model(model_dir)}
+        for version in (1, 2):
+            policies[version] = with_adapters(model_dir, config, seed=version)
+            sent = adapter_tensors(policies[version].named_parameters(), torch.float32)
+            whole = sum(p.numel() for p in policies[0].parameters())
+            assert sent and sum(t.numel() for t in sent.values()) < whole / 10  # the adapters alone, not the model
+            root.publish(version, pack_sealed(sent, bucket_bytes=256 * 1024))
+            delivered += collect(rollouts, lambda got, v=version: sum(bool(np.all(g.versions == v)) for g in got) >= 2)
+        for version, policy in policies.items():
+            assert_served_by(policy, [g for g in delivered if np.all(g.versions == version)])
+        last = next(g for g in delivered if np.all(g.versions == 2) and len(g.response(0)[0]))
+        ids = last.response(0)[0]
+        moved = [transformers_logprobs(policies[v], last.prompt_ids, ids) for v in (0, 2)]
+        assert np.abs(moved[0] - moved[1]).max() > 10 * LOGPROB_TOLERANCE  # the adapters move the policy
 
         wait_until_generating(plane, "a1")
         os.kill(engine_core_of(actor.pid), signal.SIGKILL)
@@ -359,6 +366,21 @@ def test_the_engines_worker_runs_in_its_engine_core_and_an_engine_death_hands_th
     held = [gid for gid, entry in plane.prompts.ledger().items() if entry.actor == "a1"]
     assert held == [], f"groups the dead actor still holds: {held}"
     assert len({g.group_id for g in delivered}) + plane.prompts.queue_depth() >= len(groups)
+
+
+LORA = ("lora.rank=4", "lora.alpha=8")
+
+
+def with_adapters(model_dir: Path, config, seed: int):
+    """The base model under PEFT with ``[lora]``'s adapters, A and B drawn from ``seed`` (B not zero: the adapters
+    move the policy), as a learner's are after some steps."""
+    model = add_adapters(load_model(model_dir), config.lora).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=generator))
+    return model
 
 
 def test_a_tensor_parallel_actor_takes_one_weight_group_rank_per_worker_and_kill_9_leaves_no_process(

@@ -1,0 +1,100 @@
+"""Low-rank adapters on the learner's policy (``[lora]``), with PEFT.
+
+A targeted linear layer computes ``W x + s · B A x`` with ``s = alpha / rank`` (Hu et al. 2021, "LoRA: Low-Rank
+Adaptation of Large Language Models", eq. 3): ``W`` stays frozen, ``A`` (``rank × in``, random) and ``B``
+(``out × rank``, zero at the start) train. So the optimizer holds state for the adapters only, and the reference
+policy needs no second model: it is the same module with the adapters switched off (:class:`AdapterOffReference`),
+which computes exactly ``W x``.
+
+Names. PEFT wraps the model (``base_model.model.`` in front of every name) and names each adapter tensor after the
+adapter (``….q_proj.lora_A.default.weight``); a saved adapter, and vLLM, spell it without the adapter's name
+(``….q_proj.lora_A.weight``, :func:`saved_name`). The frozen weight of a targeted layer moves to
+``….q_proj.base_layer.weight``; :func:`merged_weights` gives the HF names and ``W + s · B A`` back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from asyncrl.common.config.training import LoraSection
+
+ADAPTER = "default"
+"""PEFT's name for the one adapter the policy has."""
+PEFT_PREFIX = "base_model.model."
+
+
+def add_adapters(model: torch.nn.Module, lora: LoraSection) -> torch.nn.Module:
+    """``model`` wrapped by PEFT with ``lora``'s adapters (every other parameter frozen)."""
+    from peft import LoraConfig, get_peft_model
+
+    settings = LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, settings)
+
+
+def saved_name(name: str) -> str:
+    """A PEFT parameter's name as a saved adapter (``adapter_model.safetensors``) and vLLM spell it."""
+    return name.replace(f".{ADAPTER}.", ".")
+
+
+def is_adapter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def adapter_tensors(named: Iterator[tuple[str, Tensor]], dtype: torch.dtype) -> dict[str, Tensor]:
+    """The adapter tensors of ``named`` (a PEFT model's parameters), detached, in ``dtype``, by :func:`saved_name`."""
+    return {saved_name(name): p.detach().to(dtype) for name, p in named if is_adapter(name)}
+
+
+def merged_weights(params: Mapping[str, Tensor], scale: float) -> dict[str, Tensor]:
+    """The full model's weights under their HF names, each targeted layer merged: ``W' = W + scale · B A``.
+
+    ``params`` are a PEFT model's parameters (:func:`saved_name` or PEFT's own names both work); ``scale`` is
+    ``alpha / rank``. transformers and vLLM load the result as a plain checkpoint of the base architecture."""
+    adapters = {saved_name(name): value for name, value in params.items() if is_adapter(name)}
+    merged: dict[str, Tensor] = {}
+    for name, value in params.items():
+        name = saved_name(name)
+        if is_adapter(name):
+            continue
+        layer = name.removesuffix(".base_layer.weight")
+        if layer != name:  # a targeted layer's frozen W
+            a, b = adapters[f"{layer}.lora_A.weight"], adapters[f"{layer}.lora_B.weight"]
+            value = value + (scale * (b.to(torch.float32) @ a.to(torch.float32))).to(value.dtype)
+        merged[name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")] = value
+    return merged
+
+
+@contextmanager
+def adapters_off(module: torch.nn.Module) -> Iterator[None]:
+    """Inside the block, ``module`` (a PEFT model) computes with its adapters switched off: the base model."""
+    with module.disable_adapter():  # type: ignore[operator]
+        yield
+
+
+class AdapterOffReference:
+    """The reference policy of a LoRA run: the policy's own module with its adapters switched off, no gradients.
+
+    Its log-probs are the base model's, exactly (``B A`` is left out, not multiplied by zero), and it costs no memory
+    beyond the policy's. Collective under ZeRO-3, like the policy's own forward: every rank calls it in the same order.
+    ``policy`` is the :class:`asyncrl.learner.engine.PolicyEngine` whose module holds the adapters.
+    """
+
+    def __init__(self, policy: Any) -> None:
+        self.policy = policy
+
+    def token_logprobs(self, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0) -> Tensor:
+        """``[B, T]`` log π_ref(x_t | x_<t); see :func:`asyncrl.learner.engine.sequence_logprobs`."""
+        with adapters_off(self.policy.module):
+            return self.policy.token_logprobs_no_grad(input_ids, attention_mask, temperature)
