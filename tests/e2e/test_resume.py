@@ -1,23 +1,35 @@
-"""A learner of two ranks killed mid-run, twice, resumes from its last checkpoint and the run loses nothing: real
-processes started one by one as a person would on a multi-GPU host (`rl-launch redis`, `rl-actor reward`, `rl-actor`,
-``torchrun --nproc-per-node 2 --no-python rl-learner train``, ZeRO-3 over gloo).
+"""A learner of two ranks killed mid-run, twice, resumes from its last checkpoint and the run loses nothing, with
+forged rollouts sent into it before its first step. Real processes started one by one as a person would on a
+multi-GPU host (`rl-launch redis`, `rl-actor reward`, `rl-actor`, ``torchrun --nproc-per-node 2 --no-python
+rl-learner train``, ZeRO-3 over gloo).
 
+0. Forgeries, while the learner waits for its first batch (the actor starts after them, so the real groups behind
+   the ids they hijack come back later): a peer that reaches the reward worker's socket sends a group whose ``task``
+   is an import path (that once ran a shell command in the reward worker), a group under an id the run never issued,
+   a hijacked live id with its own prompt, and — as a forger who somehow read the live group's issue record — the
+   right prompt with 12 KB responses, with a token version from the future, and with the wrong number of responses;
+   and, as a reward worker that checked nothing would, three of them straight into the replay stream. Each is refused
+   with its reason and dead-lettered, nothing is trained on them. That forger holds the run secret (an insider who
+   reached the run's Redis); a stranger on the same machine who sends the same groups, and a right-looking group
+   under every live id, without it is refused before any of them is decoded.
 1. Rank 1 is killed with SIGKILL between two checkpoints: the run stops (every rank and the launcher exit, none
    hangs) and rank 0 says which rank it lost and how to resume. That learner profiles its step 2 (``--profile 2``).
 2. ``--resume latest`` with two ranks; the whole learner (torchrun and both ranks) is then killed with SIGKILL
    between two checkpoints, as when its host dies: nothing of it gets to clean up.
 3. Resumed again, then stopped with SIGTERM to rank 0: the step finishes, a checkpoint of it is saved, exit 0.
-4. Resumed once more, to the end.
+4. Resumed once more, to the end; the reward worker and the actor then exit 0 by themselves.
 
 Then the run is audited from what it left: metrics.jsonl has steps 1..N once each; Redis shows every issued group
 trained exactly once in the surviving history, or accounted for (dropped by a rule, still in flight, or lost after its
-re-issue); the actor loaded the weights the two ranks sent — gathered bucket by bucket under ZeRO-3 — the restored
-ones included; audit.jsonl tells who started and resumed the run. The equality of two ranks and one on the same
-batches is tests/integration/test_learner_ranks.py's.
+re-issue), the real groups behind the hijacked ids included, and nothing but the forgeries dead-lettered; the actor
+loaded the weights the two ranks sent — gathered bucket by bucket under ZeRO-3 — the restored ones included;
+audit.jsonl tells who started and resumed the run. The equality of two ranks and one on the same batches is
+tests/integration/test_learner_ranks.py's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -25,14 +37,20 @@ import signal
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.keys import connect
-from asyncrl.common.wire.seal import numbered_group_id, run_secret
+from asyncrl.common.plane.replay import ReplayWriter
+from asyncrl.common.transport.channel import PushChannel
+from asyncrl.common.wire.messages import RolloutGroup, ScoredGroup
+from asyncrl.common.wire.seal import numbered_group_id, run_seal, run_secret
 from asyncrl.learner.checkpoint_format import open_checkpoint
 from asyncrl.learner.checkpoint_history import complete_checkpoints
+from tests.helpers.forgery import NEVER_ISSUED, check_refusals, forgeries, queued_ids, reward_endpoints, right_texts
 from tests.helpers.runs import step_rows
+from tests.helpers.scrape import metric
 from tests.helpers.stack import DEMO, Processes, _steps, _wait, running
 from tests.helpers.torchrun import learner_command, rank_pid
 
@@ -55,7 +73,6 @@ def test_a_two_rank_learner_killed_twice_resumes_and_every_group_is_trained_once
         steps = [f"learner.steps={STEPS}", f"checkpoint.every={EVERY}", "learner.group_deadline_s=60"]
         sets, run_args = procs.start_demo(run_dir, model_dir, "learner.zero_stage=3", *steps)
         config, url = DEMO, run_args[1]
-        procs.start_actor("actor-0", run_args, core=1)
         plane = ControlPlane(connect(url), RUN)
         train = ["train", config, *sets, "--redis", url]
         leaders: dict[str, int] = {}
@@ -65,8 +82,12 @@ def test_a_two_rank_learner_killed_twice_resumes_and_every_group_is_trained_once
             leaders[name] = _wait(lambda: rank_pid(proc.pid, 0), f"rank 0 of {name}", proc)
             return proc
 
-        # 1. kill -9 of rank 1 after a checkpoint and before the next
+        # 0. forgeries while the first learner waits for its first batch, then the actor
         first = start("learner-1", "--profile", "2")
+        sent = strike(plane, first)
+        procs.start_actor("actor-0", run_args, core=1)
+
+        # 1. kill -9 of rank 1 after a checkpoint and before the next
         _wait(lambda: between_checkpoints(run_dir, 3), "step 3 or 5", first)
         follower = rank_pid(first.pid, 1)
         assert follower is not None, procs.log("learner-1")[-3000:]
@@ -102,6 +123,9 @@ def test_a_two_rank_learner_killed_twice_resumes_and_every_group_is_trained_once
         # 4. resume to the end
         fourth = start("learner-4", "--resume", "latest")
         assert fourth.wait(900) == 0, procs.log("learner-4")[-3000:]
+        for name in ("reward", "actor-0"):  # the run finished: both exit 0 by themselves
+            assert procs.procs[name].wait(60) == 0, procs.log(name)[-3000:]
+            assert "run finished; the" in procs.log(name)
 
         rows = step_rows(run_dir)
         assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))  # no gap, no duplicate
@@ -109,6 +133,13 @@ def test_a_two_rank_learner_killed_twice_resumes_and_every_group_is_trained_once
             resumed = rows[saved]  # the first line after that resume
             assert resumed["restore/from_step"] == saved and resumed["restore/retrained"] == len(retrain)
         _audit(plane, retrained=[first_retrain, second_retrain])
+        check_refusals(plane, sent)  # each forgery refused where expected, and nothing else dead-lettered
+        hijacked = {group.group_id for _, _, group in sent} - {NEVER_ISSUED.format(run=RUN)}
+        trained, in_flight = set(_trained(plane)), {g.decode() for g in plane.client.hkeys(plane.keys.inflight)}
+        assert hijacked <= trained | in_flight  # the real groups behind hijacked ids were not pushed out
+        assert sum(r.get("groups/refused", 0) for r in rows) == 4  # the future version and the replay three
+        assert "refused a scored group that does not match its issue record" in procs.log("learner-1")
+        assert "refused a rollout group without scoring it" in procs.log("reward")
         actor_log = procs.log("actor-0")
         assert re.search(rf"loaded new weights version={STEPS} .*restore=3", actor_log)  # the third resume's
         assert "learner rank following rank 0 rank=1 world_size=2" in procs.log("learner-4")
@@ -116,6 +147,39 @@ def test_a_two_rank_learner_killed_twice_resumes_and_every_group_is_trained_once
         _audit_trail(run_dir, plane, url, resumed_from=[first_saved, second_saved, stopped_at], pids=pids)
     finally:
         procs.stop_all()
+
+
+def strike(plane: ControlPlane, learner) -> list[tuple[str, str, RolloutGroup]]:
+    """The forgeries of :func:`tests.helpers.forgery.forgeries`, sent while no actor runs yet; returns them once every
+    one was refused (by the reward worker or the learner) and the stranger's unsealed messages were counted."""
+    _wait(lambda: len(queued_ids(plane, 4)) == 4, "the first prompt groups released", learner)
+    _wait(lambda: reward_endpoints(plane), "the reward worker's registration", learner)  # it may start last
+    [endpoint] = reward_endpoints(plane)
+    sent = forgeries(plane)
+    # An insider: it holds the run secret (it reached the run's Redis), so its messages pass the seal and meet the
+    # issue-record checks. A stranger on the same machine sends the same groups and more without the seal.
+    push = PushChannel("rollouts", send_timeout_s=10, seal=run_seal(plane.client, plane.keys, "rollouts"))
+    push.connect(endpoint)
+    stranger = PushChannel("rollouts", send_timeout_s=10)
+    stranger.connect(endpoint)
+    try:
+        for _, _, group in (f for f in sent if f[0] == "socket"):
+            push.send(group)
+            stranger.send(group)
+        sprayed = [dataclasses.replace(g, texts=["19"] * 8) for g in right_texts(plane)]
+        for group in sprayed:
+            stranger.send(group)  # right answers over other token ids, under every id it knows is in flight
+        rigged = [ScoredGroup(rollout=g, rewards=np.ones(8, np.float32)) for w, _, g in sent if w == "replay"]
+        ReplayWriter(plane.client, plane.keys).add(rigged)
+        # the socket closes with linger 0: wait until every forgery was refused by the worker or the learner
+        _wait(lambda: plane.client.xlen(plane.keys.dead) >= len(sent), "every refusal", learner)
+    finally:
+        push.close()
+        stranger.close()
+    [worker] = [h for h in plane.registry.processes()[0] if h.kind == "reward"]
+    unsealed = len([f for f in sent if f[0] == "socket"]) + len(sprayed)
+    _wait(lambda: metric(worker, "asyncrl_channel_unsealed_messages_total") == unsealed, "the stranger's", learner)
+    return sent
 
 
 def _killed(run_dir: Path, plane: ControlPlane) -> tuple[int, set[str]]:
