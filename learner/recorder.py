@@ -44,6 +44,7 @@ from asyncrl.learner.checkpoint_settings import config_hash
 from asyncrl.learner.health import HealthMonitor
 from asyncrl.learner.samples import SampleLog, row_advantages
 from asyncrl.learner.telemetry import StepTelemetry
+from asyncrl.learner.trackers import Trackers
 
 log = get_logger("learner")
 
@@ -72,6 +73,7 @@ class Recorder:
             config.run_dir / "samples.jsonl", monitoring.samples_every, monitoring.samples_per_step, config.run.seed
         )
         self.telemetry = StepTelemetry(plane, config)
+        self.trackers = Trackers(config if self.telemetry.publishes_summary else _untracked(config))
         self.audit = Audit(plane.client, config.run.name, self.telemetry.process_id, "learner")
         self.owns_audit = self.telemetry.publishes_summary  # rank 0
         self.mirror = AuditMirror(plane.client, config.run.name, self.audit_path).start() if self.owns_audit else None
@@ -105,6 +107,7 @@ class Recorder:
         if version is not None and self.owns_audit:
             self.audit.record("run.finished", outcome=outcome, version=version, steps=self.config.learner.steps)
         self.telemetry.close()
+        self.trackers.close()
         if self.mirror is not None:
             self.mirror.close()
 
@@ -129,6 +132,7 @@ class Recorder:
         if self.health is not None:
             record.add("health", self.health.observe(version, record.values, self._facts(queues)))
         self._write(version, record)
+        self.trackers.metrics(version, record.values)
         self._sample(version, taken, batch, advantages)
         self.telemetry.publish(record.values, queues, processes)
         if self.health is not None:
@@ -141,6 +145,7 @@ class Recorder:
             return
         rows = self.samples.write(version, taken.groups, row_advantages(batch.keys, advantages, batch.response_mask))
         self.plane.run.publish_samples(rows)
+        self.trackers.samples(version, rows)
 
     def _note_lost(self, lost: dict[str, str]) -> None:
         """``process.lost`` in the audit trail for each process whose heartbeat expired since the last step."""
@@ -269,6 +274,11 @@ def tool_call_figures(taken: Taken, decode: Callable[[list[int]], str] | None) -
                     parsed = parse_tool_calls(decode(ids[start:end].tolist()))
                     calls, malformed = calls + len(parsed.calls), malformed + len(parsed.errors)
     return {"episode_tool_calls_mean": calls / episodes, "episode_malformed_calls_mean": malformed / episodes}
+
+
+def _untracked(config: RunConfig) -> RunConfig:
+    """``config`` without trackers: a learner rank other than 0 mirrors nothing (rank 0 has every row)."""
+    return config.model_copy(update={"monitoring": config.monitoring.model_copy(update={"trackers": []})})
 
 
 def _user() -> str:

@@ -61,6 +61,8 @@ SHARED_CORES = {
     "test_task_file_refused.py", "test_top.py", "test_config_bounds.py", "test_k8s.py",
     # reward workers whose time limits only ever cut calls that hang for a minute, or serve environments
     "test_reward_worker.py", "test_environment_workers.py",
+    # the experiment trackers' own packages writing to disk (W&B's service process included)
+    "test_trackers.py",
 }
 """Modules with integration tests that start no vLLM engine, DeepSpeed engine, torchrun, sandbox or timed fault (no
 deadline, TTL or time budget decides what they check): under ``-n 2`` they run beside the serial chain, like the unit

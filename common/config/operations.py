@@ -121,6 +121,12 @@ class MonitoringSection(Section):
     """Every this many steps, append responses the learner trained on to samples.jsonl (0 = never)."""
     samples_per_step: Int = Field(4, ge=0, le=1000)
     """Responses drawn at random for samples.jsonl each time, besides the step's worst and best."""
+    trackers: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list, max_length=2)
+    """Experiment trackers that mirror each step's metrics row and the samples: ``tensorboard`` (event files in ``<run>/tensorboard/``), ``wandb`` (Weights & Biases, in ``<run>/wandb/``). Optional packages: ``pip install 'asyncrl[trackers]'``."""  # noqa: E501
+    wandb_project: str = Field("asyncrl", pattern=r"^[A-Za-z0-9_.-]{1,128}$")
+    """The W&B project of the ``wandb`` tracker."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """``offline``: W&B writes the run to disk only (``wandb sync`` uploads it later); ``online``: sends as it goes, with the credentials W&B reads itself (``WANDB_API_KEY``)."""  # noqa: E501
 
 
 class HealthSection(Section):

@@ -664,7 +664,7 @@ def test_the_dockerfile_installs_as_bin_setup_does() -> None:
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
     torch_pin = re.search(r'pip_install "(torch==[0-9.]+)"', setup).group(1)
     removed = re.search(r"pip uninstall --quiet -y ([\w ]+?) 2>", setup).group(1).split()
-    assert re.search(r'pip_install -e "\.\[\$extra,dev,envs,lora\]"', setup)
+    assert re.search(r'pip_install -e "\.\[\$extra,dev,envs,lora,trackers\]"', setup)
     steps = run_lines(dockerfile)
 
     def step(pattern: str) -> int:
@@ -673,7 +673,7 @@ def test_the_dockerfile_installs_as_bin_setup_does() -> None:
         return found[0]
 
     torch = step(rf'if \[ "\$VARIANT" = cpu \]; then pip install .*"{re.escape(torch_pin)}"')
-    project = step(r'^pip install -e "\.\[\$VARIANT,lora\]"$')
+    project = step(r'^pip install -e "\.\[\$VARIANT,lora,trackers\]"$')
     uninstall = step(r'if \[ "\$VARIANT" = cpu \]; then pip uninstall -y ' + " ".join(removed) + r"\b")
     assert torch < project < uninstall
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
