@@ -14,9 +14,11 @@ import asyncio
 import dataclasses
 import difflib
 import gc
+import json
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from asyncrl.actors import ipc_folder
@@ -310,12 +312,39 @@ def move_frontend(frontend_cpus: str, move: Callable[[set[int]], None] = move_pr
 
 
 def check_engine_settings(config: RunConfig) -> None:
-    """Raise :class:`EngineSettingsError` before anything starts when the engine could not take ``[rollout]``."""
+    """Raise :class:`EngineSettingsError` before anything starts when the engine could not take ``[rollout]`` or,
+    on CPUs, the model's attention head size."""
     from vllm import AsyncEngineArgs
 
-    engine_settings(config.rollout, AsyncEngineArgs, _has_gpu(), config.model.max_model_len)
+    has_gpu = _has_gpu()
+    engine_settings(config.rollout, AsyncEngineArgs, has_gpu, config.model.max_model_len)
     if config.rollout.frontend_cpus:
         probe_frontend_cpus(config.rollout.frontend_cpus)
+    if not has_gpu:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        check_head_size(config.model.path, CPUAttentionBackend.get_supported_head_sizes())
+
+
+def check_head_size(model_path: str, supported: list[int]) -> None:
+    """The model's attention head size is one vLLM's CPU attention runs (``supported``); else
+    :class:`EngineSettingsError` naming the size, where it comes from, and the sizes that run. Without a readable
+    ``config.json`` in a local folder the engine is left to say it."""
+    path = Path(model_path) / "config.json"
+    try:
+        text = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    text = text.get("text_config") or text  # multimodal configs nest the language model's
+    heads, hidden = text.get("num_attention_heads"), text.get("hidden_size")
+    head_dim = text.get("head_dim") or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int) else 0)
+    if head_dim and head_dim not in supported:
+        source = "head_dim" if text.get("head_dim") else f"hidden_size {hidden} / num_attention_heads {heads}"
+        raise EngineSettingsError(
+            f"model.path: the model's attention head size is {head_dim} ({source} in {path}), which vLLM's CPU "
+            f"attention does not run (it runs {', '.join(map(str, supported))}); use a model with one of those head "
+            "sizes, or run the actors on a GPU"
+        )
 
 
 def probe_frontend_cpus(frontend_cpus: str) -> None:

@@ -202,6 +202,11 @@ def _run_children(children, resolved, server, config, overrides, counts, learner
             told.add(dead)
             why = why_it_failed(children.procs[dead].returncode, children.log_path(dead))
             progress.say(f"{dead} exited with an error: {why}")
+        if refused_by_every_actor(children, actors):
+            progress.end()
+            typer.echo("stopping the run: every rollout actor refused its settings (above), and a restart would too; "
+                       "fix the setting each names, then run again", err=True)
+            return REFUSED_EXIT_CODE
         if (last := tail_metrics(metrics)) is not None:
             progress.show(last)
     progress.end()
@@ -225,6 +230,15 @@ def _run_children(children, resolved, server, config, overrides, counts, learner
     return learner.returncode
 
 
+def refused_by_every_actor(children, actors: int) -> bool:
+    """Every rollout actor this launcher started exited with :data:`REFUSED_EXIT_CODE`: each refused the run's
+    settings before its engine started (``rl-actor``'s checks), so none will ever generate."""
+    codes = [children.procs[f"actor-{i}"].poll() for i in range(actors)]
+    return bool(codes) and all(code == REFUSED_EXIT_CODE for code in codes)
+
+
+REFUSED_EXIT_CODE = 2
+"""A process's exit status when it refused a setting before starting its work (``common/cliutil.py: fail``)."""
 OUTAGE_EXIT_CODE = 75
 """A child's exit status when Redis stayed down past ``transport.redis_outage_s`` (``common/plane/outage.py``)."""
 

