@@ -149,3 +149,12 @@ def all_gather_object(value: object) -> list[object]:
     gathered: list[object] = [None] * world_size()
     torch.distributed.all_gather_object(gathered, value)
     return gathered
+
+
+def shutdown() -> None:
+    """Leave the process group at a normal end, on every rank after its last collective. A gloo group left for the
+    interpreter's exit to tear down can abort the process on the way out (``terminate called without an active
+    exception``: a thread of the group destroyed while still joinable), turning a finished run into exit -6."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()

@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         args.out_dir.mkdir(parents=True, exist_ok=True)
         save_file({name: tensor.contiguous() for name, tensor in weights.items()}, args.out_dir / "weights.safetensors")
         (args.out_dir / "stats.json").write_text(json.dumps({**asdict(stats), "world_size": world}))
-    dist.barrier()
+    dist.shutdown()
 
 
 if __name__ == "__main__":

@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> None:
         stage, preset = case.split(":")
         out = case_dir(args.out_dir, int(stage), preset)
         train_case(run_config(args.model_dir, out, int(stage), preset), out)
+    dist.shutdown()
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ def _plant(module) -> None:
     extension = module.WeightReceiverExtension
     load = extension.asyncrl_load
 
-    def asyncrl_load(self, load_it: bool) -> float:
+    def asyncrl_load(self, load_it: bool, adapter: dict | None = None) -> float:
         received = self._asyncrl_received
         if load_it and received is not None and received[0].version == version:
             noise = torch.Generator().manual_seed(version)
@@ -34,7 +34,7 @@ def _plant(module) -> None:
                 if flat.is_floating_point():
                     flat.add_(torch.randn(flat.shape, generator=noise, dtype=flat.dtype) * sigma)
             print(f"planted a mismatch spike: version {version} loaded with noise sigma {sigma}", flush=True)
-        return load(self, load_it)
+        return load(self, load_it, adapter)
 
     extension.asyncrl_load = asyncrl_load
 
