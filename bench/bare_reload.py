@@ -29,6 +29,7 @@ def engine_overrides(folder: Path) -> list[str]:
     return [
         f"model.path={folder}",
         "model.max_model_len=64",
+        "rollout.max_new_tokens=16",
         "rollout.kv_cache_bytes=33554432",
         "weight_sync.timeout_s=600",
     ]
