@@ -121,14 +121,17 @@ class Checkpointer:
             private_dir(tmp)  # 0700 (the weights); what DeepSpeed writes in it follows the umask
         dist.barrier()
         failed = None
-        # A LoRA run's frozen base is model.path itself: the checkpoint holds the adapters and their optimizer state.
+        # A LoRA run's frozen base is model.path itself: the checkpoint holds the adapters (and a critic's value head)
+        # with their optimizer state.
         frozen_left_out = self.config.lora.enabled
         try:
             self.policy.engine.save_checkpoint(
                 str(tmp / "policy"), tag=DS_TAG, save_latest=False, exclude_frozen_parameters=frozen_left_out
             )
             if self.critic is not None:
-                self.critic.engine.save_checkpoint(str(tmp / "critic"), tag=DS_TAG, save_latest=False)
+                self.critic.engine.save_checkpoint(
+                    str(tmp / "critic"), tag=DS_TAG, save_latest=False, exclude_frozen_parameters=frozen_left_out
+                )
         except (OSError, RuntimeError) as exc:  # told to every rank first, so that none waits for a shard
             failed = exc
         problems = [p for p in dist.all_gather_object(None if failed is None else str(failed)) if p is not None]
@@ -177,7 +180,7 @@ class Checkpointer:
             )
         _load_engine(self.policy.engine, checkpoint.path / "policy", whole=not self.config.lora.enabled)
         if self.critic is not None:
-            _load_engine(self.critic.engine, checkpoint.path / "critic")
+            _load_engine(self.critic.engine, checkpoint.path / "critic", whole=not self.config.lora.enabled)
         return state
 
 

@@ -29,6 +29,7 @@ from transformers import AutoModel, PreTrainedModel
 
 from asyncrl.common.config import LearnerSection, RunConfig
 from asyncrl.common.observability.logs import get_logger
+from asyncrl.learner import lora
 from asyncrl.learner.algorithms.aggregations import TokenMeanSettings, token_mean
 from asyncrl.learner.algorithms.types import GlobalCounts
 from asyncrl.learner.algorithms.value import clipped_value_loss
@@ -78,9 +79,10 @@ class ValueModel(nn.Module):
         return self.head(hidden).squeeze(-1).float()
 
     def save(self, folder: str | Path) -> Path:
-        """Write the backbone (``save_pretrained``) and :data:`VALUE_HEAD_FILE`; :meth:`from_pretrained` reads it."""
+        """Write the backbone (``save_pretrained``; a LoRA critic's with its adapters merged in) and
+        :data:`VALUE_HEAD_FILE`; :meth:`from_pretrained` reads it."""
         out = Path(folder)
-        self.backbone.save_pretrained(out, safe_serialization=True)
+        lora.merged_copy(self.backbone).save_pretrained(out, safe_serialization=True)
         head = {name: p.detach().cpu().contiguous() for name, p in self.head.state_dict().items()}
         save_file(head, out / VALUE_HEAD_FILE)
         return out
@@ -126,7 +128,10 @@ class _DeepSpeedValueModel(PolicyEngine):
     """
 
     def _load_model(self) -> nn.Module:
-        return ValueModel.from_pretrained(self.model_path, DTYPES[self.config.learner.precision])
+        model = ValueModel.from_pretrained(self.model_path, DTYPES[self.config.learner.precision])
+        if self.config.lora.enabled:  # adapters on the backbone, as on the policy; the value head trains whole
+            model.backbone = lora.add_adapters(model.backbone, self.config.lora, task_type=None)
+        return model
 
 
 class ValueEngine:

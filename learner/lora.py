@@ -28,8 +28,9 @@ ADAPTER = "default"
 PEFT_PREFIX = "base_model.model."
 
 
-def add_adapters(model: torch.nn.Module, lora: LoraSection) -> torch.nn.Module:
-    """``model`` wrapped by PEFT with ``lora``'s adapters (every other parameter frozen)."""
+def add_adapters(model: torch.nn.Module, lora: LoraSection, task_type: str | None = "CAUSAL_LM") -> torch.nn.Module:
+    """``model`` wrapped by PEFT with ``lora``'s adapters (every other parameter frozen); ``task_type = None`` for a
+    transformer without its LM head (the critic's backbone)."""
     from peft import LoraConfig, get_peft_model
 
     settings = LoraConfig(
@@ -38,7 +39,7 @@ def add_adapters(model: torch.nn.Module, lora: LoraSection) -> torch.nn.Module:
         lora_dropout=lora.dropout,
         target_modules=lora.target_modules,
         bias="none",
-        task_type="CAUSAL_LM",
+        task_type=task_type,
     )
     return get_peft_model(model, settings)
 
@@ -74,6 +75,16 @@ def merged_weights(params: Mapping[str, Tensor], scale: float) -> dict[str, Tens
             value = value + (scale * (b.to(torch.float32) @ a.to(torch.float32))).to(value.dtype)
         merged[name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")] = value
     return merged
+
+
+def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of a PEFT model with its adapters merged into the base weights, as a plain model (the live one is left
+    as it is); ``model`` itself when it has no adapters. Whole parameters only (not ZeRO-3 partitions)."""
+    if not hasattr(model, "merge_and_unload"):
+        return model
+    import copy
+
+    return copy.deepcopy(model).merge_and_unload()
 
 
 @contextmanager

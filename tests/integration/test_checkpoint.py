@@ -107,10 +107,11 @@ def test_a_loaded_checkpoint_trains_on_exactly_like_the_saved_engine(
         assert (path / "adapter" / "adapter_model.safetensors").is_file()
 
 
-def test_the_critic_is_saved_and_loaded_beside_the_policy(tmp_path: Path, tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
+def test_the_critic_is_saved_and_loaded_beside_the_policy(tmp_path: Path, tiny_model_dir: Path, lora_rank: int) -> None:
     from asyncrl.learner.critic import ValueEngine
 
-    config = run_config(tmp_path, tiny_model_dir, export_hf=False)
+    config = run_config(tmp_path, tiny_model_dir, lora_rank=lora_rank, export_hf=False)
     policy, critic = new_engine(config), ValueEngine(config, global_batch=len(LENGTHS))
     torch.nn.init.normal_(critic.module.head.weight)  # not the fresh zero head, so a load is visible
     state = SavedState(step=1, version=1, rng=capture_rng())

@@ -159,3 +159,28 @@ def test_value_loss_falls_on_a_fixed_batch(model_dir: Path, tmp_path: Path) -> N
     with torch.no_grad():
         again = token_values(reloaded, **fixed_batch())
     torch.testing.assert_close(again, engine.values_no_grad(**fixed_batch()), atol=TIGHT, rtol=0)
+
+
+def test_a_lora_critic_trains_its_adapters_and_value_head_only_and_saves_them_merged(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """``[lora]`` puts adapters on the critic's backbone too: only they and the value head train, the value loss
+    falls, and the saved value-model folder (adapters merged into the backbone) gives the engine's values."""
+    settings = {"model": {"path": str(model_dir)}, "critic": {"lr": 3e-3, "micro_batch_size": 4}, "lora": {"rank": 4}}
+    engine = ValueEngine(RunConfig.model_validate(settings), global_batch=8)
+    trainable = [name for name, p in engine.module.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in name or name.startswith("head.") for name in trainable), trainable
+    assert {"head.weight", "head.bias"} <= set(trainable)
+    losses = []
+    for _ in range(12):
+        batch = value_step_batch(engine)
+        loss = value_loss_fn(0.2, GlobalCounts.of(batch["response_mask"]))
+        stats = engine.train_step(split_micro_batches(batch, 4), loss)
+        losses.append(stats.loss)
+    assert losses[-1] < 0.5 * losses[0], losses
+    folder = engine.save(tmp_path / "lora-critic")
+    reloaded = ValueModel.from_pretrained(folder).eval()
+    assert not any(".lora_" in name for name, _ in reloaded.named_parameters())  # a plain value model
+    with torch.no_grad():
+        again = token_values(reloaded, **fixed_batch())
+    torch.testing.assert_close(again, engine.values_no_grad(**fixed_batch()), atol=1e-5, rtol=0)
