@@ -79,6 +79,16 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _adapters_have_no_separate_reference(self) -> RunConfig:
+        if self.lora.enabled and self.learner.reference_precision is not None:
+            raise ValueError(
+                f"learner.reference_precision = {self.learner.reference_precision!r} with [lora]: the reference is the "
+                "policy's own model with its adapters off, in learner.precision, not a second model; remove "
+                "learner.reference_precision"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _eval_is_scored_as_the_task(self) -> RunConfig:
         # Eval groups carry the run's task label: the reward workers score them with the run's verifier.
         if self.eval.every and self.eval.name not in ("file", self.task.name):

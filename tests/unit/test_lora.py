@@ -19,6 +19,8 @@ def test_lora_is_off_by_default_and_its_fields_are_checked() -> None:
     with pytest.raises(ConfigError, match=r"lora.rank: .*less than or equal to 512"):
         load_config(None, ["lora.rank=1024"])
     assert load_config(None, ['lora.target_modules=["q_proj", "v_proj"]']).lora.target_modules == ["q_proj", "v_proj"]
+    with pytest.raises(ConfigError, match=r"learner.reference_precision = 'bfloat16' with \[lora\]: .*remove"):
+        load_config(None, ["lora.rank=8", "learner.reference_precision=bfloat16"])
 
 
 def test_adapters_travel_under_the_names_a_saved_peft_adapter_has() -> None:
