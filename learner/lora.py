@@ -15,7 +15,6 @@ adapter (``….q_proj.lora_A.default.weight``); a saved adapter, and vLLM, spell
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -87,13 +86,6 @@ def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model).merge_and_unload()
 
 
-@contextmanager
-def adapters_off(module: torch.nn.Module) -> Iterator[None]:
-    """Inside the block, ``module`` (a PEFT model) computes with its adapters switched off: the base model."""
-    with module.disable_adapter():  # type: ignore[operator]
-        yield
-
-
 class AdapterOffReference:
     """The reference policy of a LoRA run: the policy's own module with its adapters switched off, no gradients.
 
@@ -107,5 +99,5 @@ class AdapterOffReference:
 
     def token_logprobs(self, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0) -> Tensor:
         """``[B, T]`` log π_ref(x_t | x_<t); see :func:`asyncrl.learner.engine.sequence_logprobs`."""
-        with adapters_off(self.policy.module):
+        with self.policy.module.disable_adapter():  # PEFT's own switch: the base layers alone compute
             return self.policy.token_logprobs_no_grad(input_ids, attention_mask, temperature)
