@@ -3,7 +3,8 @@
 The log is LevelDB's log format behind a 7-byte W&B header (``:W&B``, a magic number, a version): 32 KiB blocks of
 records, each a 7-byte header (CRC-32, length, type) and a payload; a record that does not fit a block is split
 into FIRST, MIDDLE and LAST pieces, and a block's tail under 7 bytes is padding. Each whole payload is a serialised
-``wandb_internal_pb2.Record``.
+``wandb_internal_pb2.Record``. W&B's service may still be writing the log when ``wandb.finish`` returns: a record cut
+short at the end of the file is not read, and the run is whole once its ``exit`` record is there (:func:`finished`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ def payloads(path: Path) -> Iterator[bytes]:
         _, length, kind = HEADER.unpack_from(data, pos)
         if kind == 0:
             return  # the zeroed rest of the last block
+        if pos + HEADER.size + length > len(data):
+            return  # a record still being written
         piece, pos = data[pos + HEADER.size : pos + HEADER.size + length], pos + HEADER.size + length
         if kind == FULL:
             yield piece
@@ -40,14 +43,25 @@ def payloads(path: Path) -> Iterator[bytes]:
             yield pieces + piece
 
 
-def history(path: Path) -> list[dict]:
-    """Every ``wandb.log`` row of the run, its values decoded from JSON, in order."""
+def records(path: Path) -> Iterator:
+    """The log's whole ``wandb_internal_pb2.Record`` messages, in order."""
     from wandb.proto import wandb_internal_pb2
 
-    rows = []
     for payload in payloads(path):
         record = wandb_internal_pb2.Record()
         record.ParseFromString(payload)
-        if record.WhichOneof("record_type") == "history":
-            rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
-    return rows
+        yield record
+
+
+def finished(path: Path) -> bool:
+    """Whether the run's ``exit`` record (its last) has been written."""
+    return any(r.WhichOneof("record_type") == "exit" for r in records(path))
+
+
+def history(path: Path) -> list[dict]:
+    """Every ``wandb.log`` row of the run, its values decoded from JSON, in order."""
+    return [
+        {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+        for r in records(path)
+        if r.WhichOneof("record_type") == "history"
+    ]

@@ -10,7 +10,8 @@ import pytest
 
 from asyncrl.common.config import load_config
 from asyncrl.learner.trackers import Trackers
-from tests.helpers.wandb_log import history
+from tests.helpers.waits import wait_for
+from tests.helpers.wandb_log import finished, history
 
 pytestmark = pytest.mark.integration
 
@@ -47,6 +48,7 @@ def test_wandb_offline_holds_every_step_and_the_samples_table(tmp_path: Path, mo
     monkeypatch.setenv("WANDB_SILENT", "true")
     [run] = (fed(tmp_path, "wandb") / "wandb").glob("offline-run-*")
     [log] = run.glob("run-*.wandb")
+    wait_for(lambda: finished(log), "the W&B run's exit record in its log", timeout_s=60)
     rows = history(log)
     assert [(r["_step"], r["rollout/reward_mean"], r["train/loss"]) for r in rows] == [
         (1, 0.25, 1.0), (2, 0.5, 0.5), (3, 0.75, 1 / 3)
