@@ -151,6 +151,9 @@ def _exit_if_finished(url: str, run: str, who: str) -> None:
 
 
 def main() -> None:
+    from asyncrl.common.openmp import passive_waits
+
+    passive_waits()  # before torch loads OpenMP; vLLM's engine processes inherit it (common/openmp.py)
     app()
 
 

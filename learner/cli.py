@@ -360,8 +360,10 @@ def make_preferences(
 
 
 def main() -> None:
+    from asyncrl.common.openmp import passive_waits
     from asyncrl.common.private import private_umask
 
+    passive_waits()  # before torch loads OpenMP: the learner shares cores with actors (common/openmp.py)
     private_umask()  # what the run writes (checkpoints by DeepSpeed included) is its user's only
     app()
 

@@ -11,6 +11,12 @@ processes, one after another; the other the unit tier and the Redis-only modules
 
 from __future__ import annotations
 
+from asyncrl.common.openmp import passive_waits
+
+# As every asyncrl command does, before anything loads torch: the two xdist workers and the processes tests start
+# share two cores, and OpenMP threads that spin hold the cores the others need (common/openmp.py).
+passive_waits()
+
 import functools
 import multiprocessing.process
 import os

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from asyncrl.common.data.tasks import get_task, prompt_group
+from asyncrl.common.openmp import WAIT_POLICY
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.transport.channel import PullChannel
 from asyncrl.common.weights.group import GroupAddress, SealedWeights, WeightGroup, pack_sealed
@@ -38,10 +39,11 @@ POLL_S = 0.1
 
 
 def start_actor(url: str, run: str, actor_id: str, core: str | None = None, temp: Path | None = None):
-    """``rl-actor`` as users start it; ``core``: vLLM's CPU binding (``VLLM_CPU_OMP_THREADS_BIND``) when the run's
-    config sets none; ``temp``: its ``TMPDIR`` (where vLLM's IPC sockets go)."""
+    """``rl-actor`` as users start it (from an environment without the suite's OpenMP wait policy: the actor sets its
+    own); ``core``: vLLM's CPU binding (``VLLM_CPU_OMP_THREADS_BIND``) when the run's config sets none; ``temp``: its
+    ``TMPDIR`` (where vLLM's IPC sockets go)."""
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k != WAIT_POLICY},
         **({"VLLM_CPU_OMP_THREADS_BIND": core} if core else {}),
         **({"TMPDIR": str(temp)} if temp else {}),
     }

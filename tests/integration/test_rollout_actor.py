@@ -300,6 +300,8 @@ def assert_layout(actor_pid: int, single_process: bool) -> None:
     assert len(workers) == (0 if single_process else 1), below
     assert os.sched_getaffinity(core) == ({0} if single_process else os.sched_getaffinity(0))
     assert set(thread_cpus(actor_pid).values()) == {frozenset({1})}, thread_cpus(actor_pid)
+    for pid in (core, *child_pids(core)):  # the engine's OpenMP threads sleep when they wait (common/openmp.py)
+        assert b"OMP_WAIT_POLICY=PASSIVE" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"), pid
 
 
 def test_the_engines_worker_runs_in_its_own_process_and_loads_new_weights(shared: SharedActor) -> None:
@@ -433,11 +435,16 @@ def kill_and_follow(actor: subprocess.Popen, seen: set[int], timeout_s: float) -
     return left
 
 
-def test_kill_9_of_an_actor_while_its_engine_starts_leaves_no_vllm_process_behind(redis_server, plane) -> None:
-    """Killed the moment EngineCore has started its worker: every vLLM process ends (EngineCore follows the actor
-    from its own start through the lifeline plugin, ``actors/lifeline.py``; a worker that finds the actor gone ends
-    itself, and EngineCore ends with a dead worker). Killed before EngineCore's handshake with the actor, EngineCore
-    gives up by itself at vLLM's handshake timeout (5 minutes): not covered here."""
+def test_kill_9_of_an_actor_while_its_engine_starts_leaves_no_vllm_process_behind(
+    redis_server, plane, model_dir
+) -> None:
+    """Killed the moment EngineCore has started its worker (vLLM's separate worker: two generations of processes
+    below the actor): every vLLM process ends (EngineCore follows the actor from its own start through the lifeline
+    plugin, ``actors/lifeline.py``; a worker that finds the actor gone ends itself, and EngineCore ends with a dead
+    worker). Killed before EngineCore's handshake with the actor, EngineCore gives up by itself at vLLM's handshake
+    timeout (5 minutes): not covered here."""
+    separate = load_config(None, [*PLANE_SETTINGS, f"model.path={model_dir}", "rollout.cpu_single_process=false"])
+    plane.run.publish_config(separate)
     actor = start_actor(redis_server.url, RUN, "a1", "0")
     try:
         workers = lambda: [p for p in descendants(actor.pid) if parent_of(p) != actor.pid]  # noqa: E731
