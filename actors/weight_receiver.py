@@ -84,8 +84,10 @@ class WeightReceiverExtension:
             if adapter is not None:
                 install_adapter(self.model_runner.lora_manager, dict(weights), adapter)
             else:
-                quiet_buffer_only_layers(self.model_runner.model)
+                model = self.model_runner.model
+                quiet_buffer_only_layers(model)
                 self.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+                retie_output_head(model)
         return time.perf_counter() - start
 
     def asyncrl_zero_adapter(self) -> None:
@@ -159,13 +161,44 @@ class BufferOnlyLayers(logging.Filter):
 
 
 def quiet_buffer_only_layers(model: torch.nn.Module) -> None:
-    """Install :class:`BufferOnlyLayers` on vLLM's reload logger for ``model``'s classes without parameters (once)."""
+    """Install :class:`BufferOnlyLayers` on vLLM's reload logger for ``model``'s classes without parameters, and for
+    an output head tied to the input embedding, which :func:`retie_output_head` loads (once)."""
     logger = logging.getLogger(RELOAD_LOGGER)
     if any(isinstance(f, BufferOnlyLayers) for f in logger.filters):
         return
     with_parameters = {type(m).__name__ for m in model.modules() if next(m.parameters(), None) is not None}
     without = {type(m).__name__ for m in model.modules()} - with_parameters
+    if (tied := tied_output_head(model)) is not None:
+        without.add(type(tied[0]).__name__)
     logger.addFilter(BufferOnlyLayers(frozenset(without)))
+
+
+def tied_output_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+    """(output head, input embedding) of a model whose head shares the embedding's weight (``tie_word_embeddings``,
+    as in Qwen2-0.5B or Llama-3.2-1B); None otherwise."""
+    if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        return None
+    head, embedding = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embedding is None or not hasattr(head, "quant_method"):
+        return None
+    return head, embedding
+
+
+def retie_output_head(model: torch.nn.Module) -> None:
+    """After a reload, make a tied output head compute with the embedding weight that was just loaded.
+
+    A tied head's weight arrives once, as the embedding's (the model's loader skips ``lm_head.weight``). vLLM's
+    layer-wise reload then finds no weight for the head, puts its pre-reload tensors back, and on CPUs the head keeps
+    computing logits with the matrix it packed at the previous load: the actor samples from the new embedding and an
+    old head. In a synchronous run of a tied Qwen2 that showed as a policy mismatch (KL between vLLM's and the
+    learner's log-probs of the same tokens) growing with each version, 2e-4 to 1.1e-3 by the third; with the head
+    re-tied it stays at rounding. The head is pointed at the embedding's weight again and processed as after a load
+    (its CPU packing redone)."""
+    if (tied := tied_output_head(model)) is None:
+        return
+    head, embedding = tied
+    head.weight = embedding.weight
+    head.quant_method.process_weights_after_loading(head)
 
 
 # vLLM imports this module in every process that hosts one of its workers: from here on, that process ends when the

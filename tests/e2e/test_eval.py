@@ -1,5 +1,11 @@
-"""A synchronous run with evaluation in the loop and CURVE on the actor → reward-worker hop, real processes started
-one by one (`rl-launch redis`, `rl-actor reward`, `rl-actor`, `rl-learner train`).
+"""A user's chat model and chat data in a synchronous run with evaluation in the loop and CURVE on the actor →
+reward-worker hop, real processes started one by one (`rl-launch redis`, `rl-actor reward`, `rl-actor`,
+`rl-learner train`).
+
+The model and data are as users bring them: a chat model (byte-level BPE, ChatML template, Qwen2 with a padded
+embedding; tests/integration/test_chat_models.py serves and trains both architectures) and a chat-formatted JSONL file
+with one prompt too long to serve. The run trains every step with finite losses and a learning signal (the format
+reward varies); the over-long row is skipped at load with one log line naming it, and the run goes on.
 
 Synchronous (``staleness.max_staleness = 0``): every token is sampled by the weights being trained, so μ (vLLM)
 equals π_old (the learner) and every sample in samples.jsonl has staleness 0. Evaluation: eval rounds at steps 0, 2
@@ -13,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import urllib.request
 from collections import Counter
 from pathlib import Path
@@ -21,6 +28,7 @@ import pytest
 
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.keys import connect
+from asyncrl.common.tiny_models.chat import chat_examples, init_chat_model, warm_start_chat
 from asyncrl.common.transport.channel import ChannelBlocked, PushChannel
 from asyncrl.common.transport.curve import CurveClient
 from asyncrl.common.wire.seal import run_seal
@@ -30,6 +38,21 @@ from tests.helpers.stack import BIN, ONE_PROCESS_ENGINE, ROOT, Processes, _wait
 
 pytestmark = pytest.mark.e2e
 RUN, STEPS, GROUPS, PROMPTS = "evalrun", 4, 8, 12
+ASSISTANT_TURN = "<|im_start|>assistant\n"
+"""How the chat template's rendering of every prompt ends (the generation prompt)."""
+
+
+def chat_model_and_data(folder: Path) -> tuple[Path, Path, Path]:
+    """A warm-started Qwen2 chat model, a chat JSONL file whose 6th row is too long to serve, and a held-out file."""
+    model = init_chat_model(folder / "model", "qwen2", seed=0)
+    warm_start_chat(model, chat_examples(2000, seed=1), steps=60)
+    rows = chat_examples(40, seed=2)
+    rows.insert(5, {"messages": [{"role": "user", "content": "What is " + "1+" * 80 + "1?"}], "answer": "81"})
+    data = folder / "chat.jsonl"
+    data.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+    heldout = folder / "heldout.jsonl"
+    heldout.write_text("".join(json.dumps(row) + "\n" for row in chat_examples(PROMPTS, seed=3)))
+    return model, data, heldout
 
 
 def make_keys(folder: Path, procs: Processes) -> list[str]:
@@ -63,9 +86,10 @@ def strike_as_stranger(plane: ControlPlane, key_file: str) -> PushChannel:
     return channel
 
 
-def test_a_synchronous_curve_run_has_no_policy_mismatch_refuses_a_stranger_and_never_trains_an_eval_round(
-    tmp_path: Path, model_dir: Path
+def test_a_synchronous_curve_chat_run_has_no_policy_mismatch_refuses_a_stranger_and_never_trains_an_eval_round(
+    tmp_path: Path,
 ) -> None:
+    model_dir, data, heldout = chat_model_and_data(tmp_path)
     run_dir = tmp_path / RUN
     procs = Processes(tmp_path / "logs")
     keys = make_keys(tmp_path / "keys", procs)
@@ -75,6 +99,12 @@ def test_a_synchronous_curve_run_has_no_policy_mismatch_refuses_a_stranger_and_n
         f"learner.groups_per_step={GROUPS}", "eval.every=2", f"eval.limit={PROMPTS}",
         "eval.num_samples=2", "eval.temperature=1.0", "eval.max_new_tokens=8",
         "staleness.max_staleness=0", "monitoring.samples_every=2", "monitoring.samples_per_step=3", ONE_PROCESS_ENGINE,
+        "task.name=file", f"task.path={json.dumps(str(data))}", 'task.options={verifier="arithmetic"}',
+        'task.system_prompt="Answer with the number only."',
+        'reward.functions=[{name = "task"}, {name = "format", weight = 0.5}]',  # format varies: a real gradient
+        "model.max_model_len=96", "rollout.max_new_tokens=8",  # 88 prompt tokens at most: the long row has about 200
+        "rollout.num_samples=4", "learner.micro_batch_size=16",
+        "eval.name=file", f"eval.path={json.dumps(str(heldout))}", 'eval.options={verifier="arithmetic"}',
     ]
     sets = [*keys, *(arg for override in overrides for arg in ("--set", override))]
     config = ROOT / "configs/demo.toml"
@@ -94,9 +124,14 @@ def test_a_synchronous_curve_run_has_no_policy_mismatch_refuses_a_stranger_and_n
         evals = [r for r in rows if "eval/step" in r]
         steps = [r for r in rows if "eval/step" not in r]
         assert [int(r["step"]) for r in steps] == list(range(1, STEPS + 1))
+        assert all(math.isfinite(r["train/loss"]) and math.isfinite(r["train/grad_norm"]) for r in steps), steps
+        assert all(r["train/applied"] == 1.0 and r["groups/refused"] == 0 for r in steps)
+        assert any(r["train/grad_norm"] > 0 for r in steps), "no step had a learning signal"
+        skipped = [x for x in procs.log("learner").splitlines() if "skipped a row whose prompt is too long" in x]
+        assert len(skipped) == 1 and f"{data}:line 6" in skipped[0], skipped
         assert all(r["rollout/staleness_max"] == 0 for r in steps)
         assert max(r["train/offpolicy/mismatch_kl"] for r in steps) < 1e-4  # weights really arrive every step
-        check_samples(run_dir / "samples.jsonl", steps=[2, 4], per_step=3, staleness=0)
+        check_samples(run_dir / "samples.jsonl", steps=[2, 4], per_step=3, staleness=0, prompt_end=ASSISTANT_TURN)
         assert sorted(int(r["step"]) for r in evals) == [0, 2, 4]  # issued at step 0, 2 and the last
         for r in evals:
             assert (r["eval/groups"], r["eval/missing"], r["eval/k"]) == (PROMPTS, 0, 2)

@@ -27,9 +27,12 @@ def eval_rows(run_dir: Path) -> list[dict]:
     return [row for row in rows(run_dir) if "eval/step" in row]
 
 
-def check_samples(path: Path, steps: list[int], per_step: int, staleness: int | None = None) -> None:
+def check_samples(
+    path: Path, steps: list[int], per_step: int, staleness: int | None = None, prompt_end: str = "="
+) -> None:
     """samples.jsonl: at the configured cadence, the random picks and the step's worst and best, with every field a
-    person needs; every sample at ``staleness`` when given (0 in a synchronous run)."""
+    person needs; every sample at ``staleness`` when given (0 in a synchronous run); each prompt as the model saw it,
+    ending in ``prompt_end`` (the task's ``=``, or a chat template's generation prompt)."""
     samples = [json.loads(line) for line in path.read_text().splitlines()]
     assert sorted({r["step"] for r in samples}) == steps
     fields = {
@@ -51,6 +54,6 @@ def check_samples(path: Path, steps: list[int], per_step: int, staleness: int | 
         picks = [r["pick"] for r in samples if r["step"] == step]
         assert picks[:per_step] == ["random"] * per_step and picks[per_step:] in (["worst", "best"], ["worst"])
     for r in samples:
-        assert set(r) == fields and r["prompt"].endswith("=")
+        assert set(r) == fields and r["prompt"].endswith(prompt_end), r["prompt"]
         assert isinstance(r["advantage"], float) and r["details"] and r["finish_reason"]
         assert staleness is None or r["staleness"] == staleness
