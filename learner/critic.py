@@ -82,7 +82,7 @@ class ValueModel(nn.Module):
         """Write the backbone (``save_pretrained``; a LoRA critic's with its adapters merged in) and
         :data:`VALUE_HEAD_FILE`; :meth:`from_pretrained` reads it."""
         out = Path(folder)
-        lora.merged_copy(self.backbone).save_pretrained(out, safe_serialization=True)
+        lora.save_pretrained_merged(self.backbone, out)
         head = {name: p.detach().cpu().contiguous() for name, p in self.head.state_dict().items()}
         save_file(head, out / VALUE_HEAD_FILE)
         return out

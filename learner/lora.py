@@ -15,6 +15,7 @@ adapter (``….q_proj.lora_A.default.weight``); a saved adapter, and vLLM, spell
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -76,14 +77,16 @@ def merged_weights(params: Mapping[str, Tensor], scale: float) -> dict[str, Tens
     return merged
 
 
-def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of a PEFT model with its adapters merged into the base weights, as a plain model (the live one is left
-    as it is); ``model`` itself when it has no adapters. Whole parameters only (not ZeRO-3 partitions)."""
-    if not hasattr(model, "merge_and_unload"):
-        return model
-    import copy
-
-    return copy.deepcopy(model).merge_and_unload()
+def save_pretrained_merged(model: torch.nn.Module, folder: str | Path) -> None:
+    """``save_pretrained`` of ``model`` as a plain model of its base architecture: a PEFT model's targeted layers
+    merged (:func:`merged_weights`, ``scale`` from the adapter's own settings), without a second copy of the model.
+    Whole parameters only (not ZeRO-3 partitions)."""
+    if not hasattr(model, "peft_config"):
+        model.save_pretrained(folder, safe_serialization=True)
+        return
+    settings = model.peft_config[ADAPTER]
+    merged = merged_weights(model.state_dict(), settings.lora_alpha / settings.r)
+    model.get_base_model().save_pretrained(folder, state_dict=merged, safe_serialization=True)
 
 
 class AdapterOffReference:
