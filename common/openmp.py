@@ -10,8 +10,8 @@ and a whole step 0.14 s instead of 0.7 s (rollout.cpu_single_process = true; 0.3
 separate worker).
 
 OpenMP reads ``OMP_WAIT_POLICY`` once, when its runtime loads with torch, so each command line sets it before anything
-imports torch, and the processes it starts (vLLM's engine processes, a launcher's children) inherit it. An operator's
-own ``OMP_WAIT_POLICY`` is kept.
+imports torch (``rl-learner`` and ``rl-actor``, whichever launcher starts them), and the processes it starts (vLLM's
+engine processes) inherit it. An operator's own ``OMP_WAIT_POLICY`` is kept.
 """
 
 from __future__ import annotations
