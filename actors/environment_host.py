@@ -45,6 +45,11 @@ from asyncrl.common.observability.metrics import ACTOR_ENVIRONMENT_MOVES
 log = get_logger("environment_host")
 MAX_STUCK = 8
 """Steps past their time limit a child may still be running before it is replaced."""
+START_TIMEOUT_S = 60.0
+"""How long a new child may take to start (a Python interpreter and asyncrl's imports, on a loaded machine) before it
+counts as failed. Not part of any request's ``environment.step_timeout_s``: that limit is the environment's own time."""
+READY = {"ready": True}
+"""The child's first line: it has started and imported what it needs, and takes requests from now on."""
 
 
 @dataclasses.dataclass
@@ -52,6 +57,8 @@ class _Child:
     """One child process and the requests it holds: answers are matched to requests of this child only."""
 
     proc: subprocess.Popen
+    ready: threading.Event = dataclasses.field(default_factory=threading.Event)
+    """Set when the child says it is ready to take requests, or when it is gone."""
     pending: dict[int, Future] = dataclasses.field(default_factory=dict)
     late: set[int] = dataclasses.field(default_factory=set)
     """Requests given up on (past their limit) that the child has not answered yet: steps stuck in it."""
@@ -78,25 +85,36 @@ class EnvironmentHost:
 
     # -- the child
     def _ensure_child(self) -> _Child:
+        """The running child, started first if there is none (or it died), once it is ready for requests."""
         with self._lock:
-            if self._child is not None and self._child.proc.poll() is None:
-                return self._child
-            self._started += 1
-            if self.restarts:  # one that died, or that this host killed (stuck, or not reading)
-                exit_code = self._child.proc.returncode if self._child is not None else "killed"
-                log.warning("environment host replaced", exit_code=exit_code, restarts=self.restarts)
-            env = {**os.environ, "ASYNCRL_ENV_MEMORY_MB": str(self.section.max_memory_mb)}
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "asyncrl.actors.environment_host"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                env=env,
-                text=True,
-                bufsize=1,
+            if self._child is None or self._child.proc.poll() is not None:
+                self._child = self._start_child()
+            child = self._child
+        if not child.ready.wait(START_TIMEOUT_S) or child.proc.poll() is not None:
+            self._kill(child)
+            exit_code = child.proc.wait()
+            raise EnvironmentFailed(
+                f"the environment process did not start within {START_TIMEOUT_S:g} s (exit {exit_code})"
             )
-            self._child = child = _Child(proc)
-            threading.Thread(target=self._read, args=(child,), name="environment-host-reader", daemon=True).start()
-            return child
+        return child
+
+    def _start_child(self) -> _Child:
+        self._started += 1
+        if self.restarts:  # one that died, or that this host killed (stuck, or not reading)
+            exit_code = self._child.proc.returncode if self._child is not None else "killed"
+            log.warning("environment host replaced", exit_code=exit_code, restarts=self.restarts)
+        env = {**os.environ, "ASYNCRL_ENV_MEMORY_MB": str(self.section.max_memory_mb)}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "asyncrl.actors.environment_host"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+            bufsize=1,
+        )
+        child = _Child(proc)
+        threading.Thread(target=self._read, args=(child,), name="environment-host-reader", daemon=True).start()
+        return child
 
     @staticmethod
     def _read(child: _Child) -> None:
@@ -104,6 +122,9 @@ class EnvironmentHost:
         for line in child.proc.stdout:
             try:
                 answer = json.loads(line)
+                if answer == READY:
+                    child.ready.set()
+                    continue
                 request_id = int(answer["id"])
             except (ValueError, TypeError, KeyError):
                 continue  # not an answer (the child keeps its answers on a descriptor of their own; be sure)
@@ -112,6 +133,7 @@ class EnvironmentHost:
             if future is not None and not future.done():
                 future.set_result(answer)
         died = EnvironmentFailed(f"the environment process died (exit {child.proc.wait()})")
+        child.ready.set()  # whoever waits for it to start learns it is gone
         for request_id in list(child.pending):  # the child is gone: every request it held fails
             future = child.pending.pop(request_id, None)
             if future is not None and not future.done():
@@ -159,19 +181,25 @@ class EnvironmentHost:
             raise EnvironmentFailed(str(answer["error"]))
         return answer
 
+    async def _in_writer(self, work: Any, limit_s: float, op: str) -> Any:
+        """``work()`` on the writer thread within ``limit_s``: past it the child is not reading (its pipe is full), so
+        it is killed, which ends the blocked write."""
+        try:
+            return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(self._writer, work), limit_s)
+        except TimeoutError:
+            log.warning("environment process took no request within its time limit; replacing it", op=op)
+            self._kill()
+            raise EnvironmentFailed(f"{op}: the environment process took no request for {limit_s:g} s") from None
+
     async def call_async(self, op: str, **fields: Any) -> dict[str, Any]:
         """One request, awaited within ``environment.step_timeout_s``. A request given up on is counted as stuck in
         the child until it answers; at :data:`MAX_STUCK` the child is replaced."""
         timeout_s = self.section.step_timeout_s
         loop = asyncio.get_running_loop()
+        # A child that must start first has START_TIMEOUT_S for it; the request's own limit starts once it is ready.
+        await self._in_writer(self._ensure_child, START_TIMEOUT_S + timeout_s, op)
         deadline = loop.time() + timeout_s
-        sending = loop.run_in_executor(self._writer, functools.partial(self._send, op, **fields))
-        try:
-            child, request_id, future = await asyncio.wait_for(sending, timeout_s)
-        except TimeoutError:
-            log.warning("environment process took no request within its time limit; replacing it", op=op)
-            self._kill()  # its pipe is full: the blocked write ends with it
-            raise EnvironmentFailed(f"{op}: the environment process took no request for {timeout_s:g} s") from None
+        child, request_id, future = await self._in_writer(functools.partial(self._send, op, **fields), timeout_s, op)
         try:
             return self._answer(await asyncio.wait_for(asyncio.wrap_future(future), deadline - loop.time()))
         except TimeoutError:
@@ -284,6 +312,8 @@ def _serve() -> None:
             answer(request_id, error=f"{request.get('op')} raised {type(exc).__name__}: {exc}"[:2000])
 
     pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="environment")
+    out.write(json.dumps(READY) + "\n")
+    out.flush()
     for line in sys.stdin:
         pool.submit(handle, json.loads(line))
     os._exit(0)  # the parent is gone (stdin closed): end now, whatever steps still hang

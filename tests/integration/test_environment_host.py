@@ -137,3 +137,50 @@ def test_a_process_that_stops_reading_costs_a_step_its_limit_and_is_replaced() -
         assert host.restarts == 1
     finally:
         host.close()
+
+
+def frozen_at_start(host: EnvironmentHost, thaw_after_s: float | None) -> list[int]:
+    """Every child ``host`` starts is stopped (SIGSTOP) before it can say it is ready, and let go (SIGCONT)
+    ``thaw_after_s`` later, as a machine too loaded to start a Python process at once would; the children's pids."""
+    pids: list[int] = []
+    start = host._start_child
+
+    def start_frozen():
+        child = start()
+        os.kill(child.proc.pid, signal.SIGSTOP)
+        pids.append(child.proc.pid)
+        if thaw_after_s is not None:
+            threading.Timer(
+                thaw_after_s, lambda: running(child.proc.pid) and os.kill(child.proc.pid, signal.SIGCONT)
+            ).start()
+        return child
+
+    host._start_child = start_frozen
+    return pids
+
+
+def test_a_slow_start_of_the_process_is_not_charged_to_the_first_request() -> None:
+    """The request's limit (1 s here) is the environment's own time: a child that takes 3 s to start still makes it."""
+    section = load_config(None, ["environment.name=calculator", "environment.step_timeout_s=1"]).environment
+    host = EnvironmentHost(section)
+    pids = frozen_at_start(host, thaw_after_s=3)
+    try:
+        row = {"prompt": "", "answer": "1"}
+        asyncio.run(host.call_async("make", episode="e1", name="calculator", options={}, row=row))
+        assert len(pids) == 1 and host.restarts == 0
+    finally:
+        host.close()
+
+
+def test_a_process_that_never_starts_fails_the_request_naming_the_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("asyncrl.actors.environment_host.START_TIMEOUT_S", 1.0)
+    section = load_config(None, ["environment.name=calculator", "environment.step_timeout_s=1"]).environment
+    host = EnvironmentHost(section)
+    pids = frozen_at_start(host, thaw_after_s=None)
+    try:
+        row = {"prompt": "", "answer": "1"}
+        with pytest.raises(EnvironmentFailed, match="did not start within 1 s"):
+            asyncio.run(host.call_async("make", episode="e1", name="calculator", options={}, row=row))
+        assert not running(pids[0])  # killed, not left stopped
+    finally:
+        host.close()
