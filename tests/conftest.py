@@ -66,15 +66,20 @@ SHARED_CORES = {
     "test_check_data.py", "test_children.py", "test_cli.py", "test_preflight_cli.py", "test_run_file_modes.py",
     "test_task_file_refused.py", "test_top.py", "test_config_bounds.py", "test_k8s.py",
     # reward workers whose time limits only ever cut calls that hang for a minute, or serve environments
-    "test_reward_worker.py", "test_environment_workers.py",
+    "test_reward_worker.py", "test_environment_workers.py", "test_garbage_flood.py",
     # the experiment trackers' own packages writing to disk (W&B's service process included)
     "test_trackers.py",
+    # DeepSpeed engines in the test's own process, offline `rl-learner` runs and two-rank torchruns: training whose
+    # checks compare numbers, never a clock
+    "test_checkpoint.py", "test_critic.py", "test_dpo_offline.py", "test_learner_engine.py", "test_learner_ranks.py",
+    "test_lora_engine.py", "test_preset_updates.py",
 }
-"""Modules with integration tests that start no vLLM engine, DeepSpeed engine, torchrun, sandbox or timed fault (no
-deadline, TTL or time budget decides what they check): under ``-n 2`` they run beside the serial chain, like the unit
-tier. Everything else (those, and the e2e runs) runs on one worker, one test after another, so no two of them ever
-compete for the two cores. A DeepSpeed engine stays in the chain although nothing in it waits on a clock: beside an
-e2e run, torch's threads on the oversubscribed cores made a 0.4 s critic test take 14 s."""
+"""Modules with integration tests that start no vLLM engine, sandbox or timed fault (no deadline, TTL or time budget
+decides what they check): under ``-n 2`` they run beside the serial chain, like the unit tier. Everything
+else (those, and the e2e runs) runs on one worker, one test after another, so no two of them ever compete for the two
+cores. Training beside the chain costs its runs a core's share, not their results: every process sleeps while it waits
+(``OMP_WAIT_POLICY=PASSIVE``, common/openmp.py), where spinning OpenMP threads once made a 0.4 s critic test take 14 s
+beside an e2e run."""
 
 
 @functools.cache
@@ -95,13 +100,17 @@ def runs_serially(nodeid: str) -> bool:
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """Load scheduling where every test that :func:`runs_serially` forms one work unit (one worker, in order) and
-    every other test is a unit of its own (``--dist loadgroup`` groups by renaming node ids, which pytest 9 ignores)."""
+    """Load scheduling where every test that :func:`runs_serially` forms one work unit (one worker, in order), each
+    other integration module is a unit (its module-scoped servers and models are made once), and every other test is
+    a unit of its own (``--dist loadgroup`` groups by renaming node ids, which pytest 9 ignores)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class SerialChain(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "serial" if runs_serially(nodeid) else nodeid
+            if runs_serially(nodeid):
+                return "serial"
+            module = nodeid.split("::", 1)[0]
+            return module if module.startswith("tests/integration/") else nodeid
 
     return SerialChain(config, log)
 

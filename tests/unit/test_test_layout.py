@@ -18,8 +18,9 @@ def test_no_two_test_files_share_a_basename() -> None:
 
 
 def test_tests_that_start_heavy_processes_join_the_serial_chain() -> None:
-    """Under ``bin/test`` (two xdist workers) only the unit tier, the Redis-only modules and the short command-line
-    runs go beside the chain; every module that starts an engine, torchrun or a sandbox joins it."""
+    """Under ``bin/test`` (two xdist workers) only the unit tier, the Redis-only modules, the short command-line runs
+    and training whose checks compare numbers go beside the chain; every module that starts a vLLM engine or a sandbox,
+    or whose checks depend on a clock, joins it."""
     from tests.conftest import runs_serially
 
     assert runs_serially("tests/e2e/test_system.py::test_demo_reward_rises_within_the_staleness_bound")
@@ -27,7 +28,8 @@ def test_tests_that_start_heavy_processes_join_the_serial_chain() -> None:
     assert runs_serially("tests/unit/test_sandbox.py::test_a_fork_bomb_does_not_starve_runs_beside_it")  # processes
     assert not runs_serially("tests/unit/test_wire.py::test_truncated_messages_raise_only_wire_error")
     assert runs_serially("tests/integration/test_redis_outage.py::test_a_delivery_cut_by_the_restart_is_read_again")
-    assert runs_serially("tests/integration/test_checkpoint.py::test_a_missing_file_is_refused_by_rl_learner")
+    assert runs_serially("tests/integration/test_time_budget.py::test_the_learner_stops_when_its_time_budget_is_spent")
+    assert not runs_serially("tests/integration/test_checkpoint.py::test_a_missing_file_is_refused_by_rl_learner")
     assert not runs_serially("tests/integration/test_replay.py::test_maxlen_trims_the_oldest_entries")
     assert not runs_serially("tests/integration/test_cli.py::test_invalid_override_exits_with_the_field_named")
 
