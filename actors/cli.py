@@ -91,6 +91,9 @@ def eval_command(
     ] = "",
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override a field: section.field=value.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (for scripts).")] = False,
+    samples: Annotated[
+        Path | None, typer.Option(help="Write each response here as a JSON line: prompt, response, reward.")
+    ] = None,
 ) -> None:
     """Evaluate a saved policy offline on the run's eval set (one vLLM engine in this process, the run's reward
     functions): pass@k, mean@k, accuracy. Without --checkpoint: model.path. 'latest': use rl-learner eval."""
@@ -104,7 +107,7 @@ def eval_command(
         fail("--checkpoint latest is resolved by the learner, which owns checkpoints: rl-learner eval CONFIG "
              "--checkpoint latest (or pass a step-<N> folder)")
     try:
-        figures = evaluate(resolved, checkpoint or resolved.model.path)
+        figures = evaluate(resolved, checkpoint or resolved.model.path, samples)
     except ValueError as exc:  # no model there, a bad held-out file (TaskFileError), an unknown reward function
         fail(str(exc))
     if as_json:

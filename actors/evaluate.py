@@ -12,6 +12,7 @@ without the reward worker's time limits (a user's function that hangs hangs this
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -42,8 +43,9 @@ def model_folder(path: str | Path) -> Path:
     )
 
 
-def evaluate(config: RunConfig, model: str | Path) -> dict[str, Any]:
-    """``eval/*`` of the ``[eval]`` set on the model at ``model`` (see :func:`model_folder`), plus ``model``."""
+def evaluate(config: RunConfig, model: str | Path, samples: Path | None = None) -> dict[str, Any]:
+    """``eval/*`` of the ``[eval]`` set on the model at ``model`` (see :func:`model_folder`), plus ``model``; with
+    ``samples``, every response is written there too (:func:`write_samples`)."""
     from transformers import AutoTokenizer
 
     from asyncrl.actors.engine import RolloutEngine
@@ -62,6 +64,8 @@ def evaluate(config: RunConfig, model: str | Path) -> dict[str, Any]:
         engine.shutdown()
     functions = bind_functions(config.reward.functions, task_label(config.task), episode_options(config))
     scored = [ScoredGroup(rollout=r, rewards=np.asarray(combine(r, functions)[0], np.float32)) for r in rollouts]
+    if samples is not None:
+        write_samples(samples, scored)
     figures = {
         "eval/k": float(config.eval.num_samples),
         "eval/groups": float(len(scored)),
@@ -71,6 +75,30 @@ def evaluate(config: RunConfig, model: str | Path) -> dict[str, Any]:
     for stamp in ("eval/policy_min", "eval/policy_max"):  # every token is stamped 0 here: the folder is the policy
         figures.pop(stamp, None)
     return {"model": str(folder), **figures}
+
+
+def write_samples(path: Path, scored: list[ScoredGroup]) -> None:
+    """One JSON object per response, in the eval set's order: what the model answered to what, and its reward::
+
+        {"group_id": "eval-0003-offline", "index": 0, "prompt": "3+4=", "answer": "7", "response": "7",
+         "reward": 1.0, "finish_reason": "stop", "prompt_ids": [...], "response_ids": [...]}
+    """
+    with path.open("w") as out:
+        for group in scored:
+            rollout = group.rollout
+            for i in range(rollout.num_samples):
+                row = {
+                    "group_id": rollout.group_id,
+                    "index": i,
+                    "prompt": rollout.prompt,
+                    "answer": rollout.answer,
+                    "response": rollout.texts[i] if i < len(rollout.texts) else "",
+                    "reward": float(group.rewards[i]),
+                    "finish_reason": rollout.finish_reasons[i] if i < len(rollout.finish_reasons) else "",
+                    "prompt_ids": rollout.prompt_ids.tolist(),
+                    "response_ids": rollout.response(i)[0].tolist(),
+                }
+                out.write(json.dumps(row) + "\n")
 
 
 async def _sample(engine: Any, groups: list[PromptGroup], config: RunConfig) -> list[RolloutGroup]:

@@ -100,6 +100,9 @@ def eval_command(
     ] = "latest",
     set_: SetOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (for scripts).")] = False,
+    samples: Annotated[
+        Path | None, typer.Option(help="Write each response here as a JSON line: prompt, response, reward.")
+    ] = None,
 ) -> None:
     """Evaluate a checkpoint offline on the run's eval set and print pass@k, mean@k and accuracy. The learner
     resolves the checkpoint; `rl-actor eval` runs vLLM in its own process (the learner never imports vLLM)."""
@@ -117,7 +120,8 @@ def eval_command(
         fail(str(exc))
     command = [str(Path(sys.executable).parent / "rl-actor"), "eval", *([str(config)] if config else [])]
     command += [a for o in set_ or [] for a in ("--set", o)] + ["--checkpoint", str(folder)]
-    raise typer.Exit(subprocess.run(command + ["--json"] * as_json).returncode)
+    command += ["--json"] * as_json + (["--samples", str(samples)] if samples else [])
+    raise typer.Exit(subprocess.run(command).returncode)
 
 
 @app.command()

@@ -1,7 +1,8 @@
-"""A learner of two ranks killed mid-run, twice, resumes from its last checkpoint and the run loses nothing, with
+"""A LoRA learner of two ranks killed mid-run, twice, resumes from its last checkpoint and the run loses nothing, with
 forged rollouts sent into it before its first step. Real processes started one by one as a person would on a
 multi-GPU host (`rl-launch redis`, `rl-actor reward`, `rl-actor`, ``torchrun --nproc-per-node 2 --no-python
-rl-learner train``, ZeRO-3 over gloo).
+rl-learner train``, ZeRO-3 over gloo), training the demo through configs/lora.toml's adapters: each version sends the
+adapters alone, which the actor's engine serves as its LoRA adapter.
 
 0. Forgeries, while the learner waits for its first batch (the actor starts after them, so the real groups behind
    the ids they hijack come back later): a peer that reaches the reward worker's socket sends a group whose ``task``
@@ -19,12 +20,16 @@ rl-learner train``, ZeRO-3 over gloo).
 3. Resumed again, then stopped with SIGTERM to rank 0: the step finishes, a checkpoint of it is saved, exit 0.
 4. Resumed once more, to the end; the reward worker and the actor then exit 0 by themselves.
 
-Then the run is audited from what it left: metrics.jsonl has steps 1..N once each; Redis shows every issued group
+Then the run is audited from what it left: metrics.jsonl has steps 1..N once each and its reward rose; Redis shows
+every issued group
 trained exactly once in the surviving history, or accounted for (dropped by a rule, still in flight, or lost after its
 re-issue), the real groups behind the hijacked ids included, and nothing but the forgeries dead-lettered; the actor
-loaded the weights the two ranks sent — gathered bucket by bucket under ZeRO-3 — the restored ones included;
-audit.jsonl tells who started and resumed the run. The equality of two ranks and one on the same batches is
-tests/integration/test_learner_ranks.py's.
+loaded the adapters the two ranks sent — gathered under ZeRO-3 — the restored ones included; audit.jsonl tells who
+started and resumed the run. Last, the run's final checkpoint as users take it: ``rl-learner eval --checkpoint latest``
+serves its merged ``hf/`` export on vLLM and writes every greedy answer (``--samples``), and transformers, loading the
+PEFT ``adapter/`` folder over the base model and the ``hf/`` folder, answers every prompt the same
+(tests/helpers/lora_exports.py). The equality of two ranks and one on the same batches is
+tests/integration/test_learner_ranks.py's; a full-weight run's resume is tests/e2e/test_redis_restart.py's.
 """
 
 from __future__ import annotations
@@ -34,28 +39,44 @@ import json
 import os
 import re
 import signal
+import tomllib
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
+from transformers import AutoTokenizer
 
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.keys import connect
 from asyncrl.common.plane.replay import ReplayWriter
+from asyncrl.common.rewards.verifiers import bind_verifier
 from asyncrl.common.transport.channel import PushChannel
 from asyncrl.common.wire.messages import RolloutGroup, ScoredGroup
 from asyncrl.common.wire.seal import numbered_group_id, run_seal, run_secret
 from asyncrl.learner.checkpoint_format import open_checkpoint
 from asyncrl.learner.checkpoint_history import complete_checkpoints
 from tests.helpers.forgery import NEVER_ISSUED, check_refusals, forgeries, queued_ids, reward_endpoints, right_texts
+from tests.helpers.lora_exports import base_accuracy, disagreements
 from tests.helpers.runs import step_rows
 from tests.helpers.scrape import metric
-from tests.helpers.stack import DEMO, Processes, _steps, _wait, running
+from tests.helpers.stack import BIN, DEMO, ROOT, Processes, _steps, _wait, running
 from tests.helpers.torchrun import learner_command, rank_pid
 
 pytestmark = pytest.mark.e2e
-RUN, STEPS, EVERY, GROUPS = "resume", 12, 2, 16
+RUN, STEPS, EVERY, GROUPS = "resume", 36, 2, 16
+LORA_PRESET = tomllib.loads((ROOT / "configs/lora.toml").read_text())
+LORA = [f"lora.{key}={json.dumps(value)}" for key, value in LORA_PRESET["lora"].items()]
+LORA.append(f"learner.lr={LORA_PRESET['learner']['lr']}")
+"""configs/lora.toml's adapters and learning rate."""
+
+
+EVAL_PROMPTS = 64
+"""configs/demo.toml's eval.limit: the greedy answers compared across vLLM and the two exports."""
+
+
+def mean_reward(rows: list[dict]) -> float:
+    return sum(r["rollout/reward_mean"] for r in rows) / len(rows)
 
 
 def between_checkpoints(run_dir: Path, after: int) -> bool:
@@ -71,7 +92,7 @@ def test_a_two_rank_learner_killed_twice_resumes_and_every_group_is_trained_once
     procs = Processes(tmp_path / "logs")
     try:
         steps = [f"learner.steps={STEPS}", f"checkpoint.every={EVERY}", "learner.group_deadline_s=60"]
-        sets, run_args = procs.start_demo(run_dir, model_dir, "learner.zero_stage=3", *steps)
+        sets, run_args = procs.start_demo(run_dir, model_dir, "learner.zero_stage=3", *LORA, *steps)
         config, url = DEMO, run_args[1]
         plane = ControlPlane(connect(url), RUN)
         train = ["train", config, *sets, "--redis", url]
@@ -129,6 +150,7 @@ def test_a_two_rank_learner_killed_twice_resumes_and_every_group_is_trained_once
 
         rows = step_rows(run_dir)
         assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1))  # no gap, no duplicate
+        first, last = mean_reward(rows[:10]), mean_reward(rows[-10:])
         for saved, retrain in ((first_saved, first_retrain), (second_saved, second_retrain)):
             resumed = rows[saved]  # the first line after that resume
             assert resumed["restore/from_step"] == saved and resumed["restore/retrained"] == len(retrain)
@@ -145,6 +167,29 @@ def test_a_two_rank_learner_killed_twice_resumes_and_every_group_is_trained_once
         assert "learner rank following rank 0 rank=1 world_size=2" in procs.log("learner-4")
         pids = {"actor-0": procs.procs["actor-0"].pid, "reward": procs.procs["reward"].pid, **leaders}
         _audit_trail(run_dir, plane, url, resumed_from=[first_saved, second_saved, stopped_at], pids=pids)
+
+        # 5. the last checkpoint's exports: vLLM serves hf/; transformers loads adapter/ (over the base) and hf/
+        answers = run_dir / "answers.jsonl"
+        offline = procs.start(
+            "offline", [BIN / "rl-learner", "eval", config, *sets, "--set", "eval.temperature=0",
+                        "--set", "eval.num_samples=1", "--checkpoint", "latest", "--json", "--samples", answers],
+        )
+        assert offline.wait(600) == 0, procs.log("offline")[-3000:]
+        figures = json.loads(next(x for x in procs.log("offline").splitlines() if x.startswith('{"model"')))
+        print("offline eval of the last checkpoint:", figures)
+        last_checkpoint = run_dir / "checkpoints" / f"step-{STEPS}"
+        assert figures["model"] == str(last_checkpoint / "hf")
+        assert (figures["eval/groups"], figures["eval/k"]) == (EVAL_PROMPTS, 1)
+        assert len(answers.read_text().splitlines()) == EVAL_PROMPTS
+        eos = AutoTokenizer.from_pretrained(model_dir).eos_token_id
+        assert not disagreements(model_dir, last_checkpoint, answers, max_new_tokens=6, eos=eos)
+        started = base_accuracy(model_dir, answers, max_new_tokens=6, eos=eos, verifier=bind_verifier("arithmetic"))
+        skill = figures["eval/accuracy"] - started
+        print(f"reward {first:.3f} -> {last:.3f}; greedy accuracy {started:.3f} -> {figures['eval/accuracy']:.3f}")
+        assert last > first + 0.05 or skill > 0.06, (  # test_system.py's measures of a demo that learns
+            f"the adapters did not learn: reward {first:.3f} -> {last:.3f}, greedy accuracy {started:.3f} -> "
+            f"{figures['eval/accuracy']:.3f}"
+        )
     finally:
         procs.stop_all()
 

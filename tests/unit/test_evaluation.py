@@ -139,3 +139,25 @@ def test_provenance_of_an_eval_group() -> None:
     assert "40" in issue_mismatch(issued, dataclasses.replace(
         answer, lengths=np.array([41], np.int32), token_ids=np.ones(41, np.int32),
         logprobs=np.zeros(41, np.float32), versions=np.zeros(41, np.int32)), 6)
+
+
+def test_offline_samples_hold_every_response_with_its_prompt_answer_and_reward(tmp_path) -> None:
+    """``rl-learner eval --samples``: one line per response, in order, with what a reader checks an answer by."""
+    import json
+
+    from asyncrl.actors.evaluate import write_samples
+    from tests.helpers.rollouts import encode, make_group
+
+    groups = [make_group(["19", "18"], group_id="g-1"), make_group(["7"], prompt="3+4=", answer="7", group_id="g-2")]
+    rewards = [[1.0, 0.0], [1.0]]
+    scored_groups = [
+        ScoredGroup(rollout=g, rewards=np.asarray(r, np.float32)) for g, r in zip(groups, rewards, strict=True)
+    ]
+    path = tmp_path / "answers.jsonl"
+    write_samples(path, scored_groups)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["group_id"], r["index"], r["response"], r["reward"]) for r in rows] == [
+        ("g-1", 0, "19", 1.0), ("g-1", 1, "18", 0.0), ("g-2", 0, "7", 1.0)
+    ]
+    assert rows[2]["prompt"] == "3+4=" and rows[2]["answer"] == "7" and rows[2]["finish_reason"] == "stop"
+    assert rows[1]["response_ids"] == encode("18") and rows[1]["prompt_ids"] == [0, 0, 0, 0, 0]
