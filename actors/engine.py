@@ -312,12 +312,14 @@ def move_frontend(frontend_cpus: str, move: Callable[[set[int]], None] = move_pr
 
 
 def check_engine_settings(config: RunConfig) -> None:
-    """Raise :class:`EngineSettingsError` before anything starts when the engine could not take ``[rollout]`` or,
-    on CPUs, the model's attention head size."""
+    """Raise :class:`EngineSettingsError` before anything starts when the engine could not take ``[rollout]``, the
+    model's architecture with ``[lora]``, or, on CPUs, the model's attention head size."""
     from vllm import AsyncEngineArgs
 
     has_gpu = _has_gpu()
     engine_settings(config.rollout, AsyncEngineArgs, has_gpu, config.model.max_model_len)
+    if config.lora.enabled:
+        check_lora_support(config.model.path, config.lora.rank, vllm_serves_lora)
     if config.rollout.frontend_cpus:
         probe_frontend_cpus(config.rollout.frontend_cpus)
     if not has_gpu:
@@ -345,6 +347,34 @@ def check_head_size(model_path: str, supported: list[int]) -> None:
             f"attention does not run (it runs {', '.join(map(str, supported))}); use a model with one of those head "
             "sizes, or run the actors on a GPU"
         )
+
+
+def check_lora_support(model_path: str, rank: int, serves_lora: Callable[[str], bool | None]) -> None:
+    """With ``[lora]``, every architecture the model's ``config.json`` names is one vLLM serves with LoRA adapters
+    (``serves_lora``: ``None`` for one vLLM does not know, which its engine then names itself); else
+    :class:`EngineSettingsError` naming the architecture and the two ways out."""
+    path = Path(model_path) / "config.json"
+    try:
+        architectures = json.loads(path.read_text()).get("architectures") or []
+    except (OSError, ValueError):
+        return
+    refused = [name for name in architectures if serves_lora(name) is False]
+    if refused:
+        raise EngineSettingsError(
+            f"lora.rank = {rank}: vLLM cannot serve {refused[0]} (architectures in {path}) with LoRA adapters; "
+            "train every weight instead (lora.rank = 0), or use a model vLLM serves with LoRA (Llama, Qwen2, "
+            "Mistral, …)"
+        )
+
+
+def vllm_serves_lora(architecture: str) -> bool | None:
+    """Whether the installed vLLM's model for ``architecture`` takes LoRA adapters (``None``: vLLM has no such
+    architecture). Loads the model's class, not its weights."""
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.model_executor.models.interfaces import supports_lora
+
+    model = ModelRegistry.models.get(architecture)
+    return None if model is None else supports_lora(model.load_model_cls())
 
 
 def probe_frontend_cpus(frontend_cpus: str) -> None:

@@ -43,6 +43,28 @@ def test_an_actor_refuses_a_head_size_vllm_cpu_cannot_run_before_its_engine_star
     assert "run the actors on a GPU" in line and "VLLM::EngineCore" not in done.stderr
 
 
+def test_an_actor_refuses_lora_on_a_model_vllm_serves_without_adapters_before_its_engine_starts(
+    tmp_path: Path, redis_server, redis_client
+) -> None:
+    """A GPT-2 folder with ``[lora]``: the installed vLLM serves GPT-2, but not with LoRA adapters (asked of vLLM's own
+    model registry); the actor says so in one line naming the field and exits 2, and no engine process is started."""
+    from transformers import GPT2Config
+
+    from asyncrl.common.config import load_config
+    from asyncrl.common.plane.control import ControlPlane
+
+    model = tmp_path / "gpt2"
+    GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=64, architectures=["GPT2LMHeadModel"]).save_pretrained(model)
+    config = load_config(None, ["run.name=gpt2", f"model.path={model}", "lora.rank=8"])
+    ControlPlane(redis_client, "gpt2").run.publish_config(config)
+    done = subprocess.run(
+        [BIN / "rl-actor", "--redis", redis_server.url, "--run", "gpt2"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    [line] = [x for x in done.stderr.splitlines() if x.startswith("error:")]
+    assert "lora.rank = 8: vLLM cannot serve GPT2LMHeadModel" in line and "VLLM::EngineCore" not in done.stderr
+
+
 def test_rl_launch_stops_the_run_at_once_when_every_actor_refuses_its_settings(tmp_path: Path) -> None:
     """The same model under ``rl-launch run``: each actor's one line is printed once, and the launcher stops every
     process and exits 2 instead of waiting learner.no_actors_s for actors that will never come."""

