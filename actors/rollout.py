@@ -162,19 +162,21 @@ class RolloutActor:
     async def _work_loop(self) -> None:
         limit = self.config.rollout.max_groups_in_flight
         while not self._stopping.is_set():
-            if len(self._running) >= limit or not self.peers.connected or not await asyncio.to_thread(self._in_sync):
+            free = limit - len(self._running)
+            if free <= 0 or not self.peers.connected or not await asyncio.to_thread(self._in_sync):
                 await self._sleep(0.05)
                 continue
-            group = await asyncio.to_thread(self.plane.prompts.take_prompt, self.actor_id, 0.5)
-            if group is None or self._stopping.is_set():
-                if group is not None:
-                    await asyncio.to_thread(self.plane.prompts.return_prompts, [group])
+            # Every free slot at once: a batch the dispatcher released together reaches the engine together.
+            groups = await asyncio.to_thread(self.plane.prompts.take_prompts, self.actor_id, free, 0.5)
+            if groups and self._stopping.is_set():
+                await asyncio.to_thread(self.plane.prompts.return_prompts, groups)
                 continue
-            request_id = f"{group.group_id}-{uuid.uuid4().hex[:6]}"
-            task = asyncio.create_task(self._generate(group, request_id))
-            self._running[request_id] = (group, task)
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            for group in groups:
+                request_id = f"{group.group_id}-{uuid.uuid4().hex[:6]}"
+                task = asyncio.create_task(self._generate(group, request_id))
+                self._running[request_id] = (group, task)
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
 
     async def _generate(self, group: PromptGroup, request_id: str) -> None:
         try:

@@ -11,7 +11,7 @@ How an eval group travels, and why each choice:
 - **Its own sampling settings travel with it**: ``PromptGroup.temperature`` (0 = greedy), ``max_new_tokens`` and
   ``num_samples`` (k). A training group leaves them at their defaults (below 0, 0), so the actor samples it with
   ``[rollout]`` exactly as before and its behaviour log-probs μ keep their meaning.
-- **Priority**: eval groups go to their own list (``eval_prompts``), which ``take_prompt`` pops before ``prompts``
+- **Priority**: eval groups go to their own list (``eval_prompts``), which ``take_prompts`` pops before ``prompts``
   (one BRPOP over both, in that order): a round overtakes every queued training group.
 - **Outside admission and staleness**: no ledger entry, no dispatcher counter, so they never take a place of the
   training capacity ``(s + v + 1) · G``, are never re-issued or counted lost (a round has its own deadline,

@@ -89,7 +89,7 @@ class RunKeys:
 
     @property
     def eval_prompts(self) -> str:
-        """The eval prompt queue: actors pop it before ``prompts`` (``common/plane/prompt_ledger.py: take_prompt``)."""
+        """The eval prompt queue: actors pop it before ``prompts`` (``common/plane/prompt_ledger.py: take_prompts``)."""
         return self._k("eval_prompts")
 
     @property

@@ -1,11 +1,11 @@
 """Prompt groups in Redis: the queue actors take from, the in-flight ledger, and the dispatcher's records.
 
-Delivery semantics of the queue (a list): FIFO; ``take_prompt`` pops atomically, so each group goes to one actor.
+Delivery semantics of the queue (a list): FIFO; ``take_prompts`` pops atomically, so each group goes to one actor.
 A group that an actor gives back (SIGTERM) goes to the *front*. A group popped by an actor that then dies is not in
 the queue any more: the in-flight ledger (issue time, actor) is what lets the dispatcher find and re-issue it.
 
 Eval groups (``purpose = "eval"``, ``common/data/evaluation.py``) have a queue of their own, ``eval_prompts``, which
-``take_prompt`` pops first: they overtake every training group. They have an issue record but no ledger entry.
+``take_prompts`` pops first: they overtake every training group. They have an issue record but no ledger entry.
 
 Keys (:class:`asyncrl.common.plane.control.RunKeys`): ``prompts`` (the queue), ``inflight`` (ledger: group id → JSON
 :class:`LedgerEntry`), ``groups`` (the issue record of every group in flight: its encoded
@@ -78,21 +78,35 @@ class PromptLedger:
         return self.client.lpush(self.keys.prompts, *blobs) if blobs else self.queue_depth()
 
     def take_prompt(self, actor: str, timeout_s: float = 1.0) -> PromptGroup | None:
-        """Pop the oldest prompt group (blocking up to ``timeout_s``) and record ``actor`` as its holder.
+        """Pop the oldest prompt group (blocking up to ``timeout_s``) and record ``actor`` as its holder."""
+        taken = self.take_prompts(actor, 1, timeout_s)
+        return taken[0] if taken else None
 
-        Eval groups first: BRPOP pops the first non-empty list of those it is given, in order."""
-        item = self.client.brpop([self.keys.eval_prompts, self.keys.prompts], timeout=timeout_s)
+    def take_prompts(self, actor: str, limit: int, timeout_s: float = 1.0) -> list[PromptGroup]:
+        """Up to ``limit`` prompt groups, oldest first, each recorded as held by ``actor``: blocks up to ``timeout_s``
+        for the first, then takes what else is queued in one atomic call, so that groups released together start
+        generating together instead of one Redis round trip apart.
+
+        Eval groups first: BRPOP pops the first non-empty list of those it is given, in order, and the rest are
+        taken from the eval queue before the training queue. A malformed group is dead-lettered and skipped."""
+        queues = [self.keys.eval_prompts, self.keys.prompts]
+        item = self.client.brpop(queues, timeout=timeout_s)
         if item is None:
-            return None
-        blob = item[1]
-        try:
-            group = decode_blob(self._prompt_decoder, blob)
-        except WireError as exc:
-            log.warning("dead-lettered a malformed prompt group", field=exc.field, reason=exc.reason)
-            dead_letter(self.client, self.keys, "prompts", str(exc), blob)
-            return None
-        self._update_ledger(group.group_id, actor=actor, scorer="")
-        return group
+            return []
+        blobs = [item[1]]
+        if limit > 1:
+            blobs += self.client.eval(_POP_UP_TO, len(queues), *queues, limit - 1)
+        taken = []
+        for blob in blobs:
+            try:
+                group = decode_blob(self._prompt_decoder, blob)
+            except WireError as exc:
+                log.warning("dead-lettered a malformed prompt group", field=exc.field, reason=exc.reason)
+                dead_letter(self.client, self.keys, "prompts", str(exc), blob)
+                continue
+            self._update_ledger(group.group_id, actor=actor, scorer="")
+            taken.append(group)
+        return taken
 
     def return_prompts(self, groups: Iterable[PromptGroup]) -> None:
         """Give unfinished groups back; they are taken next (front of the queue)."""
@@ -294,6 +308,17 @@ class PromptLedger:
 
 _CAS_TRIES = 8
 """Attempts of a ledger entry's compare-and-set before giving up (each lost race is another writer's change)."""
+_POP_UP_TO = """
+local taken = {}
+for _, key in ipairs(KEYS) do
+  while #taken < tonumber(ARGV[1]) do
+    local blob = redis.call('RPOP', key)
+    if not blob then break end
+    taken[#taken + 1] = blob
+  end
+end
+return taken
+"""
 _COMPARE_AND_SET = """
 local current = redis.call('HGET', KEYS[1], ARGV[1])
 if not current then return 0 end

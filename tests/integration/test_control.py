@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import stat
 from pathlib import Path
 
@@ -71,6 +72,24 @@ def test_prompt_queue_is_fifo_and_returned_groups_go_first(redis_client) -> None
     assert plane.prompts.take_prompt("actor-b", timeout_s=0.1) is None
     plane.prompts.complete(["g0", "g1"])
     assert list(plane.prompts.ledger()) == ["g2"]
+
+
+def test_an_actor_takes_every_free_slots_worth_at_once_eval_groups_first(redis_client) -> None:
+    """``take_prompts``: up to the limit in one call, oldest first, eval groups before training groups, each held by
+    the taker; a malformed one is dead-lettered and skipped, and an empty queue gives nothing after the wait."""
+    plane = ControlPlane(redis_client, "r")
+    groups = [prompt(i) for i in range(5)]
+    plane.prompts.record_issued(groups)
+    plane.prompts.push_prompts(groups[:2])
+    redis_client.lpush(plane.keys.prompts, b"garbage")
+    plane.prompts.push_prompts(groups[2:])
+    plane.prompts.issue_eval([dataclasses.replace(prompt(9), purpose="eval")])
+    taken = plane.prompts.take_prompts("actor-a", 4, timeout_s=1)
+    assert [g.group_id for g in taken] == ["g9", "g0", "g1"]  # the garbage in g2's place: one short of the limit
+    assert {plane.prompts.ledger()[g].actor for g in ("g0", "g1")} == {"actor-a"}
+    assert redis_client.xlen(plane.keys.dead) == 1
+    assert [g.group_id for g in plane.prompts.take_prompts("actor-b", 8, timeout_s=1)] == ["g2", "g3", "g4"]
+    assert plane.prompts.take_prompts("actor-b", 8, timeout_s=0.1) == []
 
 
 def test_a_malformed_prompt_is_dead_lettered_not_fatal(redis_client) -> None:
