@@ -170,6 +170,9 @@ class EnvironmentHost:
         """A request nobody waits for (``close``), written in the background."""
 
         def send() -> None:
+            child = self._child
+            if child is None or child.proc.poll() is not None:
+                return  # the environments it would close died with their process: starting one to close them is waste
             child, request_id, _ = self._send(op, **fields)
             child.pending.pop(request_id, None)
 
