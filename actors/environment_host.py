@@ -6,7 +6,8 @@ actor, unlike ``fork``) and speaks JSON lines with it over its stdin and stdout:
 ``step`` it, ``score`` it, ``close`` it. The child answers each request from a thread of its own, so a slow step does
 not hold up the other episodes' steps; it limits its address space to ``environment.max_memory_mb``, so a greedy
 environment fails with ``MemoryError`` instead of swapping the machine. The parent gives every request a time limit
-(``environment.step_timeout_s``); a request that fails, times out, or meets a child that died raises
+(``environment.step_timeout_s``), which starts once the child has said it is ready (its own start-up has
+:data:`START_TIMEOUT_S`); a request that fails, times out, or meets a child that died raises
 :class:`~asyncrl.common.environments.protocol.EnvironmentFailed`, which ends that episode. A dead child is replaced at
 the next ``make``; a child with :data:`MAX_STUCK` steps still running past their limit is killed and replaced (the
 episodes it held end as errors).
