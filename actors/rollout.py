@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import os
 import signal
 import socket
@@ -179,11 +180,13 @@ class RolloutActor:
                 task.add_done_callback(self._tasks.discard)
 
     async def _generate(self, group: PromptGroup, request_id: str) -> None:
+        taken_at = time.time()  # wall clock, as the learner's issue time: the group's timeline spans hosts
         try:
             if group.purpose == "eval":
                 await self._catch_up(group.issued_version)
             turn = WorkflowContext.of(self.config, self.actor_id, request_id)
             rollout = await self.workflow(self.engine, group, turn)
+            rollout = dataclasses.replace(rollout, timings={**rollout.timings, "taken_at": taken_at})
         except asyncio.CancelledError:
             raise  # _shutdown aborted it and hands the group back
         except Exception as exc:

@@ -104,6 +104,10 @@ class Taken:
     verdicts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(VERDICTS, 0))
     waited_s: float = 0.0
     """Seconds spent waiting for the batch: the learner's idle time in this step."""
+    issued_at: dict[str, float] = field(default_factory=dict)
+    """When each admitted group was issued (wall clock), from its issue record: the start of its timeline."""
+    complete_at: float = 0.0
+    """When the batch was complete (wall clock): the end of its groups' timelines."""
 
     @property
     def groups(self) -> list[ScoredGroup]:
@@ -180,11 +184,15 @@ class BatchSource:
                     decided.add(group_id)
                 if verdict == "ok":
                     taken.entries.append(entry)
+                    issued = standings.get(group_id)
+                    if issued is not None and issued.issued is not None:
+                        taken.issued_at[group_id] = issued.issued.issued_at
                 else:
                     taken.dropped.append(entry.entry_id)
                     taken.verdicts[verdict] += 1
             candidates = []
         taken.waited_s = time.perf_counter() - started
+        taken.complete_at = time.time()
         self._close_eval_rounds()
         return taken
 

@@ -121,6 +121,7 @@ class Recorder:
             if figures:
                 record.add(prefix, figures)
         record.add("rollout", rollout_figures(version, taken, batch) | tool_call_figures(taken, self.samples.decode))
+        record.add("latency", latency_figures(taken))
         record.values |= taken.figures() | gpu_figures()
         record.values["step/seconds"] = time.perf_counter() - started
         record.values["step/idle_fraction"] = taken.waited_s / max(record.values["step/seconds"], 1e-9)
@@ -207,6 +208,43 @@ def rollout_figures(version: int, taken: Taken, batch: TrainBatch) -> dict[str, 
         "generate_s_mean": sum(generate) / len(generate),
         **length_figures(taken),
         **episode_figures(taken),
+    }
+
+
+def latency_figures(taken: Taken) -> dict[str, float]:
+    """Where the step's groups spent their time, from issue to a complete batch (means over the groups, seconds):
+
+    - ``latency/queued_s``: issued by the learner → taken by an actor (the prompt queue; admission holds groups back
+      while the actors are at the staleness bound);
+    - ``latency/generate_s``: the actor's generation (a multi-turn episode's environment steps included);
+    - ``latency/scoring_s``: generated → in the replay stream (the push, the reward worker's queue and its scoring);
+    - ``latency/replay_s``: in the replay stream → the learner's batch complete (waiting to be trained);
+    - ``latency/total_s`` (and ``latency/total_s_max``): issued → batch complete, the sum of the four.
+
+    Times come from the hosts that saw each event (the learner's issue record, the actor's ``taken_at``, Redis's
+    stream entry id), so across hosts the split is as good as their clocks agree. Groups that lack a part (an issue
+    record already retired, an actor that does not stamp ``taken_at``) are left out; no such group, no figures."""
+    rows = []
+    for entry in taken.entries:
+        rollout = entry.group.rollout
+        issued, taken_at = taken.issued_at.get(rollout.group_id), rollout.timings.get("taken_at")
+        if issued is None or taken_at is None:
+            continue
+        generated = taken_at + rollout.timings.get("generate", 0.0)
+        stored = int(entry.entry_id.split("-", 1)[0]) / 1000  # a stream id is Redis's clock in ms
+        rows.append((taken_at - issued, generated - taken_at, stored - generated, taken.complete_at - stored))
+    if not rows:
+        return {}
+    parts = np.asarray(rows, np.float64)
+    totals = parts.sum(axis=1)
+    means = parts.mean(axis=0)
+    return {
+        "queued_s": float(means[0]),
+        "generate_s": float(means[1]),
+        "scoring_s": float(means[2]),
+        "replay_s": float(means[3]),
+        "total_s": float(totals.mean()),
+        "total_s_max": float(totals.max()),
     }
 
 

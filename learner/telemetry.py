@@ -31,6 +31,8 @@ log = get_logger("telemetry")
 
 RESPONSE_STATISTICS = ("mean", "p50", "p95", "max")
 GPU_MEMORY_KINDS = ("allocated", "reserved", "peak", "total", "used")
+LATENCY_STAGES = ("queued", "generate", "scoring", "replay", "total")
+"""The stages of ``latency/*`` (learner/recorder.py: latency_figures), exported by stage."""
 # metrics.jsonl key -> (gauge, labels). Keys a step did not compute leave their series absent.
 GAUGES: dict[str, tuple[Any, dict[str, str]]] = {
     "rollout/reward_mean": (m.LEARNER_REWARD, {"statistic": "mean"}),
@@ -52,6 +54,7 @@ GAUGES: dict[str, tuple[Any, dict[str, str]]] = {
     **{f"rollout/response_tokens_{s}": (m.LEARNER_RESPONSE_LENGTH, {"statistic": s}) for s in RESPONSE_STATISTICS},
     **{f"rollout/prompt_tokens_{s}": (m.LEARNER_PROMPT_LENGTH, {"statistic": s}) for s in ("mean", "max")},
     "rollout/truncated_frac": (m.LEARNER_TRUNCATED_RATIO, {}),
+    **{f"latency/{stage}_s": (m.LEARNER_GROUP_STAGE, {"stage": stage}) for stage in LATENCY_STAGES},
     **{f"gpu/memory_{kind}_bytes": (m.LEARNER_GPU_MEMORY, {"kind": kind}) for kind in GPU_MEMORY_KINDS},
     "gpu/utilization": (m.LEARNER_GPU_UTILIZATION, {}),
     "step/idle_fraction": (m.LEARNER_IDLE_RATIO, {}),
@@ -76,6 +79,7 @@ SUMMARY_KEYS = (
     "rollout/response_tokens_p95",
     "rollout/response_tokens_max",
     "rollout/truncated_frac",
+    *(f"latency/{stage}" for stage in ("queued_s", "generate_s", "scoring_s", "replay_s", "total_s", "total_s_max")),
     "train/loss",
     "train/grad_norm",
     "train/loss/clip_frac",

@@ -233,6 +233,12 @@ LEARNER_PROMPT_LENGTH = Gauge(
     "Tokens per prompt in the last step's groups, by statistic (mean, max).",
     ["statistic"],
 )
+LEARNER_GROUP_STAGE = Gauge(
+    "asyncrl_learner_group_stage_seconds",
+    "Mean seconds the last step's groups spent in each stage from issue to a complete batch (queued, generate, "
+    "scoring, replay, total).",
+    ["stage"],
+)
 LEARNER_TRUNCATED_RATIO = Gauge(
     "asyncrl_learner_truncated_ratio",
     "Share of the last step's responses cut by a token limit (finish reason length: rollout.max_new_tokens, or an "

@@ -104,6 +104,7 @@ def _learner_lines(s: dict[str, Any] | None, endpoints: dict[str, dict], now: fl
         f"         step {v('step/seconds'):.2f}s{sync}   idle {100 * v('step/idle_fraction'):.0f}%   "
         f"trained tokens/s {tokens_s:,.0f}   last step {age:.1f}s ago{where}",
         *_length_lines(s),
+        *_latency_lines(s),
         *_episode_lines(s),
     ]
 
@@ -117,6 +118,14 @@ def _length_lines(s: dict[str, Any]) -> list[str]:
         f"p95 {s['rollout/response_tokens_p95']:.0f}   max {s['rollout/response_tokens_max']:.0f}   "
         f"truncated {100 * s['rollout/truncated_frac']:.0f}%"
     ]
+
+
+def _latency_lines(s: dict[str, Any]) -> list[str]:
+    """Where the last step's groups spent their time (``latency/*``), when it published it."""
+    if "latency/total_s" not in s:
+        return []
+    stages = "   ".join(f"{name} {s[f'latency/{name}_s']:.2f}s" for name in ("queued", "generate", "scoring", "replay"))
+    return [f"         group time: {stages}   total {s['latency/total_s']:.2f}s (max {s['latency/total_s_max']:.2f}s)"]
 
 
 def _episode_lines(s: dict[str, Any]) -> list[str]:

@@ -77,6 +77,7 @@ EXPECTED_SERIES = {
         "asyncrl_learner_clipped_tokens_ratio",
         "asyncrl_learner_grad_norm",
         "asyncrl_learner_staleness_versions",
+        "asyncrl_learner_group_stage_seconds",
         "asyncrl_learner_queue_depth_groups",
         "asyncrl_learner_live_processes",
         "asyncrl_learner_dropped_groups_total",
@@ -155,6 +156,18 @@ def test_demo_reward_rises_within_the_staleness_bound(demo: DemoRun) -> None:
     assert last > first + 0.05 or skill > 0.06, (
         f"the demo did not learn: reward {first:.3f} -> {last:.3f}, greedy eval accuracy {rounds}"
     )
+
+
+def test_each_step_says_where_its_groups_spent_their_time(demo: DemoRun) -> None:
+    """``latency/*`` on every step: the four stages of a group's life add up to its time from issue to a complete
+    batch, each at least 0 (one machine, one clock; Redis's stream ids are whole milliseconds), generation longer
+    than nothing."""
+    stages = ("queued_s", "generate_s", "scoring_s", "replay_s")
+    for row in demo.rows:
+        parts = [row[f"latency/{stage}"] for stage in stages]
+        assert sum(parts) == pytest.approx(row["latency/total_s"], abs=1e-6), row
+        assert min(parts) > -0.01 and row["latency/generate_s"] > 0, row
+        assert row["latency/total_s_max"] >= row["latency/total_s"], row
 
 
 def test_an_actor_killed_mid_run_loses_no_group(demo: DemoRun) -> None:

@@ -13,7 +13,7 @@ from asyncrl.common.observability.top import render
 from asyncrl.common.plane.replay import ReplayEntry
 from asyncrl.common.wire.messages import ScoredGroup
 from asyncrl.learner.batch_source import Taken
-from asyncrl.learner.recorder import episode_figures, length_figures, tool_call_figures
+from asyncrl.learner.recorder import episode_figures, latency_figures, length_figures, tool_call_figures
 from asyncrl.learner.samples import MAX_TEXT, SampleLog, row_advantages
 from tests.helpers.rollouts import make_group
 from tests.helpers.scripted_episodes import CALL, episode, tools_for
@@ -125,3 +125,34 @@ def test_a_steps_lengths_cover_every_response_its_truncations_and_its_prompts(tm
     queues = dict.fromkeys(["prompts", "inflight", "replay", "replay_pending", "dead_letters"], 0)
     text = render({"run": "r", "version": 1, "queues": queues, "processes": [], "lost": {}, "summary": summary})
     assert f"responses: tokens mean {lengths.mean():.1f}   p95" in text and "truncated 40%" in text
+
+
+def test_a_steps_latency_splits_each_groups_time_from_issue_to_batch_into_its_stages() -> None:
+    """Issued at 1 s, taken at 4 s, generated for 3 s, in the replay stream at 10 s (its id's milliseconds), the batch
+    complete at 12 s: 3 s queued, 3 generating, 3 pushing and scoring, 2 waiting to be trained, 11 in all; a second
+    group taken 2 s later: 5, 3, 1, 2. A group without an issue time or an actor's ``taken_at`` is left out."""
+    import dataclasses
+
+    timed = [
+        dataclasses.replace(g.rollout, timings={"generate": 3.0, "taken_at": 4.0 + shift})
+        for g, shift in ((scored(["19"], [1.0], "a"), 0.0), (scored(["19"], [1.0], "b"), 2.0))
+    ]
+    untimed = scored(["19"], [1.0], "c")
+    taken = Taken(
+        entries=[
+            ReplayEntry("10000-0", ScoredGroup(rollout=timed[0], rewards=np.ones(1, np.float32))),
+            ReplayEntry("10000-1", ScoredGroup(rollout=timed[1], rewards=np.ones(1, np.float32))),
+            ReplayEntry("10500-0", untimed),
+        ],
+        issued_at={timed[0].group_id: 1.0, timed[1].group_id: 1.0, untimed.rollout.group_id: 1.0},
+        complete_at=12.0,
+    )
+    figures = latency_figures(taken)
+    assert figures == pytest.approx(
+        {"queued_s": 4.0, "generate_s": 3.0, "scoring_s": 2.0, "replay_s": 2.0, "total_s": 11.0, "total_s_max": 11.0}
+    )
+    assert latency_figures(Taken(entries=[ReplayEntry("10500-0", untimed)], complete_at=12.0)) == {}
+    summary = {"step": 1, **{f"latency/{key}": value for key, value in figures.items()}}
+    queues = dict.fromkeys(["prompts", "inflight", "replay", "replay_pending", "dead_letters"], 0)
+    text = render({"run": "r", "version": 1, "queues": queues, "processes": [], "lost": {}, "summary": summary})
+    assert "group time: queued 4.00s   generate 3.00s   scoring 2.00s   replay 2.00s   total 11.00s" in text
