@@ -121,6 +121,23 @@ def eval_command(
     )
 
 
+@app.command("check-lora", hidden=True)
+def check_lora_command(
+    config: Annotated[Path | None, typer.Argument(help="Run config (TOML).")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Override a field: section.field=value.")] = None,
+) -> None:
+    """Exit 2 with one line when the installed vLLM cannot serve the config's model with LoRA adapters (what each
+    actor checks at its start; `rl-learner resolve` runs this where vLLM is installed)."""
+    from asyncrl.actors.engine import EngineSettingsError, check_lora_support, vllm_serves_lora
+    from asyncrl.common.cliutil import fail, load
+
+    resolved = load(config, set_)
+    try:
+        check_lora_support(resolved.model.path, resolved.lora.rank, vllm_serves_lora)
+    except EngineSettingsError as exc:
+        fail(str(exc))
+
+
 def _read_run_config(url: str, run: str):
     """The run's config from Redis with the run's log level set, or a clear exit 2."""
     import redis as redis_lib

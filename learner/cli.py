@@ -39,6 +39,8 @@ def resolve(
     from asyncrl.learner.preflight import check_config
 
     resolved = load(config, set_, check=check_config)
+    if resolved.lora.enabled:
+        _check_lora_serving(config, set_)
     print(resolved.to_json())
     if dry_run:
         return
@@ -51,6 +53,25 @@ def resolve(
 
         ControlPlane(connect(url), resolved.run.name).run.publish_config(resolved)
         typer.echo(f"published to {url.split('@')[-1]} as run {resolved.run.name!r}", err=True)
+
+
+def _check_lora_serving(config: Path | None, set_: list[str] | None) -> None:
+    """Where vLLM is installed, whether it serves the model with LoRA adapters: `rl-actor check-lora` in a child
+    process (the learner never imports vLLM), its one line and exit 2 when not. Without vLLM here, each actor checks
+    at its start."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    from asyncrl.common.cliutil import fail
+
+    if importlib.util.find_spec("vllm") is None:
+        return
+    command = [str(Path(sys.executable).parent / "rl-actor"), "check-lora", *([str(config)] if config else [])]
+    done = subprocess.run(command + [a for o in set_ or [] for a in ("--set", o)], capture_output=True, text=True)
+    if done.returncode != 0:
+        said = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+        fail(said[-1].removeprefix("error: ") if said else f"rl-actor check-lora failed: {done.stderr[-500:]}")
 
 
 @app.command("check-data")

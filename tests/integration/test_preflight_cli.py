@@ -65,6 +65,20 @@ def test_an_actor_refuses_lora_on_a_model_vllm_serves_without_adapters_before_it
     assert "lora.rank = 8: vLLM cannot serve GPT2LMHeadModel" in line and "VLLM::EngineCore" not in done.stderr
 
 
+def test_resolve_refuses_lora_on_a_model_the_installed_vllm_serves_without_adapters(tmp_path: Path) -> None:
+    """`rl-learner resolve` asks the installed vLLM (through `rl-actor check-lora`, a child process: the learner never
+    imports vLLM) and refuses a GPT-2 folder with ``[lora]`` in one line."""
+    from transformers import GPT2Config
+
+    gpt2 = tmp_path / "gpt2"
+    GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=64, architectures=["GPT2LMHeadModel"]).save_pretrained(gpt2)
+    command = [BIN / "rl-learner", "resolve", "--dry-run", "--set", f"model.path={gpt2}", "--set", "lora.rank=8"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    [line] = [x for x in done.stderr.splitlines() if x.startswith("error:")]
+    assert line.startswith("error: lora.rank = 8: vLLM cannot serve GPT2LMHeadModel"), line
+
+
 def test_rl_launch_stops_the_run_at_once_when_every_actor_refuses_its_settings(tmp_path: Path) -> None:
     """The same model under ``rl-launch run``: each actor's one line is printed once, and the launcher stops every
     process and exits 2 instead of waiting learner.no_actors_s for actors that will never come."""
