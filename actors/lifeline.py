@@ -12,7 +12,8 @@ starts a daemon thread that waits on a pidfd of the actor (``pidfd_open(2)``: wo
 actor exits; polling ``kill(pid, 0)`` every half second where pidfds are missing) and then SIGKILLs the process
 itself and, in a worker, its EngineCore. A kill -9 of the actor while its engine starts leaves EngineCore alive
 only until vLLM has imported itself and reaches the plugin (seconds); no worker is started after that. Workers
-that miss the plugin follow their dead EngineCore through vLLM's death pipe. Nothing runs in the actor, so nothing
+that miss the plugin follow their dead EngineCore through vLLM's death pipe, and one that EngineCore was spawning at
+that very moment (which has loaded nothing yet) is killed by EngineCore on its way out. Nothing runs in the actor, so nothing
 depends on the actor getting to run a handler: that is the point.
 
 A PID can be reused once its process is gone. The watch is only started while the actor is still this process's
@@ -31,7 +32,7 @@ import threading
 import time
 
 from asyncrl.common.observability.logs import get_logger
-from asyncrl.common.observability.procs import alive, parent_of
+from asyncrl.common.observability.procs import alive, child_pids, parent_of
 
 log = get_logger("lifeline")
 ACTOR_PID_ENV = "ASYNCRL_ACTOR_PID"
@@ -83,8 +84,11 @@ def _watch(actor: int, engine_core: int | None) -> None:
 
 
 def _end(actor: int, engine_core: int | None) -> None:
+    """SIGKILL this process's own children, its EngineCore (in a worker), then itself. The children first: a worker
+    EngineCore was spawning at that moment has loaded nothing yet, not even this plugin, and with its parent gone
+    it can wait forever on the start-up data its parent never sent (beside the resource tracker that waits for it)."""
     log.error("the rollout actor is gone; ending its vLLM processes", actor_pid=actor, pid=os.getpid())
-    if engine_core is not None:
+    for pid in [*child_pids(os.getpid()), *([engine_core] if engine_core is not None else [])]:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(engine_core, signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)

@@ -422,6 +422,18 @@ def test_a_tensor_parallel_actor_takes_one_weight_group_rank_per_worker_and_kill
             actor.wait()
 
 
+def described(pids: set[int]) -> list[str]:
+    """Each process as ``pid name (state) parent=ppid: command line``, for a failure message."""
+    out = []
+    for pid in sorted(pids):
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:160]
+        except OSError:
+            command = "?"
+        out.append(f"{pid} {name_and_state(pid)} parent={parent_of(pid)}: {command}")
+    return out
+
+
 def kill_and_follow(actor: subprocess.Popen, seen: set[int], timeout_s: float) -> set[int]:
     """``kill -9`` the actor, then wait up to ``timeout_s`` for every process in ``seen`` (and whatever they start
     meanwhile) to end; returns those still alive."""
@@ -451,7 +463,7 @@ def test_kill_9_of_an_actor_while_its_engine_starts_leaves_no_vllm_process_behin
         wait_for(workers, "EngineCore's worker under the actor", 300)
         seen = set(descendants(actor.pid))
         left = kill_and_follow(actor, seen, 180)  # an orphan may still be importing vLLM
-        assert not left, f"{len(left)} of the actor's {len(seen)} vLLM processes outlived it: {sorted(left)}"
+        assert not left, f"{len(left)} of the actor's {len(seen)} vLLM processes outlived it: {described(left)}"
     finally:
         if actor.poll() is None:
             actor.kill()

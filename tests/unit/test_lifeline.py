@@ -70,3 +70,15 @@ def test_nothing_to_follow_outside_an_actors_engine(watched, monkeypatch) -> Non
     monkeypatch.setenv(lifeline.ACTOR_PID_ENV, str(lifeline.os.getpid()))
     assert lifeline.follow_actor() is None  # the actor itself
     assert watched == []
+
+
+@pytest.mark.parametrize("engine_core", [None, 777], ids=["engine-core", "worker"])
+def test_the_end_takes_this_processs_children_first_then_engine_core_then_itself(monkeypatch, engine_core) -> None:
+    """A worker EngineCore was spawning when the actor died has loaded nothing yet (no lifeline of its own): it goes
+    with its parent. In a worker, EngineCore goes too; the process itself last."""
+    me, killed = lifeline.os.getpid(), []
+    monkeypatch.setattr(lifeline, "child_pids", lambda pid: [31, 32] if pid == me else [])
+    monkeypatch.setattr(lifeline.os, "kill", lambda pid, sig: killed.append((pid, sig)))
+    lifeline._end(ACTOR, engine_core)
+    expected = [31, 32, *([engine_core] if engine_core else []), me]
+    assert killed == [(pid, lifeline.signal.SIGKILL) for pid in expected]
