@@ -13,8 +13,8 @@ actor exits; polling ``kill(pid, 0)`` every half second where pidfds are missing
 itself and, in a worker, its EngineCore. A kill -9 of the actor while its engine starts leaves EngineCore alive
 only until vLLM has imported itself and reaches the plugin (seconds); no worker is started after that. Workers
 that miss the plugin follow their dead EngineCore through vLLM's death pipe, and one that EngineCore was spawning at
-that very moment (which has loaded nothing yet) is killed by EngineCore on its way out. Nothing runs in the actor, so nothing
-depends on the actor getting to run a handler: that is the point.
+that very moment (which has loaded nothing yet) is killed by EngineCore on its way out. Nothing runs in the actor,
+so nothing depends on the actor getting to run a handler: that is the point.
 
 A PID can be reused once its process is gone. The watch is only started while the actor is still this process's
 parent (EngineCore, or a one-process executor's worker) or grandparent (a worker under EngineCore); otherwise the
