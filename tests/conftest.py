@@ -17,6 +17,7 @@ from asyncrl.common.openmp import passive_waits
 # share two cores, and OpenMP threads that spin hold the cores the others need (common/openmp.py).
 passive_waits()
 
+import contextlib
 import functools
 import multiprocessing.process
 import os
@@ -190,6 +191,21 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
 _COUNTER = pytest.StashKey[StartupCounter]()
 _STARTED = pytest.StashKey[float]()
 _BUILDS = pytest.StashKey[dict]()
+
+
+BESIDE_NICE = 10
+"""CPU niceness of a test beside the serial chain (and of what it starts) under xdist: when both workers want the two
+cores, the chain's tests, some of which check what happens within a time limit, get them first."""
+
+
+@pytest.fixture(autouse=True)
+def _the_chain_comes_first(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Under xdist, a test beside the chain runs at :data:`BESIDE_NICE`, one in it at 0 (a worker may run both)."""
+    if hasattr(request.config, "workerinput"):
+        niceness = 0 if runs_serially(request.node.nodeid) else BESIDE_NICE
+        with contextlib.suppress(PermissionError):  # only root may lower it again
+            os.setpriority(os.PRIO_PROCESS, 0, niceness)
+    yield
 
 
 @pytest.fixture(autouse=True)
