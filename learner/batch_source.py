@@ -184,9 +184,9 @@ class BatchSource:
                     decided.add(group_id)
                 if verdict == "ok":
                     taken.entries.append(entry)
-                    issued = standings.get(group_id)
-                    if issued is not None and issued.issued is not None:
-                        taken.issued_at[group_id] = issued.issued.issued_at
+                    standing = standings.get(group_id)
+                    if standing is not None and standing.issued is not None:
+                        taken.issued_at[group_id] = standing.issued.issued_at
                 else:
                     taken.dropped.append(entry.entry_id)
                     taken.verdicts[verdict] += 1

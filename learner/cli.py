@@ -55,20 +55,27 @@ def resolve(
         typer.echo(f"published to {url.split('@')[-1]} as run {resolved.run.name!r}", err=True)
 
 
+def _rl_actor(command: str, config: Path | None, set_: list[str] | None) -> list[str]:
+    """The command line of ``rl-actor COMMAND`` on the same config and overrides: what the learner asks of vLLM, in a
+    process of its own (the learner never imports vLLM)."""
+    import sys
+
+    overrides = [a for o in set_ or [] for a in ("--set", o)]
+    return [str(Path(sys.executable).parent / "rl-actor"), command, *([str(config)] if config else []), *overrides]
+
+
 def _check_lora_serving(config: Path | None, set_: list[str] | None) -> None:
     """Where vLLM is installed, whether it serves the model with LoRA adapters: `rl-actor check-lora` in a child
     process (the learner never imports vLLM), its one line and exit 2 when not. Without vLLM here, each actor checks
     at its start."""
     import importlib.util
     import subprocess
-    import sys
 
     from asyncrl.common.cliutil import fail
 
     if importlib.util.find_spec("vllm") is None:
         return
-    command = [str(Path(sys.executable).parent / "rl-actor"), "check-lora", *([str(config)] if config else [])]
-    done = subprocess.run(command + [a for o in set_ or [] for a in ("--set", o)], capture_output=True, text=True)
+    done = subprocess.run(_rl_actor("check-lora", config, set_), capture_output=True, text=True)
     if done.returncode != 0:
         said = [line for line in done.stderr.splitlines() if line.startswith("error:")]
         fail(said[-1].removeprefix("error: ") if said else f"rl-actor check-lora failed: {done.stderr[-500:]}")
@@ -128,7 +135,6 @@ def eval_command(
     """Evaluate a checkpoint offline on the run's eval set and print pass@k, mean@k and accuracy. The learner
     resolves the checkpoint; `rl-actor eval` runs vLLM in its own process (the learner never imports vLLM)."""
     import subprocess
-    import sys
 
     from asyncrl.common.cliutil import fail, load
     from asyncrl.learner.checkpoint_format import CheckpointError
@@ -139,8 +145,7 @@ def eval_command(
         folder = find_checkpoint(checkpoint, resolved.run_dir / "checkpoints")
     except CheckpointError as exc:
         fail(str(exc))
-    command = [str(Path(sys.executable).parent / "rl-actor"), "eval", *([str(config)] if config else [])]
-    command += [a for o in set_ or [] for a in ("--set", o)] + ["--checkpoint", str(folder)]
+    command = [*_rl_actor("eval", config, set_), "--checkpoint", str(folder)]
     command += ["--json"] * as_json + (["--samples", str(samples)] if samples else [])
     raise typer.Exit(subprocess.run(command).returncode)
 
