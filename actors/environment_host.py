@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import operator
 import os
 import subprocess
 import sys
@@ -39,6 +40,7 @@ from asyncrl.common.environments.protocol import (
     checked_score,
     checked_step,
     make_environment,
+    recorded_as_given,
 )
 from asyncrl.common.observability.logs import get_logger
 from asyncrl.common.observability.metrics import ACTOR_ENVIRONMENT_MOVES
@@ -267,8 +269,9 @@ class HostedEnvironment:
         """Make the environment again (on another worker) and replay the steps it took: each must answer as before."""
         await self.host.call_async("make", episode=self.key, **self._make_fields)
         for action, answered in self._steps:
-            again = _step_fields(await self.host.call_async("step", episode=self.key, action=action))
-            if again != answered:
+            again = Step(**_step_fields(await self.host.call_async("step", episode=self.key, action=action)))
+            same = (again.done, again.reward) == (answered["done"], answered["reward"])
+            if not same or not recorded_as_given(again, functools.partial(operator.eq, answered["observation"])):
                 raise EnvironmentFailed(
                     "the environment made again on another worker answered a replayed step differently: it is not "
                     "deterministic given its row and seed, so its episode cannot move"
@@ -281,7 +284,9 @@ MAX_MOVES = 2
 
 
 def _step_fields(answer: dict[str, Any]) -> dict[str, Any]:
-    return {"observation": answer["observation"], "reward": answer["reward"], "done": answer["done"]}
+    """A :class:`Step`'s fields from an answer (a worker that predates the time-limit fields sends none)."""
+    fields = {"observation": answer["observation"], "reward": answer["reward"], "done": answer["done"]}
+    return {**fields, "timed_out": answer.get("timed_out", False), "if_timed_out": answer.get("if_timed_out", [])}
 
 
 # --------------------------------------------------------------------------- the child
@@ -338,7 +343,7 @@ def _handle(environments: dict[str, Any], request: dict[str, Any]) -> dict[str, 
     if asyncio.iscoroutine(result):
         result = asyncio.run(result)
     step = checked_step(result)
-    return {"observation": step.observation, "reward": float(step.reward), "done": step.done}
+    return {**_step_fields(dataclasses.asdict(step)), "reward": float(step.reward)}
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ from asyncrl.common.environments.protocol import (
     checked_score,
     checked_step,
     make_environment,
+    recorded_as_given,
 )
 from asyncrl.common.environments.turns import EpisodeTools, episode_tools, segments, turn_text
 from asyncrl.common.observability.logs import get_logger
@@ -339,13 +340,22 @@ async def _replay(
             if not last:
                 raise EpisodeMismatch(f"episode {index}: turns after the environment was done")
             break
-        following = ids[parts[n + 1][0] : parts[n + 1][1]].tolist()
-        if following != observation_ids(tools, step):
-            raise EpisodeMismatch(f"episode {index}: an environment turn differs from the environment's observation")
+        _check_observation(tools, step, ids[parts[n + 1][0] : parts[n + 1][1]].tolist(), index)
     score = await final_score(env)
     if rewards:
         rewards[-1] += score
     return rewards
+
+
+def _check_observation(tools: EpisodeTools, step: Step, recorded: list[int], index: int) -> None:
+    """That the episode's environment turn ``recorded`` is what the replayed ``step`` gives, or the same with some of
+    its time-limited calls stopped at their limit. A replay whose own call ran out of time where the episode's did not
+    proves nothing either way: :class:`EnvironmentFailed`, so the reward worker tries again."""
+    if recorded_as_given(step, lambda observation: observation_ids(tools, Step(observation=observation)) == recorded):
+        return
+    if step.timed_out:
+        raise EnvironmentFailed(f"episode {index}: a tool call ran out of time in the replay, not in the episode")
+    raise EpisodeMismatch(f"episode {index}: an environment turn differs from the environment's observation")
 
 
 def replay_time_limit(section: EnvironmentSection) -> float:

@@ -31,6 +31,7 @@ Built-in: ``calculator`` — arithmetic with a ``calc`` tool (:class:`Calculator
 from __future__ import annotations
 
 import ast
+import itertools
 import math
 import operator
 import re
@@ -47,6 +48,8 @@ if TYPE_CHECKING:
 Message = dict[str, str]
 MAX_OBSERVATION_CHARS = 65536
 """Longest observation (all its messages' contents together) an episode takes; a longer one ends it as an error."""
+MAX_TIMED_OUT_VARIANTS = 15
+"""Most :attr:`Step.if_timed_out` observations a step may give: each subset of up to four time-limited calls."""
 
 
 class EnvironmentFailed(RuntimeError):
@@ -75,6 +78,12 @@ class Step:
     observation: list[Message] = field(default_factory=list)
     reward: float = 0.0
     done: bool = False
+    timed_out: bool = False
+    """A time limit cut part of this step short (a tool call that ran out of time): on a faster or less loaded
+    machine the same turn may get another observation."""
+    if_timed_out: list[list[Message]] = field(default_factory=list)
+    """The observations this step would have given had some of its time-limited calls run out of time instead (the
+    reward worker's replay accepts an episode that recorded one of them: it tells the model only that time ran out)."""
 
 
 class Environment(Protocol):
@@ -124,7 +133,21 @@ def checked_step(value: Any) -> Step:
         raise EnvironmentFailed(f"step's done {value.done!r} is not a bool")
     if not value.done and not value.observation:
         raise EnvironmentFailed("step is not done but gives no observation for the next turn")
+    if not isinstance(value.timed_out, bool) or not isinstance(value.if_timed_out, list):
+        raise EnvironmentFailed("step's timed_out is not a bool or its if_timed_out not a list of observations")
+    if len(value.if_timed_out) > MAX_TIMED_OUT_VARIANTS:
+        variants = len(value.if_timed_out)
+        raise EnvironmentFailed(f"step gives {variants} if_timed_out observations, over {MAX_TIMED_OUT_VARIANTS}")
+    for variant in value.if_timed_out:
+        checked_step(Step(observation=variant, done=value.done))
     return value
+
+
+def recorded_as_given(step: Step, recorded: Callable[[list[Message]], bool]) -> bool:
+    """Whether an episode's recorded observation is one ``step`` gives: its own, or one of its time-limited calls
+    stopped at the limit (:attr:`Step.if_timed_out`). ``recorded(observation)`` says whether ``observation`` is what
+    was recorded."""
+    return recorded(step.observation) or any(recorded(variant) for variant in step.if_timed_out)
 
 
 def checked_score(value: Any) -> float:
@@ -208,10 +231,12 @@ class ToolEnvironment:
     each call's result back as one ``tool`` message; a turn without a call is the final answer, scored 1.0 when its last
     number equals the row's answer. Malformed calls, unknown tools and calls past ``max_calls`` (option, default 4) get
     an error message instead of a result (and count in :attr:`tool_errors`). A subclass gives its tools in
-    :meth:`make_tools`: by name, a function from the call's arguments to the result's text."""
+    :meth:`make_tools`: by name, a function from the call's arguments to the result's text; a tool with a time limit
+    names, in :meth:`time_limited`, the one result it gives when it runs out of time."""
 
     def __init__(self, row: EpisodeRow, options: dict[str, Any]) -> None:
         self.tools = self.make_tools(options)
+        self.stopped = self.time_limited(options)
         self.answer = final_number(row.answer)
         self.max_calls = int(options.get("max_calls", 4))
         self.calls = 0
@@ -224,6 +249,7 @@ class ToolEnvironment:
             self.correct = self.answer is not None and final_number(action) == self.answer
             return Step(done=True)
         results = [f"error: malformed tool call: {why}" for why in parsed.errors]
+        limited: list[tuple[int, str]] = []  # (position, result had it run out of time) of each time-limited call
         for call in parsed.calls:
             self.calls += 1
             if call.name not in self.tools:
@@ -231,9 +257,15 @@ class ToolEnvironment:
             elif self.calls > self.max_calls:
                 results.append(f"error: more than {self.max_calls} calls")
             else:
+                if call.name in self.stopped:
+                    limited.append((len(results), self.stopped[call.name]))
                 results.append(self.tools[call.name](call.arguments))
         self.tool_errors += sum(r.startswith("error:") for r in results)
-        return Step(observation=[{"role": "tool", "content": "\n".join(results)}])
+        return Step(
+            observation=_tool_message(results),
+            timed_out=any(results[at] == stop for at, stop in limited),
+            if_timed_out=[_tool_message(variant) for variant in _timed_out_variants(results, limited)],
+        )
 
     def score(self) -> float:
         return 1.0 if self.correct else 0.0
@@ -245,6 +277,29 @@ class ToolEnvironment:
     def tool_specs(cls, options: dict[str, Any]) -> list[dict[str, Any]]:
         """The tools as the chat template offers them to the model (:func:`function_spec`)."""
         return []
+
+    def time_limited(self, options: dict[str, Any]) -> dict[str, str]:
+        """The tools with a time limit, each with the result it gives when it runs out of time (whichever limit it
+        met first: that depends on the machine's load, so the text must not)."""
+        return {}
+
+
+def _tool_message(results: list[str]) -> list[Message]:
+    return [{"role": "tool", "content": "\n".join(results)}]
+
+
+def _timed_out_variants(results: list[str], limited: list[tuple[int, str]]) -> list[list[str]]:
+    """``results`` with each non-empty subset of its time-limited calls that finished (the first four) replaced by
+    their out-of-time result: what a more loaded machine could have given for the same turn."""
+    finished = [(at, stop) for at, stop in limited if results[at] != stop][:4]
+    variants = []
+    for size in range(1, len(finished) + 1):
+        for subset in itertools.combinations(finished, size):
+            variant = list(results)
+            for at, stop in subset:
+                variant[at] = stop
+            variants.append(variant)
+    return variants
 
 
 @register_environment("calculator")

@@ -20,7 +20,17 @@ from asyncrl.actors.episodes import EpisodeMismatch, EpisodeTools, environment_r
 from asyncrl.common.config import ConfigError, EnvironmentSection, RewardFunction, load_config
 from asyncrl.common.data.prompts import Prompter, turn_end_id
 from asyncrl.common.data.tasks import TaskExample
-from asyncrl.common.environments.protocol import ENVIRONMENTS, EnvironmentFailed, EpisodeRow, Step, calculate, run_tools
+from asyncrl.common.environments.protocol import (
+    ENVIRONMENTS,
+    MAX_TIMED_OUT_VARIANTS,
+    EnvironmentFailed,
+    EpisodeRow,
+    Step,
+    ToolEnvironment,
+    calculate,
+    checked_step,
+    run_tools,
+)
 from asyncrl.common.environments.tool_calls import parse_tool_calls
 from asyncrl.common.environments.turns import TemplateError, TurnEncoder, segments
 from asyncrl.common.rewards.functions import bind_functions, episode_options
@@ -308,3 +318,51 @@ def test_an_episode_past_its_time_limit_ends_before_its_next_turn(tools: Episode
     assert len(engine.prompts) == 1 and rollout.finish_reasons == ["length"]
     assert [t for _, _, t in segments(rollout.trained(0))] == [True, False]  # its first turn and the answer to it
     assert replay(tools, rollout, turn) == 0.25
+
+
+WAIT = '<tool_call>{"name": "wait", "arguments": {}}</tool_call>'
+OUT_OF_TIME = "error: timeout: ran out of time"
+
+
+class Timed(ToolEnvironment):
+    """A ``wait`` tool with a time limit that finishes (``waited``) or runs out of time as ``options["late"]`` says:
+    one machine loaded, another not."""
+
+    def make_tools(self, options):
+        results = {"yes": OUT_OF_TIME, "no": "waited", "other": "error: something else"}
+        return {"wait": lambda arguments: results[options["late"]]}
+
+    def time_limited(self, options):
+        return {"wait": OUT_OF_TIME}
+
+
+def test_a_tool_that_ran_out_of_time_in_the_episode_but_not_in_the_replay_is_accepted(tools: EpisodeTools) -> None:
+    """Which limit a tool meets first depends on load: the replay accepts an episode whose call ran out of time where
+    its own did not (the model was told only that), retries one whose own call ran out of time, and refuses any other
+    text in the tool's place."""
+    timed = lambda late: (f"environment.name={HERE}:Timed", f"environment.options={{late='{late}'}}")  # noqa: E731
+    late, _, _ = episode(tools, [WAIT, "It is 42."], *timed("yes"))
+    assert replay(tools, late, context(*timed("no"))) == 1.0
+    in_time, _, _ = episode(tools, [WAIT, "It is 42."], *timed("no"))
+    with pytest.raises(EnvironmentFailed, match="ran out of time in the replay, not in the episode"):
+        replay(tools, in_time, context(*timed("yes")))
+    other, _, _ = episode(tools, [WAIT, "It is 42."], *timed("other"))
+    with pytest.raises(EpisodeMismatch, match="differs from the environment's observation"):
+        replay(tools, other, context(*timed("no")))
+
+
+def test_a_turn_with_several_time_limited_calls_offers_each_subset_of_them_out_of_time() -> None:
+    env = Timed(EpisodeRow(prompt="", answer="42"), {"late": "no", "max_calls": 8})
+    step = env.step(WAIT * 2 + '<tool_call>{"name": "nope", "arguments": {}}</tool_call>')
+    assert (
+        not step.timed_out
+        and step.observation[0]["content"] == "waited\nwaited\nerror: unknown tool 'nope'; the tools are wait"
+    )
+    assert sorted(v[0]["content"].split("\n")[:2] for v in step.if_timed_out) == sorted(
+        [[OUT_OF_TIME, "waited"], ["waited", OUT_OF_TIME], [OUT_OF_TIME, OUT_OF_TIME]]
+    )
+    many = env.step(WAIT * 6)
+    assert len(many.if_timed_out) == MAX_TIMED_OUT_VARIANTS  # the first four calls' subsets; checked_step allows them
+    assert checked_step(many) is many
+    late = Timed(EpisodeRow(prompt="", answer="42"), {"late": "yes"}).step(WAIT)
+    assert late.timed_out and late.if_timed_out == []
