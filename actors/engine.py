@@ -23,7 +23,7 @@ from typing import Any
 
 from asyncrl.actors import ipc_folder
 from asyncrl.actors.generation import Response, Sampling
-from asyncrl.actors.lifeline import export_actor_pid
+from asyncrl.actors.lifeline import export_actor_pid, start_sweeper
 from asyncrl.common.config import RolloutSection, RunConfig
 from asyncrl.common.observability.logs import get_logger
 from asyncrl.common.observability.procs import cpu_list, move_process
@@ -49,6 +49,7 @@ class RolloutEngine:
 
         args = AsyncEngineArgs(**engine_keywords(config, AsyncEngineArgs, _has_gpu(), seed))
         export_actor_pid()  # vLLM's processes end with this one, even on kill -9 (actors/lifeline.py)
+        start_sweeper()
         self._ipc_folder = ipc_folder.claim()  # vLLM's sockets: removed at shutdown (actors/ipc_folder.py)
         try:
             self.llm = AsyncLLM.from_engine_args(args)

@@ -16,6 +16,12 @@ that miss the plugin follow their dead EngineCore through vLLM's death pipe, and
 that very moment (which has loaded nothing yet) is killed by EngineCore on its way out. Nothing runs in the actor,
 so nothing depends on the actor getting to run a handler: that is the point.
 
+A process of the engine that has not reached the plugin yet when the actor dies (EngineCore importing vLLM or in
+its handshake with the actor, a worker half-spawned) is ended by the actor's sweeper instead
+(:func:`start_sweeper`): a small process of its own, started with the engine, that waits for the actor to exit and
+then SIGKILLs every process whose environment carries the actor's :data:`ACTOR_PID_ENV` (each vLLM process is
+started with it), for as long as new ones keep appearing.
+
 A PID can be reused once its process is gone. The watch is only started while the actor is still this process's
 parent (EngineCore, or a one-process executor's worker) or grandparent (a worker under EngineCore); otherwise the
 actor is already gone and this process ends at once — alone: a parent that is not the actor's child is a reaper
@@ -28,8 +34,11 @@ import contextlib
 import os
 import select
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 from asyncrl.common.observability.logs import get_logger
 from asyncrl.common.observability.procs import alive, child_pids, parent_of
@@ -38,6 +47,12 @@ log = get_logger("lifeline")
 ACTOR_PID_ENV = "ASYNCRL_ACTOR_PID"
 _POLL_S = 0.5
 _following: threading.Thread | None = None
+_sweeper: subprocess.Popen | None = None
+SWEEP_QUIET_S = 2.0
+"""The sweeper stops once it has found no process of the actor's for this long (a process being spawned shows up at
+once: the fork comes before anything else)."""
+SWEEP_MAX_S = 60.0
+"""And in any case after this long."""
 
 
 def export_actor_pid() -> None:
@@ -71,16 +86,22 @@ def follow_actor() -> threading.Thread | None:
 
 
 def _watch(actor: int, engine_core: int | None) -> None:
+    _wait_for_exit(actor)
+    _end(actor, engine_core)
+
+
+def _wait_for_exit(pid: int) -> None:
+    """Return once process ``pid`` has exited: woken by the kernel through a pidfd, or polling where there is none."""
     try:
-        fd = os.pidfd_open(actor)
+        fd = os.pidfd_open(pid)
     except (AttributeError, OSError):
         fd = None
     if fd is not None:
         select.select([fd], [], [])  # readable once the process has exited
+        os.close(fd)
     else:
-        while alive(actor):
+        while alive(pid):
             time.sleep(_POLL_S)
-    _end(actor, engine_core)
 
 
 def _end(actor: int, engine_core: int | None) -> None:
@@ -92,3 +113,60 @@ def _end(actor: int, engine_core: int | None) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def start_sweeper() -> subprocess.Popen | None:
+    """In the actor, once :func:`export_actor_pid` has run: start the sweeper (module docstring), once per actor."""
+    global _sweeper
+    if _sweeper is not None and _sweeper.poll() is None:
+        return _sweeper
+    env = {key: value for key, value in os.environ.items() if key != ACTOR_PID_ENV}  # it must not sweep itself
+    command = [sys.executable, "-m", "asyncrl.actors.lifeline", str(os.getpid())]
+    _sweeper = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
+    return _sweeper
+
+
+def sweep(actor: int) -> int:
+    """SIGKILL the processes that carry ``actor``'s PID in their environment until none has appeared for
+    :data:`SWEEP_QUIET_S`; returns how many were killed."""
+    marker = f"{ACTOR_PID_ENV}={actor}".encode()
+    killed: set[int] = set()
+    started = quiet_since = time.monotonic()
+    while time.monotonic() - quiet_since < SWEEP_QUIET_S and time.monotonic() - started < SWEEP_MAX_S:
+        found = [pid for pid in _marked(marker) if pid != os.getpid()]
+        for pid in found:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if found:
+            killed |= set(found)
+            quiet_since = time.monotonic()
+        time.sleep(0.05)
+    return len(killed)
+
+
+def _marked(marker: bytes) -> list[int]:
+    """The processes whose environment holds the entry ``marker``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                environment = (entry / "environ").read_bytes()
+            except OSError:  # gone, or not ours to read
+                continue
+            if marker in environment.split(b"\0"):
+                found.append(int(entry.name))
+    return found
+
+
+def _sweep_after(actor: int) -> None:
+    """The sweeper: wait for the actor to exit, then :func:`sweep`. Interrupts meant for the actor's terminal or
+    process group do not end it before its work is done."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
+    _wait_for_exit(actor)
+    if killed := sweep(actor):
+        log.error("the rollout actor is gone; ended the vLLM processes it left", actor_pid=actor, processes=killed)
+
+
+if __name__ == "__main__":
+    _sweep_after(int(sys.argv[1]))

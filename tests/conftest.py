@@ -70,6 +70,8 @@ SHARED_CORES = {
     "test_reward_worker.py", "test_environment_workers.py", "test_garbage_flood.py",
     # the experiment trackers' own packages writing to disk (W&B's service process included)
     "test_trackers.py",
+    # sleeping processes and an actor's sweeper ending them
+    "test_lifeline_sweeper.py",
     # DeepSpeed engines in the test's own process, offline `rl-learner` runs and two-rank torchruns: training whose
     # checks compare numbers, never a clock
     "test_checkpoint.py", "test_critic.py", "test_dpo_offline.py", "test_learner_engine.py", "test_learner_ranks.py",

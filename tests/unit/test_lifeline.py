@@ -82,3 +82,15 @@ def test_the_end_takes_this_processs_children_first_then_engine_core_then_itself
     lifeline._end(ACTOR, engine_core)
     expected = [31, 32, *([engine_core] if engine_core else []), me]
     assert killed == [(pid, lifeline.signal.SIGKILL) for pid in expected]
+
+
+def test_the_sweeper_kills_what_carries_the_actors_pid_until_none_appears(monkeypatch) -> None:
+    """Processes found on successive looks (one being spawned appears late) are all killed; the sweeper never kills
+    itself, and stops once nothing has turned up for its quiet time."""
+    me, killed = lifeline.os.getpid(), []
+    looks = iter([[101, me], [], [102], []])
+    monkeypatch.setattr(lifeline, "_marked", lambda marker: next(looks, []))
+    monkeypatch.setattr(lifeline.os, "kill", lambda pid, sig: killed.append(pid))
+    monkeypatch.setattr(lifeline, "SWEEP_QUIET_S", 0.2)
+    assert lifeline.sweep(ACTOR) == 2
+    assert killed == [101, 102]
