@@ -101,8 +101,12 @@ class PeerTask:
     """Supervised warm-start steps that leave the tiny model at partial skill on it."""
     threshold: float
     """Held-out greedy accuracy that time-to-accuracy is measured to (``--threshold`` sets the first task's)."""
+    shape: tuple[str, ...] = ()
+    """``rl-learner init-model`` options for the model's size (the demo's 0.34 M parameters when empty)."""
 
 
+LONG_TAIL_WARM_STEPS = 400
+"""Supervised warm-start steps of the long-tail model (batch 32, lr 3e-3)."""
 TASKS: dict[str, PeerTask] = {
     # the demo's task: one-digit sums, responses of 1-2 characters and EOS; ~0.5 greedy accuracy after the warm start
     "arithmetic": PeerTask((), 120, 0.7),
@@ -118,6 +122,22 @@ TASKS: dict[str, PeerTask] = {
         350,
         0.7,
     ),
+    # long-tail: reversing 2-96 letters, lengths Pareto(1) (60% at most 4 letters, 8% of prompts hold half the
+    # answer letters, one in fifty all 96), on a 3.9 M-parameter model (hidden 256, 6 layers: 11.6x the demo's). A
+    # synchronous batch of 16 prompts holds a string of 48 letters or more about half the time and waits for it.
+    "long-tail": PeerTask(
+        (
+            "task.name=reverse",
+            "task.options={ min_length = 2, max_length = 96, tail = 1.0 }",
+            "eval.name=reverse",
+            "eval.options={ min_length = 2, max_length = 96, tail = 1.0 }",
+            "rollout.max_new_tokens=100",
+            "model.max_model_len=256",
+        ),
+        LONG_TAIL_WARM_STEPS,
+        0.5,
+        ("--hidden", "256", "--layers", "6", "--threads", "2"),
+    ),
 }
 THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9)
 """Also reported: time-to-accuracy at each of these."""
@@ -132,9 +152,9 @@ def resolved(overrides: list[str]):
     return load_config(CONFIG, overrides)
 
 
-def init_model(folder: Path, task_overrides: list[str], warm_steps: int) -> None:
+def init_model(folder: Path, task_overrides: list[str], warm_steps: int, shape: tuple[str, ...] = ()) -> None:
     sets = [a for o in [*task_overrides, f"model.path={folder}"] for a in ("--set", o)]
-    cmd = [str(BIN / "rl-learner"), "init-model", str(CONFIG), *sets, "--warm-steps", str(warm_steps)]
+    cmd = [str(BIN / "rl-learner"), "init-model", str(CONFIG), *sets, "--warm-steps", str(warm_steps), *shape]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -178,6 +198,7 @@ def trl_child(spec_file: Path, out_file: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(config.model.path)
     model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32)
     record = TrlRecord(config, tokenizer)
+    model.generate = record.timed(model.generate)
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=record.reward,
@@ -260,6 +281,9 @@ class TrlRecord:
         self.examples = eval_examples(config, Prompter.for_tokenizer(tokenizer, config.task))
         self.max_new = eval_max_new_tokens(config)
         self.tokens: list[int] = []
+        self.lengths: list[int] = []
+        self.generate_s = 0.0
+        self.evaluating = False
         self.times: dict[int, float] = {}
         self.accuracy: dict[int, float] = {}
         self.eval_s = 0.0
@@ -273,14 +297,29 @@ class TrlRecord:
         hooks = {"on_train_begin": self.on_train_begin, "on_step_end": self.on_step_end}
         return type("TrlRecordCallback", (TrainerCallback,), hooks)()
 
+    def timed(self, generate):
+        """``model.generate`` with its training-time seconds added to ``generate_s`` (evaluation's are not)."""
+
+        def timed_generate(*args: Any, **kwargs: Any):
+            started = time.perf_counter()
+            try:
+                return generate(*args, **kwargs)
+            finally:
+                if not self.evaluating:
+                    self.generate_s += time.perf_counter() - started
+
+        return timed_generate
+
     def reward(self, prompts, completions, answer, completion_ids, **_: Any) -> list[float]:
         self.tokens.append(sum(len(ids) for ids in completion_ids))
+        self.lengths += [len(ids) for ids in completion_ids]
         return [float(self.verify(c, a)) for c, a in zip(completions, answer, strict=True)]
 
     def on_train_begin(self, args, state, control, model=None, **_: Any) -> None:
         self.evaluate(model, 0)
         self.start = time.perf_counter()
         self.eval_s = 0.0
+        self.generate_s = 0.0
 
     def on_step_end(self, args, state, control, model=None, **_: Any) -> None:
         step = state.global_step
@@ -291,7 +330,7 @@ class TrlRecord:
     def evaluate(self, model, step: int) -> None:
         import torch
 
-        started = time.perf_counter()
+        started, self.evaluating = time.perf_counter(), True
         self.tokenizer.padding_side = "left"
         batch = self.tokenizer([e.prompt for e in self.examples], return_tensors="pt", padding=True)
         was_training = model.training
@@ -308,6 +347,7 @@ class TrlRecord:
         ]
         self.accuracy[step] = sum(solved) / len(solved)
         self.eval_s += time.perf_counter() - started
+        self.evaluating = False
 
     def figures(self) -> dict[str, Any]:
         return {
@@ -316,6 +356,8 @@ class TrlRecord:
             "accuracy": self.accuracy,
             "startup_s": self.times[1] + self.start - self.born,
             "eval_s": self.eval_s,
+            "generate_s": self.generate_s,
+            "lengths": self.lengths,
         }
 
 
@@ -333,7 +375,36 @@ def run_trl(tmp: Path, overrides: list[str], threshold: float, threads: int) -> 
     raw = json.loads(out.read_text())
     as_int = {k: {int(s): v for s, v in raw[k].items()} for k in ("times", "tokens", "accuracy")}
     figures = clock_figures(as_int["times"], as_int["tokens"], as_int["accuracy"], threshold)
-    return figures | {"startup_s": raw["startup_s"], "eval_s_off_clock": raw["eval_s"], "wall_s": time.time() - started}
+    return figures | {
+        "startup_s": raw["startup_s"],
+        "eval_s_off_clock": raw["eval_s"],
+        "wall_s": time.time() - started,
+        "generation_share": raw["generate_s"] / max(as_int["times"][max(as_int["times"])], 1e-9),
+        "response_tokens": length_figures(raw["lengths"]),
+    }
+
+
+LENGTH_BINS = (4, 8, 16, 32, 64, 128)
+"""Upper ends of the response-length histogram's bins (tokens, the end of sequence included)."""
+
+
+def length_figures(lengths: list[int]) -> dict[str, Any]:
+    """Mean, p50, p95, max and a histogram (share of responses per :data:`LENGTH_BINS` bin) of response lengths."""
+    ordered = sorted(lengths)
+    if not ordered:
+        return {}
+    low, histogram = 0, {}
+    for high in LENGTH_BINS:
+        histogram[f"{low + 1}-{high}"] = sum(low < n <= high for n in ordered) / len(ordered)
+        low = high
+    histogram[f">{low}"] = sum(n > low for n in ordered) / len(ordered)
+    return {
+        "mean": sum(ordered) / len(ordered),
+        "p50": ordered[len(ordered) // 2],
+        "p95": ordered[int(0.95 * (len(ordered) - 1))],
+        "max": ordered[-1],
+        "histogram": histogram,
+    }
 
 
 # --------------------------------------------------------------------------- asyncrl (hand-pinned processes)
@@ -413,6 +484,10 @@ def asyncrl_figures(metrics: Path, started: float, threshold: float) -> dict[str
         "idle_fraction": sum(r["step/idle_fraction"] for r in train[1:]) / max(len(train) - 1, 1),
         "staleness_max": max(r["rollout/staleness_max"] for r in train),
         "eval_missing": sum(r.get("eval/missing", 0) for r in rows if "eval/step" in r),
+        "response_tokens": {
+            statistic: sum(r.get(f"rollout/response_tokens_{statistic}", 0.0) for r in train) / len(train)
+            for statistic in ("mean", "p50", "p95", "max")
+        },
         **offpolicy_figures(train),
     }
 
@@ -441,7 +516,8 @@ def compare(tmp: Path, task: str, args: argparse.Namespace, first: bool) -> dict
     model = args.model if first else None
     if model is None:
         model = tmp / f"model-{task}"
-        init_model(model, task_overrides, args.warm_steps if first and args.warm_steps is not None else spec.warm_steps)
+        warm_steps = args.warm_steps if first and args.warm_steps is not None else spec.warm_steps
+        init_model(model, task_overrides, warm_steps, spec.shape)
     overrides = [
         *task_overrides,
         f"model.path={model.resolve()}",
@@ -503,6 +579,10 @@ def table(result: dict[str, Any], args: argparse.Namespace) -> str:
     rows = [
         ("s/step", lambda r: fmt(r["s_per_step"])),
         ("tokens/s", lambda r: fmt(r["tokens_per_s"], ".0f")),
+        ("response tokens, mean", lambda r: fmt(r["response_tokens"].get("mean"), ".1f")),
+        ("response tokens, p95", lambda r: fmt(r["response_tokens"].get("p95"), ".1f")),
+        ("response tokens, max", lambda r: fmt(r["response_tokens"].get("max"), ".0f")),
+        ("generation share of a step", lambda r: fmt(r.get("generation_share"), ".2f")),
         (f"steps to {result['threshold']:g}", lambda r: fmt(r["steps_to_accuracy"], "d")),
         (f"seconds to {result['threshold']:g}", lambda r: fmt(r["time_to_accuracy_s"], ".1f")),
         ("final accuracy", lambda r: fmt(r["final_accuracy"])),
@@ -517,6 +597,8 @@ def table(result: dict[str, Any], args: argparse.Namespace) -> str:
     steps = sorted({int(s) for _, r in runs for s in r["accuracy"]})
     rows += [(f"accuracy @ step {s}", lambda r, s=s: fmt(r["accuracy"].get(str(s)))) for s in steps]
     lines += [f"{label:28}" + "".join(f"{cell(r):>18}" for _, r in runs) for label, cell in rows]
+    histogram = result["trl"]["response_tokens"].get("histogram", {})
+    lines.append("TRL's responses by length (tokens): " + ", ".join(f"{b} {v:.1%}" for b, v in histogram.items()))
     lines.append(
         f"time-to-accuracy, asyncrl / TRL: sync {fmt(result['ratio_sync'], '.2f')}, "
         f"async {fmt(result['ratio_async'], '.2f')}; s/step, asyncrl / TRL: sync "

@@ -191,6 +191,8 @@ def init_model_command(
         ),
     ] = "task",
     threads: Annotated[int, typer.Option(min=1, help="CPU threads of the warm start.")] = 1,
+    hidden: Annotated[int | None, typer.Option(min=16, help="Hidden size (default: the kind's, 128).")] = None,
+    layers: Annotated[int | None, typer.Option(min=1, help="Decoder layers (default: the kind's, 2 or 4).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing model folder.")] = False,
 ) -> None:
     """Write the tiny Llama checkpoint the config names (model.path): character tokenizer, seeded weights,
@@ -205,13 +207,18 @@ def init_model_command(
 
     if kind not in MODEL_KINDS:
         fail(f"--kind must be one of {', '.join(MODEL_KINDS)}, got {kind!r}")
+    if hidden is not None and hidden % 4:
+        fail(f"--hidden must be a multiple of 4 (the model's 4 attention heads), got {hidden}")
     resolved = load(config, set_, check=check_config)
     out = Path(resolved.model.path)
     if (out / "config.json").exists() and not force:
         typer.echo(f"{out} exists; keeping it (--force to overwrite)", err=True)
         return
     make, warm = MODEL_KINDS[kind]()
-    folder = make(out, seed=resolved.run.seed)
+    shape = {key: value for key, value in (("hidden", hidden), ("layers", layers)) if value is not None}
+    if "hidden" in shape:  # Llama's usual proportions: 4 heads of hidden/4, an MLP twice as wide
+        shape |= {"intermediate": 2 * shape["hidden"]}
+    folder = make(out, seed=resolved.run.seed, **shape)
     if warm_steps:
         task, rng = get_task(resolved.task.name, **resolved.task.options), random.Random(resolved.run.seed + 1)
         pairs = [(e.prompt, e.answer) for e in (task.sample(rng) for _ in range(examples))]

@@ -101,6 +101,16 @@ def test_reverse_answer_is_the_reversed_string_within_the_length_bounds() -> Non
     assert get_task("reverse").sample(random.Random(0)).answer  # defaults work
 
 
+def test_reverse_with_a_tail_draws_mostly_short_strings_and_a_few_that_hold_much_of_the_letters() -> None:
+    lengths = sorted(len(e.answer) for e in draw(get_task("reverse", min_length=2, max_length=96, tail=1), 0, 4000))
+    assert lengths[0] >= 2 and lengths[-1] == 96
+    assert 0.55 < sum(n <= 4 for n in lengths) / len(lengths) < 0.65  # P(L <= 4) = 1 - 2/5
+    longest = lengths[int(0.9 * len(lengths)) :]
+    assert sum(longest) > 0.5 * sum(lengths)  # the longest tenth holds over half the letters
+    with pytest.raises(ValueError, match="tail must be a number"):
+        get_task("reverse", tail=-1)
+
+
 def test_countdown_prompt_matches_its_answer_and_the_generated_solution_scores_one() -> None:
     verify = get_verifier("countdown")
     for example in draw(get_task("countdown", count=4, max_number=12), seed=5, n=300):

@@ -93,3 +93,18 @@ def test_the_same_seed_makes_the_same_model_whatever_ran_before(tmp_path: Path) 
     assert (first / "model.safetensors").read_bytes() == (second / "model.safetensors").read_bytes()
     other = init_agent_model(tmp_path / "other", seed=4, **shape)
     assert (first / "model.safetensors").read_bytes() != (other / "model.safetensors").read_bytes()
+
+
+def test_init_model_takes_a_shape_and_refuses_one_the_heads_cannot_split(tmp_path: Path) -> None:
+    from transformers import AutoConfig
+    from typer.testing import CliRunner
+
+    from asyncrl.learner.cli import app
+
+    folder = tmp_path / "m"
+    result = CliRunner().invoke(app, ["init-model", "--hidden", "64", "--layers", "3", "--set", f"model.path={folder}"])
+    assert result.exit_code == 0, result.output
+    shape = AutoConfig.from_pretrained(folder)
+    assert (shape.hidden_size, shape.num_hidden_layers, shape.intermediate_size) == (64, 3, 128)
+    result = CliRunner().invoke(app, ["init-model", "--hidden", "66", "--set", f"model.path={tmp_path / 'n'}"])
+    assert result.exit_code != 0 and "--hidden must be a multiple of 4" in result.output
