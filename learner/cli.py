@@ -193,6 +193,7 @@ def init_model_command(
     threads: Annotated[int, typer.Option(min=1, help="CPU threads of the warm start.")] = 1,
     hidden: Annotated[int | None, typer.Option(min=16, help="Hidden size (default: the kind's, 128).")] = None,
     layers: Annotated[int | None, typer.Option(min=1, help="Decoder layers (default: the kind's, 2 or 4).")] = None,
+    lr: Annotated[float | None, typer.Option(min=0, help="Warm-start learning rate (default: the kind's).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing model folder.")] = False,
 ) -> None:
     """Write the tiny Llama checkpoint the config names (model.path): character tokenizer, seeded weights,
@@ -222,7 +223,8 @@ def init_model_command(
     if warm_steps:
         task, rng = get_task(resolved.task.name, **resolved.task.options), random.Random(resolved.run.seed + 1)
         pairs = [(e.prompt, e.answer) for e in (task.sample(rng) for _ in range(examples))]
-        figures = warm(folder, pairs, steps=warm_steps, seed=resolved.run.seed, threads=threads)
+        options = {"lr": lr} if lr is not None else {}
+        figures = warm(folder, pairs, steps=warm_steps, seed=resolved.run.seed, threads=threads, **options)
         typer.echo(
             f"warm start: loss {figures['loss_first']:.3f} -> {figures['loss_last']:.3f} in {figures['seconds']:.1f}s",
             err=True,

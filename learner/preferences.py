@@ -141,7 +141,7 @@ def _wrong_integer(example: TaskExample, rng: random.Random) -> str:
 
 
 def _wrong_text(example: TaskExample, rng: random.Random) -> str:
-    """One character of the answer replaced by a different letter (``reverse``)."""
+    """One character of the answer replaced by a different letter (``reverse``, ``copy``)."""
     index = rng.randrange(len(example.answer))
     letter = rng.choice([c for c in "abcdefghijklmnopqrstuvwxyz" if c != example.answer[index]])
     return example.answer[:index] + letter + example.answer[index + 1 :]
@@ -150,6 +150,7 @@ def _wrong_text(example: TaskExample, rng: random.Random) -> str:
 WRONG_ANSWERS: dict[str, Callable[[TaskExample, random.Random], str]] = {
     "arithmetic": _wrong_integer,
     "reverse": _wrong_text,
+    "copy": _wrong_text,
 }
 """Tasks whose answer is the response text itself, and how to make a wrong one for the rejected side."""
 

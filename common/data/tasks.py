@@ -21,6 +21,7 @@ task            prompt                    answer
 ==============  ========================  ==================================================
 ``arithmetic``  ``12+7=``                 ``19``
 ``reverse``     ``rev:abcde=``            ``edcba``
+``copy``        ``cp:abcde=``             ``abcde``
 ``countdown``   ``cd:3,5,7>22=``          ``{"numbers": [3, 5, 7], "target": 22, "solution": "(3*5)+7"}``
 ``file``        a row's prompt or         a row's answer (JSON-encoded when not a string)
                 ``messages``
@@ -251,15 +252,34 @@ class ReverseTask(Task):
             raise ValueError(f"task 'reverse': tail must be a number in [0, 10] (0: uniform lengths), got {tail!r}")
         self.min_length, self.max_length, self.tail = min_length, max_length, float(tail)
 
+    prefix: ClassVar[str] = "rev"
+
     def sample(self, rng: random.Random) -> TaskExample:
         text = "".join(rng.choices(_LETTERS, k=self._length(rng)))
-        return TaskExample(f"rev:{text}=", text[::-1])
+        return TaskExample(f"{self.prefix}:{text}=", self.transform(text))
+
+    @staticmethod
+    def transform(text: str) -> str:
+        return text[::-1]
 
     def _length(self, rng: random.Random) -> int:
         if not self.tail:
             return rng.randint(self.min_length, self.max_length)
         pareto = self.min_length * (1.0 - rng.random()) ** (-1.0 / self.tail)  # inverse of the CDF, u in (0, 1]
         return min(self.max_length, int(pareto))
+
+
+@register_task("copy")
+class CopyTask(ReverseTask):
+    """``cp:abcde=`` → ``abcde``: copy the letters, with :class:`ReverseTask`'s lengths and options. Copying is what
+    a small transformer learns first (an attention head that looks back), so a short warm start leaves it at partial
+    skill on long strings, where reversing would need far more."""
+
+    prefix = "cp"
+
+    @staticmethod
+    def transform(text: str) -> str:
+        return text
 
 
 @register_task("countdown")

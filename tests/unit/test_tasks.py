@@ -26,7 +26,7 @@ from asyncrl.common.data.tasks import (
 from asyncrl.common.rewards.verifiers import get_verifier
 from asyncrl.common.tiny_models.character import build_char_tokenizer
 
-GENERATED = ["arithmetic", "reverse", "countdown"]
+GENERATED = ["arithmetic", "reverse", "copy", "countdown"]
 
 
 def char_prompter() -> Prompter:
@@ -111,6 +111,11 @@ def test_reverse_with_a_tail_draws_mostly_short_strings_and_a_few_that_hold_much
         get_task("reverse", tail=-1)
 
 
+def test_copy_answers_with_the_letters_themselves_drawn_as_reverse_draws_them() -> None:
+    for copied, reversed_ in zip(draw(get_task("copy", tail=1), 3, 100), draw(get_task("reverse", tail=1), 3, 100)):
+        assert copied.prompt == "cp:" + copied.answer + "=" and copied.answer == reversed_.answer[::-1]
+
+
 def test_countdown_prompt_matches_its_answer_and_the_generated_solution_scores_one() -> None:
     verify = get_verifier("countdown")
     for example in draw(get_task("countdown", count=4, max_number=12), seed=5, n=300):
@@ -128,6 +133,7 @@ def test_first_examples_of_seed_zero_are_pinned() -> None:
     assert [get_task(name).sample(random.Random(0)) for name in GENERATED] == [
         TaskExample("49*97=", "4753"),
         TaskExample("rev:tkgnku=", "ukngkt"),
+        TaskExample("cp:tkgnku=", "tkgnku"),
         TaskExample("cd:7,7,1>1=", '{"numbers": [7, 7, 1], "target": 1, "solution": "(1*7)/7"}'),
     ]
 
@@ -222,7 +228,7 @@ def test_registry_refuses_a_second_class_under_a_taken_name() -> None:
 
 
 def test_get_task_rejects_unknown_names_and_options() -> None:
-    with pytest.raises(ValueError, match="unknown task 'nope'; registered: arithmetic, countdown"):
+    with pytest.raises(ValueError, match="unknown task 'nope'; registered: arithmetic, copy, countdown"):
         get_task("nope")
     with pytest.raises(ValueError, match="task 'reverse': bad options"):
         get_task("reverse", max_digits=3)
