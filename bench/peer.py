@@ -135,6 +135,7 @@ TASKS: dict[str, PeerTask] = {
             "eval.options={ min_length = 2, max_length = 96, tail = 1.0 }",
             "rollout.max_new_tokens=100",
             "model.max_model_len=256",
+            "learner.micro_batch_size=16",  # asyncrl's learner: 8 passes, each cut to its own longest row
         ),
         LONG_TAIL_WARM_STEPS,
         0.65,

@@ -38,6 +38,10 @@ class TrainBatch:
     def rows(self) -> int:
         return int(self.input_ids.shape[0])
 
+    @property
+    def width(self) -> int:
+        return int(self.input_ids.shape[1])
+
     def tensors(self) -> dict[str, torch.Tensor]:
         return {
             "input_ids": self.input_ids,
@@ -129,12 +133,39 @@ def rank_micro_batches(
     are one unit of the batch with its ``response_mask`` zeroed, which adds 0 to the loss and the gradient. With one
     rank this is :func:`split_micro_batches`. Global-count aggregation makes the shards' gradients sum to the whole
     batch's, so the update does not depend on ``world``.
+
+    Within a shard the units go longest first, and each micro-batch is cut to its own longest row
+    (:func:`trimmed`): with lengths that differ by 10–100× a pass no longer pads every short row to the batch's longest,
+    and neither the order nor the cut changes the loss (rows are right-padded and the attention causal).
     """
     total = len(next(iter(batch.values())))
     per_rank = math.ceil(total // unit / world) * unit
     start, stop = min(rank * per_rank, total), min((rank + 1) * per_rank, total)
-    pieces = split_micro_batches({k: v[start:stop] for k, v in batch.items()}, size) if stop > start else []
+    shard = longest_first({k: v[start:stop] for k, v in batch.items()}, unit) if stop > start else {}
+    pieces = [trimmed(piece) for piece in split_micro_batches(shard, size)] if shard else []
     filler = {k: v[:unit].clone() for k, v in batch.items()}
     if "response_mask" in filler:
         filler["response_mask"].zero_()
-    return pieces + [filler] * (max(1, math.ceil(per_rank / size)) - len(pieces))
+    return pieces + [trimmed(filler)] * (max(1, math.ceil(per_rank / size)) - len(pieces))
+
+
+def longest_first(batch: Mapping[str, Tensor], unit: int = 1) -> dict[str, Tensor]:
+    """The rows reordered by the length of their unit (``unit`` consecutive rows, kept together), longest first."""
+    lengths = batch["attention_mask"].sum(dim=1)
+    units = lengths.view(-1, unit).max(dim=1).values if unit > 1 else lengths
+    order = torch.argsort(units, descending=True, stable=True)
+    rows = (order[:, None] * unit + torch.arange(unit)).flatten() if unit > 1 else order
+    return {key: value[rows] for key, value in batch.items()}
+
+
+def trimmed(batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The batch's ``[B, T]`` tensors cut after the last column any row attends to (right padding only)."""
+    mask = batch["attention_mask"]
+    width = int(mask.any(dim=0).nonzero().max()) + 1 if bool(mask.any()) else 1
+    columns = mask.shape[1]
+    return {k: v[:, :width] if v.dim() >= 2 and v.shape[1] == columns else v for k, v in batch.items()}
+
+
+def padded_to(values: Tensor, width: int) -> Tensor:
+    """``[B, t]`` values widened with zeros to ``[B, width]`` (the columns :func:`trimmed` cut)."""
+    return torch.nn.functional.pad(values, (0, width - values.shape[1]))

@@ -36,7 +36,15 @@ from asyncrl.learner.algorithms import (
 )
 from asyncrl.learner.algorithms.kl import KLController
 from asyncrl.learner.algorithms.masked import masked_mean
-from asyncrl.learner.batch import TrainBatch, collate, preference_rows, rank_micro_batches, split_micro_batches
+from asyncrl.learner.batch import (
+    TrainBatch,
+    collate,
+    padded_to,
+    preference_rows,
+    rank_micro_batches,
+    split_micro_batches,
+    trimmed,
+)
 from asyncrl.learner.engine import PolicyEngine, ReferenceModel, reference_for
 
 if TYPE_CHECKING:
@@ -187,8 +195,8 @@ class PolicyUpdate:
     def _values(self, batch: TrainBatch) -> torch.Tensor:
         """V_old [B, T] of the critic at the start of the step (GAE's bootstrap, the value clip's centre)."""
         parts = [
-            self.critic.values_no_grad(mb["input_ids"], mb["attention_mask"]).cpu()
-            for mb in split_micro_batches(batch.tensors(), self.critic.micro_batch_size)
+            padded_to(self.critic.values_no_grad(mb["input_ids"], mb["attention_mask"]).cpu(), batch.width)
+            for mb in map(trimmed, split_micro_batches(batch.tensors(), self.critic.micro_batch_size))
         ]
         return torch.cat(parts) * batch.response_mask
 
@@ -209,8 +217,11 @@ class PolicyUpdate:
         if self.config.staleness.correction == "none":
             return batch.behaviour_logprobs
         parts = [
-            self.engine.token_logprobs_no_grad(mb["input_ids"], mb["attention_mask"], self.temperature).cpu()
-            for mb in split_micro_batches(batch.tensors(), self.engine.micro_batch_size)
+            padded_to(
+                self.engine.token_logprobs_no_grad(mb["input_ids"], mb["attention_mask"], self.temperature).cpu(),
+                batch.width,
+            )
+            for mb in map(trimmed, split_micro_batches(batch.tensors(), self.engine.micro_batch_size))
         ]
         return torch.cat(parts) * batch.response_mask
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from asyncrl.learner.algorithms.assembly import assemble
+from asyncrl.learner.batch import longest_first
 from asyncrl.learner.update import PolicyUpdate
 from tests.helpers.update_ranks import groups, run_config
 
@@ -51,8 +52,9 @@ def test_the_loss_gets_the_proximal_log_probs_without_a_pass_of_their_own(tiny_m
     assert len(seen) == 5  # 9 rows, micro-batches of 2
     width = batch.response_mask.shape[1]
     got = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in seen])
-    mask = batch.response_mask
-    torch.testing.assert_close(got[mask], expected[mask], atol=TIGHT, rtol=0)
+    order = in_micro_batch_order(batch)  # the micro-batches take the rows longest first
+    mask = batch.response_mask[order]
+    torch.testing.assert_close(got[mask], expected[order][mask], atol=TIGHT, rtol=0)
     # μ is random in these groups, so the off-policy weights read π_old: the metric is π_old/μ's, not 1's
     assert figures["offpolicy/mismatch_kl"] > 0.1
     assert figures["loss/ratio_mean"] == pytest.approx(1.0, abs=1e-6)  # π_θ/π_old before the one update
@@ -67,4 +69,10 @@ def test_a_kl_penalty_in_the_reward_still_computes_proximal_first(tiny_model_dir
     expected = update._old_logprobs(batch)
     update.train(batch)
     got = torch.cat([torch.nn.functional.pad(t, (0, batch.response_mask.shape[1] - t.shape[1])) for t in seen])
-    torch.testing.assert_close(got, expected, atol=0, rtol=0)  # the pass's own tensor, handed on
+    torch.testing.assert_close(got, expected[in_micro_batch_order(batch)], atol=0, rtol=0)  # the pass's own, handed on
+
+
+def in_micro_batch_order(batch) -> torch.Tensor:
+    """The row indices in the order one rank's micro-batches take them (``learner/batch.py: longest_first``)."""
+    rows = torch.arange(batch.rows)
+    return longest_first({"attention_mask": batch.attention_mask, "row": rows})["row"]

@@ -5,13 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncrl.learner.batch import rank_micro_batches, split_micro_batches
+from asyncrl.learner.batch import longest_first, padded_to, rank_micro_batches, split_micro_batches, trimmed
 
 
-def batch(rows: int) -> dict[str, torch.Tensor]:
+def batch(rows: int, width: int = 3) -> dict[str, torch.Tensor]:
+    """Row r holds r·width, r·width+1, …; its length is 1 + r % width (right-padded)."""
+    lengths = torch.tensor([1 + r % width for r in range(rows)])
+    attention = (torch.arange(width)[None, :] < lengths[:, None]).long()
     return {
-        "input_ids": torch.arange(rows * 3).reshape(rows, 3),
-        "response_mask": torch.ones(rows, 3, dtype=torch.bool),
+        "input_ids": torch.arange(rows * width).reshape(rows, width),
+        "attention_mask": attention,
+        "response_mask": attention.bool(),
     }
 
 
@@ -27,6 +31,8 @@ def test_every_rank_runs_as_many_micro_batches_and_every_row_once(rows: int, wor
     for mb in (mb for shard in shards for mb in shard):
         assert 1 <= len(mb["input_ids"]) <= size
         rows_here = (mb["input_ids"][:, 0] // 3).tolist()
+        lengths = mb["attention_mask"].sum(-1)
+        assert mb["input_ids"].shape[1] == int(lengths.max())  # cut to its own longest row
         assert len(rows_here) % unit == 0 and all(
             r // unit == rows_here[i - i % unit] // unit for i, r in enumerate(rows_here)
         )  # a pair stays together
@@ -37,7 +43,29 @@ def test_every_rank_runs_as_many_micro_batches_and_every_row_once(rows: int, wor
 def test_filler_micro_batches_train_nothing_and_one_rank_is_the_plain_split() -> None:
     whole = batch(3)
     *_, filler = rank_micro_batches(whole, 1, 1, 2)  # rank 1 of 2 holds row 2 of 3; the shards are 2 rows each
-    assert not filler["response_mask"].any() and whole["response_mask"].all()  # a copy, masked
-    one = rank_micro_batches(whole, 2, 0, 1)
-    plain = split_micro_batches(whole, 2)
-    assert [mb["input_ids"].tolist() for mb in one] == [mb["input_ids"].tolist() for mb in plain]
+    assert not filler["response_mask"].any() and whole["response_mask"][0].any()  # a copy, masked
+    one = rank_micro_batches(whole, 2, 0, 1)  # rows of lengths 1, 2, 3: longest first, each cut to its longest
+    assert [mb["input_ids"].tolist() for mb in one] == [[[6, 7, 8], [3, 4, 5]], [[0]]]
+    assert len(one) == len(split_micro_batches(whole, 2))
+
+
+def test_pairs_go_longest_first_together_and_the_cut_changes_no_logit_a_row_attends_to() -> None:
+    """A pair is ordered by its longer row; a causal model's values at a row's real tokens do not depend on the pad
+    columns after them, so cutting those columns changes nothing trained."""
+    whole = batch(6, width=5)  # lengths 1 2 3 4 5 1: pairs (1, 2), (3, 4), (5, 1)
+    ordered = longest_first(whole, unit=2)
+    assert (ordered["input_ids"][:, 0] // 5).tolist() == [4, 5, 2, 3, 0, 1]
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).eval()
+    embed = torch.nn.Embedding(30, 8)
+
+    def causal_values(mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        width = mb["input_ids"].shape[1]
+        causal = torch.triu(torch.full((width, width), float("-inf")), diagonal=1)
+        return layer(embed(mb["input_ids"]), src_mask=causal)
+
+    short = {k: v[4:] for k, v in ordered.items()}  # lengths 1 and 2 of width 5
+    cut = trimmed(short)
+    assert cut["input_ids"].shape[1] == 2
+    full = causal_values(short)
+    assert torch.allclose(padded_to(causal_values(cut)[..., 0], 5)[:, :2], full[:, :2, 0], atol=1e-6)

@@ -112,7 +112,8 @@ def test_reverse_with_a_tail_draws_mostly_short_strings_and_a_few_that_hold_much
 
 
 def test_copy_answers_with_the_letters_themselves_drawn_as_reverse_draws_them() -> None:
-    for copied, reversed_ in zip(draw(get_task("copy", tail=1), 3, 100), draw(get_task("reverse", tail=1), 3, 100)):
+    pairs = zip(draw(get_task("copy", tail=1), 3, 100), draw(get_task("reverse", tail=1), 3, 100), strict=True)
+    for copied, reversed_ in pairs:
         assert copied.prompt == "cp:" + copied.answer + "=" and copied.answer == reversed_.answer[::-1]
 
 
