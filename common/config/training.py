@@ -253,7 +253,8 @@ class LearnerSection(Section):
     groups_per_step: Int = Field(8, ge=1, le=65536)
     """Prompt groups in one training batch."""
     micro_batch_size: Int = Field(8, ge=1, le=65536)
-    """Sequences per forward/backward pass."""
+    """Sequences per forward/backward pass, longest first, each pass cut to its longest sequence: with lengths
+    that differ widely, smaller passes pad less."""
     lr: float = Field(1e-5, gt=0.0, le=1.0)
     """Peak learning rate."""
     weight_decay: float = Field(0.0, ge=0.0, le=10.0)
