@@ -49,15 +49,22 @@ _POLL_S = 0.5
 _following: threading.Thread | None = None
 _sweeper: subprocess.Popen | None = None
 SWEEP_QUIET_S = 2.0
-"""The sweeper stops once it has found no process of the actor's for this long (a process being spawned shows up at
-once: the fork comes before anything else)."""
+"""The sweeper stops once it has found no process of the actor's for this long (a process being spawned shows the
+variable once it has exec'd, a moment after its fork)."""
 SWEEP_MAX_S = 60.0
 """And in any case after this long."""
 
 
 def export_actor_pid() -> None:
-    """Called by the actor before it starts vLLM: its engine processes inherit the variable."""
+    """Called by the actor before it starts vLLM: its engine processes inherit the variable.
+
+    The sweeper finds them by it in ``/proc/PID/environ``, which holds the environment a process was exec'd with. So
+    vLLM starts its processes by spawning (a fresh exec; the CPU platform does anyway, a GPU one forks unless told),
+    and ``setproctitle`` — vLLM names its processes ``VLLM::…`` — leaves that block alone (``SPT_NOENV``; it would
+    otherwise write the title over it). A setting the user gave is kept."""
     os.environ[ACTOR_PID_ENV] = str(os.getpid())
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    os.environ.setdefault("SPT_NOENV", "1")
 
 
 def follow_actor() -> threading.Thread | None:

@@ -208,8 +208,8 @@ def init_model_command(
 
     if kind not in MODEL_KINDS:
         fail(f"--kind must be one of {', '.join(MODEL_KINDS)}, got {kind!r}")
-    if hidden is not None and hidden % 4:
-        fail(f"--hidden must be a multiple of 4 (the model's 4 attention heads), got {hidden}")
+    if hidden is not None and hidden % 8:
+        fail(f"--hidden must be a multiple of 8 (4 attention heads of an even size for rotary positions), got {hidden}")
     resolved = load(config, set_, check=check_config)
     out = Path(resolved.model.path)
     if (out / "config.json").exists() and not force:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import random
 import time
 from abc import ABC, abstractmethod
@@ -246,10 +247,10 @@ class ReverseTask(Task):
     """
 
     def __init__(self, min_length: int = 3, max_length: int = 8, tail: float = 0.0) -> None:
-        _check_range("reverse", "min_length", min_length, 1, 256)
-        _check_range("reverse", "max_length", max_length, min_length, 256)
-        if not (isinstance(tail, int | float) and 0 <= tail <= 10):
-            raise ValueError(f"task 'reverse': tail must be a number in [0, 10] (0: uniform lengths), got {tail!r}")
+        _check_range(self.name, "min_length", min_length, 1, 256)
+        _check_range(self.name, "max_length", max_length, min_length, 256)
+        if isinstance(tail, bool) or not (isinstance(tail, int | float) and (tail == 0 or 0.1 <= tail <= 10)):
+            raise ValueError(f"task '{self.name}': tail must be 0 (uniform lengths) or in [0.1, 10], got {tail!r}")
         self.min_length, self.max_length, self.tail = min_length, max_length, float(tail)
 
     prefix: ClassVar[str] = "rev"
@@ -265,8 +266,9 @@ class ReverseTask(Task):
     def _length(self, rng: random.Random) -> int:
         if not self.tail:
             return rng.randint(self.min_length, self.max_length)
-        pareto = self.min_length * (1.0 - rng.random()) ** (-1.0 / self.tail)  # inverse of the CDF, u in (0, 1]
-        return min(self.max_length, int(pareto))
+        # the inverse of the CDF at u in (0, 1], in logarithms: a large power of a small u does not overflow
+        log_length = math.log(self.min_length) - math.log(1.0 - rng.random()) / self.tail
+        return self.max_length if log_length >= math.log(self.max_length + 1) else int(math.exp(log_length))
 
 
 @register_task("copy")

@@ -232,7 +232,9 @@ class ToolEnvironment:
     number equals the row's answer. Malformed calls, unknown tools and calls past ``max_calls`` (option, default 4) get
     an error message instead of a result (and count in :attr:`tool_errors`). A subclass gives its tools in
     :meth:`make_tools`: by name, a function from the call's arguments to the result's text; a tool with a time limit
-    names, in :meth:`time_limited`, the one result it gives when it runs out of time."""
+    names, in :meth:`time_limited`, the one result it gives when it runs out of time, and returns it as
+    :class:`OutOfTime` then (text a program printed is never taken for a timeout). Such a tool must not change the
+    environment's state: a replay may accept its call as run out of time where it finished."""
 
     def __init__(self, row: EpisodeRow, options: dict[str, Any]) -> None:
         self.tools = self.make_tools(options)
@@ -263,7 +265,7 @@ class ToolEnvironment:
         self.tool_errors += sum(r.startswith("error:") for r in results)
         return Step(
             observation=_tool_message(results),
-            timed_out=any(results[at] == stop for at, stop in limited),
+            timed_out=any(isinstance(results[at], OutOfTime) for at, _ in limited),
             if_timed_out=[_tool_message(variant) for variant in _timed_out_variants(results, limited)],
         )
 
@@ -284,6 +286,10 @@ class ToolEnvironment:
         return {}
 
 
+class OutOfTime(str):
+    """A time-limited tool's result when it ran out of time: its :meth:`ToolEnvironment.time_limited` text."""
+
+
 def _tool_message(results: list[str]) -> list[Message]:
     return [{"role": "tool", "content": "\n".join(results)}]
 
@@ -291,7 +297,7 @@ def _tool_message(results: list[str]) -> list[Message]:
 def _timed_out_variants(results: list[str], limited: list[tuple[int, str]]) -> list[list[str]]:
     """``results`` with each non-empty subset of its time-limited calls that finished (the first four) replaced by
     their out-of-time result: what a more loaded machine could have given for the same turn."""
-    finished = [(at, stop) for at, stop in limited if results[at] != stop][:4]
+    finished = [(at, stop) for at, stop in limited if not isinstance(results[at], OutOfTime)][:4]
     variants = []
     for size in range(1, len(finished) + 1):
         for subset in itertools.combinations(finished, size):

@@ -7,7 +7,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from asyncrl.common.environments.protocol import ToolEnvironment, function_spec
+from asyncrl.common.environments.protocol import OutOfTime, ToolEnvironment, function_spec
 from asyncrl.common.rewards.sandbox import run_python
 
 MAX_RESULT_CHARS = 2000
@@ -46,7 +46,7 @@ class PythonTool(ToolEnvironment):
     def _run(code: str, limits: dict[str, Any], stop: str) -> str:
         result = run_python(code, **limits)
         if result.reason.startswith("timeout:"):
-            return stop
+            return OutOfTime(stop)
         if not result.passed:
             return f"error: {result.reason}"[:MAX_RESULT_CHARS]
         return result.stdout[-MAX_RESULT_CHARS:].strip() or "(the program printed nothing)"

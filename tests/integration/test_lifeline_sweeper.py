@@ -1,35 +1,47 @@
 """The actor's sweeper (``actors/lifeline.py``) with real processes: after a ``kill -9`` of the actor it ends every
-process started with the actor's PID in its environment, whatever that process is doing, and nothing else."""
+process started with the actor's PID in its environment — also one that renamed itself as vLLM's processes do — and
+nothing else."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-import time
+from pathlib import Path
 
 from asyncrl.actors.lifeline import ACTOR_PID_ENV
 from tests.helpers.stack import running
 from tests.helpers.waits import wait_for
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
+ACTOR = """
+import subprocess, sys, time
+from asyncrl.actors.lifeline import export_actor_pid, start_sweeper
+export_actor_pid()
+start_sweeper()
+# as vLLM's EngineCore: started by a fresh exec, then renamed (setproctitle rewrites the memory after argv)
+code = "import setproctitle, time; setproctitle.setproctitle('VLLM::EngineCore'); time.sleep(600)"
+engine = subprocess.Popen([sys.executable, "-c", code])
+print(engine.pid, flush=True)
+time.sleep(600)
+"""
 
 
 def test_a_kill_9_of_the_actor_ends_every_process_that_carries_its_pid_and_only_those() -> None:
-    actor = subprocess.Popen(SLEEPER)  # stands in for the actor: the sweeper only watches its PID
-    marked = subprocess.Popen(SLEEPER, env={**os.environ, ACTOR_PID_ENV: str(actor.pid)})
+    actor = subprocess.Popen([sys.executable, "-c", ACTOR], stdout=subprocess.PIPE, text=True)
+    engine = int(actor.stdout.readline())
     other = subprocess.Popen(SLEEPER, env={**os.environ, ACTOR_PID_ENV: str(actor.pid + 1)})
-    sweeper = subprocess.Popen([sys.executable, "-m", "asyncrl.actors.lifeline", str(actor.pid)])
     try:
-        time.sleep(1)  # the sweeper waits on the actor, touching nothing while it lives
-        assert marked.poll() is None and sweeper.poll() is None
+        wait_for(lambda: Path(f"/proc/{engine}/cmdline").read_bytes().startswith(b"VLLM::"), "the engine's title")
+        assert running(engine) and actor.poll() is None
         actor.kill()
         actor.wait()
-        wait_for(lambda: not running(marked.pid), "the marked process to end", timeout_s=20)
-        assert sweeper.wait(20) == 0  # done once nothing marked has appeared for a while
+        wait_for(lambda: not running(engine), "the renamed engine process to end", timeout_s=20)
         assert other.poll() is None  # another actor's process is left alone
     finally:
-        for process in (actor, marked, other, sweeper):
+        for process in (actor, other):
             if process.poll() is None:
                 process.kill()
             process.wait()
+        if running(engine):
+            os.kill(engine, 9)

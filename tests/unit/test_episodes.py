@@ -25,6 +25,7 @@ from asyncrl.common.environments.protocol import (
     MAX_TIMED_OUT_VARIANTS,
     EnvironmentFailed,
     EpisodeRow,
+    OutOfTime,
     Step,
     ToolEnvironment,
     calculate,
@@ -329,7 +330,7 @@ class Timed(ToolEnvironment):
     one machine loaded, another not."""
 
     def make_tools(self, options):
-        results = {"yes": OUT_OF_TIME, "no": "waited", "other": "error: something else"}
+        results = {"yes": OutOfTime(OUT_OF_TIME), "no": "waited", "other": "error: something else", "says": OUT_OF_TIME}
         return {"wait": lambda arguments: results[options["late"]]}
 
     def time_limited(self, options):
@@ -366,3 +367,5 @@ def test_a_turn_with_several_time_limited_calls_offers_each_subset_of_them_out_o
     assert checked_step(many) is many
     late = Timed(EpisodeRow(prompt="", answer="42"), {"late": "yes"}).step(WAIT)
     assert late.timed_out and late.if_timed_out == []
+    says = Timed(EpisodeRow(prompt="", answer="42"), {"late": "says"}).step(WAIT)  # a program printing the text
+    assert not says.timed_out  # is not a timeout: a forged episode beside it is refused, never retried

@@ -107,8 +107,12 @@ def test_reverse_with_a_tail_draws_mostly_short_strings_and_a_few_that_hold_much
     assert 0.55 < sum(n <= 4 for n in lengths) / len(lengths) < 0.65  # P(L <= 4) = 1 - 2/5
     longest = lengths[int(0.9 * len(lengths)) :]
     assert sum(longest) > 0.5 * sum(lengths)  # the longest tenth holds over half the letters
-    with pytest.raises(ValueError, match="tail must be a number"):
+    with pytest.raises(ValueError, match="tail must be 0"):
         get_task("reverse", tail=-1)
+    with pytest.raises(ValueError, match="task 'copy': tail must be 0"):
+        get_task("copy", tail=0.01)
+    heavy = draw(get_task("copy", min_length=1, max_length=256, tail=0.1), 1, 2000)  # the heaviest tail allowed
+    assert max(len(e.answer) for e in heavy) == 256 and min(len(e.answer) for e in heavy) >= 1
 
 
 def test_copy_answers_with_the_letters_themselves_drawn_as_reverse_draws_them() -> None:

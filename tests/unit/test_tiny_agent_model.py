@@ -106,5 +106,5 @@ def test_init_model_takes_a_shape_and_refuses_one_the_heads_cannot_split(tmp_pat
     assert result.exit_code == 0, result.output
     shape = AutoConfig.from_pretrained(folder)
     assert (shape.hidden_size, shape.num_hidden_layers, shape.intermediate_size) == (64, 3, 128)
-    result = CliRunner().invoke(app, ["init-model", "--hidden", "66", "--set", f"model.path={tmp_path / 'n'}"])
-    assert result.exit_code != 0 and "--hidden must be a multiple of 4" in result.output
+    result = CliRunner().invoke(app, ["init-model", "--hidden", "68", "--set", f"model.path={tmp_path / 'n'}"])
+    assert result.exit_code != 0 and "--hidden must be a multiple of 8" in result.output
