@@ -38,10 +38,6 @@ class TrainBatch:
     def rows(self) -> int:
         return int(self.input_ids.shape[0])
 
-    @property
-    def width(self) -> int:
-        return int(self.input_ids.shape[1])
-
     def tensors(self) -> dict[str, torch.Tensor]:
         return {
             "input_ids": self.input_ids,
@@ -122,7 +118,7 @@ def split_micro_batches(batch: Mapping[str, Tensor], size: int) -> list[dict[str
 
 
 def rank_micro_batches(
-    batch: Mapping[str, Tensor], size: int, rank: int, world: int, unit: int = 1
+    batch: Mapping[str, Tensor], size: int, rank: int, world: int, unit: int = 1, fillers: bool = True
 ) -> list[dict[str, Tensor]]:
     """Rank ``rank``'s micro-batches of a batch every one of ``world`` ranks holds whole.
 
@@ -131,7 +127,8 @@ def rank_micro_batches(
     same number, ⌈rows per shard / size⌉, of forward and backward passes — ZeRO-3 gathers parameters in each, so a
     rank with one fewer would hang the others; where a short shard (the last, or an empty one) has too few, the rest
     are one unit of the batch with its ``response_mask`` zeroed, which adds 0 to the loss and the gradient. With one
-    rank this is :func:`split_micro_batches`. Global-count aggregation makes the shards' gradients sum to the whole
+    rank these are :func:`split_micro_batches`'s passes over the rows in the order below (``fillers = False``: without
+    the filler passes). Global-count aggregation makes the shards' gradients sum to the whole
     batch's, so the update does not depend on ``world``.
 
     Within a shard the units go longest first, and each micro-batch is cut to its own longest row
@@ -143,10 +140,26 @@ def rank_micro_batches(
     start, stop = min(rank * per_rank, total), min((rank + 1) * per_rank, total)
     shard = longest_first({k: v[start:stop] for k, v in batch.items()}, unit) if stop > start else {}
     pieces = [trimmed(piece) for piece in split_micro_batches(shard, size)] if shard else []
+    if not fillers:
+        return pieces
     filler = {k: v[:unit].clone() for k, v in batch.items()}
     if "response_mask" in filler:
         filler["response_mask"].zero_()
     return pieces + [trimmed(filler)] * (max(1, math.ceil(per_rank / size)) - len(pieces))
+
+
+def training_passes(
+    batch: Mapping[str, Tensor], size: int, world: int, unit: int = 1
+) -> list[tuple[Tensor, dict[str, Tensor]]]:
+    """Every rank's micro-batches of a step (:func:`rank_micro_batches`, fillers aside), each with the indices of the
+    batch rows it holds: a no-grad pass over these runs the very shapes the training forward runs, so its values are
+    the training forward's own, bit for bit (π_old, the critic's V_old)."""
+    rows = torch.arange(len(next(iter(batch.values()))))
+    passes = []
+    for rank in range(world):
+        for piece in rank_micro_batches({**batch, "row": rows}, size, rank, world, unit, fillers=False):
+            passes.append((piece.pop("row"), piece))
+    return passes
 
 
 def longest_first(batch: Mapping[str, Tensor], unit: int = 1) -> dict[str, Tensor]:
@@ -164,8 +177,3 @@ def trimmed(batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
     width = int(mask.any(dim=0).nonzero().max()) + 1 if bool(mask.any()) else 1
     columns = mask.shape[1]
     return {k: v[:, :width] if v.dim() >= 2 and v.shape[1] == columns else v for k, v in batch.items()}
-
-
-def padded_to(values: Tensor, width: int) -> Tensor:
-    """``[B, t]`` values widened with zeros to ``[B, width]`` (the columns :func:`trimmed` cut)."""
-    return torch.nn.functional.pad(values, (0, width - values.shape[1]))

@@ -36,15 +36,7 @@ from asyncrl.learner.algorithms import (
 )
 from asyncrl.learner.algorithms.kl import KLController
 from asyncrl.learner.algorithms.masked import masked_mean
-from asyncrl.learner.batch import (
-    TrainBatch,
-    collate,
-    padded_to,
-    preference_rows,
-    rank_micro_batches,
-    split_micro_batches,
-    trimmed,
-)
+from asyncrl.learner.batch import TrainBatch, collate, preference_rows, rank_micro_batches, training_passes
 from asyncrl.learner.engine import PolicyEngine, ReferenceModel, reference_for
 
 if TYPE_CHECKING:
@@ -155,10 +147,13 @@ class PolicyUpdate:
 
     def _micro_batches(self, tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         """This rank's shard of the batch in micro-batches (a pair is never split across micro-batches or ranks)."""
-        size, unit = self.engine.micro_batch_size, 1
-        if "pairs" in self.needs:
-            size, unit = max(2, size - size % 2), 2
+        size, unit = self._micro_batch_shape()
         return rank_micro_batches(tensors, size, dist.rank(), dist.world_size(), unit)
+
+    def _micro_batch_shape(self) -> tuple[int, int]:
+        """``(rows, unit)`` of the policy's micro-batches: a pairwise loss takes whole pairs."""
+        size = self.engine.micro_batch_size
+        return (max(2, size - size % 2), 2) if "pairs" in self.needs else (size, 1)
 
     def _loss_fn(self, counts: GlobalCounts, metrics: dict[str, list[float]]):
         """The policy's loss of one micro-batch: its share of the batch loss (engine convention, global counts)."""
@@ -194,11 +189,11 @@ class PolicyUpdate:
 
     def _values(self, batch: TrainBatch) -> torch.Tensor:
         """V_old [B, T] of the critic at the start of the step (GAE's bootstrap, the value clip's centre)."""
-        parts = [
-            padded_to(self.critic.values_no_grad(mb["input_ids"], mb["attention_mask"]).cpu(), batch.width)
-            for mb in map(trimmed, split_micro_batches(batch.tensors(), self.critic.micro_batch_size))
-        ]
-        return torch.cat(parts) * batch.response_mask
+        values = torch.zeros(batch.response_mask.shape)
+        for rows, mb in training_passes(batch.tensors(), self.critic.micro_batch_size, dist.world_size()):
+            part = self.critic.values_no_grad(mb["input_ids"], mb["attention_mask"]).cpu()
+            values[rows, : part.shape[1]] = part.to(values.dtype)
+        return values * batch.response_mask
 
     def _train_critic(
         self, tensors: dict[str, torch.Tensor], counts: GlobalCounts, metrics: dict[str, list[float]]
@@ -216,14 +211,12 @@ class PolicyUpdate:
         correction is ``none``."""
         if self.config.staleness.correction == "none":
             return batch.behaviour_logprobs
-        parts = [
-            padded_to(
-                self.engine.token_logprobs_no_grad(mb["input_ids"], mb["attention_mask"], self.temperature).cpu(),
-                batch.width,
-            )
-            for mb in map(trimmed, split_micro_batches(batch.tensors(), self.engine.micro_batch_size))
-        ]
-        return torch.cat(parts) * batch.response_mask
+        size, unit = self._micro_batch_shape()
+        logprobs = torch.zeros(batch.response_mask.shape)
+        for rows, mb in training_passes(batch.tensors(), size, dist.world_size(), unit):
+            part = self.engine.token_logprobs_no_grad(mb["input_ids"], mb["attention_mask"], self.temperature).cpu()
+            logprobs[rows, : part.shape[1]] = part.to(logprobs.dtype)
+        return logprobs * batch.response_mask
 
 
 def _proximal(mb: dict[str, torch.Tensor], logprobs: torch.Tensor, off_policy: bool) -> torch.Tensor:

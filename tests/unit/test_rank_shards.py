@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncrl.learner.batch import longest_first, padded_to, rank_micro_batches, split_micro_batches, trimmed
+from asyncrl.learner.batch import longest_first, rank_micro_batches, split_micro_batches, training_passes, trimmed
 
 
 def batch(rows: int, width: int = 3) -> dict[str, torch.Tensor]:
@@ -68,4 +68,17 @@ def test_pairs_go_longest_first_together_and_the_cut_changes_no_logit_a_row_atte
     cut = trimmed(short)
     assert cut["input_ids"].shape[1] == 2
     full = causal_values(short)
-    assert torch.allclose(padded_to(causal_values(cut)[..., 0], 5)[:, :2], full[:, :2, 0], atol=1e-6)
+    assert torch.allclose(causal_values(cut)[:, :2, 0], full[:, :2, 0], atol=1e-6)
+
+
+@pytest.mark.parametrize(("world", "size", "unit"), [(1, 2, 1), (2, 2, 1), (3, 2, 2)])
+def test_the_no_grad_passes_run_the_training_passes_rows_and_shapes(world: int, size: int, unit: int) -> None:
+    """π_old's and V_old's passes go through every rank's micro-batches as training does, fillers aside: each row
+    once, in a pass of the same rows and width as the one that trains it."""
+    whole = batch(12, width=5)
+    passes = training_passes(whole, size, world, unit)
+    assert sorted(torch.cat([rows for rows, _ in passes]).tolist()) == list(range(12))
+    trained = [mb for rank in range(world) for mb in rank_micro_batches(whole, size, rank, world, unit, fillers=False)]
+    assert [mb["input_ids"].tolist() for _, mb in passes] == [mb["input_ids"].tolist() for mb in trained]
+    for rows, mb in passes:
+        assert torch.equal(mb["input_ids"], whole["input_ids"][rows][:, : mb["input_ids"].shape[1]])
