@@ -10,8 +10,8 @@ which vLLM loads in EngineCore before it starts any worker and in each worker at
 (``actors/weight_receiver.py``) calls it too, for an environment where ``VLLM_PLUGINS`` leaves the plugin out. It
 starts a daemon thread that waits on a pidfd of the actor (``pidfd_open(2)``: woken by the kernel the moment the
 actor exits; polling ``kill(pid, 0)`` every half second where pidfds are missing) and then SIGKILLs the process
-itself and, in a worker, its EngineCore. A kill -9 of the actor while its engine starts leaves EngineCore alive
-only until vLLM has imported itself and reaches the plugin (seconds); no worker is started after that. Workers
+itself and, in a worker, its EngineCore. vLLM loads the plugin in EngineCore only once EngineCore has shaken hands
+with the actor, so a kill -9 of the actor while its engine starts can come before it (see the sweeper below). Workers
 that miss the plugin follow their dead EngineCore through vLLM's death pipe, and one that EngineCore was spawning at
 that very moment (which has loaded nothing yet) is killed by EngineCore on its way out. Nothing runs in the actor,
 so nothing depends on the actor getting to run a handler: that is the point.

@@ -127,9 +127,9 @@ def rank_micro_batches(
     same number, ⌈rows per shard / size⌉, of forward and backward passes — ZeRO-3 gathers parameters in each, so a
     rank with one fewer would hang the others; where a short shard (the last, or an empty one) has too few, the rest
     are one unit of the batch with its ``response_mask`` zeroed, which adds 0 to the loss and the gradient. With one
-    rank these are :func:`split_micro_batches`'s passes over the rows in the order below (``fillers = False``: without
-    the filler passes). Global-count aggregation makes the shards' gradients sum to the whole
-    batch's, so the update does not depend on ``world``.
+    rank these are :func:`split_micro_batches`'s passes over the rows reordered as below; ``fillers = False`` leaves
+    the filler passes out. Global-count aggregation makes the shards' gradients sum to the whole batch's, so the
+    update does not depend on ``world``.
 
     Within a shard the units go longest first, and each micro-batch is cut to its own longest row
     (:func:`trimmed`): with lengths that differ by 10–100× a pass no longer pads every short row to the batch's longest,
@@ -164,10 +164,9 @@ def training_passes(
 
 def longest_first(batch: Mapping[str, Tensor], unit: int = 1) -> dict[str, Tensor]:
     """The rows reordered by the length of their unit (``unit`` consecutive rows, kept together), longest first."""
-    lengths = batch["attention_mask"].sum(dim=1)
-    units = lengths.view(-1, unit).max(dim=1).values if unit > 1 else lengths
+    units = batch["attention_mask"].sum(dim=1).view(-1, unit).max(dim=1).values
     order = torch.argsort(units, descending=True, stable=True)
-    rows = (order[:, None] * unit + torch.arange(unit)).flatten() if unit > 1 else order
+    rows = (order[:, None] * unit + torch.arange(unit)).flatten()
     return {key: value[rows] for key, value in batch.items()}
 
 
