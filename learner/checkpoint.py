@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from asyncrl.common.config import RunConfig
+from asyncrl.common.observability import metrics as m
 from asyncrl.common.observability.logs import get_logger
 from asyncrl.common.private import private_dir
 from asyncrl.learner import dist, lora, ranks
@@ -166,6 +167,7 @@ class Checkpointer:
             **{f"{part}_bytes": size for part, size in sorted(parts.items())},
             seconds=round(seconds, 3),
         )
+        m.LEARNER_CHECKPOINT_BYTES.set(sum(parts.values()))
 
     def load(self, checkpoint: Checkpoint) -> SavedState:
         """Load the engines' weights, optimizer and scheduler state from a verified checkpoint; its run state."""

@@ -81,15 +81,25 @@ def disk_refusal(exc: BaseException, path: Path) -> str | None:
 def disk_of(path: Path) -> tuple[Path, int, int]:
     """``(mount point, free bytes, total bytes)`` of the file system holding ``path`` (or its nearest existing
     parent); free is what this user may still write (``f_bavail``)."""
+    existing = _nearest_existing(path)
+    return (_mount_point(existing), *disk_space(existing))
+
+
+def disk_space(path: Path) -> tuple[int, int]:
+    """``(free bytes, total bytes)`` of the file system holding ``path`` (or its nearest existing parent); ``(-1, -1)``
+    where it cannot be read."""
+    try:
+        usage = shutil.disk_usage(_nearest_existing(path))
+    except OSError:
+        return -1, -1
+    return usage.free, usage.total
+
+
+def _nearest_existing(path: Path) -> Path:
     existing = Path(os.path.realpath(path))
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
-    mount = _mount_point(existing)
-    try:
-        usage = shutil.disk_usage(existing)
-    except OSError:
-        return mount, -1, -1
-    return mount, usage.free, usage.total
+    return existing
 
 
 def _mount_point(path: Path) -> Path:

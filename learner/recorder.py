@@ -43,7 +43,7 @@ from asyncrl.learner.checkpoint_format import Checkpoint
 from asyncrl.learner.checkpoint_settings import config_hash
 from asyncrl.learner.health import HealthMonitor
 from asyncrl.learner.samples import SampleLog, row_advantages
-from asyncrl.learner.telemetry import StepTelemetry
+from asyncrl.learner.telemetry import StepTelemetry, observe_group_stages
 from asyncrl.learner.trackers import Trackers
 
 log = get_logger("learner")
@@ -121,7 +121,8 @@ class Recorder:
             if figures:
                 record.add(prefix, figures)
         record.add("rollout", rollout_figures(version, taken, batch) | tool_call_figures(taken, self.samples.decode))
-        record.add("latency", latency_figures(taken))
+        stages = group_stage_seconds(taken)
+        record.add("latency", latency_figures(stages))
         record.values |= taken.figures() | gpu_figures()
         record.values["step/seconds"] = time.perf_counter() - started
         record.values["step/idle_fraction"] = taken.waited_s / max(record.values["step/seconds"], 1e-9)
@@ -136,6 +137,7 @@ class Recorder:
         self.trackers.metrics(version, record.values)
         self._sample(version, taken, batch, advantages)
         self.telemetry.publish(record.values, queues, processes)
+        observe_group_stages(stages)
         if self.health is not None:
             self.plane.run.set_alerts(self.health.active_alerts())
         return record
@@ -211,19 +213,14 @@ def rollout_figures(version: int, taken: Taken, batch: TrainBatch) -> dict[str, 
     }
 
 
-def latency_figures(taken: Taken) -> dict[str, float]:
-    """Where the step's groups spent their time, from issue to a complete batch (means over the groups, seconds):
-
-    - ``latency/queued_s``: issued by the learner → taken by an actor (the prompt queue; admission holds groups back
-      while the actors are at the staleness bound);
-    - ``latency/generate_s``: the actor's generation (a multi-turn episode's environment steps included);
-    - ``latency/scoring_s``: generated → in the replay stream (the push, the reward worker's queue and its scoring);
-    - ``latency/replay_s``: in the replay stream → the learner's batch complete (waiting to be trained);
-    - ``latency/total_s`` (and ``latency/total_s_max``): issued → batch complete, the sum of the four.
+def group_stage_seconds(taken: Taken) -> np.ndarray:
+    """Each group's seconds in the four stages from issue to a complete batch, ``[groups, 4]``: queued (issued by the
+    learner → taken by an actor), generate, scoring (generated → in the replay stream), replay (in the stream → the
+    learner's batch complete).
 
     Times come from the hosts that saw each event (the learner's issue record, the actor's ``taken_at``, Redis's
     stream entry id), so across hosts the split is as good as their clocks agree. Groups that lack a part (an issue
-    record already retired, an actor that does not stamp ``taken_at``) are left out; no such group, no figures."""
+    record already retired, an actor that does not stamp ``taken_at``) are left out."""
     rows = []
     for entry in taken.entries:
         rollout = entry.group.rollout
@@ -233,11 +230,24 @@ def latency_figures(taken: Taken) -> dict[str, float]:
         generated = taken_at + rollout.timings.get("generate", 0.0)
         stored = int(entry.entry_id.split("-", 1)[0]) / 1000  # a stream id is Redis's clock in ms
         rows.append((taken_at - issued, generated - taken_at, stored - generated, taken.complete_at - stored))
-    if not rows:
+    return np.asarray(rows, np.float64).reshape(-1, 4)
+
+
+def latency_figures(stages: np.ndarray) -> dict[str, float]:
+    """Where the step's groups spent their time (means over :func:`group_stage_seconds`' rows, seconds):
+
+    - ``latency/queued_s``: the prompt queue (admission holds groups back while the actors are at the staleness
+      bound);
+    - ``latency/generate_s``: the actor's generation (a multi-turn episode's environment steps included);
+    - ``latency/scoring_s``: the push, the reward worker's queue and its scoring;
+    - ``latency/replay_s``: waiting in the replay stream to be trained;
+    - ``latency/total_s`` (and ``latency/total_s_max``): issued → batch complete, the sum of the four.
+
+    No group with every part, no figures."""
+    if not len(stages):
         return {}
-    parts = np.asarray(rows, np.float64)
-    totals = parts.sum(axis=1)
-    means = parts.mean(axis=0)
+    totals = stages.sum(axis=1)
+    means = stages.mean(axis=0)
     return {
         "queued_s": float(means[0]),
         "generate_s": float(means[1]),

@@ -26,6 +26,7 @@ from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.heartbeat import HeartbeatThread
 from asyncrl.common.transport.net import advertise_host
 from asyncrl.common.wire.messages import Heartbeat
+from asyncrl.learner.checkpoint_disk import disk_space
 
 log = get_logger("telemetry")
 
@@ -93,6 +94,14 @@ SUMMARY_KEYS = (
     "groups/dropped_stale",
 )
 """The row's keys copied into the Redis summary (the metrics.jsonl names, so a person reads one vocabulary)."""
+
+
+def observe_group_stages(stages) -> None:
+    """One observation per group and stage (``[groups, 4]`` seconds, recorder.py: group_stage_seconds), and the
+    group's total, into ``asyncrl_learner_group_stage_duration_seconds``: the distributions behind the means."""
+    for row in stages:
+        for stage, seconds in zip(LATENCY_STAGES, (*row, row.sum()), strict=True):
+            m.LEARNER_GROUP_STAGE_DURATION.labels(stage=stage).observe(float(seconds))
 
 
 def learner_process_id() -> str:
@@ -167,6 +176,9 @@ class StepTelemetry:
             m.LEARNER_STEP_SECONDS.observe(float(values["step/seconds"]))
         if "sync/seconds" in values:  # only steps whose broadcast (or an overlapped one) finished report it
             m.LEARNER_WEIGHT_SYNC_SECONDS.observe(float(values["sync/seconds"]))
+        free, _ = disk_space(self.config.run_dir / "checkpoints")
+        if free >= 0:
+            m.LEARNER_CHECKPOINT_DISK_FREE.set(free)
 
     def _sample_queues(self, queues: Mapping[str, int] | None, processes) -> Mapping[str, int]:
         queues = self.plane.queue_depths() if queues is None else queues

@@ -239,6 +239,20 @@ LEARNER_GROUP_STAGE = Gauge(
     "scoring, replay, total).",
     ["stage"],
 )
+LEARNER_GROUP_STAGE_DURATION = Histogram(
+    "asyncrl_learner_group_stage_duration_seconds",
+    "Seconds each trained group spent in one stage from issue to a complete batch (queued, generate, scoring, replay, "
+    "total), one observation per group: the distribution behind asyncrl_learner_group_stage_seconds' means.",
+    ["stage"],
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0),
+)
+LEARNER_CHECKPOINT_BYTES = Gauge(
+    "asyncrl_learner_checkpoint_bytes", "Bytes of the learner's newest checkpoint (every file of its step folder)."
+)
+LEARNER_CHECKPOINT_DISK_FREE = Gauge(
+    "asyncrl_learner_checkpoint_disk_free_bytes",
+    "Bytes the learner may still write on the disk that holds its checkpoints (read every step).",
+)
 LEARNER_TRUNCATED_RATIO = Gauge(
     "asyncrl_learner_truncated_ratio",
     "Share of the last step's responses cut by a token limit (finish reason length: rollout.max_new_tokens, or an "

@@ -78,6 +78,7 @@ EXPECTED_SERIES = {
         "asyncrl_learner_grad_norm",
         "asyncrl_learner_staleness_versions",
         "asyncrl_learner_group_stage_seconds",
+        "asyncrl_learner_group_stage_duration_seconds_count",
         "asyncrl_learner_queue_depth_groups",
         "asyncrl_learner_live_processes",
         "asyncrl_learner_dropped_groups_total",

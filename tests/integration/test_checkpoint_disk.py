@@ -16,8 +16,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from asyncrl.common.config import RunConfig
+from asyncrl.common.observability import metrics as m
 from asyncrl.learner.checkpoint import Checkpointer
-from asyncrl.learner.checkpoint_disk import disk_refusal
+from asyncrl.learner.checkpoint_disk import disk_refusal, disk_space
 from asyncrl.learner.checkpoint_format import CheckpointError, SavedState, capture_rng, open_checkpoint
 from asyncrl.learner.checkpoint_history import find_checkpoint
 from asyncrl.learner.engine import PolicyEngine
@@ -90,6 +91,11 @@ def test_a_full_disk_is_named_with_its_free_bytes_and_leaves_no_folder(
         path = saver.save(state(3))
         assert open_checkpoint(path).state.step == 3
         assert find_checkpoint("latest", saver.root) == path
+        # what the disk-filling alert compares: the newest checkpoint's bytes against the disk's free bytes
+        written = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        assert m.REGISTRY.get_sample_value("asyncrl_learner_checkpoint_bytes") == pytest.approx(written, rel=0.01)
+        free, total = disk_space(saver.root / "not-made-yet")
+        assert total == 64 * 2**20 and 0 < free <= total - written
 
 
 def test_a_save_over_a_dead_save_s_folder_of_the_same_step_works(

@@ -13,7 +13,13 @@ from asyncrl.common.observability.top import render
 from asyncrl.common.plane.replay import ReplayEntry
 from asyncrl.common.wire.messages import ScoredGroup
 from asyncrl.learner.batch_source import Taken
-from asyncrl.learner.recorder import episode_figures, latency_figures, length_figures, tool_call_figures
+from asyncrl.learner.recorder import (
+    episode_figures,
+    group_stage_seconds,
+    latency_figures,
+    length_figures,
+    tool_call_figures,
+)
 from asyncrl.learner.samples import MAX_TEXT, SampleLog, row_advantages
 from tests.helpers.rollouts import make_group
 from tests.helpers.scripted_episodes import CALL, episode, tools_for
@@ -147,12 +153,35 @@ def test_a_steps_latency_splits_each_groups_time_from_issue_to_batch_into_its_st
         issued_at={timed[0].group_id: 1.0, timed[1].group_id: 1.0, untimed.rollout.group_id: 1.0},
         complete_at=12.0,
     )
-    figures = latency_figures(taken)
+    stages = group_stage_seconds(taken)
+    assert stages.tolist() == [[3.0, 3.0, 3.0, 2.0], [5.0, 3.0, 1.0, 2.0]]
+    figures = latency_figures(stages)
     assert figures == pytest.approx(
         {"queued_s": 4.0, "generate_s": 3.0, "scoring_s": 2.0, "replay_s": 2.0, "total_s": 11.0, "total_s_max": 11.0}
     )
-    assert latency_figures(Taken(entries=[ReplayEntry("10500-0", untimed)], complete_at=12.0)) == {}
+    only_untimed = Taken(entries=[ReplayEntry("10500-0", untimed)], complete_at=12.0)
+    assert latency_figures(group_stage_seconds(only_untimed)) == {}
     summary = {"step": 1, **{f"latency/{key}": value for key, value in figures.items()}}
     queues = dict.fromkeys(["prompts", "inflight", "replay", "replay_pending", "dead_letters"], 0)
     text = render({"run": "r", "version": 1, "queues": queues, "processes": [], "lost": {}, "summary": summary})
     assert "group time: queued 4.00s   generate 3.00s   scoring 2.00s   replay 2.00s   total 11.00s" in text
+
+
+def test_each_groups_stages_are_observed_in_the_stage_histograms() -> None:
+    """Two groups, one observation each per stage and for the total: the histogram's count rises by 2 and its sum by
+    the groups' seconds (the queued stage 3 + 5 s; the totals 11 + 11 s)."""
+    from asyncrl.common.observability import metrics as m
+    from asyncrl.learner.telemetry import observe_group_stages
+
+    def count_and_sum(stage: str) -> tuple[float, float]:
+        def value(suffix: str) -> float:
+            name = f"asyncrl_learner_group_stage_duration_seconds_{suffix}"
+            return m.REGISTRY.get_sample_value(name, {"stage": stage}) or 0.0
+
+        return value("count"), value("sum")
+
+    before = {stage: count_and_sum(stage) for stage in ("queued", "total")}
+    observe_group_stages(np.asarray([[3.0, 3.0, 3.0, 2.0], [5.0, 3.0, 1.0, 2.0]]))
+    for stage, added in (("queued", 8.0), ("total", 22.0)):
+        count, total = count_and_sum(stage)
+        assert (count - before[stage][0], total - before[stage][1]) == pytest.approx((2.0, added))
