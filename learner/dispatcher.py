@@ -98,12 +98,20 @@ def overdue_reason(
     None while heartbeats cannot be trusted (Redis came back less than a heartbeat TTL ago: the holder's may not be
     renewed yet); ``paused_s`` seconds since the issue in which Redis was down do not count against the deadline.
     """
-    for holder in (entry.actor, entry.scorer):  # the actor that generates it, the reward worker it was pushed to
-        if holder and live is not None and holder not in live:
-            return f"holder {holder} is gone (heartbeat expired or it left)"
+    if (holder := gone_holder(entry, live)) is not None:
+        return f"holder {holder} is gone (heartbeat expired or it left)"
     age = now - entry.issued_at - paused_s
     if age > deadline_s:
         return f"not back {age:.1f}s after issue (deadline {deadline_s:g}s)"
+    return None
+
+
+def gone_holder(entry: LedgerEntry, live: set[str] | None) -> str | None:
+    """The first of the group's holders — the actor that generates it, the reward worker it was pushed to — whose
+    heartbeat is not in ``live`` (None while heartbeats cannot be trusted)."""
+    for holder in (entry.actor, entry.scorer):
+        if holder and live is not None and holder not in live:
+            return holder
     return None
 
 
@@ -129,6 +137,8 @@ class Dispatcher:
         self._rng = random.Random(config.run.seed)
         self._drawn = 0  # examples drawn from the task so far (its position in the prompt stream)
         self._secret = run_secret(plane.client, plane.keys)
+        self._gone_since: dict[str, float] = {}
+        """Holders this learner has found gone, and when it first did (:meth:`_sent_to_the_gone`)."""
 
     # -- admission
     def capacity(self, version: int) -> int:
@@ -231,6 +241,8 @@ class Dispatcher:
         clock = outage_clock(self.plane.client)
         if clock is not None and clock.recovered_within(self.config.transport.heartbeat_ttl_s, now):
             live = None  # Redis just came back: a heartbeat that expired while it was down is being renewed
+        for back in self._gone_since.keys() & (live or set()):  # a heartbeat that expired and came back
+            del self._gone_since[back]
         reissued, lost = 0, []
         # newest first: each re-issue goes to the front, so the oldest group ends up taken first
         ledger = self.plane.prompts.ledger().items()
@@ -245,17 +257,32 @@ class Dispatcher:
             group = self.plane.prompts.load_group(group_id)
             if group is None:
                 self._drop_unknown(group_id, entry)
+            elif self._sent_to_the_gone(entry, live, now):
+                self._reissue(group, entry, reason, now, attempts=entry.attempts)
+                reissued += 1
             elif entry.attempts >= MAX_ATTEMPTS:
                 lost.append((group_id, entry, reason))
             else:
-                self._reissue(group, entry, reason, now)
+                self._reissue(group, entry, reason, now, attempts=entry.attempts + 1)
                 reissued += 1
         self._lose(lost)
         return reissued, len(lost)
 
-    def _reissue(self, group: PromptGroup, entry: LedgerEntry, reason: str, now: float) -> None:
+    def _sent_to_the_gone(self, entry: LedgerEntry, live: set[str] | None, now: float) -> bool:
+        """Whether the group's holder was already known gone when the group was last issued: an actor whose peer list
+        had not yet caught up (it refreshes every 2 s) pushed the re-issued group to the dead worker that the re-issue
+        was for. That is the same failure, not a new one of the group's: it is re-issued without counting an attempt,
+        so that one worker's death never costs a group. A poison group that kills each worker it reaches still counts
+        its attempts: each of those workers was alive when the group reached it."""
+        holder = gone_holder(entry, live)
+        if holder is None:
+            return False
+        first_seen = self._gone_since.setdefault(holder, now)
+        return first_seen <= entry.issued_at
+
+    def _reissue(self, group: PromptGroup, entry: LedgerEntry, reason: str, now: float, attempts: int) -> None:
         fresh = dataclasses.replace(group, issued_at=now)
-        self.plane.prompts.replace_issued(fresh, LedgerEntry(now, entry.version, "", entry.attempts + 1))
+        self.plane.prompts.replace_issued(fresh, LedgerEntry(now, entry.version, "", attempts))
         self.plane.prompts.return_prompts([fresh])  # front of the queue: taken next
         self.plane.prompts.add_dispatch_counts({"reissued": 1})
         DISPATCHER_REISSUED_GROUPS.inc()
@@ -264,7 +291,7 @@ class Dispatcher:
             group=group.group_id,
             actor=entry.actor or "(queued)",
             reason=reason,
-            attempt=entry.attempts + 1,
+            attempt=attempts,
             action="none if rare; if frequent, check actor health (rl-top) or raise learner.group_deadline_s",
         )
 

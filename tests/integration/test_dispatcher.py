@@ -156,6 +156,34 @@ def test_a_group_held_by_a_dead_actor_is_reissued_to_the_front(redis_client) -> 
     assert metric("asyncrl_dispatcher_reissued_groups_total") - reissued_before == 1
 
 
+def test_a_group_pushed_again_to_the_dead_worker_it_was_reissued_for_is_not_lost(redis_client) -> None:
+    """The soak's race: reward worker W dies holding a group; the learner re-issues it; the actor, whose peer list
+    lags the registry by up to 2 s, takes it again at once and pushes it to W again. That is W's death once, not the
+    group failing twice: it is re-issued again with its attempts unchanged, and not lost. A group that a worker alive
+    at the push then loses still counts the attempt (the poison-group limit holds)."""
+    d = make_dispatcher(redis_client, make_config(max_staleness=0, groups_per_step=4))
+    actor(d.plane, "actor-0")
+    actor(d.plane, "reward-1", ttl_s=0.1)
+    actor(d.plane, "reward-2", ttl_s=30)
+    d.release(0)
+    group = d.plane.prompts.take_prompt("actor-0", timeout_s=1)
+    assert d.plane.prompts.pushed(group.group_id, "actor-0", "reward-1")
+    expired(d.plane, "reward-1")
+    assert d.reissue_overdue(deadline_s=60) == (1, 0)
+    assert d.plane.prompts.ledger()[group.group_id].attempts == 2
+    for _ in range(2):  # the lagging actor sends it to the dead worker, twice over
+        assert d.plane.prompts.take_prompt("actor-0", timeout_s=1).group_id == group.group_id
+        assert d.plane.prompts.pushed(group.group_id, "actor-0", "reward-1")
+        assert d.reissue_overdue(deadline_s=60) == (1, 0)
+        assert d.plane.prompts.ledger()[group.group_id].attempts == 2
+    # now to a worker alive at the push, which then dies: that is a second failure of the group, and it is lost
+    assert d.plane.prompts.take_prompt("actor-0", timeout_s=1).group_id == group.group_id
+    assert d.plane.prompts.pushed(group.group_id, "actor-0", "reward-2")
+    actor(d.plane, "reward-2", ttl_s=0.1)
+    expired(d.plane, "reward-2")
+    assert d.reissue_overdue(deadline_s=60) == (0, 1)
+
+
 def test_a_group_overdue_twice_is_lost_and_replaced(redis_client) -> None:
     d = make_dispatcher(redis_client, make_config(max_staleness=0, groups_per_step=4))
     lost_before = metric("asyncrl_dispatcher_lost_groups_total")
