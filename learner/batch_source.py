@@ -61,19 +61,23 @@ NO_ACTORS_EXIT_CODE = 3
 
 
 class NoActorsLeft(StepInterrupted):
-    """No rollout actor alive for ``learner.no_actors_s``: nobody can make a batch, so the learner saves a
-    checkpoint and stops instead of waiting out ``wait_for_batch_s``."""
+    """No rollout actor, or no reward worker, alive for ``learner.no_actors_s``: nobody can make a batch, so the
+    learner saves a checkpoint and stops instead of waiting out ``wait_for_batch_s``."""
+
+
+WATCHED_KINDS = {"actor": "rollout actor", "reward": "reward worker"}
+"""The kinds of process without which no batch can be made, and how the message names them."""
 
 
 class ActorWatch:
-    """Raises :class:`NoActorsLeft` from :meth:`check` once no rollout actor has been alive for ``limit_s`` (0: never).
-    An actor counts from its first heartbeat, while its engine still starts; the clock starts at the first look that
-    finds none, so a learner started before its actors waits ``limit_s`` for the first. Reads the registry at most
-    once a second."""
+    """Raises :class:`NoActorsLeft` from :meth:`check` once no process of a kind in :data:`WATCHED_KINDS` (rollout
+    actors, reward workers) has been alive for ``limit_s`` (0: never). A process counts from its first heartbeat (an
+    actor while its engine still starts); each kind's clock starts at the first look that finds none of it, so a
+    learner started before its actors waits ``limit_s`` for the first. Reads the registry at most once a second."""
 
     def __init__(self, registry, limit_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.registry, self.limit_s, self.clock = registry, limit_s, clock
-        self.none_since: float | None = None
+        self.none_since: dict[str, float] = {}
         self._next_look = 0.0
 
     def check(self) -> None:
@@ -82,16 +86,18 @@ class ActorWatch:
             return
         self._next_look = now + 1.0
         live, _lost = self.registry.processes()
-        if any(beat.kind == "actor" for beat in live):
-            self.none_since = None
-            return
-        if self.none_since is None:
-            self.none_since = now
-        elif now - self.none_since > self.limit_s:
-            raise NoActorsLeft(
-                f"no rollout actor alive for {self.limit_s:g}s (learner.no_actors_s): every actor of the run is gone "
-                "or none started; a checkpoint is saved; start actors, then the learner with --resume latest"
-            )
+        alive = {beat.kind for beat in live}
+        for kind, called in WATCHED_KINDS.items():
+            if kind in alive:
+                self.none_since.pop(kind, None)
+                continue
+            since = self.none_since.setdefault(kind, now)
+            if now - since > self.limit_s:
+                raise NoActorsLeft(
+                    f"no {called} alive for {self.limit_s:g}s (learner.no_actors_s): every {called} of the run is "
+                    f"gone or none started; a checkpoint is saved; start {called}s, then the learner with "
+                    "--resume latest"
+                )
 
 
 @dataclass

@@ -41,10 +41,11 @@ CurveOpt = Annotated[
 
 @contextlib.contextmanager
 def _run_redis(
-    config: Path | None, overrides: list[str] | None, curve: bool = False
+    config: Path | None, overrides: list[str] | None, curve: bool = False, check_model: bool = False
 ) -> Iterator[tuple[RunConfig, EmbeddedRedis, list[str]]]:
-    """Resolve the config, start the run's embedded Redis, publish the config; stop Redis on exit. Yields the
-    config, the server and the overrides in force (with ``curve``, the generated keys' settings added)."""
+    """Resolve the config (with ``check_model``, check it against a local model folder: ``learner/model_check.py``,
+    the engine aside), start the run's embedded Redis, publish the config; stop Redis on exit. Yields the config, the
+    server and the overrides in force (with ``curve``, the generated keys' settings added)."""
     from asyncrl.common.cliutil import fail, load
     from asyncrl.common.config import write_resolved
     from asyncrl.common.plane.control import ControlPlane
@@ -57,6 +58,13 @@ def _run_redis(
     if curve:
         overrides += _curve_overrides(load(config, overrides, check=check_config))
     resolved = load(config, overrides, check=check_config)
+    if check_model and Path(resolved.model.path).is_dir():  # a hub name is the engine's to fetch and check
+        from asyncrl.learner.model_check import check_model_folder
+
+        try:
+            check_model_folder(resolved)
+        except ValueError as exc:
+            fail(f"{exc} (rl-learner check-model CONFIG shows the whole check)")
     private_dir(resolved.run_dir)  # 0700, also a folder an older run left readable (common/private.py)
     write_resolved(resolved)
     try:
@@ -145,7 +153,7 @@ def run(
     except ValueError as exc:
         fail(str(exc))
     code = 1
-    with _run_redis(config, set_, curve) as (resolved, server, overrides):
+    with _run_redis(config, set_, curve, check_model=True) as (resolved, server, overrides):
         learner_args = ["--resume", str(_checkpoint_folder(resolved, resume))] if resume else []
         children = Children(resolved.run_dir / "logs")
         try:
@@ -219,12 +227,10 @@ def _run_children(children, resolved, server, config, overrides, counts, learner
             f"see {resolved.run_dir / 'logs' / 'learner.log'}",
             err=True,
         )
-    elif learner.returncode == NO_ACTORS_EXIT_CODE:
-        typer.echo(
-            f"learner stopped: no rollout actor left for {resolved.learner.no_actors_s:g}s (learner.no_actors_s); a "
-            "checkpoint is saved: fix what ended the actors (above), then run again with --resume latest",
-            err=True,
-        )
+    elif learner.returncode == NO_ACTORS_EXIT_CODE:  # the learner's own line names the kind that is gone
+        said = children.log_path("learner").read_text(errors="replace").splitlines()
+        line = next((x for x in reversed(said) if x.startswith("learner stopped:")), "learner stopped: no workers")
+        typer.echo(f"{line} (why each one ended is above)", err=True)
     elif learner.returncode:
         typer.echo(f"learner failed: {why_it_failed(learner.returncode, children.log_path('learner'))}", err=True)
     return learner.returncode

@@ -137,7 +137,7 @@ def test_a_planted_mismatch_spike_is_dropped_by_the_guard_and_the_run_goes_on(fa
 def test_a_run_whose_last_actor_is_killed_saves_a_checkpoint_and_exits_3(faults: Path) -> None:
     said = (faults / "launcher.err").read_text()
     assert said.count("actor-0 exited with an error: killed by SIGKILL") == 1, said[-3000:]  # not its log's end
-    assert "learner stopped: no rollout actor left" in said and "--resume latest" in said, said[-3000:]
+    assert "learner stopped: no rollout actor alive" in said and "--resume latest" in said, said[-3000:]
     reached = steps_of(metrics(faults, NAME))
     assert complete_checkpoints(faults / NAME / "checkpoints")[-1][0] == reached[-1]  # the resume starts there
     learner_log = (faults / NAME / "logs" / "learner.log").read_text()

@@ -53,6 +53,22 @@ def test_no_actor_for_the_limit_stops_the_run_and_one_in_time_resets_the_clock()
         watch.check()
 
 
+def test_no_reward_worker_for_the_limit_stops_the_run_too() -> None:
+    """Actors alive but every reward worker gone: no group can be scored, so the watch stops the run all the same,
+    naming the reward workers."""
+    registry, clock = Registry(), Clock()
+    watch = ActorWatch(registry, limit_s=30, clock=clock)
+    registry.live = [actor(), Heartbeat(process_id="reward-0", kind="reward", state="ready")]
+    watch.check()
+    registry.live = [actor()]
+    for _ in range(20):  # 29 s without a reward worker
+        clock.now += 1.45
+        watch.check()
+    clock.now += 2.5
+    with pytest.raises(NoActorsLeft, match=r"no reward worker alive for 30s \(learner.no_actors_s\)"):
+        watch.check()
+
+
 def test_zero_turns_the_watch_off_and_the_registry_is_read_once_a_second() -> None:
     registry, clock = Registry(), Clock()
     off = ActorWatch(registry, limit_s=0, clock=clock)
