@@ -121,6 +121,52 @@ def eval_command(
     )
 
 
+@app.command("check-model")
+def check_model_command(
+    config: Annotated[Path | None, typer.Argument(help="Run config (TOML).")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Override a field: section.field=value.")] = None,
+    prompt_ids: Annotated[
+        str, typer.Option(help="The prompt's token ids, comma-separated (rl-learner check-model gives the task's).")
+    ] = "0",
+) -> None:
+    """Build the run's vLLM engine with its settings in this process and sample one token for the prompt; print one
+    JSON object (the token, its text, the seconds), or exit 2 with one line. rl-learner check-model runs this."""
+    import asyncio
+    import json
+    import sys
+    import time
+
+    from asyncrl.actors.engine import EngineSettingsError, RolloutEngine, check_engine_settings
+    from asyncrl.common.cliutil import fail, load
+
+    resolved = load(config, set_)
+    try:
+        check_engine_settings(resolved)
+        ids = [int(i) for i in prompt_ids.split(",")]
+    except (EngineSettingsError, ValueError) as exc:
+        fail(str(exc))
+    started = time.perf_counter()
+    try:
+        engine = RolloutEngine(resolved, resolved.run.seed)
+    except Exception as exc:  # vLLM's own refusal: its first line says which setting
+        fail(f"model.path: vLLM could not build an engine for {resolved.model.path}: {_first_line(exc)}")
+    try:
+        built = time.perf_counter()
+        response = asyncio.run(engine.first_token(ids))
+    except Exception as exc:
+        time.sleep(2.0)  # vLLM's engine core writes its traceback after its frontend has learnt it died: let it
+        print(file=sys.stderr)  # and its last line may lack a newline: the error line starts a line of its own
+        fail(f"model.path: vLLM built the engine but could not generate one token: {_first_line(exc)}")
+    finally:
+        engine.shutdown()
+    figures = {"token_id": response.token_ids[0], "text": response.text, "finish_reason": response.finish_reason}
+    print(json.dumps(figures | {"engine_s": built - started, "token_s": time.perf_counter() - built}))
+
+
+def _first_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+
+
 @app.command("check-lora", hidden=True)
 def check_lora_command(
     config: Annotated[Path | None, typer.Argument(help="Run config (TOML).")] = None,

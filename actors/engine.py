@@ -16,6 +16,7 @@ import difflib
 import gc
 import json
 import os
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -93,6 +94,14 @@ class RolloutEngine:
             for completion in output.outputs:
                 _append(responses[completion.index], completion, stamp)
         return responses
+
+    async def first_token(self, prompt_ids: Sequence[int] = (0,)) -> Response:
+        """One token sampled with the run's ``[rollout]`` temperature and top-p: what each actor checks before it
+        takes work, so an engine that starts but cannot generate (an attention kernel, a sampler, a dtype the
+        platform refuses) is named at once instead of failing every group. Raises what the engine raised."""
+        rollout = self.config.rollout
+        sampling = Sampling(n=1, temperature=rollout.temperature, top_p=rollout.top_p, max_tokens=1)
+        return (await self.generate(prompt_ids, sampling, f"first-token-{os.getpid()}-{time.monotonic_ns()}"))[0]
 
     @property
     def dead(self) -> bool:

@@ -23,6 +23,7 @@ import dataclasses
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -144,6 +145,7 @@ class RolloutActor:
         try:
             seed = self.config.run.seed + os.getpid()
             self.engine = await asyncio.to_thread(RolloutEngine, self.config, seed, lambda: self.weights.version)
+            await self._first_token()
             self.heartbeat.beat()
             log.info("actor ready", actor=self.actor_id, run=self.config.run.name, model=self.config.model.path)
             stopped = self._stopping.is_set
@@ -152,6 +154,18 @@ class RolloutActor:
             await asyncio.gather(self._work_loop(), follow, self._peers_loop())
         finally:
             await self._shutdown()
+
+    async def _first_token(self) -> None:
+        """:meth:`RolloutEngine.first_token`, or :class:`EngineRefused` saying the engine cannot generate."""
+        try:
+            await self.engine.first_token()
+        except Exception as exc:
+            first = (str(exc).splitlines() or [""])[0]
+            raise EngineRefused(
+                f"model.path: vLLM started an engine for {self.config.model.path} but could not generate one token "
+                f"with the run's [rollout] settings: {type(exc).__name__}: {first}; `rl-learner check-model CONFIG` "
+                "runs the same check on its own"
+            ) from exc
 
     # ------------------------------------------------------------------ work
 
@@ -316,12 +330,25 @@ class _Rate:
             return sum(n for _, n in self._events) / self.window_s
 
 
+class EngineRefused(RuntimeError):
+    """The actor's engine started but cannot generate with the run's settings (:meth:`RolloutActor._first_token`)."""
+
+
+REFUSED_EXIT_CODE = 2
+"""Exit status of an actor that refused the run's settings (as ``common/cliutil.py: fail``)."""
+
+
 def run_actor(config: RunConfig, redis_url: str, actor_id: str | None = None) -> int:
-    """Run one rollout actor until SIGTERM/SIGINT; the exit code (1 when its vLLM engine died, 75 when Redis was
-    unreachable for longer than ``transport.redis_outage_s``)."""
+    """Run one rollout actor until SIGTERM/SIGINT; the exit code (1 when its vLLM engine died, 2 when it cannot
+    generate one token with the run's settings, 75 when Redis was unreachable for longer than
+    ``transport.redis_outage_s``)."""
     actor = RolloutActor(config, redis_url, actor_id)
     try:
         asyncio.run(actor.run())
+    except EngineRefused as exc:  # a setting no restart will change: exit 2, as a refused config
+        log.error("actor refused the run's settings", actor=actor.actor_id, problem=str(exc))
+        print(f"error: {exc}", file=sys.stderr)
+        return REFUSED_EXIT_CODE
     except Exception as exc:
         if (outage := outage_in(exc)) is None:
             raise

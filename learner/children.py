@@ -157,17 +157,24 @@ def why_it_failed(returncode: int, log: Path) -> str:
 
 
 def root_cause(log: Path, tail_bytes: int = 256 * 1024) -> str:
-    """The line of a child's log most likely to say why it failed: the last exception or ERROR line that is not a
-    pointer back to an earlier one; else the last line; cut to 300 characters."""
+    """The line of a child's log most likely to say why it failed (:func:`cause_line`), with the log's path; cut to
+    300 characters."""
     try:
         with log.open("rb") as f:
             f.seek(max(0, f.seek(0, 2) - tail_bytes))
-            lines = [line.strip() for line in f.read().decode(errors="replace").splitlines() if line.strip()]
+            text = f.read().decode(errors="replace")
     except OSError:
         return f"(no log at {log})"
+    line = cause_line(text)
+    return line[:300] + ("" if line == "(empty log)" else f" … (the whole log: {log})")
+
+
+def cause_line(text: str) -> str:
+    """The last exception or ERROR line of ``text`` that is not a pointer back to an earlier one; else its last
+    line."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
     errors = [line for line in lines if ERROR_LINE.search(line) and not any(f in line for f in FOLLOW_UPS)]
-    line = (errors or lines or ["(empty log)"])[-1]
-    return line[:300] + (f" … (the whole log: {log})" if errors or lines else "")
+    return (errors or lines or ["(empty log)"])[-1]
 
 
 def tail_metrics(path: Path) -> dict | None:

@@ -69,16 +69,65 @@ def _check_lora_serving(config: Path | None, set_: list[str] | None) -> None:
     process (the learner never imports vLLM), its one line and exit 2 when not. Without vLLM here, each actor checks
     at its start."""
     import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        _rl_actor_check("check-lora", config, set_)
+
+
+def _rl_actor_check(command: str, config: Path | None, set_: list[str] | None, *extra: str) -> str:
+    """``rl-actor COMMAND`` on the run's config in a child process; its stdout, or exit 2 with its ``error:`` line
+    (or the root cause of a crash)."""
     import subprocess
 
     from asyncrl.common.cliutil import fail
+    from asyncrl.learner.children import FOLLOW_UPS, cause_line
 
-    if importlib.util.find_spec("vllm") is None:
-        return
-    done = subprocess.run(_rl_actor("check-lora", config, set_), capture_output=True, text=True)
+    done = subprocess.run([*_rl_actor(command, config, set_), *extra], capture_output=True, text=True)
     if done.returncode != 0:
         said = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-        fail(said[-1].removeprefix("error: ") if said else f"rl-actor check-lora failed: {done.stderr[-500:]}")
+        others = "\n".join(line for line in done.stderr.splitlines() if not line.startswith("error:"))
+        if not said:
+            fail(f"rl-actor {command} failed: {cause_line(others)[:500]}")
+        line = said[-1].removeprefix("error: ")
+        if any(pointer in line for pointer in FOLLOW_UPS):  # vLLM's frontend points at its engine's traceback
+            line += f" (the engine's error: {cause_line(others)[:300]})"
+        fail(line)
+    return done.stdout
+
+
+@app.command("check-model")
+def check_model(
+    config: ConfigArg = None,
+    set_: SetOpt = None,
+    engine: Annotated[
+        bool, typer.Option("--engine/--no-engine", help="Also build the vLLM engine and sample one token (~20 s).")
+    ] = True,
+) -> None:
+    """Check the run's model against its config before anything starts: the folder loads, max_model_len fits its
+    context, the vocabulary and special tokens are consistent, one task row (and eval row) renders as the model will
+    see it (shown), and vLLM builds the engine with the run's settings and samples one token. Exit 2 with one line
+    naming the setting and the fix at the first problem."""
+    from asyncrl.common.cliutil import fail, load
+    from asyncrl.learner.model_check import check_model_folder, report_lines
+    from asyncrl.learner.preflight import check_config
+
+    resolved = load(config, set_, check=check_config)
+    try:
+        report = check_model_folder(resolved)
+    except ValueError as exc:
+        fail(str(exc))
+    for line in report_lines(report, resolved):
+        typer.echo(line)
+    if resolved.lora.enabled:
+        _check_lora_serving(config, set_)
+    if engine:
+        ids = ",".join(map(str, report.rows[0].token_ids))
+        said = json.loads(_rl_actor_check("check-model", config, set_, "--prompt-ids", ids).strip().splitlines()[-1])
+        typer.echo(
+            f"engine: vLLM built it in {said['engine_s']:.1f}s and sampled {said['text']!r} (id {said['token_id']}) "
+            "for the task row with the run's [rollout] settings"
+        )
+    typer.echo("ok: the model can run this config" + ("" if engine else " (the engine was not built: --no-engine)"))
 
 
 @app.command("check-data")
