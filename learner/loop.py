@@ -133,6 +133,7 @@ class Learner:
             outcome = "stopped" if self._stop.is_set() else "completed"
             if outcome == "completed":
                 self.plane.run.mark_finished(self.version)  # the run's actors and reward workers exit now
+                self.recorder.telemetry.finished()
         finally:
             if budget is not None:
                 budget.cancel()

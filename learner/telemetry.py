@@ -26,6 +26,7 @@ from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.heartbeat import HeartbeatThread
 from asyncrl.common.transport.net import advertise_host
 from asyncrl.common.wire.messages import Heartbeat
+from asyncrl.learner.autoscale import ActorDemand
 from asyncrl.learner.checkpoint_disk import disk_space
 
 log = get_logger("telemetry")
@@ -127,6 +128,10 @@ class StepTelemetry:
             addr=config.monitoring.metrics_host,
         )
         self.state, self.version = "starting", 0
+        self.demand = ActorDemand()
+        self._wanted: int | None = None
+        if self.publishes_summary:  # the run wants an actor from its start (rank 0 speaks for the run)
+            self._want_actors(1)
         transport = config.transport
         self.heartbeats = HeartbeatThread(plane, self.heartbeat, transport.heartbeat_s, transport.heartbeat_ttl_s)
         self.heartbeats.start()
@@ -157,8 +162,10 @@ class StepTelemetry:
         import redis
 
         try:
-            queues = self._sample_queues(queues, processes)
-            self.plane.run.publish_summary(self.summary(values, queues))
+            queues, live = self._sample_queues(queues, processes)
+            wanted = self.demand.observe(float(values.get("step/idle_fraction", 0.0)), live)
+            self._want_actors(wanted)
+            self.plane.run.publish_summary(self.summary(values, queues) | {"actors/wanted": wanted})
         except redis.exceptions.RedisError as exc:
             log.warning("could not publish step telemetry; training goes on", step=values.get("step"), error=exc)
 
@@ -180,7 +187,8 @@ class StepTelemetry:
         if free >= 0:
             m.LEARNER_CHECKPOINT_DISK_FREE.set(free)
 
-    def _sample_queues(self, queues: Mapping[str, int] | None, processes) -> Mapping[str, int]:
+    def _sample_queues(self, queues: Mapping[str, int] | None, processes) -> tuple[Mapping[str, int], list]:
+        """Sets the queue and process series; the queues and the live heartbeats."""
         queues = self.plane.queue_depths() if queues is None else queues
         for name, depth in queues.items():
             m.LEARNER_QUEUE_DEPTH.labels(queue=name).set(depth)
@@ -188,7 +196,7 @@ class StepTelemetry:
         for kind in ("actor", "reward"):
             m.LEARNER_LIVE_PROCESSES.labels(kind=kind).set(sum(h.kind == kind for h in live))
         m.LEARNER_LOST_PROCESSES.set(len(lost))
-        return queues
+        return queues, live
 
     def summary(self, values: Mapping[str, float], queues: Mapping[str, int]) -> dict[str, Any]:
         """The compact step summary rl-top reads: the row's main figures, the queues, the run's length."""
@@ -197,6 +205,25 @@ class StepTelemetry:
         out["learner/metrics_url"] = self.server.url
         out.update({f"queue/{name}": depth for name, depth in queues.items()})
         return out
+
+    def finished(self) -> None:
+        """The run took its last step: it wants no actor any more (an autoscaler scales them to zero)."""
+        if self.publishes_summary:
+            self._want_actors(0)
+
+    def _want_actors(self, count: int) -> None:
+        """The autoscaling signal, as a series (the HPA's route) and as the run's list in Redis (KEDA's), which is
+        written only when the count changes."""
+        import redis
+
+        m.LEARNER_ACTORS_WANTED.set(count)
+        if count == self._wanted:
+            return
+        try:
+            self.plane.run.set_actors_wanted(count)
+            self._wanted = count
+        except redis.exceptions.RedisError as exc:
+            log.warning("could not publish the actors wanted; training goes on", actors_wanted=count, error=exc)
 
     def close(self) -> None:
         """Leave the registry and stop serving (idempotent; also run at interpreter exit)."""

@@ -246,6 +246,11 @@ LEARNER_GROUP_STAGE_DURATION = Histogram(
     ["stage"],
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0),
 )
+LEARNER_ACTORS_WANTED = Gauge(
+    "asyncrl_learner_actors_wanted",
+    "Rollout actors the run wants now (learner/autoscale.py): the live actors' busy share over one minus the "
+    "learner's idle fraction; at least 1 while the run goes on, 0 once it has finished. What autoscalers follow.",
+)
 LEARNER_CHECKPOINT_BYTES = Gauge(
     "asyncrl_learner_checkpoint_bytes", "Bytes of the learner's newest checkpoint (every file of its step folder)."
 )

@@ -101,7 +101,8 @@ def _learner_lines(s: dict[str, Any] | None, endpoints: dict[str, dict], now: fl
         f"         staleness max {v('rollout/staleness_max'):.0f} mean {v('rollout/staleness_mean'):.2f}   "
         f"dropped stale {int(v('groups/dropped_stale'))}   grad norm {v('train/grad_norm'):.3f}   "
         f"clip {v('train/loss/clip_frac'):.3f}",
-        f"         step {v('step/seconds'):.2f}s{sync}   idle {100 * v('step/idle_fraction'):.0f}%   "
+        f"         step {v('step/seconds'):.2f}s{sync}   idle {100 * v('step/idle_fraction'):.0f}%"
+        f"{optional('actors wanted', 'actors/wanted', '.0f')}   "
         f"trained tokens/s {tokens_s:,.0f}   last step {age:.1f}s ago{where}",
         *_length_lines(s),
         *_latency_lines(s),

@@ -42,6 +42,12 @@ class RunKeys:
         return self._k("finished")
 
     @property
+    def actors_wanted(self) -> str:
+        """A list whose length is the number of rollout actors the run wants (``learner/autoscale.py``): KEDA's redis
+        scaler reads a list's length (LLEN) and nothing else, so the number is kept in that form."""
+        return self._k("actors_wanted")
+
+    @property
     def manifest(self) -> str:
         return self._k("manifest")
 

@@ -61,6 +61,18 @@ class RunRecord:
         """Say the run completed at ``step``: its actors and reward workers exit."""
         self.client.set(self.keys.finished, step)
 
+    def set_actors_wanted(self, count: int) -> None:
+        """Make the :attr:`RunKeys.actors_wanted` list ``count`` entries long, in one transaction (an autoscaler never
+        reads it half made)."""
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.delete(self.keys.actors_wanted)
+            if count > 0:
+                pipe.rpush(self.keys.actors_wanted, *[b"1"] * count)
+            pipe.execute()
+
+    def actors_wanted(self) -> int:
+        return int(self.client.llen(self.keys.actors_wanted))
+
     def finished(self) -> int | None:
         """The step the run completed at, or None while it runs."""
         raw = self.client.get(self.keys.finished)

@@ -141,9 +141,11 @@ def test_a_two_rank_learner_killed_twice_resumes_and_every_group_is_trained_once
         stopped_at = _steps(run_dir)[-1]
         assert complete_checkpoints(run_dir / "checkpoints")[-1][0] == stopped_at
 
-        # 4. resume to the end
+        # 4. resume to the end: the run wants actors while it goes on (the autoscaling signal), none once finished
         fourth = start("learner-4", "--resume", "latest")
+        _wait(lambda: plane.run.actors_wanted() >= 1, "the actors wanted", fourth)
         assert fourth.wait(900) == 0, procs.log("learner-4")[-3000:]
+        assert plane.run.actors_wanted() == 0
         for name in ("reward", "actor-0"):  # the run finished: both exit 0 by themselves
             assert procs.procs[name].wait(60) == 0, procs.log(name)[-3000:]
             assert "run finished; the" in procs.log(name)

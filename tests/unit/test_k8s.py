@@ -11,8 +11,8 @@ Every overlay, and the variants a user makes by swapping a component in (``prome
   the reward worker's root-with-capabilities variant started here under exactly its capabilities;
 - the NetworkPolicies, evaluated on the pods of the build and on strangers, admit only the run's pods (and KEDA's
   operator) to Redis;
-- KEDA watches the run's prompt list at its Redis; the HPA's series is one the learner exports; grace periods cover
-  the shutdowns they are sized for; the Dockerfile installs as ``bin/setup`` does.
+- KEDA follows the run's actors-wanted list at its Redis; the HPA's series is one the learner exports; grace periods
+  cover the shutdowns they are sized for; the Dockerfile installs as ``bin/setup`` does.
 """
 
 from __future__ import annotations
@@ -549,7 +549,7 @@ def test_network_policies_admit_only_the_run_to_redis(variant: str) -> None:
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_keda_watches_the_runs_prompt_queue(overlay: str) -> None:
+def test_keda_follows_the_actors_the_run_wants(overlay: str) -> None:
     objects = build(overlay)
     namespace, run = run_namespace(objects), run_settings(objects)["run"]
     scaled = one(objects, "ScaledObject", "asyncrl-actor")
@@ -558,23 +558,25 @@ def test_keda_watches_the_runs_prompt_queue(overlay: str) -> None:
     (trigger,) = scaled["spec"]["triggers"]
     meta = trigger["metadata"]
     assert trigger["type"] == "redis" and set(meta) <= REDIS_SCALER_KEYS
-    assert meta["listName"] == RunKeys(run).prompts
+    assert meta["listName"] == RunKeys(run).actors_wanted
+    assert (meta["listLength"], meta["activationListLength"]) == ("1", "0")  # replicas = the list's length
     service = one(objects, "Service", "asyncrl-redis")
     assert meta["address"] == f"asyncrl-redis.{namespace}.svc:{service['spec']['ports'][0]['port']}"
     auth = one(objects, "TriggerAuthentication", trigger["authenticationRef"]["name"])
     assert auth["spec"]["secretTargetRef"] == [{"parameter": "password", "name": "asyncrl-redis", "key": "password"}]
-    assert 1 <= scaled["spec"]["minReplicaCount"] < scaled["spec"]["maxReplicaCount"]
+    assert scaled["spec"]["minReplicaCount"] == 0 < scaled["spec"]["maxReplicaCount"]  # a finished run wants none
 
 
-def test_the_prompt_list_is_what_the_learner_reports_as_the_prompt_queue(redis_server) -> None:
-    """KEDA reads LLEN of RunKeys.prompts; the HPA alternative reads asyncrl_learner_queue_depth_groups{queue=
-    "prompts"}, the learner's sample of ControlPlane.queue_depths()["prompts"]: one number, two routes."""
+def test_the_list_keda_reads_is_as_long_as_the_actors_the_learner_wants(redis_server) -> None:
+    """KEDA reads LLEN of RunKeys.actors_wanted; the learner writes it whole each time the number changes (the HPA
+    alternative reads the same number as asyncrl_learner_actors_wanted)."""
     from asyncrl.common.plane.control import ControlPlane
     from asyncrl.common.plane.keys import connect
 
-    client = connect(redis_server.url)
-    client.rpush(RunKeys("k8s").prompts, b"a", b"b", b"c")
-    assert ControlPlane(client, "k8s").queue_depths()["prompts"] == 3
+    plane = ControlPlane(connect(redis_server.url), "k8s")
+    for wanted in (1, 3, 2, 0):
+        plane.run.set_actors_wanted(wanted)
+        assert plane.client.llen(RunKeys("k8s").actors_wanted) == wanted == plane.run.actors_wanted()
 
 
 def test_the_hpa_follows_a_series_the_learner_exports() -> None:
@@ -585,10 +587,9 @@ def test_the_hpa_follows_a_series_the_learner_exports() -> None:
     hpa = one(objects, "HorizontalPodAutoscaler", "asyncrl-actor")
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "asyncrl-actor"}
     (metric,) = hpa["spec"]["metrics"]
-    gauge = metrics.LEARNER_QUEUE_DEPTH
-    assert metric["external"]["metric"]["name"] == gauge._name == "asyncrl_learner_queue_depth_groups"
-    assert metric["external"]["metric"]["selector"]["matchLabels"] == {"queue": "prompts"}
-    assert gauge._labelnames == ("queue",)
+    gauge = metrics.LEARNER_ACTORS_WANTED
+    assert metric["external"]["metric"] == {"name": gauge._name} and gauge._name == "asyncrl_learner_actors_wanted"
+    assert metric["external"]["target"] == {"type": "AverageValue", "averageValue": "1"}
 
 
 # ------------------------------------------------------------------------------------------------- processes

@@ -169,12 +169,13 @@ def test_render_the_learner_summary_and_alerts() -> None:
         "rollout/tokens": 800.0,
         "step/seconds": 2.0,
         "sync/seconds": 0.5,
+        "actors/wanted": 3,
     }
     alerts = [{"name": "kl_high", "severity": "critical", "message": "KL 0.2 > 0.1", "since": 970.0}]
     text = render(snap(summary=summary, alerts=alerts), now=1010.0)
     assert "learner  step 12/30   version 12   reward 0.500 ± 0.250   kl(ref) 0.0123" in text
     assert "staleness max 1" in text and "sync 0.50s" in text and "trained tokens/s 400" in text
-    assert "last step 10.0s ago" in text
+    assert "last step 10.0s ago" in text and "idle 0%   actors wanted 3   trained" in text
     assert "alerts   1 active" in text
     assert re.search(r"CRITICAL\s+kl_high\s+KL 0\.2 > 0\.1 \(for 40s\)", text)
 
