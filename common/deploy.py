@@ -91,6 +91,9 @@ class Site:
     """Learner ranks on this host (``torchrun --nproc-per-node``; GPUs on a GPU host)."""
     shutdown_timeout_s: str = "3600"
     """How long torchrun lets its ranks finish the step and checkpoint after SIGTERM before it kills them."""
+    sigterm_exit_code: int = 0
+    """The learner's exit status after SIGTERM stopped an unfinished run (``--sigterm-exit-code``): non-zero where a
+    Job runs it, so that a drained or evicted learner is restarted rather than taken for a finished run."""
     metrics_port: int = 9400
     """``monitoring.metrics_port``: the same on every process (each host or pod has its own address)."""
     metrics_host: str = "0.0.0.0"
@@ -130,6 +133,7 @@ def learner(site: Site) -> Process:
         "--set", f"monitoring.metrics_host={site.metrics_host}",
         "--set", f"transport.zmq_endpoint=tcp://0.0.0.0:{site.zmq_port}",
         "--redis-url-file", site.redis_url_file,
+        *(("--sigterm-exit-code", str(site.sigterm_exit_code)) if site.sigterm_exit_code else ()),
     )  # fmt: skip
     checkpoints = f"{site.root}/{site.run}/checkpoints"
     argv = ("sh", "-c", LEARNER_RESUME, "learner", checkpoints, *torchrun)
@@ -263,6 +267,7 @@ KUBE = Site(
     root="/var/lib/asyncrl/runs",
     nproc="$(ASYNCRL_NPROC)",
     shutdown_timeout_s="3600",  # never before the kubelet: terminationGracePeriodSeconds is the bound that counts
+    sigterm_exit_code=143,  # a Job's learner stopped by a drain is restarted and resumes; only a finished run completes
     curve_server_key=f"{SECRETS}/curve/server/server.key_secret",
     curve_client_keys=f"{SECRETS}/curve/authorized",
     curve_client_key=f"{SECRETS}/curve/client/client.key_secret",

@@ -315,12 +315,22 @@ def train(
         int | None,
         typer.Option(min=1, help="Profile step N (cProfile): runs/<name>/profile-step-N.txt and .prof."),
     ] = None,
+    sigterm_exit_code: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            max=255,
+            help="Exit status after SIGTERM stopped an unfinished run (its checkpoint saved): non-zero under a "
+            "Kubernetes Job, so that a drained or evicted learner is restarted (and resumes) instead of completing "
+            "the Job.",
+        ),
+    ] = 0,
 ) -> None:
     """Run the learner: admit prompts, train on scored groups, broadcast weights, until step learner.steps.
-    SIGTERM finishes the step, saves a checkpoint and exits 0. Redis down for longer than transport.redis_outage_s:
-    exits 75 saying what to do (restart Redis, then --resume latest). No rollout actor left for learner.no_actors_s:
-    saves a checkpoint and exits 3. --resume of a run whose checkpoint is at learner.steps says it finished and exits 0
-    at once.
+    SIGTERM finishes the step, saves a checkpoint and exits 0 (or --sigterm-exit-code). Redis down for longer than
+    transport.redis_outage_s: exits 75 saying what to do (restart Redis, then --resume latest). No rollout actor or no
+    reward worker left for learner.no_actors_s: saves a checkpoint and exits 3. --resume of a run whose checkpoint is
+    at learner.steps says it finished and exits 0 at once.
     With data.source = "preferences": offline DPO on the file data.path (no Redis, no actors)."""
     from asyncrl.common.cliutil import fail, given_redis_url, load
     from asyncrl.common.plane.redis_server import EmbeddedRedis
@@ -362,7 +372,9 @@ def train(
             learner = Learner(resolved, url or server.url, resume=checkpoint, profile_step=profile)
         except (CheckpointError, TaskError) as exc:  # a bad data file is named with its row
             fail(str(exc))
-        learner.run()
+        if learner.run() == "sigterm" and sigterm_exit_code:
+            typer.echo(f"learner stopped by SIGTERM before the run finished: exit {sigterm_exit_code}", err=True)
+            raise typer.Exit(sigterm_exit_code)
     except NoActorsLeft as exc:
         typer.echo(f"learner stopped: {exc}", err=True)
         raise typer.Exit(NO_ACTORS_EXIT_CODE) from None

@@ -102,8 +102,9 @@ class Learner:
 
     # ------------------------------------------------------------------ the run
 
-    def run(self) -> None:
-        """Train until step ``learner.steps`` (or SIGTERM), saving checkpoints on the way and at the end."""
+    def run(self) -> str:
+        """Train until step ``learner.steps`` (or SIGTERM), saving checkpoints on the way and at the end. Returns why
+        it ended: ``end`` (the run is finished), ``sigterm`` or ``max_minutes``."""
         self.plane.run.set_version(self.version)
         self.state.resume()
         log.info("learner started", run=self.config.run.name, steps=self.config.learner.steps, version=self.version)
@@ -146,6 +147,7 @@ class Learner:
         log.info("learner finished", run=self.config.run.name, version=self.version, stopped=self._stop.is_set())
         if no_actors is not None:
             raise no_actors
+        return self._stop_reason if self._stop.is_set() else "end"
 
     def _stop_at_budget(self) -> threading.Timer | None:
         """With ``learner.max_minutes``: a timer that stops the run like SIGTERM does when the budget is spent."""

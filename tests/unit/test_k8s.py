@@ -135,10 +135,10 @@ def base_name(name: str) -> str:
 
 
 def workloads(objects) -> dict[str, dict]:
-    """The Deployment or StatefulSet of each role, by its component label."""
+    """The Deployment, StatefulSet or Job of each role, by its component label."""
     found = {}
     for o in objects:
-        if o["kind"] in ("Deployment", "StatefulSet"):
+        if o["kind"] in ("Deployment", "StatefulSet", "Job"):
             role = o["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
             assert role not in found, f"two workloads of role {role}"
             found[role] = o
@@ -254,7 +254,7 @@ def test_each_process_reads_its_inputs_where_common_deploy_says(variant: str) ->
     the secrets its process needs (the Redis password file only in Redis' pod, the server key only in workers')."""
     site, objects = deploy.KUBE, build(variant)
     want = {
-        "learner": {site.redis_url_file: ("secret", "asyncrl-redis", "url"), site.root: ("claim", "runs", None),
+        "learner": {site.redis_url_file: ("secret", "asyncrl-redis", "url"), site.root: ("claim", "asyncrl-runs", None),
                     site.config: ("configMap", "asyncrl-config", "run.toml")},
         "actor": {site.redis_url_file: ("secret", "asyncrl-redis", "url"),
                   site.curve_client_key: ("secret", "asyncrl-curve-client", "client.key_secret")},
@@ -279,13 +279,14 @@ def test_each_process_reads_its_inputs_where_common_deploy_says(variant: str) ->
 def mounted(workload: dict) -> dict[str, tuple]:
     """mountPath -> (kind, name, key or None for a whole folder) of one workload's container."""
     pod = workload["spec"]["template"]["spec"]
-    claims = {t["metadata"]["name"] for t in workload["spec"].get("volumeClaimTemplates", [])}
+    claims = {t["metadata"]["name"]: t["metadata"]["name"] for t in workload["spec"].get("volumeClaimTemplates", [])}
     volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    claims |= {n: v["persistentVolumeClaim"]["claimName"] for n, v in volumes.items() if "persistentVolumeClaim" in v}
     out = {}
     for mount in container(workload).get("volumeMounts", []):
         name = mount["name"]
         if name in claims:
-            out[mount["mountPath"]] = ("claim", name, None)
+            out[mount["mountPath"]] = ("claim", claims[name], None)
             continue
         volume = volumes[name]
         for kind, ref in (("secret", "secretName"), ("configMap", "name")):
@@ -626,6 +627,22 @@ def test_the_redis_command_starts_a_redis_that_needs_its_password(tmp_path: Path
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 0
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_learner_is_a_job_that_cannot_loop_on_a_finished_run(overlay: str) -> None:
+    """A Job of one completion whose failed container restarts in place (and resumes); exit 0 completes it, so a
+    finished run is never started again (a StatefulSet restarted it, it resumed, exited and looped). Its checkpoint
+    claim is its own, ReadWriteOnce."""
+    objects = build(overlay)
+    job = workloads(objects)["learner"]
+    assert job["kind"] == "Job" and job["apiVersion"] == "batch/v1"
+    spec = job["spec"]
+    assert (spec["completions"], spec["parallelism"]) == (1, 1) and spec["backoffLimit"] >= 1
+    assert spec["template"]["spec"]["restartPolicy"] == "OnFailure"
+    claim = one(objects, "PersistentVolumeClaim", "asyncrl-runs")
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert mounted(job)[deploy.KUBE.root] == ("claim", "asyncrl-runs", None)
 
 
 @pytest.mark.parametrize(
