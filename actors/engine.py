@@ -64,6 +64,8 @@ class RolloutEngine:
                 self.shutdown()
                 raise
             log.info("actor frontend moved off its engine's CPUs", cpus=config.rollout.frontend_cpus)
+        self.last_output = time.monotonic()
+        """When the engine last returned output (``actors/liveness.py``)."""
         self._request_seed = seed * 1_000_003
         self.stop_ids = _stop_ids(config)
         self._adapter: Any = None  # a LoRA run's request for the policy's adapter slot, once the slot is filled
@@ -90,6 +92,7 @@ class RolloutEngine:
         responses = [Response() for _ in range(sampling.n)]
         prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
         async for output in self.llm.generate(prompt, params, request_id, lora_request=await self._policy_adapter()):
+            self.last_output = time.monotonic()
             stamp = self.version()
             for completion in output.outputs:
                 _append(responses[completion.index], completion, stamp)

@@ -30,6 +30,7 @@ import uuid
 
 import redis
 
+from asyncrl.actors import liveness
 from asyncrl.actors.environment_service import serves_environments
 from asyncrl.actors.episodes import use_remote_environments
 from asyncrl.actors.remote_environments import RemoteEnvironments
@@ -151,7 +152,7 @@ class RolloutActor:
             stopped = self._stopping.is_set
             threading.Thread(target=self.weights.listen, args=(stopped,), daemon=True).start()
             follow = self.weights.follow(self.engine, stopped, self._stop_if_engine_died)
-            await asyncio.gather(self._work_loop(), follow, self._peers_loop())
+            await asyncio.gather(self._work_loop(), follow, self._peers_loop(), self._liveness_loop())
         finally:
             await self._shutdown()
 
@@ -248,6 +249,23 @@ class RolloutActor:
                 return
             await self.peers.refresh()
             await self._sleep(_PEER_REFRESH_S)
+
+    async def _liveness_loop(self) -> None:
+        """Touch the alive file while the engine makes progress (``actors/liveness.py``)."""
+        path = liveness.alive_file()
+        while path is not None and not self._stopping.is_set():
+            since = time.monotonic() - self.engine.last_output
+            if liveness.engine_progressing(len(self._running), self.weights.syncing, since):
+                await asyncio.to_thread(liveness.touch, path)
+            else:
+                log.error(
+                    "engine made no progress; the liveness check will fail",
+                    actor=self.actor_id,
+                    running=len(self._running),
+                    seconds_since_output=round(since),
+                    action="none: the kubelet restarts the actor and its groups are re-issued",
+                )
+            await self._sleep(liveness.TOUCH_S)
 
     async def _on_sender(self, fn, *args):
         """Run ``fn(*args)`` on the one thread that owns the PUSH socket."""

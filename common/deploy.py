@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from asyncrl.common.config import HOST_KEY_ENV
 
 ADVERTISE_ENV = "ASYNCRL_ADVERTISE_HOST"
+ALIVE_ENV = "ASYNCRL_ALIVE_FILE"
+"""A file the actor touches while its engine makes progress (``actors/liveness.py``): a liveness check's input."""
 """The address a process puts in its heartbeat for others to reach it (``common/observability/metrics.py``)."""
 _KEY_ENV = {path: var for var, path in HOST_KEY_ENV.items()}  # transport.curve_* field -> its per-host variable
 
@@ -107,6 +109,8 @@ class Site:
     """Reward workers: the folder of authorised client public keys (``authorized/``)."""
     curve_client_key: str = ""
     """Actors: their CURVE client secret key file (``client.key_secret``)."""
+    alive_file: str = ""
+    """Actors: the file each touches while its engine makes progress (:data:`ALIVE_ENV`; empty: none)."""
     redis_conf: str = "redis.conf"
     """The Redis role's config file (:data:`REDIS_CONF`)."""
     redis_password_file: str = "password"
@@ -143,7 +147,8 @@ def learner(site: Site) -> Process:
 def actor(site: Site, process_id: str) -> Process:
     """One rollout actor: the config, weights and prompts come from the run's Redis."""
     argv = ("rl-actor", "--run", site.run, "--redis-url-file", site.redis_url_file, "--id", process_id)
-    return Process(argv, {ADVERTISE_ENV: site.advertise_host, _KEY_ENV["curve_client_key"]: site.curve_client_key})
+    env = {ADVERTISE_ENV: site.advertise_host, _KEY_ENV["curve_client_key"]: site.curve_client_key}
+    return Process(argv, env | ({ALIVE_ENV: site.alive_file} if site.alive_file else {}))
 
 
 def reward(site: Site, process_id: str) -> Process:
@@ -271,10 +276,16 @@ KUBE = Site(
     curve_server_key=f"{SECRETS}/curve/server/server.key_secret",
     curve_client_keys=f"{SECRETS}/curve/authorized",
     curve_client_key=f"{SECRETS}/curve/client/client.key_secret",
+    alive_file="/tmp/asyncrl-alive",
     redis_conf="/etc/asyncrl/redis/redis.conf",
     redis_password_file=f"{SECRETS}/redis/password",
 )
 """The site of every pod: the paths the manifests mount, the ports they open."""
+
+ALIVE_CHECK = 'test $(( $(date +%s) - $(stat -c %Y "$1") )) -lt "$2"'
+"""``sh -c`` liveness check of an actor: its alive file (:data:`ALIVE_ENV`) was touched less than ``$2`` seconds ago.
+The actor touches it every 10 s while its engine makes progress (``actors/liveness.py``), so a hung engine — or a
+hung event loop — fails the check while a thread that serves ``/metrics`` would still answer."""
 
 REDIS_DATA = "/data"
 """The Redis pod's AOF folder (its PersistentVolumeClaim)."""

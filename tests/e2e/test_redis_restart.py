@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.common.deploy import ALIVE_ENV
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.keys import connect
 from asyncrl.common.plane.outage import OUTAGE_EXIT_CODE
@@ -50,12 +51,14 @@ class Run:
         self.procs = Processes(tmp_path / "logs")
         self.run_args: list[str] = []
         self.url = ""
+        self.alive = tmp_path / "actor-0.alive"
+        """The file actor-0 touches while its engine makes progress (actors/liveness.py)."""
 
     def start(self) -> None:
         """`rl-launch redis`, a reward worker (``reward``) and ``actor-0``."""
         self.run_args = self.procs.start_run(CONFIG, self.sets, self.dir)
         self.url = (self.dir / "redis" / "url").read_text().strip()
-        self.procs.start_actor("actor-0", self.run_args, core=1)
+        self.procs.start_actor("actor-0", self.run_args, core=1, env={ALIVE_ENV: str(self.alive)})
 
     def learner(self, name: str, *extra: str) -> subprocess.Popen:
         return self.procs.start(name, [BIN / "rl-learner", "train", CONFIG, *self.sets, *self.run_args[:2], *extra])
@@ -131,6 +134,7 @@ def test_a_run_lives_through_a_redis_restart_then_stops_past_the_limit_and_a_res
         run.start()
         first = run.learner("learner-1")
         _wait(lambda: len(_steps(run.dir)) >= EVERY, "the first checkpoint's step", first)
+        assert time.time() - run.alive.stat().st_mtime < 30  # the engine makes progress: a liveness check passes
         within = live_through_a_restart(run)
         past = stop_past_the_limit(run)
 

@@ -406,6 +406,25 @@ def test_workloads_have_requests_probes_and_a_restricted_security_context(varian
         assert set(added) <= ({"SYS_NICE"} if (role, variant) == ("actor", "cpu-demo") else set()), f"{role}: {added}"
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_actors_liveness_reads_the_file_its_engine_keeps_fresh(overlay: str, tmp_path: Path) -> None:
+    """The actor's startup and liveness probes run common/deploy.py's ALIVE_CHECK on the file the actor is told to
+    touch (ASYNCRL_ALIVE_FILE): run here, the check passes on a fresh file and fails on one a minute old or missing."""
+    actor = container(workloads(build(overlay))["actor"])
+    env = {e["name"]: e.get("value") for e in actor["env"]}
+    for probe in ("startupProbe", "livenessProbe"):
+        command = actor[probe]["exec"]["command"]
+        assert command[:3] == ["sh", "-c", deploy.ALIVE_CHECK] and command[4] == env[deploy.ALIVE_ENV], probe
+    alive = tmp_path / "alive"
+    check = ["sh", "-c", deploy.ALIVE_CHECK, "alive", str(alive), actor["livenessProbe"]["exec"]["command"][5]]
+    assert subprocess.run(check, capture_output=True).returncode != 0  # missing: the engine is not up
+    alive.touch()
+    assert subprocess.run(check, capture_output=True).returncode == 0
+    old = time.time() - 61
+    os.utime(alive, (old, old))
+    assert subprocess.run(check, capture_output=True).returncode != 0
+
+
 def test_the_code_sandbox_capabilities_start_the_namespaces_fence() -> None:
     """The reward worker of the code-sandbox component, started here as root with exactly its capabilities (as the
     container's bounding set), gets the sandbox's strongest fence and runs a program in it with none left."""
