@@ -256,7 +256,11 @@ class RolloutActor:
         while path is not None and not self._stopping.is_set():
             since = time.monotonic() - self.engine.last_output
             if liveness.engine_progressing(len(self._running), self.weights.syncing, since):
-                await asyncio.to_thread(liveness.touch, path)
+                try:
+                    await asyncio.to_thread(liveness.touch, path)
+                except OSError as exc:  # a liveness check cannot be served: say so once, never stop the actor
+                    log.warning("cannot touch the alive file; no liveness file", path=str(path), error=repr(exc))
+                    return
             else:
                 log.error(
                     "engine made no progress; the liveness check will fail",
