@@ -49,8 +49,10 @@ VARIANTS = {  # name: (overlay, components swapped in for keda, components added
     "gpu": ("gpu", None, ()),
     "gpu+prometheus-hpa": ("gpu", "prometheus-hpa", ()),
     "gpu+code-sandbox": ("gpu", None, ("code-sandbox",)),
+    "gpu+fill-models": ("gpu", None, ("fill-models",)),
 }
 RUN_ROLES = ("learner", "actor", "reward")
+ONE_SHOT = {"fill-models"}  # a Job run once before the run (k8s/components/fill-models), not one of its processes
 SECRETS = {"asyncrl-redis", "asyncrl-curve-server", "asyncrl-curve-authorized", "asyncrl-curve-client"}
 SANDBOX_CAPS = ["SYS_ADMIN", "SETUID", "SETGID", "SETPCAP", "CHOWN", "FOWNER", "DAC_OVERRIDE", "KILL"]
 # The trigger metadata KEDA's redis scaler reads (pkg/scalers/redis_scaler.go at v2.20.2); the password comes from
@@ -129,7 +131,7 @@ def generated(objects, name: str) -> dict:
 
 
 def base_name(name: str) -> str:
-    generators = {"asyncrl-run", "asyncrl-config", "asyncrl-redis-conf", "asyncrl-prometheus"}
+    generators = {"asyncrl-run", "asyncrl-config", "asyncrl-redis-conf", "asyncrl-prometheus", "asyncrl-fill-models"}
     stem = re.sub(r"-[a-z0-9]{10}$", "", name)
     return stem if stem in generators else name
 
@@ -140,6 +142,8 @@ def workloads(objects) -> dict[str, dict]:
     for o in objects:
         if o["kind"] in ("Deployment", "StatefulSet", "Job"):
             role = o["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+            if role in ONE_SHOT:
+                continue
             assert role not in found, f"two workloads of role {role}"
             found[role] = o
     assert set(found) == set(deploy.ROLES), f"workloads: {sorted(found)}"
@@ -423,6 +427,45 @@ def test_the_actors_liveness_reads_the_file_its_engine_keeps_fresh(overlay: str,
     old = time.time() - 61
     os.utime(alive, (old, old))
     assert subprocess.run(check, capture_output=True).returncode != 0
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_one_node_lost_never_takes_the_learner_and_redis_nor_every_actor_where_the_cluster_can_help_it(
+    overlay: str,
+) -> None:
+    found = workloads(build(overlay))
+    redis_labels = found["redis"]["spec"]["template"]["metadata"]["labels"]
+    (term,) = found["learner"]["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert selects(term["podAffinityTerm"]["labelSelector"], redis_labels)
+    for role in ("actor", "reward"):
+        (spread,) = found[role]["spec"]["template"]["spec"]["topologySpreadConstraints"]
+        assert spread["topologyKey"] == "kubernetes.io/hostname" and spread["whenUnsatisfiable"] == "ScheduleAnyway"
+        assert selects(spread["labelSelector"], found[role]["spec"]["template"]["metadata"]["labels"]), role
+
+
+def test_the_fill_job_writes_the_models_volume_the_run_reads() -> None:
+    """The one writer of asyncrl-models: it mounts the claim the run's pods mount read-only, runs the run's image
+    as its non-root user, and renames what it fetched into place only once complete."""
+    objects = build("gpu+fill-models")
+    fill = one(objects, "Job", "asyncrl-fill-models")
+    pod = fill["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if "persistentVolumeClaim" in v]
+    assert volume["persistentVolumeClaim"] == {"claimName": "asyncrl-models"}
+    (spec,) = pod["containers"]
+    assert not [m for m in spec["volumeMounts"] if m["name"] == volume["name"] and m.get("readOnly")]
+    for role, workload in workloads(objects).items():
+        if role != "redis":
+            assert container(workload)["image"] == spec["image"], role
+            mounts = {m["name"]: m for m in container(workload).get("volumeMounts", [])}
+            assert mounts["models"].get("readOnly") is True, role
+    script = spec["args"][1]
+    assert "--local-dir /models/.policy-partial" in script and "mv /models/.policy-partial /models/policy" in script
+    assert spec["securityContext"]["readOnlyRootFilesystem"] and pod["securityContext"]["runAsNonRoot"]
+    settings = generated(objects, "asyncrl-fill-models")["data"]
+    assert set(settings) == {"model", "revision", "data_url"}
 
 
 def test_the_code_sandbox_capabilities_start_the_namespaces_fence() -> None:
