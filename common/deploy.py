@@ -225,8 +225,8 @@ def cluster_steps(run: str, learner_host: str, worker_hosts: Sequence[str], redi
     conf = redis_conf("redis-data", redis_port, bind=learner_host)
     steps = [
         Step(learner_host, "rl-launch keys keys"),
-        Step(learner_host, f"umask 077 && openssl rand -hex 32 > {here.redis_password_file}"),
-        Step(learner_host, f'umask 077 && echo "{url}" > {here.redis_url_file}'),
+        Step(learner_host, f"(umask 077 && openssl rand -hex 32 > {here.redis_password_file})"),
+        Step(learner_host, f'(umask 077 && echo "{url}" > {here.redis_url_file})'),
         Step(learner_host, f"mkdir -p redis-data && cat > {here.redis_conf} <<'EOF'\n{conf}EOF"),
         Step(learner_host, shell(redis(here)), redis(here)),
         Step(learner_host, shell(learner(here)), learner(here)),
@@ -246,8 +246,13 @@ CLUSTER_EXAMPLE = {"run": "exp1", "learner_host": "10.77.0.1", "worker_hosts": (
 builds these four hosts as network namespaces, with exactly these addresses)."""
 
 
+KEEPS_RUNNING = "# keeps running: in a terminal (or a service) of its own"
+"""The line above each long-running command of the cluster doc's block: pasted into one shell, it would stop there."""
+
+
 def cluster_doc(steps: Sequence[Step]) -> str:
-    """The steps as the cluster doc's shell block: each host's commands after a ``# on HOST`` line."""
+    """The steps as the cluster doc's shell block: each host's commands after a ``# on HOST`` line, each command
+    that keeps running after a :data:`KEEPS_RUNNING` line."""
     lines: list[str] = []
     host = None
     for step in steps:
@@ -255,6 +260,7 @@ def cluster_doc(steps: Sequence[Step]) -> str:
             lines += [""] if lines else []
             lines.append(f"# on {step.host}")
             host = step.host
+        lines += [KEEPS_RUNNING] if step.process is not None else []
         lines.append(step.command)
     return "\n".join(lines) + "\n"
 

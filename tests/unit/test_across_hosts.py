@@ -25,6 +25,18 @@ def test_the_cluster_docs_give_the_commands_deploy_builds() -> None:
     assert readme_block() == deploy.cluster_doc(STEPS)
 
 
+def test_the_block_says_what_keeps_running_and_leaves_the_readers_shell_as_it_was() -> None:
+    """Pasted line by line, the block would stop at the first command that keeps running: each is announced as one
+    for a terminal of its own. A umask set for a secret file stays inside a subshell."""
+    lines = readme_block().splitlines()
+    for step in STEPS:
+        first = step.command.splitlines()[0]
+        before = lines[lines.index(first) - 1]
+        assert (before == deploy.KEEPS_RUNNING) == (step.process is not None), step.command[:80]
+        if "umask" in step.command:
+            assert step.command.startswith("(umask ") and step.command.endswith(")"), step.command
+
+
 def test_each_lasting_process_is_its_command_line() -> None:
     """What the docs show is what a launcher starts: the shell words are the environment, then the argv."""
     lasting = [step for step in STEPS if step.process is not None]
