@@ -42,6 +42,7 @@ from asyncrl.learner.batch_source import Taken
 from asyncrl.learner.checkpoint_format import Checkpoint
 from asyncrl.learner.checkpoint_settings import config_hash
 from asyncrl.learner.health import HealthMonitor
+from asyncrl.learner.resources import MemoryTrend
 from asyncrl.learner.samples import SampleLog, row_advantages
 from asyncrl.learner.telemetry import StepTelemetry, observe_group_stages
 from asyncrl.learner.trackers import Trackers
@@ -73,6 +74,7 @@ class Recorder:
             config.run_dir / "samples.jsonl", monitoring.samples_every, monitoring.samples_per_step, config.run.seed
         )
         self.telemetry = StepTelemetry(plane, config)
+        self.memory = MemoryTrend()
         self.trackers = Trackers(config if self.telemetry.publishes_summary else _untracked(config))
         self.audit = Audit(plane.client, config.run.name, self.telemetry.process_id, "learner")
         self.owns_audit = self.telemetry.publishes_summary  # rank 0
@@ -123,7 +125,7 @@ class Recorder:
         record.add("rollout", rollout_figures(version, taken, batch) | tool_call_figures(taken, self.samples.decode))
         stages = group_stage_seconds(taken)
         record.add("latency", latency_figures(stages))
-        record.values |= taken.figures() | gpu_figures()
+        record.values |= taken.figures() | gpu_figures() | self.memory.figures(time.time())
         record.values["step/seconds"] = time.perf_counter() - started
         record.values["step/idle_fraction"] = taken.waited_s / max(record.values["step/seconds"], 1e-9)
         # sampled once a step, for health and metrics

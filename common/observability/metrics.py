@@ -318,7 +318,7 @@ PROCESS_RSS = Gauge(
 )
 
 
-def _resident_bytes() -> float:
+def resident_bytes() -> float:
     """Current RSS from /proc (Linux); elsewhere the peak, which is what getrusage offers."""
     try:
         with open("/proc/self/statm") as f:
@@ -327,7 +327,7 @@ def _resident_bytes() -> float:
         return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
-PROCESS_RSS.set_function(_resident_bytes)
+PROCESS_RSS.set_function(resident_bytes)
 
 
 def set_alert(name: str, active: bool) -> None:

@@ -171,6 +171,17 @@ def test_each_step_says_where_its_groups_spent_their_time(demo: DemoRun) -> None
         assert row["latency/total_s_max"] >= row["latency/total_s"], row
 
 
+def test_every_row_has_entropy_lengths_and_memory_with_no_setting_changed(demo: DemoRun) -> None:
+    """What an operator watches first, on every step of the demo as shipped: the policy's entropy (no entropy bonus
+    in the preset), the response lengths and truncation, the prompt length, and the learner's resident memory."""
+    for row in demo.rows:
+        assert 0 < row["train/loss/entropy"] < 10, row
+        assert 0 < row["rollout/response_tokens_mean"] <= row["rollout/response_tokens_max"], row
+        assert row["rollout/response_tokens_p50"] <= row["rollout/response_tokens_p95"], row
+        assert 0 <= row["rollout/truncated_frac"] <= 1 and row["rollout/prompt_tokens_mean"] > 0, row
+        assert row["resources/rss_bytes"] > 100e6, row  # torch and DeepSpeed alone are more
+
+
 def test_an_actor_killed_mid_run_loses_no_group(demo: DemoRun) -> None:
     """actor-0 killed -9 mid-run: the groups it held are re-issued, every step still trains, the launcher exits 0 and
     the dead actor is dropped from the weight group."""
