@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import getpass
 import hashlib
+import itertools
 import json
 import time
 from collections import Counter
@@ -123,7 +124,8 @@ class Recorder:
             if figures:
                 record.add(prefix, figures)
         record.add("rollout", rollout_figures(version, taken, batch) | tool_call_figures(taken, self.samples.decode))
-        stages = group_stage_seconds(taken)
+        timelines = group_timelines(taken)
+        stages = group_stage_seconds(timelines)
         record.add("latency", latency_figures(stages))
         record.values |= taken.figures() | gpu_figures() | self.memory.figures(time.time())
         record.values["step/seconds"] = time.perf_counter() - started
@@ -137,18 +139,19 @@ class Recorder:
             record.add("health", self.health.observe(version, record.values, self._facts(queues)))
         self._write(version, record)
         self.trackers.metrics(version, record.values)
-        self._sample(version, taken, batch, advantages)
+        self._sample(version, taken, batch, advantages, timelines)
         self.telemetry.publish(record.values, queues, processes)
         observe_group_stages(stages)
         if self.health is not None:
             self.plane.run.set_alerts(self.health.active_alerts())
         return record
 
-    def _sample(self, version: int, taken: Taken, batch: TrainBatch, advantages) -> None:
+    def _sample(self, version: int, taken: Taken, batch: TrainBatch, advantages, timelines) -> None:
         """samples.jsonl (rank 0), and its newest rows for rl-top."""
         if not self.owns_audit or advantages is None or not self.samples.due(version):
             return
-        rows = self.samples.write(version, taken.groups, row_advantages(batch.keys, advantages, batch.response_mask))
+        by_response = row_advantages(batch.keys, advantages, batch.response_mask)
+        rows = self.samples.write(version, taken.groups, by_response, timelines)
         self.plane.run.publish_samples(rows)
         self.trackers.samples(version, rows)
 
@@ -215,15 +218,17 @@ def rollout_figures(version: int, taken: Taken, batch: TrainBatch) -> dict[str, 
     }
 
 
-def group_stage_seconds(taken: Taken) -> np.ndarray:
-    """Each group's seconds in the four stages from issue to a complete batch, ``[groups, 4]``: queued (issued by the
-    learner → taken by an actor), generate, scoring (generated → in the replay stream), replay (in the stream → the
-    learner's batch complete).
+TIMELINE = ("issued", "taken", "generated", "stored", "batch_complete")
+"""A group's timeline (wall-clock seconds): issued by the learner, taken by an actor, generated, stored in the replay
+stream (after scoring), its batch complete."""
 
-    Times come from the hosts that saw each event (the learner's issue record, the actor's ``taken_at``, Redis's
-    stream entry id), so across hosts the split is as good as their clocks agree. Groups that lack a part (an issue
-    record already retired, an actor that does not stamp ``taken_at``) are left out."""
-    rows = []
+
+def group_timelines(taken: Taken) -> dict[str, dict[str, float]]:
+    """Each group's :data:`TIMELINE` by group id. Times come from the hosts that saw each event (the learner's issue
+    record, the actor's ``taken_at``, Redis's stream entry id), so across hosts the split is as good as their clocks
+    agree. Groups that lack a part (an issue record already retired, an actor that does not stamp ``taken_at``) are
+    left out."""
+    out = {}
     for entry in taken.entries:
         rollout = entry.group.rollout
         issued, taken_at = taken.issued_at.get(rollout.group_id), rollout.timings.get("taken_at")
@@ -231,7 +236,16 @@ def group_stage_seconds(taken: Taken) -> np.ndarray:
             continue
         generated = taken_at + rollout.timings.get("generate", 0.0)
         stored = int(entry.entry_id.split("-", 1)[0]) / 1000  # a stream id is Redis's clock in ms
-        rows.append((taken_at - issued, generated - taken_at, stored - generated, taken.complete_at - stored))
+        times = (issued, taken_at, generated, stored, taken.complete_at)
+        out[rollout.group_id] = dict(zip(TIMELINE, times, strict=True))
+    return out
+
+
+def group_stage_seconds(timelines: dict[str, dict[str, float]]) -> np.ndarray:
+    """Each group's seconds in the four stages between its :data:`TIMELINE`'s events, ``[groups, 4]``: queued
+    (issued → taken by an actor), generate, scoring (generated → in the replay stream), replay (in the stream → the
+    learner's batch complete)."""
+    rows = [[t[b] - t[a] for a, b in itertools.pairwise(TIMELINE)] for t in timelines.values()]
     return np.asarray(rows, np.float64).reshape(-1, 4)
 
 

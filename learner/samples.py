@@ -9,6 +9,10 @@ best by reward — one JSON object per response::
      "prompt": "12+7=", "response": "19", "reward": 1.0, "details": {"task": 1.0},
      "advantage": 0.94, "finish_reason": "stop", "staleness": 1, "tokens": 2}
 
+A row also has its group's ``timeline``: wall-clock seconds at which the group was ``issued``, ``taken`` by an actor,
+``generated``, ``stored`` in the replay stream (scored) and its batch was complete (``batch_complete``); the means of
+the stages between them are the step's ``latency/*``.
+
 A multi-turn episode's row also has its ``turns`` — ``{"by": "model" | "environment", "text": …, "tokens": n}`` in
 order, the text with the chat template's markers, so tool calls and their results show where they were — and
 ``trained_tokens``, the model's tokens (the only ones trained).
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -52,9 +56,14 @@ class SampleLog:
         return self.every > 0 and step % self.every == 0
 
     def rows(
-        self, step: int, groups: Sequence[ScoredGroup], advantages: dict[tuple[str, int], float]
+        self,
+        step: int,
+        groups: Sequence[ScoredGroup],
+        advantages: dict[tuple[str, int], float],
+        timelines: Mapping[str, dict[str, float]] | None = None,
     ) -> list[dict]:
-        """The rows of step ``step``: random picks, then the worst and the best response (each response once)."""
+        """The rows of step ``step``: random picks, then the worst and the best response (each response once), each
+        with its group's ``timeline`` where ``timelines`` has it."""
         responses = [(g, i) for g in groups for i in range(g.rollout.num_samples)]
         if not responses:
             return []
@@ -63,13 +72,23 @@ class SampleLog:
         others = [k for k in range(len(responses)) if k not in (worst, best)]
         picks = random.Random(self.seed * 1_000_003 + step).sample(others, min(self.per_step, len(others)))
         chosen = [(k, "random") for k in sorted(picks)] + [(worst, "worst"), (best, "best")][: len({worst, best})]
-        return [_row(step, pick, *responses[k], advantages) | _turns(*responses[k], self.decode) for k, pick in chosen]
+        rows = [_row(step, pick, *responses[k], advantages) | _turns(*responses[k], self.decode) for k, pick in chosen]
+        for row in rows:
+            if (timeline := (timelines or {}).get(row["group_id"])) is not None:
+                row["timeline"] = timeline
+        return rows
 
-    def write(self, step: int, groups: Sequence[ScoredGroup], advantages: dict[tuple[str, int], float]) -> list[dict]:
+    def write(
+        self,
+        step: int,
+        groups: Sequence[ScoredGroup],
+        advantages: dict[tuple[str, int], float],
+        timelines: Mapping[str, dict[str, float]] | None = None,
+    ) -> list[dict]:
         """Append step ``step``'s rows when it is due; returns them (empty when not due)."""
         if not self.due(step):
             return []
-        rows = self.rows(step, groups, advantages)
+        rows = self.rows(step, groups, advantages, timelines)
         with open_private(self.path, "a") as f:  # 0600: prompts and responses
             f.writelines(json.dumps(row) + "\n" for row in rows)
         return rows

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -54,6 +55,9 @@ def check_samples(
         picks = [r["pick"] for r in samples if r["step"] == step]
         assert picks[:per_step] == ["random"] * per_step and picks[per_step:] in (["worst", "best"], ["worst"])
     for r in samples:
-        assert set(r) == fields and r["prompt"].endswith(prompt_end), r["prompt"]
+        assert set(r) == fields | {"timeline"} and r["prompt"].endswith(prompt_end), r["prompt"]
+        times = list(r["timeline"].values())  # issued, taken, generated, stored, batch complete: one clock here
+        assert list(r["timeline"]) == ["issued", "taken", "generated", "stored", "batch_complete"]
+        assert all(b >= a - 0.01 for a, b in itertools.pairwise(times)), r["timeline"]
         assert isinstance(r["advantage"], float) and r["details"] and r["finish_reason"]
         assert staleness is None or r["staleness"] == staleness

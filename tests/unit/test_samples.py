@@ -16,6 +16,7 @@ from asyncrl.learner.batch_source import Taken
 from asyncrl.learner.recorder import (
     episode_figures,
     group_stage_seconds,
+    group_timelines,
     latency_figures,
     length_figures,
     tool_call_figures,
@@ -153,14 +154,23 @@ def test_a_steps_latency_splits_each_groups_time_from_issue_to_batch_into_its_st
         issued_at={timed[0].group_id: 1.0, timed[1].group_id: 1.0, untimed.rollout.group_id: 1.0},
         complete_at=12.0,
     )
-    stages = group_stage_seconds(taken)
+    timelines = group_timelines(taken)
+    assert timelines[timed[0].group_id] == {
+        "issued": 1.0, "taken": 4.0, "generated": 7.0, "stored": 10.0, "batch_complete": 12.0
+    }  # fmt: skip
+    stages = group_stage_seconds(timelines)
     assert stages.tolist() == [[3.0, 3.0, 3.0, 2.0], [5.0, 3.0, 1.0, 2.0]]
     figures = latency_figures(stages)
     assert figures == pytest.approx(
         {"queued_s": 4.0, "generate_s": 3.0, "scoring_s": 2.0, "replay_s": 2.0, "total_s": 11.0, "total_s_max": 11.0}
     )
     only_untimed = Taken(entries=[ReplayEntry("10500-0", untimed)], complete_at=12.0)
-    assert latency_figures(group_stage_seconds(only_untimed)) == {}
+    assert latency_figures(group_stage_seconds(group_timelines(only_untimed))) == {}
+    rows = SampleLog(None, every=1, per_step=5, seed=0).rows(1, [taken.entries[0].group, untimed], {}, timelines)
+    assert {row["group_id"]: "timeline" in row for row in rows} == {
+        timed[0].group_id: True,
+        untimed.rollout.group_id: False,
+    }
     summary = {"step": 1, **{f"latency/{key}": value for key, value in figures.items()}}
     queues = dict.fromkeys(["prompts", "inflight", "replay", "replay_pending", "dead_letters"], 0)
     text = render({"run": "r", "version": 1, "queues": queues, "processes": [], "lost": {}, "summary": summary})
