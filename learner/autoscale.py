@@ -15,9 +15,11 @@ never waits (``f = 0``) and each actor is busy ``b = G/C`` of the time, so ``N·
 run (``staleness.max_staleness = 0``) ``f`` is the generation's share of the step and ``b`` about the same, so the
 signal asks for more actors while generation takes longer than training and fewer once it is shorter.
 
-``f`` and ``b`` are averaged over recent steps (:data:`SMOOTHING`); the autoscaler's own stabilisation window (five
-minutes in the components) keeps a new actor's start-up from being read as a lasting shortage. ``TOLERANCE`` keeps a
-run that needs 2.1 actors from asking for 3.
+``f`` and ``b`` are averaged over recent steps (:data:`SMOOTHING`), over the actors that are up (``N`` and ``b``
+leave out actors still starting their engine). While any actor is starting, the signal holds at the actors there
+are: the shortage it measured is being met, and asking again before the new actors generate would ask twice for
+the same shortage (and, each round, for more). ``TOLERANCE`` keeps a run that needs 2.1 actors from asking for 3.
+The components also cap how fast actors are added (two a minute) and removed (one a minute, after five minutes).
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ from dataclasses import dataclass
 
 from asyncrl.common.wire.messages import Heartbeat
 
-BUSY_STATES = frozenset({"generating", "syncing", "starting"})
-"""Actor states that count as busy: an actor loading weights or still starting its engine is needed, not spare."""
+BUSY_STATES = frozenset({"generating", "syncing"})
+"""States of an actor that is up and busy: one loading weights is needed, not spare."""
+STARTING = "starting"
+"""An actor's state while its engine starts (``actors/rollout.py``): not yet counted in the demand."""
 SMOOTHING = 0.1
 """Weight of the newest step in the moving averages of ``f`` and ``b`` (about the last ten steps)."""
 TOLERANCE = 0.2
@@ -58,10 +62,13 @@ class ActorDemand:
     def observe(self, idle_fraction: float, live: Iterable[Heartbeat]) -> int:
         """Fold in one step (its ``step/idle_fraction`` and the live heartbeats); the actors wanted now."""
         states = [beat.state for beat in live if beat.kind == "actor"]
-        self.actors = len(states)
-        busy = sum(state in BUSY_STATES for state in states) / len(states) if states else 1.0
+        up = [state for state in states if state != STARTING]
+        self.actors = len(up)
+        busy = sum(state in BUSY_STATES for state in up) / len(up) if up else 1.0
         self.idle = _average(self.idle, idle_fraction)
         self.busy = _average(self.busy, busy)
+        if len(up) < len(states):  # actors on their way: hold at the count there is until they are up
+            return len(states)
         return actors_wanted(self.actors, self.busy, self.idle)
 
 

@@ -349,6 +349,7 @@ def train(
             "nothing to resume; raise learner.steps to train it further",
             err=True,
         )
+        _mark_finished(given_redis_url(redis, redis_file), resolved, finished)
         return
     leader = os.environ.get("RANK", "0") == "0"  # rank 0 verifies the checkpoint and hands it on
     checkpoint = _verified_checkpoint(resolved, resume) if resume and leader else None
@@ -391,6 +392,25 @@ def train(
     finally:
         if server is not None:
             server.stop()
+
+
+def _mark_finished(url: str | None, resolved: RunConfig, step: int) -> None:
+    """Say in the run's Redis that the run finished at ``step``, and wants no actor: a learner killed after its last
+    checkpoint but before it said so would otherwise leave actors and reward workers waiting, and an autoscaler
+    keeping them."""
+    if not url:
+        return
+    import redis as redis_lib
+
+    from asyncrl.common.plane.control import ControlPlane
+    from asyncrl.common.plane.keys import connect
+
+    try:
+        run = ControlPlane(connect(url), resolved.run.name).run
+        run.mark_finished(step)
+        run.set_actors_wanted(0)
+    except redis_lib.exceptions.RedisError as exc:
+        typer.echo(f"could not mark the run finished in Redis ({exc}); its actors stop when they find it", err=True)
 
 
 def _finished_at(resolved: RunConfig, spec: str) -> int | None:

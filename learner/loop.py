@@ -131,7 +131,8 @@ class Learner:
             self.broadcaster.finish()
             self.save_checkpoint(self._stop_reason if self._stop.is_set() else "end")
             self.batches.finish_eval(self.version, self._stop)  # the last policy's eval round (learner/evaluation.py)
-            outcome = "stopped" if self._stop.is_set() else "completed"
+            # A stop asked for during the last step still finished the run: its end is the step count, not the flag.
+            outcome = "completed" if self.version >= self.config.learner.steps else "stopped"
             if outcome == "completed":
                 self.plane.run.mark_finished(self.version)  # the run's actors and reward workers exit now
                 self.recorder.telemetry.finished()
@@ -144,10 +145,10 @@ class Learner:
             self.recorder.close(self.version, outcome)  # run.finished; the learner leaves; audit.jsonl complete
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
-        log.info("learner finished", run=self.config.run.name, version=self.version, stopped=self._stop.is_set())
+        log.info("learner finished", run=self.config.run.name, version=self.version, stopped=outcome != "completed")
         if no_actors is not None:
             raise no_actors
-        return self._stop_reason if self._stop.is_set() else "end"
+        return "end" if outcome == "completed" else self._stop_reason
 
     def _stop_at_budget(self) -> threading.Timer | None:
         """With ``learner.max_minutes``: a timer that stops the run like SIGTERM does when the budget is spent."""

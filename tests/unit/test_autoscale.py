@@ -51,3 +51,18 @@ def test_one_steps_dip_moves_the_average_only_a_little() -> None:
     for _ in range(20):
         demand.observe(0.0, beats("generating", "generating"))
     assert demand.observe(0.9, beats("generating", "generating")) == 2  # one step waited 90%: not yet 20 actors
+
+
+def test_actors_still_starting_hold_the_signal_instead_of_feeding_it() -> None:
+    """One busy actor, the learner idle 60%: it asks for 3. Two more start: while they do, it asks for the 3 there
+    are, not for 3 x 3 (a starting actor neither counts as busy nor as demand met). Once they are up and keep the
+    learner fed, it asks for what they use."""
+    demand = ActorDemand()
+    for _ in range(30):
+        wanted = demand.observe(0.6, beats("generating"))
+    assert wanted == 3
+    for _ in range(30):
+        assert demand.observe(0.6, beats("generating", "starting", "starting")) == 3
+    for _ in range(60):
+        wanted = demand.observe(0.0, beats("generating", "generating", "generating"))
+    assert wanted == 3

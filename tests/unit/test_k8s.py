@@ -693,15 +693,19 @@ def test_the_redis_command_starts_a_redis_that_needs_its_password(tmp_path: Path
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_learner_is_a_job_that_cannot_loop_on_a_finished_run(overlay: str) -> None:
-    """A Job of one completion whose failed container restarts in place (and resumes); exit 0 completes it, so a
-    finished run is never started again (a StatefulSet restarted it, it resumed, exited and looped). Its checkpoint
-    claim is its own, ReadWriteOnce."""
+    """A Job of one completion whose failed learner gets a new pod (which resumes) only once the old one has ended;
+    exit 0 completes it, so a finished run is never started again (a StatefulSet restarted it, it resumed, exited
+    and looped); a refused config (exit 2) fails the Job at once, a drain is not counted. Its checkpoint claim is its
+    own, ReadWriteOnce."""
     objects = build(overlay)
     job = workloads(objects)["learner"]
     assert job["kind"] == "Job" and job["apiVersion"] == "batch/v1"
     spec = job["spec"]
     assert (spec["completions"], spec["parallelism"]) == (1, 1) and spec["backoffLimit"] >= 1
-    assert spec["template"]["spec"]["restartPolicy"] == "OnFailure"
+    assert spec["template"]["spec"]["restartPolicy"] == "Never" and spec["podReplacementPolicy"] == "Failed"
+    fail, ignore = spec["podFailurePolicy"]["rules"]
+    assert fail["action"] == "FailJob" and fail["onExitCodes"]["values"] == [2]
+    assert ignore == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
     claim = one(objects, "PersistentVolumeClaim", "asyncrl-runs")
     assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
     assert mounted(job)[deploy.KUBE.root] == ("claim", "asyncrl-runs", None)
