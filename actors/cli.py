@@ -136,7 +136,7 @@ def check_model_command(
     import sys
     import time
 
-    from asyncrl.actors.engine import EngineSettingsError, RolloutEngine, check_engine_settings
+    from asyncrl.actors.engine import EngineSettingsError, RolloutEngine, check_engine_settings, error_line
     from asyncrl.common.cliutil import fail, load
 
     resolved = load(config, set_)
@@ -149,22 +149,18 @@ def check_model_command(
     try:
         engine = RolloutEngine(resolved, resolved.run.seed)
     except Exception as exc:  # vLLM's own refusal: its first line says which setting
-        fail(f"model.path: vLLM could not build an engine for {resolved.model.path}: {_first_line(exc)}")
+        fail(f"model.path: vLLM could not build an engine for {resolved.model.path}: {error_line(exc)}")
     try:
         built = time.perf_counter()
         response = asyncio.run(engine.first_token(ids))
     except Exception as exc:
         time.sleep(2.0)  # vLLM's engine core writes its traceback after its frontend has learnt it died: let it
         print(file=sys.stderr)  # and its last line may lack a newline: the error line starts a line of its own
-        fail(f"model.path: vLLM built the engine but could not generate one token: {_first_line(exc)}")
+        fail(f"model.path: vLLM built the engine but could not generate one token: {error_line(exc)}")
     finally:
         engine.shutdown()
     figures = {"token_id": response.token_ids[0], "text": response.text, "finish_reason": response.finish_reason}
     print(json.dumps(figures | {"engine_s": built - started, "token_s": time.perf_counter() - built}))
-
-
-def _first_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
 
 
 @app.command("check-lora", hidden=True)

@@ -422,6 +422,11 @@ def rpc_timeouts(collective_timeout_s: float, buckets: int) -> tuple[float, floa
     return 2 * collective_timeout_s + margin, (buckets + 1) * collective_timeout_s + margin
 
 
+def error_line(exc: BaseException) -> str:
+    """``Type: first line of the message``: how an engine's error is named in a one-line refusal."""
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+
+
 def _append(response: Response, completion: Any, stamp: int) -> None:
     new_ids = list(completion.token_ids)
     response.token_ids += new_ids

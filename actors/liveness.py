@@ -3,9 +3,11 @@
 Kubernetes' liveness probe runs ``common/deploy.py: ALIVE_CHECK`` on it).
 
 The engine makes progress when it has no group to generate, when the actor is loading weights (a broadcast has its
-own time limit, ``weight_sync.timeout_s``), or when it sent a token within :data:`STALL_S`. A hung engine (a
-request that never returns a token) or a hung event loop stops the touches, the file ages, the check fails and the
-kubelet restarts the actor; its groups go back to the queue when the learner finds its heartbeat gone.
+own time limit, ``weight_sync.timeout_s``), or when it sent a token within the stall limit (:func:`stall_limit_s`)
+of the later of its last token and the last moment it was idle or loading weights — so that work taken after a
+long idle spell is not judged by the token before it. A hung engine (a request that never returns a token) or a
+hung event loop stops the touches, the file ages, the check fails and the kubelet restarts the actor; its groups go
+back to the queue when the learner finds its heartbeat gone.
 """
 
 from __future__ import annotations
@@ -22,10 +24,16 @@ STALL_S = 300.0
 milliseconds to seconds; a long prefill on a slow CPU takes tens of seconds."""
 
 
-def engine_progressing(running: int, syncing: bool, since_output_s: float, stall_s: float = STALL_S) -> bool:
-    """Whether an engine with ``running`` groups in hand, loading weights or not, whose last token came
-    ``since_output_s`` ago, makes progress."""
-    return running == 0 or syncing or since_output_s < stall_s
+def stall_limit_s(step_timeout_s: float) -> float:
+    """:data:`STALL_S`, or longer where an episode's environment step may take longer (``environment.step_timeout_s``:
+    an episode's group waits on its environment, not on the engine, meanwhile)."""
+    return max(STALL_S, step_timeout_s + 60.0)
+
+
+def engine_progressing(running: int, syncing: bool, since_progress_s: float, stall_s: float = STALL_S) -> bool:
+    """Whether an engine with ``running`` groups in hand, loading weights or not, that last made progress (a token,
+    or a spell idle or loading weights) ``since_progress_s`` ago, makes progress."""
+    return running == 0 or syncing or since_progress_s < stall_s
 
 
 def alive_file() -> Path | None:

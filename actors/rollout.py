@@ -158,14 +158,15 @@ class RolloutActor:
 
     async def _first_token(self) -> None:
         """:meth:`RolloutEngine.first_token`, or :class:`EngineRefused` saying the engine cannot generate."""
+        from asyncrl.actors.engine import error_line
+
         try:
             await self.engine.first_token()
         except Exception as exc:
-            first = (str(exc).splitlines() or [""])[0]
             raise EngineRefused(
                 f"model.path: vLLM started an engine for {self.config.model.path} but could not generate one token "
-                f"with the run's [rollout] settings: {type(exc).__name__}: {first}; `rl-learner check-model CONFIG` "
-                "runs the same check on its own"
+                f"with the run's [rollout] settings: {error_line(exc)}; `rl-learner check-model CONFIG` runs the same "
+                "check on its own"
             ) from exc
 
     # ------------------------------------------------------------------ work
@@ -253,20 +254,26 @@ class RolloutActor:
     async def _liveness_loop(self) -> None:
         """Touch the alive file while the engine makes progress (``actors/liveness.py``)."""
         path = liveness.alive_file()
+        stall_s = liveness.stall_limit_s(self.config.environment.step_timeout_s)
+        settled_at, warned = time.monotonic(), False  # the last moment the engine was idle or loading weights
         while path is not None and not self._stopping.is_set():
-            since = time.monotonic() - self.engine.last_output
-            if liveness.engine_progressing(len(self._running), self.weights.syncing, since):
+            now, running, syncing = time.monotonic(), len(self._running), self.weights.syncing
+            if not running or syncing:
+                settled_at = now
+            since = now - max(self.engine.last_output, settled_at)
+            if liveness.engine_progressing(running, syncing, since, stall_s):
                 try:
                     await asyncio.to_thread(liveness.touch, path)
-                except OSError as exc:  # a liveness check cannot be served: say so once, never stop the actor
-                    log.warning("cannot touch the alive file; no liveness file", path=str(path), error=repr(exc))
-                    return
+                except OSError as exc:  # said once; the next touch may work (a full /tmp freed)
+                    if not warned:
+                        log.warning("cannot touch the alive file", path=str(path), error=repr(exc))
+                    warned = True
             else:
                 log.error(
                     "engine made no progress; the liveness check will fail",
                     actor=self.actor_id,
-                    running=len(self._running),
-                    seconds_since_output=round(since),
+                    running=running,
+                    seconds_without_progress=round(since),
                     action="none: the kubelet restarts the actor and its groups are re-issued",
                 )
             await self._sleep(liveness.TOUCH_S)

@@ -42,6 +42,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from asyncrl.common.config import load_config
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.keys import connect
 from tests.helpers.accounting import group_ledger
@@ -54,7 +55,7 @@ ROLES = ("learner", "actor", "reward", "redis")
 WARM_UP_S = 120.0
 """Samples of an incarnation's first two minutes (imports, engine start, the first compilations) are left out of its
 slope."""
-GROUPS_PER_STEP = 16  # configs/demo.toml's learner.groups_per_step
+GROUPS_PER_STEP = load_config(DEMO, []).learner.groups_per_step
 
 
 def say(*parts: object) -> None:

@@ -183,6 +183,7 @@ class Checkpointer:
         _load_engine(self.policy.engine, checkpoint.path / "policy", whole=not self.config.lora.enabled)
         if self.critic is not None:
             _load_engine(self.critic.engine, checkpoint.path / "critic", whole=not self.config.lora.enabled)
+        m.LEARNER_CHECKPOINT_BYTES.set(checkpoint.bytes)  # the disk alert's measure from the start, not the next save
         return state
 
 

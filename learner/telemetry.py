@@ -129,7 +129,6 @@ class StepTelemetry:
         )
         self.state, self.version = "starting", 0
         self.demand = ActorDemand()
-        self._wanted: int | None = None
         if self.publishes_summary:  # the run wants an actor from its start (rank 0 speaks for the run)
             self._want_actors(1)
         transport = config.transport
@@ -212,16 +211,13 @@ class StepTelemetry:
             self._want_actors(0)
 
     def _want_actors(self, count: int) -> None:
-        """The autoscaling signal, as a series (the HPA's route) and as the run's list in Redis (KEDA's), which is
-        written only when the count changes."""
+        """The autoscaling signal, as a series (the HPA's route) and as the run's list in Redis (KEDA's), written
+        every step: one transaction, and a Redis that lost its data has the list again at the next step."""
         import redis
 
         m.LEARNER_ACTORS_WANTED.set(count)
-        if count == self._wanted:
-            return
         try:
             self.plane.run.set_actors_wanted(count)
-            self._wanted = count
         except redis.exceptions.RedisError as exc:
             log.warning("could not publish the actors wanted; training goes on", actors_wanted=count, error=exc)
 

@@ -463,6 +463,8 @@ def test_the_fill_job_writes_the_models_volume_the_run_reads() -> None:
             assert mounts["models"].get("readOnly") is True, role
     script = spec["args"][1]
     assert "--local-dir /models/.policy-partial" in script and "mv /models/.policy-partial /models/policy" in script
+    assert subprocess.run(["sh", "-n", "-c", script], capture_output=True).returncode == 0  # it parses
+    compile(re.search(r"python -c '(.*?)'", script, re.DOTALL).group(1), "fill-models", "exec")
     assert spec["securityContext"]["readOnlyRootFilesystem"] and pod["securityContext"]["runAsNonRoot"]
     settings = generated(objects, "asyncrl-fill-models")["data"]
     assert set(settings) == {"model", "revision", "data_url"}

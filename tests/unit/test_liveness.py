@@ -24,6 +24,11 @@ def test_progress(running: int, syncing: bool, since: float, progressing: bool) 
     assert liveness.engine_progressing(running, syncing, since) is progressing
 
 
+def test_a_long_environment_step_raises_the_stall_limit() -> None:
+    assert liveness.stall_limit_s(10.0) == liveness.STALL_S
+    assert liveness.stall_limit_s(3600.0) == 3660.0
+
+
 def test_the_file_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv(ALIVE_ENV, raising=False)
     assert liveness.alive_file() is None
