@@ -466,6 +466,8 @@ def test_the_fill_job_writes_the_models_volume_the_run_reads() -> None:
     assert subprocess.run(["sh", "-n", "-c", script], capture_output=True).returncode == 0  # it parses
     compile(re.search(r"python -c '(.*?)'", script, re.DOTALL).group(1), "fill-models", "exec")
     assert spec["securityContext"]["readOnlyRootFilesystem"] and pod["securityContext"]["runAsNonRoot"]
+    (wait,) = workloads(objects)["learner"]["spec"]["template"]["spec"]["initContainers"]
+    assert "/models/policy/config.json" in wait["command"][2] and wait["image"] == spec["image"]
     settings = generated(objects, "asyncrl-fill-models")["data"]
     assert set(settings) == {"model", "revision", "data_url"}
 
