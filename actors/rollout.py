@@ -37,6 +37,7 @@ from asyncrl.actors.remote_environments import RemoteEnvironments
 from asyncrl.actors.reward_peers import PeerDiscovery, RewardPeers
 from asyncrl.actors.weights_follower import WeightsFollower
 from asyncrl.actors.workflows import WorkflowContext, check_workflow
+from asyncrl.common.cliutil import REFUSED_EXIT_CODE
 from asyncrl.common.config import RunConfig
 from asyncrl.common.observability.audit import Audit
 from asyncrl.common.observability.logs import get_logger
@@ -361,10 +362,6 @@ class _Rate:
 
 class EngineRefused(RuntimeError):
     """The actor's engine started but cannot generate with the run's settings (:meth:`RolloutActor._first_token`)."""
-
-
-REFUSED_EXIT_CODE = 2
-"""Exit status of an actor that refused the run's settings (as ``common/cliutil.py: fail``)."""
 
 
 def run_actor(config: RunConfig, redis_url: str, actor_id: str | None = None) -> int:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from asyncrl.common.cliutil import RedisFileOpt, RedisOpt
+from asyncrl.learner.actor_commands import check_lora_serving, rl_actor_check, rl_actor_command
 
 if TYPE_CHECKING:
     from asyncrl.common.config import RunConfig
@@ -19,6 +20,15 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="asyncrl lear
 
 ConfigArg = Annotated[Path | None, typer.Argument(help="Run config (TOML); defaults apply when omitted.")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a field: section.field=value.")]
+SigtermExitOpt = Annotated[
+    int,
+    typer.Option(
+        min=0,
+        max=255,
+        help="Exit status after SIGTERM stopped an unfinished run (its checkpoint saved): non-zero under a Kubernetes "
+        "Job, so that a drained or evicted learner is restarted (and resumes) instead of completing the Job.",
+    ),
+]
 
 
 @app.command()
@@ -40,7 +50,7 @@ def resolve(
 
     resolved = load(config, set_, check=check_config)
     if resolved.lora.enabled:
-        _check_lora_serving(config, set_)
+        check_lora_serving(config, set_)
     print(resolved.to_json())
     if dry_run:
         return
@@ -53,46 +63,6 @@ def resolve(
 
         ControlPlane(connect(url), resolved.run.name).run.publish_config(resolved)
         typer.echo(f"published to {url.split('@')[-1]} as run {resolved.run.name!r}", err=True)
-
-
-def _rl_actor(command: str, config: Path | None, set_: list[str] | None) -> list[str]:
-    """The command line of ``rl-actor COMMAND`` on the same config and overrides: what the learner asks of vLLM, in a
-    process of its own (the learner never imports vLLM)."""
-    import sys
-
-    overrides = [a for o in set_ or [] for a in ("--set", o)]
-    return [str(Path(sys.executable).parent / "rl-actor"), command, *([str(config)] if config else []), *overrides]
-
-
-def _check_lora_serving(config: Path | None, set_: list[str] | None) -> None:
-    """Where vLLM is installed, whether it serves the model with LoRA adapters: `rl-actor check-lora` in a child
-    process (the learner never imports vLLM), its one line and exit 2 when not. Without vLLM here, each actor checks
-    at its start."""
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is not None:
-        _rl_actor_check("check-lora", config, set_)
-
-
-def _rl_actor_check(command: str, config: Path | None, set_: list[str] | None, *extra: str) -> str:
-    """``rl-actor COMMAND`` on the run's config in a child process; its stdout, or exit 2 with its ``error:`` line
-    (or the root cause of a crash)."""
-    import subprocess
-
-    from asyncrl.common.cliutil import fail
-    from asyncrl.learner.children import FOLLOW_UPS, cause_line
-
-    done = subprocess.run([*_rl_actor(command, config, set_), *extra], capture_output=True, text=True)
-    if done.returncode != 0:
-        said = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-        others = "\n".join(line for line in done.stderr.splitlines() if not line.startswith("error:"))
-        if not said:
-            fail(f"rl-actor {command} failed: {cause_line(others)[:500]}")
-        line = said[-1].removeprefix("error: ")
-        if any(pointer in line for pointer in FOLLOW_UPS):  # vLLM's frontend points at its engine's traceback
-            line += f" (the engine's error: {cause_line(others)[:300]})"
-        fail(line)
-    return done.stdout
 
 
 @app.command("check-model")
@@ -119,7 +89,7 @@ def check_model(
     for line in report_lines(report, resolved):
         typer.echo(line)
     if resolved.lora.enabled:
-        _check_lora_serving(config, set_)
+        check_lora_serving(config, set_)
     if engine:
         import importlib.util
 
@@ -129,7 +99,7 @@ def check_model(
                 "(pip install -e '.[cpu]' or '.[gpu]'), or pass --no-engine to check the folder only"
             )
         ids = ",".join(map(str, report.rows[0].token_ids))
-        said = json.loads(_rl_actor_check("check-model", config, set_, "--prompt-ids", ids).strip().splitlines()[-1])
+        said = json.loads(rl_actor_check("check-model", config, set_, "--prompt-ids", ids).strip().splitlines()[-1])
         typer.echo(
             f"engine: vLLM built it in {said['engine_s']:.1f}s and sampled {said['text']!r} (id {said['token_id']}) "
             "for the task row with the run's [rollout] settings"
@@ -201,7 +171,7 @@ def eval_command(
         folder = find_checkpoint(checkpoint, resolved.run_dir / "checkpoints")
     except CheckpointError as exc:
         fail(str(exc))
-    command = [*_rl_actor("eval", config, set_), "--checkpoint", str(folder)]
+    command = [*rl_actor_command("eval", config, set_), "--checkpoint", str(folder)]
     command += ["--json"] * as_json + (["--samples", str(samples)] if samples else [])
     raise typer.Exit(subprocess.run(command).returncode)
 
@@ -322,16 +292,7 @@ def train(
         int | None,
         typer.Option(min=1, help="Profile step N (cProfile): runs/<name>/profile-step-N.txt and .prof."),
     ] = None,
-    sigterm_exit_code: Annotated[
-        int,
-        typer.Option(
-            min=0,
-            max=255,
-            help="Exit status after SIGTERM stopped an unfinished run (its checkpoint saved): non-zero under a "
-            "Kubernetes Job, so that a drained or evicted learner is restarted (and resumes) instead of completing "
-            "the Job.",
-        ),
-    ] = 0,
+    sigterm_exit_code: SigtermExitOpt = 0,
 ) -> None:
     """Run the learner: admit prompts, train on scored groups, broadcast weights, until step learner.steps.
     SIGTERM finishes the step, saves a checkpoint and exits 0 (or --sigterm-exit-code). Redis down for longer than
@@ -343,6 +304,7 @@ def train(
     from asyncrl.common.plane.redis_server import EmbeddedRedis
     from asyncrl.learner.batch_source import NO_ACTORS_EXIT_CODE, NoActorsLeft
     from asyncrl.learner.preflight import check_config
+    from asyncrl.learner.resuming import says_finished, verified_checkpoint
 
     resolved = load(config, set_, check=check_config)
     if resolved.data.source == "preferences":
@@ -350,16 +312,10 @@ def train(
             fail("--resume is for runs that train from rollouts; offline DPO (data.source = 'preferences') has none")
         _train_offline(resolved)
         return
-    if resume and (finished := _finished_at(resolved, resume)) is not None:  # every rank: none starts a group
-        typer.echo(
-            f"run {resolved.run.name!r} finished at step {finished} (learner.steps = {resolved.learner.steps}): "
-            "nothing to resume; raise learner.steps to train it further",
-            err=True,
-        )
-        _mark_finished(given_redis_url(redis, redis_file), resolved, finished)
+    if resume and says_finished(resolved, resume, given_redis_url(redis, redis_file)):  # every rank: none starts
         return
     leader = os.environ.get("RANK", "0") == "0"  # rank 0 verifies the checkpoint and hands it on
-    checkpoint = _verified_checkpoint(resolved, resume) if resume and leader else None
+    checkpoint = verified_checkpoint(resolved, resume) if resume and leader else None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: rank 0 leads, the others follow
         from asyncrl.learner import ranks
         from asyncrl.learner.follower import follow
@@ -399,53 +355,6 @@ def train(
     finally:
         if server is not None:
             server.stop()
-
-
-def _mark_finished(url: str | None, resolved: RunConfig, step: int) -> None:
-    """Say in the run's Redis that the run finished at ``step``, and wants no actor: a learner killed after its last
-    checkpoint but before it said so would otherwise leave actors and reward workers waiting, and an autoscaler
-    keeping them."""
-    if not url:
-        return
-    import redis as redis_lib
-
-    from asyncrl.common.plane.control import ControlPlane
-    from asyncrl.common.plane.keys import connect
-
-    try:
-        run = ControlPlane(connect(url), resolved.run.name).run
-        run.mark_finished(step)
-        run.set_actors_wanted(0)
-    except redis_lib.exceptions.RedisError as exc:
-        typer.echo(f"could not mark the run finished in Redis ({exc}); its actors stop when they find it", err=True)
-
-
-def _finished_at(resolved: RunConfig, spec: str) -> int | None:
-    """The step of the checkpoint ``--resume`` names when the run is done there (at ``learner.steps`` or past it), else
-    None (a missing or bad checkpoint is :func:`_verified_checkpoint`'s to report)."""
-    from asyncrl.learner.checkpoint_format import CheckpointError
-    from asyncrl.learner.checkpoint_history import checkpoint_step, find_checkpoint
-
-    try:
-        step = checkpoint_step(find_checkpoint(spec, resolved.run_dir / "checkpoints"))
-    except CheckpointError:
-        return None
-    return step if step is not None and step >= resolved.learner.steps else None
-
-
-def _verified_checkpoint(resolved: RunConfig, spec: str):
-    """The checkpoint ``--resume`` names, every file checked against its manifest; a bad one exits 2 naming the file."""
-    from asyncrl.common.cliutil import fail
-    from asyncrl.learner.checkpoint_format import CheckpointError, open_checkpoint
-    from asyncrl.learner.checkpoint_history import find_checkpoint
-    from asyncrl.learner.checkpoint_settings import check_world_size
-
-    try:
-        checkpoint = open_checkpoint(find_checkpoint(spec, resolved.run_dir / "checkpoints"))
-        check_world_size(checkpoint, int(os.environ.get("WORLD_SIZE", "1")))  # before DeepSpeed starts
-    except CheckpointError as exc:
-        fail(f"cannot resume: {exc}")
-    return checkpoint
 
 
 def _train_offline(resolved: RunConfig) -> None:

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from asyncrl.common.cliutil import REFUSED_EXIT_CODE
+
 if TYPE_CHECKING:
     from asyncrl.common.config import RunConfig
     from asyncrl.common.plane.redis_server import EmbeddedRedis
@@ -243,8 +245,6 @@ def refused_by_every_actor(children, actors: int) -> bool:
     return bool(codes) and all(code == REFUSED_EXIT_CODE for code in codes)
 
 
-REFUSED_EXIT_CODE = 2
-"""A process's exit status when it refused a setting before starting its work (``common/cliutil.py: fail``)."""
 OUTAGE_EXIT_CODE = 75
 """A child's exit status when Redis stayed down past ``transport.redis_outage_s`` (``common/plane/outage.py``)."""
 

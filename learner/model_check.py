@@ -61,7 +61,7 @@ def check_model_folder(config: RunConfig) -> ModelReport:
             "(rl-learner init-model CONFIG makes a tiny one)"
         )
     tokenizer = _load_tokenizer(folder)
-    check_model_context(config)
+    context = check_model_context(config)
     rows = model_vocab_size(folder)
     special = _special_ids(folder, tokenizer)
     check_vocabulary(len(tokenizer), rows, special, folder)
@@ -69,7 +69,6 @@ def check_model_folder(config: RunConfig) -> ModelReport:
         prompter = Prompter.for_run(tokenizer, config)
     except ValueError as exc:
         raise ValueError(f"task.chat: {exc}") from None
-    context = _context(folder)
     return ModelReport(folder, context, len(tokenizer), rows, special, rendered_rows(config, prompter))
 
 
@@ -138,13 +137,6 @@ def _special_ids(folder: Path, tokenizer: Any) -> dict[str, int | None]:
             if isinstance(eos, int):
                 special[f"{file}: eos_token_id" + (f"[{i}]" if isinstance(value, list) else "")] = eos
     return special
-
-
-def _context(folder: Path) -> int | None:
-    from asyncrl.learner.preflight import model_context
-
-    found = model_context(json.loads((folder / "config.json").read_text()))
-    return None if found is None else found[0]
 
 
 def report_lines(report: ModelReport, config: RunConfig) -> list[str]:

@@ -45,24 +45,26 @@ def model_context(config_json: dict) -> tuple[int, str] | None:
     return length, key
 
 
-def check_model_context(config: RunConfig) -> None:
+def check_model_context(config: RunConfig) -> int | None:
     """``model.max_model_len`` within the context of the model folder; raises ``ValueError`` naming the setting and
-    the fix. A path that is not a local folder with a ``config.json`` is left to the engine to check."""
+    the fix. Returns the context (None where unknown): a path that is not a local folder with a ``config.json`` is
+    left to the engine to check."""
     path = Path(config.model.path) / "config.json"
     if not path.is_file():
-        return
+        return None
     try:
         found = model_context(json.loads(path.read_text()))
     except (OSError, ValueError):
-        return  # an unreadable config is the model loader's to report, with its own message
+        return None  # an unreadable config is the model loader's to report, with its own message
     if found is None:
-        return
+        return None
     length, key = found
     if config.model.max_model_len > length:
         raise ValueError(
             f"model.max_model_len = {config.model.max_model_len} is longer than the model's context of {length} "
             f"tokens ({key} in {path}); set model.max_model_len to at most {length}"
         )
+    return length
 
 
 def check_config(config: RunConfig) -> None:

@@ -206,9 +206,8 @@ class StepTelemetry:
         return out
 
     def finished(self) -> None:
-        """The run took its last step: it wants no actor any more (an autoscaler scales them to zero)."""
-        if self.publishes_summary:
-            self._want_actors(0)
+        """The run took its last step: the series says it wants no actor (``mark_finished`` empties the list)."""
+        m.LEARNER_ACTORS_WANTED.set(0)
 
     def _want_actors(self, count: int) -> None:
         """The autoscaling signal, as a series (the HPA's route) and as the run's list in Redis (KEDA's), written

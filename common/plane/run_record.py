@@ -58,8 +58,12 @@ class RunRecord:
         self.client.set(self.keys.version, version)
 
     def mark_finished(self, step: int) -> None:
-        """Say the run completed at ``step``: its actors and reward workers exit."""
-        self.client.set(self.keys.finished, step)
+        """Say the run completed at ``step``: its actors and reward workers exit, and it wants no actor (an autoscaler
+        scales them to zero)."""
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.set(self.keys.finished, step)
+            pipe.delete(self.keys.actors_wanted)
+            pipe.execute()
 
     def set_actors_wanted(self, count: int) -> None:
         """Make the :attr:`RunKeys.actors_wanted` list ``count`` entries long, in one transaction (an autoscaler never
