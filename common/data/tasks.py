@@ -249,9 +249,7 @@ class ReverseTask(Task):
     def __init__(self, min_length: int = 3, max_length: int = 8, tail: float = 0.0) -> None:
         _check_range(self.name, "min_length", min_length, 1, 256)
         _check_range(self.name, "max_length", max_length, min_length, 256)
-        if isinstance(tail, bool) or not (isinstance(tail, int | float) and (tail == 0 or 0.1 <= tail <= 10)):
-            raise ValueError(f"task '{self.name}': tail must be 0 (uniform lengths) or in [0.1, 10], got {tail!r}")
-        self.min_length, self.max_length, self.tail = min_length, max_length, float(tail)
+        self.min_length, self.max_length, self.tail = min_length, max_length, _check_tail(self.name, tail)
 
     prefix: ClassVar[str] = "rev"
 
@@ -264,11 +262,23 @@ class ReverseTask(Task):
         return text[::-1]
 
     def _length(self, rng: random.Random) -> int:
-        if not self.tail:
-            return rng.randint(self.min_length, self.max_length)
-        # the inverse of the CDF at u in (0, 1], in logarithms: a large power of a small u does not overflow
-        log_length = math.log(self.min_length) - math.log(1.0 - rng.random()) / self.tail
-        return self.max_length if log_length >= math.log(self.max_length + 1) else int(math.exp(log_length))
+        return tailed_length(rng, self.min_length, self.max_length, self.tail)
+
+
+def tailed_length(rng: random.Random, low: int, high: int, tail: float) -> int:
+    """A length in ``low``..``high``: uniform when ``tail`` is 0, else Pareto of index ``tail`` cut at ``high``,
+    P(L ≥ x) = (``low`` / x)^``tail``."""
+    if not tail:
+        return rng.randint(low, high)
+    # the inverse of the CDF at u in (0, 1], in logarithms: a large power of a small u does not overflow
+    log_length = math.log(low) - math.log(1.0 - rng.random()) / tail
+    return high if log_length >= math.log(high + 1) else int(math.exp(log_length))
+
+
+def _check_tail(task: str, tail: Any) -> float:
+    if isinstance(tail, bool) or not (isinstance(tail, int | float) and (tail == 0 or 0.1 <= tail <= 10)):
+        raise ValueError(f"task '{task}': tail must be 0 (uniform lengths) or in [0.1, 10], got {tail!r}")
+    return float(tail)
 
 
 @register_task("copy")
@@ -282,6 +292,29 @@ class CopyTask(ReverseTask):
     @staticmethod
     def transform(text: str) -> str:
         return text
+
+
+@register_task("count")
+class CountTask(Task):
+    """``ct:17,21=`` → ``17 18 19 20 21``: count from the first two-digit number to the second, ``min_length`` to
+    ``max_length`` numbers, their count drawn as :class:`ReverseTask` draws lengths (``tail``).
+
+    The prompt is short and the answer up to ``3 · max_length − 1`` characters long, so sampling, not reading the
+    prompt, is what a long answer costs. Each number follows from the one before (add one, carry into the tens) and
+    the answer ends where it reaches the prompt's second number; a small model warm-started on it makes a slip now
+    and then, and a long answer holds many chances to slip: partial skill that grows with the count.
+    """
+
+    def __init__(self, min_length: int = 1, max_length: int = 32, tail: float = 0.0) -> None:
+        _check_range("count", "min_length", min_length, 1, 90)
+        _check_range("count", "max_length", max_length, min_length, 90)
+        self.min_length, self.max_length, self.tail = min_length, max_length, _check_tail("count", tail)
+
+    def sample(self, rng: random.Random) -> TaskExample:
+        length = tailed_length(rng, self.min_length, self.max_length, self.tail)
+        first = rng.randint(10, 100 - length)
+        last = first + length - 1
+        return TaskExample(f"ct:{first},{last}=", " ".join(map(str, range(first, last + 1))))
 
 
 @register_task("countdown")

@@ -25,6 +25,11 @@ from typing import Any
 from asyncrl.common.wire.messages import RolloutGroup
 
 
+def decode_responses(tokenizer: Any, token_ids: list[list[int]]) -> list[str]:
+    """The text of each response: the one decode every side uses (an actor's text, what reward functions read)."""
+    return list(tokenizer.batch_decode(token_ids, skip_special_tokens=True))
+
+
 class ResponseTexts:
     """Decodes the responses of rollout groups with the run's tokenizer."""
 
@@ -40,8 +45,7 @@ class ResponseTexts:
 
     def decode(self, group: RolloutGroup) -> list[str]:
         """The text of each response of ``group``, decoded from its token ids."""
-        responses = [group.response(i)[0].tolist() for i in range(group.num_samples)]
-        return list(self.tokenizer.batch_decode(responses, skip_special_tokens=True))
+        return decode_responses(self.tokenizer, [group.response(i)[0].tolist() for i in range(group.num_samples)])
 
     def rewrite(self, group: RolloutGroup) -> tuple[RolloutGroup, int]:
         """``group`` with its texts replaced by the decode of its token ids, and how many texts that changed."""

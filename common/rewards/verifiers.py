@@ -127,6 +127,7 @@ def verify_arithmetic(response: str, answer: str) -> float:
     return 1.0 if int(text) == int(answer) else 0.0
 
 
+@register_verifier("count")
 @register_verifier("copy")
 @register_verifier("reverse")
 def verify_reverse(response: str, answer: str) -> float:

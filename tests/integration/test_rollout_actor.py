@@ -147,7 +147,8 @@ def shared(shared_actor: SharedActor) -> Iterator[SharedActor]:
 
 def test_weights_broadcast_mid_request_match_a_transformers_forward(shared: SharedActor) -> None:
     """Versions broadcast while requests run: responses wholly of one version match that version's transformers
-    forward; responses that span an update are stamped with rising versions, never back.
+    forward; responses that span an update are stamped with rising versions, never back, and their tokens before
+    the switch match the first version's forward (each token is stamped with the weights that sampled it).
 
     An update can land in the moment between two waves of requests (all of one length, they end together), where it
     spans no response; the test then broadcasts another version, at most :data:`SPAN_TRIES` in all."""
@@ -176,8 +177,12 @@ def test_weights_broadcast_mid_request_match_a_transformers_forward(shared: Shar
         np.testing.assert_allclose(logprobs, expected, atol=LOGPROB_TOLERANCE)
         checked[stamped] += 1
     assert checked[old] > 0 and checked[version] > 0, checked
-    for _, _, versions, _ in mixed:  # tokens after a switch are at least stamped right
+    for ids, logprobs, versions, prompt_ids in mixed:
         assert set(versions.tolist()) <= set(models) and np.all(np.diff(versions) >= 0), versions
+        # Stamps are exact: the tokens before the switch were sampled by the first version's weights alone.
+        before = int(np.argmax(versions != versions[0]))
+        expected = transformers_logprobs(models[int(versions[0])], prompt_ids, ids[:before])
+        np.testing.assert_allclose(logprobs[:before], expected, atol=LOGPROB_TOLERANCE)
 
 
 SPAN_TRIES = 4

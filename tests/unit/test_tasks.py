@@ -26,7 +26,7 @@ from asyncrl.common.data.tasks import (
 from asyncrl.common.rewards.verifiers import get_verifier
 from asyncrl.common.tiny_models.character import build_char_tokenizer
 
-GENERATED = ["arithmetic", "reverse", "copy", "countdown"]
+GENERATED = ["arithmetic", "reverse", "copy", "count", "countdown"]
 
 
 def char_prompter() -> Prompter:
@@ -121,6 +121,22 @@ def test_copy_answers_with_the_letters_themselves_drawn_as_reverse_draws_them() 
         assert copied.prompt == "cp:" + copied.answer + "=" and copied.answer == reversed_.answer[::-1]
 
 
+def test_count_answers_count_two_digit_numbers_from_the_first_to_the_second_with_a_heavy_tail() -> None:
+    examples = draw(get_task("count", min_length=1, max_length=32, tail=1), 0, 4000)
+    for example in examples:
+        first, last = map(int, re.fullmatch(r"ct:(\d\d),(\d\d)=", example.prompt).groups())
+        assert 10 <= first <= last <= 99 and example.answer == " ".join(str(n) for n in range(first, last + 1))
+        assert outside_alphabet(example.prompt + example.answer) == set()
+        assert get_verifier("count")(example.answer, example.answer) == 1.0
+    counts = sorted(len(e.answer.split()) for e in examples)
+    assert counts[0] == 1 and counts[-1] == 32 and 0.45 < sum(n == 1 for n in counts) / len(counts) < 0.55
+    characters = sorted((len(e.answer) for e in examples), reverse=True)
+    assert sum(characters[: len(characters) // 10]) > 0.5 * sum(characters)  # the longest tenth: over half
+    assert get_verifier("count")("10 11 13", "10 11 12") == 0.0
+    with pytest.raises(ValueError, match="task 'count': max_length"):
+        get_task("count", max_length=91)
+
+
 def test_countdown_prompt_matches_its_answer_and_the_generated_solution_scores_one() -> None:
     verify = get_verifier("countdown")
     for example in draw(get_task("countdown", count=4, max_number=12), seed=5, n=300):
@@ -139,6 +155,7 @@ def test_first_examples_of_seed_zero_are_pinned() -> None:
         TaskExample("49*97=", "4753"),
         TaskExample("rev:tkgnku=", "ukngkt"),
         TaskExample("cp:tkgnku=", "tkgnku"),
+        TaskExample("ct:63,87=", " ".join(map(str, range(63, 88)))),
         TaskExample("cd:7,7,1>1=", '{"numbers": [7, 7, 1], "target": 1, "solution": "(1*7)/7"}'),
     ]
 
@@ -233,7 +250,7 @@ def test_registry_refuses_a_second_class_under_a_taken_name() -> None:
 
 
 def test_get_task_rejects_unknown_names_and_options() -> None:
-    with pytest.raises(ValueError, match="unknown task 'nope'; registered: arithmetic, copy, countdown"):
+    with pytest.raises(ValueError, match="unknown task 'nope'; registered: arithmetic, copy, count, countdown"):
         get_task("nope")
     with pytest.raises(ValueError, match="task 'reverse': bad options"):
         get_task("reverse", max_digits=3)
