@@ -111,11 +111,14 @@ class PeerTask:
     """Held-out greedy accuracy that time-to-accuracy is measured to (``--threshold`` sets the first task's)."""
     shape: tuple[str, ...] = ()
     """``rl-learner init-model`` options for the model's size (the demo's 0.34 M parameters when empty)."""
+    config: Path = CONFIG
+    """The asyncrl config the task's overrides apply to."""
+    kind: str = "task"
+    """``rl-learner init-model --kind``: ``task`` (the character model) or ``agent`` (the tool-chat model)."""
 
 
 LONG_TAIL_WARM_STEPS = 600
-"""Supervised warm-start steps of the long-tail model (batch 32, lr 1e-3; at 3e-3 it stays at the letters' unigram
-loss, and reversing instead of copying had not left it after 600 steps)."""
+"""Supervised warm-start steps of the long-tail model (batch 32, lr 1e-3, about 4 minutes on 2 threads)."""
 TASKS: dict[str, PeerTask] = {
     # the demo's task: one-digit sums, responses of 1-2 characters and EOS; ~0.5 greedy accuracy after the warm start
     "arithmetic": PeerTask((), 120, 0.7),
@@ -131,24 +134,30 @@ TASKS: dict[str, PeerTask] = {
         350,
         0.7,
     ),
-    # long-tail: copying 2-96 letters, lengths Pareto(1) (60% at most 4 letters, 8% of prompts hold half the letters,
-    # one in fifty all 96), on a 2.65 M-parameter model (hidden 256, 4 layers: 7.8x the demo's). A synchronous batch
-    # of 16 prompts holds a string of 48 letters or more about half the time and waits for it. After the warm start
-    # (~6 min): greedy 0.59 on 128 held-out prompts, 0.93 of those of at most 4 letters, 0.03 of 5-16, 0 longer.
+    # long-tail: counting 1-32 two-digit numbers (``ct:17,21=`` → ``17 18 19 20 21``), counts Pareto(1): half the
+    # answers are one number, one in ten 9 or more, one in thirty all 32 (95 characters); 8% of prompts hold half the
+    # answer tokens, and a model that misses the end runs on to max_new_tokens. Prompts are 9 characters, so a long
+    # answer costs sampling, not reading. A 3.97 M-parameter model (hidden 256, 6 layers: 11.6x the demo's); after
+    # the warm start (~4 min): greedy 0.75 on 256 held-out prompts, 1.0 of single numbers, 0.58 of 2-4, 0.11 of 5-12,
+    # 0.23 of 13 or more; it counts right and misses where to stop.
     "long-tail": PeerTask(
         (
-            "task.name=copy",
-            "task.options={ min_length = 2, max_length = 96, tail = 1.0 }",
-            "eval.name=copy",
-            "eval.options={ min_length = 2, max_length = 96, tail = 1.0 }",
+            "task.name=count",
+            "task.options={ min_length = 2, max_length = 32, tail = 1.0 }",
+            "eval.name=count",
+            "eval.options={ min_length = 2, max_length = 32, tail = 1.0 }",
             "rollout.max_new_tokens=100",
-            "model.max_model_len=256",
+            "model.max_model_len=128",
             "learner.micro_batch_size=16",  # asyncrl's learner: 8 passes, each cut to its own longest row
         ),
         LONG_TAIL_WARM_STEPS,
-        0.65,
-        ("--hidden", "256", "--layers", "4", "--lr", "1e-3", "--threads", "2"),
+        0.9,
+        ("--hidden", "256", "--layers", "6", "--lr", "1e-3", "--threads", "2"),
     ),
+    # multi-turn: the agent preset (configs/agent.toml): two-digit products with the calculator tool, up to 3 model
+    # turns of 64 tokens; the tiny tool-chat model warm-started on episodes of which 4 in 10 call the tool. TRL trains
+    # through its environment_factory on the same environment (bench/peer_multi_turn.py).
+    "multi-turn": PeerTask((), 600, 0.9, config=ROOT / "configs/agent.toml", kind="agent"),
 }
 THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9)
 """Also reported: time-to-accuracy at each of these."""
@@ -157,15 +166,16 @@ THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9)
 # --------------------------------------------------------------------------- shared set-up
 
 
-def resolved(overrides: list[str]):
+def resolved(overrides: list[str], config: Path = CONFIG):
     from asyncrl.common.config import load_config
 
-    return load_config(CONFIG, overrides)
+    return load_config(config, overrides)
 
 
-def init_model(folder: Path, task_overrides: list[str], warm_steps: int, shape: tuple[str, ...] = ()) -> None:
+def init_model(folder: Path, task_overrides: list[str], warm_steps: int, spec: PeerTask = TASKS["arithmetic"]) -> None:
     sets = [a for o in [*task_overrides, f"model.path={folder}"] for a in ("--set", o)]
-    cmd = [str(BIN / "rl-learner"), "init-model", str(CONFIG), *sets, "--warm-steps", str(warm_steps), *shape]
+    cmd = [str(BIN / "rl-learner"), "init-model", str(spec.config), *sets, "--warm-steps", str(warm_steps)]
+    cmd += ["--kind", spec.kind, *spec.shape]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -205,25 +215,34 @@ def trl_child(spec_file: Path, out_file: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOTrainer
 
-    config = resolved(spec["overrides"])
+    config = resolved(spec["overrides"], Path(spec["config"]))
     tokenizer = AutoTokenizer.from_pretrained(config.model.path)
     model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32)
+    tools: dict[str, Any] = {}
+    if config.rollout.workflow == "multi_turn":
+        import peer_multi_turn
+
+        os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+        peer_multi_turn.prepare_tokenizer(tokenizer)
+        tools["environment_factory"] = peer_multi_turn.environment_class(config.environment.options)
     record = TrlRecord(config, tokenizer)
     model.generate = record.timed(model.generate)
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=record.reward,
-        args=trl_args(config, spec["out"]),
-        train_dataset=Dataset.from_list(training_prompts(config)),
+        reward_funcs=record.episode_reward if tools else record.reward,
+        args=trl_args(config, spec["out"], record.longest_prompt()),
+        train_dataset=Dataset.from_list(training_prompts(config, chat=bool(tools))),
         processing_class=tokenizer,
         callbacks=[record.callback()],
+        **tools,
     )
     trainer.train()
     out_file.write_text(json.dumps(record.figures()))
 
 
-def training_prompts(config) -> list[dict[str, str]]:
-    """The run's prompt stream as asyncrl's dispatcher draws it (``random.Random(run.seed)``), one step's worth more."""
+def training_prompts(config, chat: bool = False) -> list[dict[str, Any]]:
+    """The run's prompt stream as asyncrl's dispatcher draws it (``random.Random(run.seed)``), one step's worth more;
+    ``chat``: each prompt a user message, for TRL to render with the chat template and the environment's tools."""
     import random
 
     from asyncrl.learner.dispatcher import prompt_source
@@ -231,17 +250,28 @@ def training_prompts(config) -> list[dict[str, str]]:
     task, _ = prompt_source(config.task)
     rng = random.Random(config.run.seed)
     count = (config.learner.steps + 1) * config.learner.groups_per_step
-    return [{"prompt": e.prompt, "answer": e.answer} for e in (task.sample(rng) for _ in range(count))]
+    examples = [task.sample(rng) for _ in range(count)]
+    if chat:
+        return [{"prompt": [{"role": "user", "content": e.prompt}], "answer": e.answer} for e in examples]
+    return [{"prompt": e.prompt, "answer": e.answer} for e in examples]
 
 
-def trl_args(config, out: str):
-    """GRPOConfig with the asyncrl run's hyper-parameters (see the module docstring)."""
+def trl_args(config, out: str, longest_prompt: int = 0):
+    """GRPOConfig with the asyncrl run's hyper-parameters (see the module docstring); a multi-turn run's episode
+    fits the context its longest prompt leaves (``longest_prompt`` tokens)."""
     from trl import GRPOConfig
 
     from asyncrl.learner.engine import ADAM_BETAS, ADAM_EPS
 
     clip = config.algorithm.loss_options
     learner, rollout = config.learner, config.rollout
+    episodes: dict[str, Any] = {}
+    if rollout.workflow == "multi_turn":
+        episodes = {
+            "max_tool_calling_iterations": config.environment.max_turns - 1,
+            "max_completion_length": config.model.max_model_len - longest_prompt,
+            "generation_kwargs": {"max_new_tokens": rollout.max_new_tokens},
+        }
     return GRPOConfig(
         output_dir=out,
         max_steps=learner.steps,
@@ -249,7 +279,7 @@ def trl_args(config, out: str):
         gradient_accumulation_steps=1,
         num_generations=rollout.num_samples,
         num_iterations=1,
-        max_completion_length=rollout.max_new_tokens,
+        max_completion_length=episodes.pop("max_completion_length", rollout.max_new_tokens),
         temperature=rollout.temperature,
         top_p=rollout.top_p,
         top_k=0,
@@ -275,6 +305,7 @@ def trl_args(config, out: str):
         save_strategy="no",
         logging_steps=1,
         dataloader_num_workers=0,
+        **episodes,
     )
 
 
@@ -283,13 +314,16 @@ class TrlRecord:
     stamps the end of every step and evaluates greedily (its time taken off the clock)."""
 
     def __init__(self, config, tokenizer) -> None:
-        from asyncrl.common.data.evaluation import eval_examples, eval_max_new_tokens
+        from asyncrl.common.data.evaluation import eval_examples, eval_groups, eval_max_new_tokens
         from asyncrl.common.data.prompts import Prompter
         from asyncrl.common.rewards.verifiers import get_verifier
 
         self.config, self.tokenizer = config, tokenizer
+        self.multi_turn = config.rollout.workflow == "multi_turn"
         self.verify = get_verifier(config.task.name)
-        self.examples = eval_examples(config, Prompter.for_tokenizer(tokenizer, config.task))
+        self.prompter = Prompter.for_run(tokenizer, config)
+        self.examples = eval_examples(config, self.prompter)
+        self.groups = eval_groups(config, self.examples, self.prompter.encode, step=0, version=0)
         self.max_new = eval_max_new_tokens(config)
         self.tokens: list[int] = []
         self.lengths: list[int] = []
@@ -321,6 +355,18 @@ class TrlRecord:
 
         return timed_generate
 
+    def longest_prompt(self) -> int:
+        """Tokens of the longest training prompt as asyncrl renders it."""
+        return max(len(self.prompter.encode(row["prompt"])) for row in training_prompts(self.config))
+
+    def episode_reward(self, completions, completion_ids, environments, **_: Any) -> list[float]:
+        """A multi-turn run's reward: each episode's score by its environment (``bench/peer_multi_turn.py``)."""
+        from peer_multi_turn import episode_rewards
+
+        self.tokens.append(sum(len(ids) for ids in completion_ids))
+        self.lengths += [len(ids) for ids in completion_ids]
+        return episode_rewards(completions, completion_ids, environments, self.tokenizer.eos_token_id)
+
     def reward(self, prompts, completions, answer, completion_ids, **_: Any) -> list[float]:
         self.tokens.append(sum(len(ids) for ids in completion_ids))
         self.lengths += [len(ids) for ids in completion_ids]
@@ -339,26 +385,35 @@ class TrlRecord:
             self.evaluate(model, step)
 
     def evaluate(self, model, step: int) -> None:
-        import torch
-
         started, self.evaluating = time.perf_counter(), True
-        self.tokenizer.padding_side = "left"
-        batch = self.tokenizer([e.prompt for e in self.examples], return_tensors="pt", padding=True)
         was_training = model.training
         model.eval()
+        if self.multi_turn:
+            from peer_multi_turn import solved_share
+
+            stop_ids = tuple(self.prompter.stop_ids)
+            self.accuracy[step] = solved_share(self.config, model, self.tokenizer, self.groups, stop_ids)
+        else:
+            self.accuracy[step] = self.greedy_accuracy(model)
+        model.train(was_training)
+        self.eval_s += time.perf_counter() - started
+        self.evaluating = False
+
+    def greedy_accuracy(self, model) -> float:
+        import torch
+
+        self.tokenizer.padding_side = "left"
+        batch = self.tokenizer([e.prompt for e in self.examples], return_tensors="pt", padding=True)
         with torch.no_grad():
             out = model.generate(
                 **batch, do_sample=False, max_new_tokens=self.max_new, pad_token_id=self.tokenizer.pad_token_id
             )
-        model.train(was_training)
         texts = self.tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
         solved = [
             self.verify(t, e.answer) >= self.config.eval.success_threshold
             for t, e in zip(texts, self.examples, strict=True)
         ]
-        self.accuracy[step] = sum(solved) / len(solved)
-        self.eval_s += time.perf_counter() - started
-        self.evaluating = False
+        return sum(solved) / len(solved)
 
     def figures(self) -> dict[str, Any]:
         return {
@@ -372,9 +427,10 @@ class TrlRecord:
         }
 
 
-def run_trl(tmp: Path, overrides: list[str], threshold: float, threads: int) -> dict[str, Any]:
+def run_trl(tmp: Path, overrides: list[str], threshold: float, threads: int, config: Path = CONFIG) -> dict[str, Any]:
     spec, out = tmp / "trl-spec.json", tmp / "trl-figures.json"
-    spec.write_text(json.dumps({"overrides": overrides, "threads": threads, "out": str(tmp / "trl")}))
+    settings = {"overrides": overrides, "threads": threads, "out": str(tmp / "trl"), "config": str(config)}
+    spec.write_text(json.dumps(settings))
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": ""}
     cmd = ["taskset", "-c", "0,1", sys.executable, __file__, "--trl-child", str(spec), str(out)]
     started = time.time()
@@ -440,7 +496,9 @@ def parse_split(text: str) -> dict[str, str]:
     return split
 
 
-def run_asyncrl(tmp: Path, overrides: list[str], staleness: int, threshold: float, name: str = "") -> dict[str, Any]:
+def run_asyncrl(
+    tmp: Path, overrides: list[str], staleness: int, threshold: float, name: str = "", config_file: Path = CONFIG
+) -> dict[str, Any]:
     """One asyncrl run (each process pinned to its cores of :data:`SPLIT`) and its figures; ``name``: the run's
     folder under ``tmp`` (default ``asyncrl-staleness-<staleness>``)."""
     from asyncrl.common.plane.control import ControlPlane
@@ -450,7 +508,7 @@ def run_asyncrl(tmp: Path, overrides: list[str], staleness: int, threshold: floa
     name = name or f"asyncrl-staleness-{staleness}"
     overrides = [*overrides, f"run.root={tmp}", f"run.name={name}", f"staleness.max_staleness={staleness}"]
     overrides.insert(0, f"rollout.frontend_cpus={SPLIT['frontend']}")  # first: --set may say otherwise
-    config = resolved(overrides)
+    config = resolved(overrides, config_file)
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": SPLIT["actor"], "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     logs = tmp / name / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -463,7 +521,7 @@ def run_asyncrl(tmp: Path, overrides: list[str], staleness: int, threshold: floa
             start(logs / "reward.log", pinned(SPLIT["reward"], [str(BIN / "rl-actor"), "reward", *common]), env),
             start(logs / "actor.log", pinned(SPLIT["actor"], [str(BIN / "rl-actor"), *common, "--id", "a0"]), env),
         ]
-        learner_cmd = [str(BIN / "rl-learner"), "train", str(CONFIG)]
+        learner_cmd = [str(BIN / "rl-learner"), "train", str(config_file)]
         learner_cmd += [a for o in overrides for a in ("--set", o)]
         try:
             learner = start(logs / "learner.log", pinned(SPLIT["learner"], learner_cmd), env)
@@ -528,11 +586,12 @@ def compare(tmp: Path, task: str, args: argparse.Namespace, first: bool) -> dict
     if model is None:
         model = tmp / f"model-{task}"
         warm_steps = args.warm_steps if first and args.warm_steps is not None else spec.warm_steps
-        init_model(model, task_overrides, warm_steps, spec.shape)
+        init_model(model, task_overrides, warm_steps, spec)
     overrides = [
         *task_overrides,
         f"model.path={model.resolve()}",
         f"learner.steps={args.steps}",
+        *([f"learner.lr={args.lr}"] if args.lr is not None else []),
         f"eval.every={args.eval_every}",
         f"eval.limit={args.eval_limit}",
         "eval.temperature=0",
@@ -543,9 +602,10 @@ def compare(tmp: Path, task: str, args: argparse.Namespace, first: bool) -> dict
     for key in runs:
         say(f"[peer] {task}: {key} ...")
         if key == "trl":
-            runs[key] = run_trl(tmp / task, overrides, threshold, args.trl_threads)
+            runs[key] = run_trl(tmp / task, overrides, threshold, args.trl_threads, spec.config)
         else:
-            runs[key] = run_asyncrl(tmp / task, [*overrides, *args.set], 0 if key == "asyncrl_sync" else 1, threshold)
+            staleness = 0 if key == "asyncrl_sync" else 1
+            runs[key] = run_asyncrl(tmp / task, [*overrides, *args.set], staleness, threshold, config_file=spec.config)
     trl_time = runs["trl"]["time_to_accuracy_s"]
     ratios: dict[str, Any] = {
         f"ratio_{mode}": _ratio(runs[f"asyncrl_{mode}"]["time_to_accuracy_s"], trl_time) for mode in ("sync", "async")
@@ -560,7 +620,9 @@ def compare(tmp: Path, task: str, args: argparse.Namespace, first: bool) -> dict
         }
         for mode in ("sync", "async")
     }
-    return {"task": task, "threshold": threshold, **runs, **ratios}
+    run = resolved(overrides, spec.config)
+    shape = f"{run.learner.groups_per_step} prompts x {run.rollout.num_samples} samples"
+    return {"task": task, "threshold": threshold, "batch": shape, **runs, **ratios}
 
 
 def _ratio(ours: float | None, theirs: float | None) -> float | None:
@@ -583,7 +645,7 @@ def table(result: dict[str, Any], args: argparse.Namespace) -> str:
         return "-" if value is None else format(value, spec)
 
     lines = [
-        f"{result['task']}: 16 prompts x 8 samples, {args.steps} steps, greedy eval of {args.eval_limit} held-out "
+        f"{result['task']}: {result['batch']}, {args.steps} steps, greedy eval of {args.eval_limit} held-out "
         f"prompts every {args.eval_every} steps, threshold {result['threshold']:g}",
         f"{'':28}" + "".join(f"{name:>18}" for name, _ in runs),
     ]
@@ -631,6 +693,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps of each run")
     parser.add_argument("--threshold", type=float, help="held-out greedy accuracy to reach (first task; default 0.7)")
     parser.add_argument("--eval-every", type=int, default=5, help="evaluate every this many steps")
+    parser.add_argument("--lr", type=float, help="learning rate of all three runs (default: the config's, 3e-4)")
     parser.add_argument("--eval-limit", type=int, default=64, help="held-out prompts")
     parser.add_argument("--warm-steps", type=int, help="supervised warm start of the first task's model")
     parser.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL run (cores 0-1)")

@@ -151,7 +151,7 @@ class RewardSection(Section):
 
 class TaskSection(Section):
     name: str = "arithmetic"
-    """Prompt source: a built-in task (``arithmetic``, ``reverse``, ``copy``, ``countdown``) or ``file``."""
+    """Prompt source: a built-in task (``arithmetic``, ``reverse``, ``copy``, ``count``, ``countdown``) or ``file``."""
     path: str = ""
     """Data file when ``name = "file"``: JSONL, Parquet, or a folder written by ``datasets``' ``save_to_disk``."""
     options: dict[str, Any] = Field(default_factory=dict)

@@ -45,7 +45,7 @@ ADVERSARIAL = [
 def test_every_generated_task_has_a_verifier_of_its_name() -> None:
     """But ``textarena``, whose games score themselves (the ``environment`` reward function)."""
     assert set(task_names()) - {"file", "textarena"} <= set(verifier_names())
-    task_verifiers = {"arithmetic", "reverse", "copy", "countdown", "code_tests", "reasoning_gym"}
+    task_verifiers = {"arithmetic", "reverse", "copy", "count", "countdown", "code_tests", "reasoning_gym"}
     assert set(verifier_names()) == task_verifiers | {"exact", "choice", "math", "regex"}  # the last four: for files
 
 
