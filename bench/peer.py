@@ -4,16 +4,20 @@ One invocation trains the same warm model three times, one after the other, on t
 hyper-parameters: TRL ``GRPOTrainer`` (HF ``generate``), asyncrl synchronous (``staleness.max_staleness = 0``) and
 asyncrl asynchronous (``max_staleness = 1``). Install TRL with ``pip install -e .[bench]``.
 
-    python bench/peer.py [--steps 100] [--threshold 0.7] [--eval-every 5] [--tasks arithmetic,reverse] [--trl-threads 2]
+    python bench/peer.py [--steps 100] [--threshold 0.7] [--eval-every 5]
+                         [--tasks arithmetic,reverse,long-tail,multi-turn] [--trl-threads 2] [--lr LR]
                          [--split learner=0,actor=1,frontend=0,reward=0] [--set SECTION.FIELD=VALUE ...]
 
-About 9 minutes on 2 cores with the defaults (both tasks); ``--tasks arithmetic`` about 4; ``--tasks long-tail``
-(not in the defaults) about 6 minutes of warm start and 8 of runs at 60 steps.
+Four tasks (``TASKS``): two short-answer ones (``arithmetic``, ``reverse``), ``long-tail`` (counting, answers of 5 to
+95 characters with a heavy tail, on an 11.6x larger model) and ``multi-turn`` (the agent preset: episodes with a
+calculator tool; TRL through its ``environment_factory``, ``bench/peer_multi_turn.py``). About 30 minutes on 2 cores
+for all four; ``--tasks arithmetic`` about 4.
 
 What is the same in all three runs:
 
 - the model: ``rl-learner init-model configs/demo.toml --warm-steps 120`` (tiny Llama, character tokenizer, float32),
-  or ``--model PATH``; the second task gets its own warm start on that task;
+  or ``--model PATH`` for the first task; every other task gets its own warm start on that task (the multi-turn task:
+  ``rl-learner init-model configs/agent.toml --kind agent``);
 - the prompts: the demo task (one-digit sums), drawn from ``random.Random(run.seed)`` in the order asyncrl's
   dispatcher draws them; TRL reads them in that order (``shuffle_dataset = False``); 16 prompts × 8 samples a step;
 - the hyper-parameters, read from the resolved asyncrl config: lr (constant, no warm-up), AdamW betas and eps,
@@ -55,12 +59,8 @@ Measured (2026-12, 2 cores, defaults; TRL 2 threads, 0.100 s/step against 0.121 
 With OpenMP's passive waits and the one-process engine (the defaults since; one run, arithmetic): TRL 0.055,
 sync 0.209, async 0.153 s/step; 0.9 accuracy in 4.6 / 10.4 / 9.0 s (the warm model started at 0.72).
 
-The long-tail task (``--tasks long-tail``: copying 2–96 letters with Pareto(1) lengths on a 2.65 M-parameter model,
-``learner.micro_batch_size = 16``; one run of 60 steps, eval every 10, the warm model given with ``--model``):
-TRL 3.39, sync 1.06, async 0.88 s/step (asyncrl ÷ TRL 0.31 / 0.26); TRL's generation share 0.35; greedy accuracy
-0.453 at step 0 and 0.41–0.56 after, within 64 prompts' noise for all three, so the 0.65 threshold was not reached.
-Before the learner's passes were cut to their own longest row (each padded to the batch's longest): sync 3.74,
-async 3.60 s/step against TRL's 3.36, the learner's train step 3.0 s of a 3.04 s step.
+The long-tail and multi-turn races, and the long-tail task's earlier form (copying letters), are in
+docs/benchmarks.md.
 
 Before the overhead work (π_old's own pass, two Redis commands per arriving group, the reward worker on the
 actor's core, 8 groups in flight): arithmetic 0.096 / 0.471 / 0.427 s/step, reverse 0.204 / 0.745 / 0.560.
@@ -94,9 +94,9 @@ CONFIG = ROOT / "configs/demo.toml"
 def cores_used(threads: int) -> str:
     """The process split of this invocation, in words (the summary's ``cores``)."""
     return (
-        f"asyncrl: learner on core {SPLIT['learner']} (1 torch thread), 1 rollout actor (vLLM) on core "
-        f"{SPLIT['actor']} with its frontend on core {SPLIT['frontend']}, 1 reward worker on core {SPLIT['reward']}, "
-        "pinned with taskset by bench/peer.py; "
+        f"asyncrl: learner on cores {SPLIT['learner']} ({LEARNER_THREADS[0]} torch threads), 1 rollout actor (vLLM) "
+        f"on core {SPLIT['actor']} with its frontend on core {SPLIT['frontend']}, 1 reward worker on core "
+        f"{SPLIT['reward']}, pinned with taskset by bench/peer.py; "
         f"TRL: one process on cores 0-1 ({threads} torch threads)"
     )
 
@@ -117,8 +117,9 @@ class PeerTask:
     """``rl-learner init-model --kind``: ``task`` (the character model) or ``agent`` (the tool-chat model)."""
 
 
-LONG_TAIL_WARM_STEPS = 600
-"""Supervised warm-start steps of the long-tail model (batch 32, lr 1e-3, about 4 minutes on 2 threads)."""
+LONG_TAIL_WARM_STEPS = 300
+"""Supervised warm-start steps of the long-tail model (batch 32, lr 1e-3, about 2.5 minutes on 2 threads). At 500
+steps it is at greedy 0.70, at 600 (with counts from 1) it no longer explores: its samples agree with each other."""
 TASKS: dict[str, PeerTask] = {
     # the demo's task: one-digit sums, responses of 1-2 characters and EOS; ~0.5 greedy accuracy after the warm start
     "arithmetic": PeerTask((), 120, 0.7),
@@ -134,12 +135,12 @@ TASKS: dict[str, PeerTask] = {
         350,
         0.7,
     ),
-    # long-tail: counting 1-32 two-digit numbers (``ct:17,21=`` → ``17 18 19 20 21``), counts Pareto(1): half the
-    # answers are one number, one in ten 9 or more, one in thirty all 32 (95 characters); 8% of prompts hold half the
-    # answer tokens, and a model that misses the end runs on to max_new_tokens. Prompts are 9 characters, so a long
-    # answer costs sampling, not reading. A 3.97 M-parameter model (hidden 256, 6 layers: 11.6x the demo's); after
-    # the warm start (~4 min): greedy 0.75 on 256 held-out prompts, 1.0 of single numbers, 0.58 of 2-4, 0.11 of 5-12,
-    # 0.23 of 13 or more; it counts right and misses where to stop.
+    # long-tail: counting 2-32 two-digit numbers (``ct:17,21=`` → ``17 18 19 20 21``), counts Pareto(1): half the
+    # answers are 2-3 numbers, one in six 12 or more, one in sixteen all 32 (95 characters), and a model that misses
+    # the end runs on to max_new_tokens. Prompts are 9 characters, so a long answer costs sampling, not reading. A
+    # 3.97 M-parameter model (hidden 256, 6 layers: 11.6x the demo's); after the warm start (300 steps, ~2.5 min):
+    # greedy 0.40 on 256 held-out prompts (0.52 of counts 2-4, 0.17 of 5-12, 0.17 of 13 or more); it counts right
+    # and runs past the end. Sampled, 89% of the groups of counts 2-4 hold both right and wrong answers.
     "long-tail": PeerTask(
         (
             "task.name=count",
@@ -151,7 +152,7 @@ TASKS: dict[str, PeerTask] = {
             "learner.micro_batch_size=16",  # asyncrl's learner: 8 passes, each cut to its own longest row
         ),
         LONG_TAIL_WARM_STEPS,
-        0.9,
+        0.7,
         ("--hidden", "256", "--layers", "6", "--lr", "1e-3", "--threads", "2"),
     ),
     # multi-turn: the agent preset (configs/agent.toml): two-digit products with the calculator tool, up to 3 model
@@ -488,6 +489,10 @@ for. Once the engine is up, the actor's own process (vLLM's frontend, streaming 
 core (``rollout.frontend_cpus``): 15–25% off async s/step and 8–21% off sync in two A/B pairs of 60 steps."""
 
 
+LEARNER_THREADS = [1]
+"""The asyncrl learner's torch threads (``--learner-threads``); give it as many cores in ``--split``."""
+
+
 def parse_split(text: str) -> dict[str, str]:
     """``learner=0,actor=1,frontend=0,reward=0`` → the cores of each role (every role named once)."""
     split = dict(part.split("=", 1) for part in text.split(","))
@@ -524,7 +529,8 @@ def run_asyncrl(
         learner_cmd = [str(BIN / "rl-learner"), "train", str(config_file)]
         learner_cmd += [a for o in overrides for a in ("--set", o)]
         try:
-            learner = start(logs / "learner.log", pinned(SPLIT["learner"], learner_cmd), env)
+            learner_env = env | {"OMP_NUM_THREADS": str(LEARNER_THREADS[0])}
+            learner = start(logs / "learner.log", pinned(SPLIT["learner"], learner_cmd), learner_env)
             code = learner.wait(3600)
         finally:
             for proc in helpers:
@@ -697,12 +703,13 @@ def main() -> None:
     parser.add_argument("--eval-limit", type=int, default=64, help="held-out prompts")
     parser.add_argument("--warm-steps", type=int, help="supervised warm start of the first task's model")
     parser.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL run (cores 0-1)")
-    parser.add_argument("--tasks", default="arithmetic,reverse", help=f"comma-separated, of {', '.join(TASKS)}")
+    parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of {', '.join(TASKS)}")
     parser.add_argument("--model", type=Path, help="a warm model folder to use (first task only)")
     parser.add_argument("--keep", type=Path, help="keep the runs' folders (logs, metrics) here")
     parser.add_argument(
         "--split", default="learner=0,actor=1,frontend=0,reward=0", help="cores of each asyncrl process"
     )
+    parser.add_argument("--learner-threads", type=int, default=1, help="torch threads of the asyncrl learner")
     parser.add_argument("--set", action="append", default=[], help="a config override of the asyncrl runs only")
     parser.add_argument("--trl-child", nargs=2, type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -710,6 +717,7 @@ def main() -> None:
         trl_child(*args.trl_child)
         return
     SPLIT.update(parse_split(args.split))
+    LEARNER_THREADS[0] = args.learner_threads
     tasks = args.tasks.split(",")
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = args.keep or Path(tmp_name)
