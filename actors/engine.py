@@ -53,7 +53,7 @@ class RolloutEngine:
     def __init__(self, config: RunConfig, seed: int = 0, version: Callable[[], int] = lambda: 0) -> None:
         self.config = config
         self.version = version
-        """The policy version now loaded: :meth:`update_weights` labels vLLM's engine core with it."""
+        """The policy version now loaded (the weights follower's): what the actor reports in its heartbeat."""
         self._first_version = version()
         """The version of the weights the engine starts with: vLLM's core labels them ``"default"``."""
         if single_process(config.rollout, _has_gpu()):
@@ -144,6 +144,7 @@ class RolloutEngine:
         self,
         manifest_frames: list[Any],
         join: dict[str, Any] | None,
+        version: int,
         buckets: int = 1,
         on_loaded: Callable[[], None] | None = None,
     ) -> dict[str, Any]:
@@ -152,7 +153,8 @@ class RolloutEngine:
         Requests in flight continue after the update with the new weights attending to the KV cache
         written by the old ones; their later tokens carry the new version (DESIGN.md, weight updates).
         Weights whose digests do not match the manifest are not loaded: the result then holds ``refused`` (why),
-        ``on_loaded`` is not called, and the old weights go on serving.
+        ``on_loaded`` is not called, and the old weights go on serving. Loaded weights are labelled ``version`` in
+        vLLM's engine core before ``on_loaded`` runs.
         """
         frames = [bytes(f) for f in manifest_frames]
         join_timeout, receive_timeout = rpc_timeouts(self.config.weight_sync.timeout_s, buckets)
@@ -172,10 +174,12 @@ class RolloutEngine:
                     self._adapter = policy_adapter_request()
             figures["load_s"] = max(loaded)
             figures.update(received)
-            if on_loaded is not None and "refused" not in received:
-                on_loaded()
-            if "refused" not in received:  # before resuming: every token sampled from now on carries the new label
-                await self.llm.update_weight_version(str(self.version()))
+            if "refused" not in received:
+                # Before resuming, and before the actor adopts the version: every token sampled from now on carries
+                # the new label, and a label that could not be set leaves the actor on its old version.
+                await self.llm.update_weight_version(str(version))
+                if on_loaded is not None:
+                    on_loaded()
             return figures
         finally:
             await self.llm.resume_generation()

@@ -114,7 +114,7 @@ class WeightsFollower:
             self.version = manifest.version
 
         try:
-            figures = await engine.update_weights(frames, join, len(manifest.buckets), loaded)
+            figures = await engine.update_weights(frames, join, manifest.version, len(manifest.buckets), loaded)
         except Exception as exc:  # WeightSyncError from the worker, or an RPC timeout
             log.error("weight update failed; waiting for the next formation", version=manifest.version, error=repr(exc))
             self.epoch, self._received = None, 0

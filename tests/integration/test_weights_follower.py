@@ -50,7 +50,7 @@ class HeldEngine:
         self.go = threading.Event()
         self.refused: list[int] = []
 
-    async def update_weights(self, frames, join, buckets, on_loaded) -> dict:
+    async def update_weights(self, frames, join, version, buckets, on_loaded) -> dict:
         if join is not None:
             await asyncio.to_thread(self.worker.asyncrl_join, join)
         figures = await asyncio.to_thread(self.worker.asyncrl_receive, frames)
