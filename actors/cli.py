@@ -32,7 +32,8 @@ def rollout(
     """
     if ctx.invoked_subcommand is not None:
         return
-    from asyncrl.actors.engine import EngineSettingsError, check_engine_settings
+    from asyncrl.actors.engine import EngineSettingsError
+    from asyncrl.actors.engine_checks import check_engine_settings
     from asyncrl.actors.rollout import run_actor
     from asyncrl.common.cliutil import fail, redis_url
 
@@ -104,8 +105,10 @@ def eval_command(
 
     resolved = load(config, set_)
     if checkpoint == "latest":
-        fail("--checkpoint latest is resolved by the learner, which owns checkpoints: rl-learner eval CONFIG "
-             "--checkpoint latest (or pass a step-<N> folder)")
+        fail(
+            "--checkpoint latest is resolved by the learner, which owns checkpoints: rl-learner eval CONFIG "
+            "--checkpoint latest (or pass a step-<N> folder)"
+        )
     try:
         figures = evaluate(resolved, checkpoint or resolved.model.path, samples)
     except ValueError as exc:  # no model there, a bad held-out file (TaskFileError), an unknown reward function
@@ -136,7 +139,8 @@ def check_model_command(
     import sys
     import time
 
-    from asyncrl.actors.engine import EngineSettingsError, RolloutEngine, check_engine_settings, error_line
+    from asyncrl.actors.engine import EngineSettingsError, RolloutEngine, error_line
+    from asyncrl.actors.engine_checks import check_engine_settings
     from asyncrl.common.cliutil import fail, load
 
     resolved = load(config, set_)
@@ -170,7 +174,8 @@ def check_lora_command(
 ) -> None:
     """Exit 2 with one line when the installed vLLM cannot serve the config's model with LoRA adapters (what each
     actor checks at its start; `rl-learner resolve` runs this where vLLM is installed)."""
-    from asyncrl.actors.engine import EngineSettingsError, check_lora_support, vllm_serves_lora
+    from asyncrl.actors.engine import EngineSettingsError
+    from asyncrl.actors.engine_checks import check_lora_support, vllm_serves_lora
     from asyncrl.common.cliutil import fail, load
 
     resolved = load(config, set_)

