@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from asyncrl.common.config import RewardFunction, RunConfig
+from asyncrl.common.data.tasks import task_label
 from asyncrl.common.registry import Registry
 from asyncrl.common.rewards.verifiers import Verifier, bind_verifier, first_line, verify_code_tests
 from asyncrl.common.wire.messages import RolloutGroup, model_turns
@@ -207,6 +208,17 @@ def _with_verifiers(functions: Sequence[RewardFunction], task: str) -> list[Rewa
     return [
         f.model_copy(update={"options": {"verifier": task, **f.options}}) if f.name == "task" else f for f in functions
     ]
+
+
+def run_verifier(config: RunConfig) -> Verifier:
+    """The verifier of a run whose reward is its one ``task`` function at weight 1, bound as the reward workers bind
+    it (the run's task label unless the config names another, with its options): what a peer trainer scoring the
+    same responses calls. Any other reward raises ``ValueError`` naming it."""
+    functions = _with_verifiers(config.reward.functions, task_label(config.task))
+    if len(functions) != 1 or functions[0].name != "task" or functions[0].weight != 1.0:
+        named = ", ".join(f"{f.name} (weight {f.weight:g})" for f in functions)
+        raise ValueError(f"reward.functions: one 'task' function at weight 1 is needed here, got {named}")
+    return task_verifier(functions[0].options)
 
 
 def task_verifier(options: dict[str, Any]) -> Verifier:

@@ -135,6 +135,30 @@ def verify_reverse(response: str, answer: str) -> float:
     return 1.0 if first_line(response) == answer else 0.0
 
 
+@register_verifier("prefix")
+def verify_prefix(response: str, answer: str) -> float:
+    """Partial credit for a space-separated answer: the words the first line gets right from the start, over the
+    longer of the two,
+
+        r = LCP(w(response), w(answer)) / max(|w(response)|, |w(answer)|),
+
+    where ``w`` splits on single spaces and LCP is the length of the common prefix in words. 1.0 only for the exact
+    answer (so an eval with ``success_threshold = 1`` counts exact answers); stopping early scores the share written,
+    running on past the end scores less the further it runs. For ``count``: a policy that cannot yet stop where the
+    answer ends still learns where, rather than that short answers are the only ones it gets right.
+    """
+    expected = answer.split(" ")
+    if not answer or "" in expected:
+        raise ValueError(f"prefix answer must be words separated by single spaces: {answer[:100]!r}")
+    written = first_line(response).split(" ")
+    common = 0
+    for mine, theirs in zip(written, expected, strict=False):
+        if mine != theirs:
+            break
+        common += 1
+    return common / max(len(written), len(expected))
+
+
 # --------------------------------------------------------------------------- countdown
 
 _EXPRESSION_CHARS = frozenset("0123456789+-*/() ")

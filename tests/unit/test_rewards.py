@@ -22,12 +22,14 @@ from asyncrl.common.rewards.functions import (
     load_reward_model,
     register_reward,
     reward_names,
+    run_verifier,
     score,
 )
 from asyncrl.common.wire.messages import RolloutGroup
 from tests.helpers.rollouts import make_group
 from tests.helpers.waits import wait_for
 
+CONFIG = Path(__file__).resolve().parents[2] / "configs/demo.toml"
 ADD_TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0"
 
 
@@ -62,6 +64,19 @@ def test_task_can_name_the_verifier_for_a_file_task() -> None:
     assert score(task, group) == [1.0, 0.0]
     with pytest.raises(ValueError, match="unknown verifier 'file'"):
         bind_functions([fn("task")], "file")  # at start, not on every group
+
+
+def test_run_verifier_is_the_one_the_reward_workers_bind() -> None:
+    """What a peer trainer scores with: the run's task verifier, or the one its config names, options included."""
+    from asyncrl.common.config import load_config
+
+    demo = load_config(CONFIG, [])
+    assert run_verifier(demo)("7", "7") == 1.0
+    prefix = 'reward.functions=[{ name = "task", options = { verifier = "prefix" } }]'
+    assert run_verifier(load_config(CONFIG, ["task.name=count", "eval.name=count", prefix]))("1 2", "1 2 3 4") == 0.5
+    two = 'reward.functions=[{ name = "task" }, { name = "format", weight = 0.1 }]'
+    with pytest.raises(ValueError, match="one 'task' function at weight 1 is needed here, got task"):
+        run_verifier(load_config(CONFIG, [two]))
 
 
 def test_the_groups_own_task_name_selects_nothing() -> None:

@@ -46,7 +46,30 @@ def test_every_generated_task_has_a_verifier_of_its_name() -> None:
     """But ``textarena``, whose games score themselves (the ``environment`` reward function)."""
     assert set(task_names()) - {"file", "textarena"} <= set(verifier_names())
     task_verifiers = {"arithmetic", "reverse", "copy", "count", "countdown", "code_tests", "reasoning_gym"}
-    assert set(verifier_names()) == task_verifiers | {"exact", "choice", "math", "regex"}  # the last four: for files
+    file_verifiers = {"exact", "choice", "math", "regex", "prefix"}
+    assert set(verifier_names()) == task_verifiers | file_verifiers
+
+
+@pytest.mark.parametrize(
+    ("response", "score"),
+    [
+        ("17 18 19 20", 1.0),  # exact
+        ("17 18 19 20\nmore", 1.0),  # the first line is what counts
+        ("17 18", 0.5),  # stopped early: the share written
+        ("17 18 19 20 21 22 23 24", 0.5),  # ran on past the end: less the further it runs
+        ("17 18 29 20", 0.5),  # a slip: what follows it earns nothing
+        ("", 0.0),
+        ("17  18 19 20", 0.2),  # a double space is a wrong word
+        ("x" * 100_000, 0.0),
+    ],
+)
+def test_prefix_gives_the_share_of_words_right_from_the_start(response: str, score: float) -> None:
+    assert get_verifier("prefix")(response, "17 18 19 20") == score
+
+
+def test_prefix_refuses_an_answer_that_is_not_single_spaced_words() -> None:
+    with pytest.raises(ValueError, match="single spaces"):
+        get_verifier("prefix")("1 2", "1  2")
 
 
 @pytest.mark.parametrize(
