@@ -38,14 +38,20 @@ CONFIGS: dict[str, tuple[int, tuple[str, ...]]] = {
     "async1": (1, NO_GUARD),
     "async2": (2, NO_GUARD),
     "async1-none": (1, ("staleness.correction=none", *NO_GUARD)),
+    "async2-none": (2, ("staleness.correction=none", *NO_GUARD)),
+    "async4-none": (4, ("staleness.correction=none", *NO_GUARD)),
     "async1-mask": (1, ("staleness.correction=mask", *NO_GUARD)),
     "async1-sequence": (1, ("staleness.level=sequence", *NO_GUARD)),
     "async1-guard": (1, ()),
     "async2-guard": (2, ()),
     "async4-guard": (4, ()),
+    "async1-decoupled": (1, ("staleness.behaviour_clip=false",)),
+    "async2-decoupled": (2, ("staleness.behaviour_clip=false",)),
+    "async4-decoupled": (4, ("staleness.behaviour_clip=false",)),
 }
-"""name -> (max_staleness, overrides) over the [staleness] defaults: token truncation at 2, the mismatch guard at 0.5
-and the token veto at 1e-4 (the ``-guard`` configurations; the others turn the guard and the veto off)."""
+"""name -> (max_staleness, overrides) over the [staleness] defaults: token truncation at 2, the behaviour clip, the
+mismatch guard at 0.5 and the token veto at 1e-4 (the ``-guard`` configurations; ``-decoupled``: the defaults without
+the behaviour clip, PPO's clip around π_old only; the others turn the guard and the veto off)."""
 COLLAPSE_DROP = 0.1
 """A run collapsed when its last two evaluations are both this far below its step-0 accuracy."""
 

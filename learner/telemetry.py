@@ -47,6 +47,7 @@ GAUGES: dict[str, tuple[Any, dict[str, str]]] = {
     "train/loss/clip_frac": (m.LEARNER_CLIPPED_RATIO, {"clip": "ppo"}),
     "train/loss/dual_clip_frac": (m.LEARNER_CLIPPED_RATIO, {"clip": "dual"}),
     "train/offpolicy/dropped_frac": (m.LEARNER_CLIPPED_RATIO, {"clip": "mismatch_guard"}),
+    "train/offpolicy/behaviour_clip_frac": (m.LEARNER_CLIPPED_RATIO, {"clip": "behaviour"}),
     "train/grad_norm": (m.LEARNER_GRAD_NORM, {"model": "policy"}),
     "train/critic/grad_norm": (m.LEARNER_GRAD_NORM, {"model": "critic"}),
     "train/loss": (m.LEARNER_LOSS, {"model": "policy"}),

@@ -208,8 +208,8 @@ LEARNER_ENTROPY = Gauge(
 )
 LEARNER_CLIPPED_RATIO = Gauge(
     "asyncrl_learner_clipped_tokens_ratio",
-    "Fraction of response tokens clipped by the surrogate (ppo, dual), or of sequences the mismatch guard dropped "
-    "(mismatch_guard).",
+    "Fraction of response tokens clipped by the surrogate (ppo, dual) or by the band around the sampling policy "
+    "(behaviour), or of sequences the mismatch guard dropped (mismatch_guard).",
     ["clip"],
 )
 LEARNER_GRAD_NORM = Gauge(

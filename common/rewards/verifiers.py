@@ -30,6 +30,9 @@ verifier    what it takes from the response                    how it compares w
                                                                                                     ``timeout_s``
 ==========  =================================================  ===================================  ===============
 
+``prefix`` gives partial credit to a space-separated answer (the words right from the start, over the longer of
+the two): a shaped reward for long answers, 1.0 only when exact.
+
 Normalised (:func:`normalise`): case-folded, surrounding whitespace, punctuation and ``$`` stripped, inner
 whitespace collapsed. Details in :func:`chosen_letter`, :func:`final_answer` and each verifier's docstring.
 """

@@ -47,6 +47,9 @@ class OffPolicySettings(BaseModel):
     veto: float = Field(1e-4, ge=0.0, lt=1.0)
     """Token veto: a sequence with any token whose π_old/μ is below this is dropped (verl's rollout correction and
     slime veto such sequences: one token μ sampled but π_old all but forbids); 0 disables it."""
+    behaviour_clip: bool = True
+    """``ppo_clip`` only: PPO's clip anchored at μ as well as at π_old. A token whose π_old/μ has already left
+    [1 − ε_low, 1 + ε_high] in the direction its advantage pushes gets no gradient (:func:`behaviour_clipped`)."""
 
     @property
     def recompute_proximal(self) -> bool:
@@ -146,6 +149,10 @@ def ppo_clip(inp: LossInput, settings: PPOClipSettings) -> LossOutput:
         surrogate = torch.where(advantages < 0, bounded, surrogate)
         metrics["loss/dual_clip_frac"] = masked_mean(dual.float(), mask)
     weight, weight_metrics = importance_weights(inp, settings.off_policy)
+    if settings.off_policy.behaviour_clip and settings.off_policy.recompute_proximal:
+        beyond = behaviour_clipped(inp, advantages, settings.clip_low, settings.clip_high)
+        weight = torch.where(beyond, torch.zeros_like(weight), weight)
+        weight_metrics["offpolicy/behaviour_clip_frac"] = masked_mean(beyond.float(), mask)
     extra, extra_metrics = penalties(inp, logprobs, settings)
     loss = weight * surrogate + extra
     metrics |= extra_metrics | weight_metrics
@@ -291,6 +298,24 @@ def importance_weights(inp: LossInput, settings: OffPolicySettings) -> tuple[Ten
     metrics["offpolicy/weight_max"] = masked_max(raw, mask)
     metrics["offpolicy/corrected_frac"] = masked_mean(corrected.float(), mask)
     return weight, metrics
+
+
+def behaviour_clipped(inp: LossInput, advantages: Tensor, clip_low: float, clip_high: float) -> Tensor:
+    """The tokens [B, T] (bool) whose π_old has already left PPO's trust region around the policy μ that sampled
+    them, in the direction their advantage pushes:
+
+        ρ_t = π_old_t / μ_t;   clipped_t = (A_t > 0 ∧ ρ_t > 1 + ε_high) ∨ (A_t < 0 ∧ ρ_t < 1 − ε_low).
+
+    PPO's clip (Schulman et al. 2017, eq. 7) on the whole ratio π_θ/μ = (π_θ/π_old)·ρ gives exactly these tokens no
+    gradient at the start of a step, where π_θ = π_old. The decoupled objective clips π_θ/π_old only (Hilton et al.
+    2021; AReaL), and with one optimizer step per batch that ratio is 1, so nothing else bounds how far a stale
+    sample keeps pushing: a token the policy has already made likelier since μ sampled it is pushed again, once per
+    version of lag. On heavy-tailed counting at staleness 4 that overshoot collapsed 3 runs in 3 (bench/stability.py).
+    """
+    log_rho = zero_masked(inp.old_logprobs.detach() - inp.behaviour_logprobs.detach(), inp.response_mask)
+    above = (advantages > 0) & (log_rho > math.log1p(clip_high))
+    below = (advantages < 0) & (log_rho < math.log1p(-clip_low))
+    return (above | below) & inp.response_mask.bool()
 
 
 def guarded_sequences(log_w: Tensor, mask: Tensor, settings: OffPolicySettings) -> Tensor:

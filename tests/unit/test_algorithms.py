@@ -325,20 +325,41 @@ def test_dual_clip_by_hand() -> None:
     torch.testing.assert_close(without.per_token_loss, _one_row([5.0, 2.0, -1.2]))
 
 
+NO_BEHAVIOUR_CLIP = {"behaviour_clip": False}
+"""The weight tests below show π_old/μ alone; the behaviour clip has its own test."""
+
+
+def test_behaviour_clip_by_hand() -> None:
+    # r = 1, ε = 0.2 (band [0.8, 1.2] around μ), truncation at 2. ρ = π_old/μ, A → kept?
+    # t0: 1.5, +1 → above 1.2 pushing up: clipped.   t1: 1.5, −1 → pushing down, towards μ: kept, −A·min(ρ, 2) = 1.5.
+    # t2: 0.5, −1 → below 0.8 pushing down: clipped.  t3: 0.5, +1 → kept, −0.5.   t4: 1.1, +1 → inside: kept, −1.1.
+    inp = _loss_input([1, 1, 1, 1, 1], [1, -1, -1, 1, 1], weights=[1.5, 1.5, 0.5, 0.5, 1.1])
+    out = _ppo(inp, off_policy={"max_sequence_kl": 0, "veto": 0})
+    torch.testing.assert_close(out.per_token_loss, _one_row([0.0, 1.5, 0.0, -0.5, -1.1]))
+    assert out.metrics["offpolicy/behaviour_clip_frac"].item() == pytest.approx(2 / 5)
+    # clip-higher moves the upper edge: ε_high = 0.6 keeps t0 (1.5 < 1.6)
+    higher = _ppo(inp, clip_high=0.6, off_policy={"max_sequence_kl": 0, "veto": 0})
+    torch.testing.assert_close(higher.per_token_loss, _one_row([-1.5, 1.5, 0.0, -0.5, -1.1]))
+    # off, or with μ standing in for π_old (correction none: ρ = 1), nothing is clipped by it
+    off = _ppo(inp, off_policy={"max_sequence_kl": 0, "veto": 0, **NO_BEHAVIOUR_CLIP})
+    torch.testing.assert_close(off.per_token_loss, _one_row([-1.5, 1.5, 0.5, -0.5, -1.1]))
+    assert "offpolicy/behaviour_clip_frac" not in off.metrics
+
+
 def test_off_policy_corrections_by_hand_token_level() -> None:
     # π_θ = π_old (r = 1), A = 1 → surrogate −1 per token; w = π_old/μ = [3, 0.25, 1.5, 1], cap 2.
     # truncate: w = [2, 0.25, 1.5, 1], 1 of 4 corrected; weight mean 4.75/4 = 1.1875; raw max 3.
     # mask (band [0.5, 2]): w = [0, 0, 1.5, 1], 2 of 4 corrected.   none: w = 1.
     inp = _loss_input([1, 1, 1, 1], [1, 1, 1, 1], weights=[3, 0.25, 1.5, 1])
-    truncate = _ppo(inp, off_policy={"correction": "truncate", "cap": 2.0})
+    truncate = _ppo(inp, off_policy={**NO_BEHAVIOUR_CLIP, "correction": "truncate", "cap": 2.0})
     torch.testing.assert_close(truncate.per_token_loss, _one_row([-2.0, -0.25, -1.5, -1.0]))
     assert truncate.metrics["offpolicy/corrected_frac"].item() == pytest.approx(0.25)
     assert truncate.metrics["offpolicy/weight_mean"].item() == pytest.approx(1.1875)
     assert truncate.metrics["offpolicy/weight_max"].item() == pytest.approx(3.0)
-    masked = _ppo(inp, off_policy={"correction": "mask", "cap": 2.0})
+    masked = _ppo(inp, off_policy={**NO_BEHAVIOUR_CLIP, "correction": "mask", "cap": 2.0})
     torch.testing.assert_close(masked.per_token_loss, _one_row([0.0, 0.0, -1.5, -1.0]))
     assert masked.metrics["offpolicy/corrected_frac"].item() == pytest.approx(0.5)
-    none = _ppo(inp, off_policy={"correction": "none"})
+    none = _ppo(inp, off_policy={**NO_BEHAVIOUR_CLIP, "correction": "none", **NO_BEHAVIOUR_CLIP})
     torch.testing.assert_close(none.per_token_loss, _one_row([-1.0] * 4))
     # mismatch KL(μ ‖ π_old) = mean of w − 1 − ln w: 3 → 0.901388; 0.25 → 0.636294; 1.5 → 0.094535; 1 → 0;
     # (0.901388 + 0.636294 + 0.094535)/4 = 0.408054.
@@ -349,7 +370,7 @@ def test_off_policy_corrections_by_hand_sequence_level() -> None:
     # Two sequences of two tokens, r = 1, A = 1. Token w: [1.5, 2] and [0.5, 1.2];
     # sequence w = product: 3 and 0.6. truncate cap 2: [2, 2] and [0.6, 0.6]; mask band [0.5, 2]: [0, 0], [0.6, 0.6].
     inp = _loss_input([1, 1, 1, 1], [1, 1, 1, 1], weights=[1.5, 2, 0.5, 1.2], rows=2)
-    level = {"level": "sequence", "cap": 2.0}
+    level = {"level": "sequence", "cap": 2.0, **NO_BEHAVIOUR_CLIP}
     truncate = _ppo(inp, off_policy={"correction": "truncate", **level})
     torch.testing.assert_close(truncate.per_token_loss, -torch.tensor([[2.0, 2.0], [0.6, 0.6]], dtype=torch.float64))
     masked = _ppo(inp, off_policy={"correction": "mask", **level})
@@ -362,19 +383,20 @@ def test_mismatch_guard_and_token_veto_drop_whole_sequences_by_hand() -> None:
     inp = _loss_input([1, 1, 1, 1], [1, 1, 1, 1], weights=[1.5, 2, 0.5, 1.2], rows=2)
     rows = lambda *r: -torch.tensor(r, dtype=torch.float64)  # noqa: E731
     # the first sequence only: 0.2007 > 0.15
-    guard = _ppo(inp, off_policy={"cap": 2.0, "max_sequence_kl": 0.15, "veto": 0})
+    guard = _ppo(inp, off_policy={**NO_BEHAVIOUR_CLIP, "cap": 2.0, "max_sequence_kl": 0.15, "veto": 0})
     torch.testing.assert_close(guard.per_token_loss, rows([0.0, 0.0], [0.5, 1.2]))
     assert guard.metrics["offpolicy/dropped_frac"].item() == pytest.approx(0.5)
-    both = _ppo(inp, off_policy={"cap": 2.0, "max_sequence_kl": 0.1, "veto": 0})  # 0.1054 > 0.1 too
+    # 0.1054 > 0.1 too
+    both = _ppo(inp, off_policy={**NO_BEHAVIOUR_CLIP, "cap": 2.0, "max_sequence_kl": 0.1, "veto": 0})
     torch.testing.assert_close(both.per_token_loss, rows([0.0, 0.0], [0.0, 0.0]))
     assert both.metrics["offpolicy/dropped_frac"].item() == pytest.approx(1.0)
     # the second sequence has w = 0.5 < 0.6
-    veto = _ppo(inp, off_policy={"cap": 2.0, "max_sequence_kl": 0, "veto": 0.6})
+    veto = _ppo(inp, off_policy={**NO_BEHAVIOUR_CLIP, "cap": 2.0, "max_sequence_kl": 0, "veto": 0.6})
     torch.testing.assert_close(veto.per_token_loss, rows([1.5, 2.0], [0.0, 0.0]))
     assert veto.metrics["offpolicy/dropped_frac"].item() == pytest.approx(0.5)
-    off = _ppo(inp, off_policy={"cap": 2.0, "max_sequence_kl": 0, "veto": 0})
+    off = _ppo(inp, off_policy={**NO_BEHAVIOUR_CLIP, "cap": 2.0, "max_sequence_kl": 0, "veto": 0})
     torch.testing.assert_close(off.per_token_loss, rows([1.5, 2.0], [0.5, 1.2]))
-    defaults = _ppo(inp, off_policy={"cap": 2.0})  # 0.5 and 1e-4: neither sequence is near them
+    defaults = _ppo(inp, off_policy={**NO_BEHAVIOUR_CLIP, "cap": 2.0})  # 0.5 and 1e-4: neither sequence is near them
     torch.testing.assert_close(defaults.per_token_loss, off.per_token_loss)
     assert off.metrics["offpolicy/dropped_frac"].item() == 0.0
     # The mismatch KL reported is still every token's: (0.094535 + 0.306853 + 0.193147 + 0.017678)/4 = 0.153053.
@@ -386,7 +408,7 @@ def test_mismatch_guard_judges_real_tokens_only() -> None:
     inp = _loss_input([1, 1, 1, 1], [1, 1, 1, 1], weights=[1.5, 1e-6, 1.2, 1.0], rows=2)
     mask = torch.tensor([[True, False], [False, False]])
     padded = LossInput(inp.logprobs, inp.old_logprobs, inp.behaviour_logprobs, inp.advantages, mask)
-    out = _ppo(padded, off_policy={"max_sequence_kl": 0.2, "veto": 1e-3})
+    out = _ppo(padded, off_policy={**NO_BEHAVIOUR_CLIP, "max_sequence_kl": 0.2, "veto": 1e-3})
     torch.testing.assert_close(out.per_token_loss, -torch.tensor([[1.5, 0.0], [0.0, 0.0]], dtype=torch.float64))
     assert out.metrics["offpolicy/dropped_frac"].item() == 0.0
 
@@ -411,7 +433,7 @@ def test_gradient_flows_only_through_the_current_logprobs() -> None:
         leaf.requires_grad_()
     ref = torch.zeros_like(inp.old_logprobs, requires_grad=True)
     inp = LossInput(inp.logprobs, *leaves[:2], leaves[2], inp.response_mask, ref)
-    out = _ppo(inp)  # kl_coef 0: the reference contributes nothing
+    out = _ppo(inp, off_policy=NO_BEHAVIOUR_CLIP)  # kl_coef 0: the reference contributes nothing
     build_aggregation("token_mean")(
         out.per_token_loss, inp.response_mask, GlobalCounts.of(inp.response_mask)
     ).backward()
@@ -443,6 +465,9 @@ def _ppo_reference(inp: LossInput, s: PPOClipSettings) -> tuple[list[list[float]
             w = {"none": 1.0, "truncate": min(w, cap), "mask": w if 1 / cap <= w <= cap else 0.0}[
                 s.off_policy.correction
             ]
+            rho = math.exp(old[i][t] - mu[i][t])  # the behaviour clip: PPO's band around μ, in A's direction
+            if s.off_policy.behaviour_clip and s.off_policy.correction != "none":
+                w *= not ((a > 0 and rho > 1 + s.clip_high) or (a < 0 and rho < 1 - s.clip_low))
             log_r = ref[i][t] - lp[i][t]
             loss[i][t] = w * surrogate + s.kl_coef * (math.exp(log_r) - 1 - log_r)
     return loss, clipped / max(sum(map(sum, mask)), 1)
@@ -454,6 +479,7 @@ PPO_OPTIONS: list[dict[str, Any]] = [
     {"off_policy": {"correction": "mask", "level": "sequence", "cap": 1.5}},
     {"off_policy": {"correction": "none"}, "kl_coef": 0.1},
     {"off_policy": {"correction": "truncate", "level": "sequence"}, "kl_coef": 0.05, "dual_clip": 2.0},
+    {"clip_high": 0.28, "off_policy": {"correction": "truncate", "behaviour_clip": False}},
 ]
 
 
