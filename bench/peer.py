@@ -327,7 +327,8 @@ class TrlRecord:
 
         self.config, self.tokenizer = config, tokenizer
         self.multi_turn = config.rollout.workflow == "multi_turn"
-        self.verify = run_verifier(config)
+        # a multi-turn run is scored by its environment (episode_reward); the others by the run's bound verifier
+        self.verify = None if self.multi_turn else run_verifier(config)
         self.prompter = Prompter.for_run(tokenizer, config)
         self.examples = eval_examples(config, self.prompter)
         self.groups = eval_groups(config, self.examples, self.prompter.encode, step=0, version=0)
