@@ -277,7 +277,7 @@ def importance_weights(inp: LossInput, settings: OffPolicySettings) -> tuple[Ten
     their fraction of the sequences.
     """
     mask = inp.response_mask
-    log_w = zero_masked(inp.old_logprobs.detach() - inp.behaviour_logprobs.detach(), mask)
+    log_w = token_log_weights(inp)
     metrics = {"offpolicy/mismatch_kl": masked_mean(_k3(log_w), mask)}
     dropped = guarded_sequences(log_w, mask, settings)
     if settings.level == "sequence":
@@ -300,6 +300,11 @@ def importance_weights(inp: LossInput, settings: OffPolicySettings) -> tuple[Ten
     return weight, metrics
 
 
+def token_log_weights(inp: LossInput) -> Tensor:
+    """log π_old − log μ per token [B, T], detached, 0 on padding."""
+    return zero_masked(inp.old_logprobs.detach() - inp.behaviour_logprobs.detach(), inp.response_mask)
+
+
 def behaviour_clipped(inp: LossInput, advantages: Tensor, clip_low: float, clip_high: float) -> Tensor:
     """The tokens [B, T] (bool) whose π_old has already left PPO's trust region around the policy μ that sampled
     them, in the direction their advantage pushes:
@@ -312,7 +317,7 @@ def behaviour_clipped(inp: LossInput, advantages: Tensor, clip_low: float, clip_
     sample keeps pushing: a token the policy has already made likelier since μ sampled it is pushed again, once per
     version of lag. On heavy-tailed counting at staleness 4 that overshoot collapsed 3 runs in 3 (bench/stability.py).
     """
-    log_rho = zero_masked(inp.old_logprobs.detach() - inp.behaviour_logprobs.detach(), inp.response_mask)
+    log_rho = token_log_weights(inp)
     above = (advantages > 0) & (log_rho > math.log1p(clip_high))
     below = (advantages < 0) & (log_rho < math.log1p(-clip_low))
     return (above | below) & inp.response_mask.bool()

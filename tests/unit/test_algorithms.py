@@ -359,7 +359,7 @@ def test_off_policy_corrections_by_hand_token_level() -> None:
     masked = _ppo(inp, off_policy={**NO_BEHAVIOUR_CLIP, "correction": "mask", "cap": 2.0})
     torch.testing.assert_close(masked.per_token_loss, _one_row([0.0, 0.0, -1.5, -1.0]))
     assert masked.metrics["offpolicy/corrected_frac"].item() == pytest.approx(0.5)
-    none = _ppo(inp, off_policy={**NO_BEHAVIOUR_CLIP, "correction": "none", **NO_BEHAVIOUR_CLIP})
+    none = _ppo(inp, off_policy={**NO_BEHAVIOUR_CLIP, "correction": "none"})
     torch.testing.assert_close(none.per_token_loss, _one_row([-1.0] * 4))
     # mismatch KL(μ ‖ π_old) = mean of w − 1 − ln w: 3 → 0.901388; 0.25 → 0.636294; 1.5 → 0.094535; 1 → 0;
     # (0.901388 + 0.636294 + 0.094535)/4 = 0.408054.
