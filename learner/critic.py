@@ -34,6 +34,7 @@ from asyncrl.learner.algorithms.aggregations import TokenMeanSettings, token_mea
 from asyncrl.learner.algorithms.types import GlobalCounts
 from asyncrl.learner.algorithms.value import clipped_value_loss
 from asyncrl.learner.engine import DTYPES, Batch, PolicyEngine, StepStats
+from asyncrl.learner.step_metrics import MicroBatchMetrics
 
 log = get_logger("critic")
 
@@ -192,13 +193,13 @@ class ValueEngine:
             return self.module.save(folder) if self._wrapped.rank == 0 else None
 
 
-def value_loss_fn(clip: float, counts: GlobalCounts, metrics: dict[str, list[float]] | None = None) -> ValueLossFn:
+def value_loss_fn(clip: float, counts: GlobalCounts, metrics: MicroBatchMetrics | None = None) -> ValueLossFn:
     """The critic's loss for :meth:`ValueEngine.train_step`: clipped value loss, ``token_mean`` over ``counts``.
 
     Each micro-batch holds ``input_ids``, ``attention_mask``, ``response_mask``, ``old_values`` (V_old from
     :meth:`ValueEngine.values_no_grad`) and ``returns``, all ``[B, T]`` in the alignment of :func:`token_values`.
     ``counts`` are the whole step's :class:`GlobalCounts` (all micro-batches, all ranks). Metrics of every
-    micro-batch are appended to ``metrics`` when given.
+    micro-batch are added to ``metrics`` when given.
     """
     settings = TokenMeanSettings()
 
@@ -207,8 +208,7 @@ def value_loss_fn(clip: float, counts: GlobalCounts, metrics: dict[str, list[flo
         mask = micro_batch["response_mask"]
         out = clipped_value_loss(values, micro_batch["old_values"], micro_batch["returns"], mask, clip)
         if metrics is not None:
-            for name, value in out.metrics.items():
-                metrics.setdefault(name, []).append(float(value))
+            metrics.add(out.metrics, mask)
         return token_mean(out.per_token_loss, mask, counts, settings)
 
     return loss

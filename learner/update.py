@@ -38,6 +38,7 @@ from asyncrl.learner.algorithms.kl import KLController
 from asyncrl.learner.algorithms.masked import masked_mean
 from asyncrl.learner.batch import TrainBatch, collate, preference_rows, rank_micro_batches, training_passes
 from asyncrl.learner.engine import PolicyEngine, ReferenceModel, reference_for
+from asyncrl.learner.step_metrics import MicroBatchMetrics
 
 if TYPE_CHECKING:
     from asyncrl.learner.algorithms.assembly import Algorithm
@@ -115,14 +116,14 @@ class PolicyUpdate:
         advantage = self.algorithm.advantage(self._advantage_input(batch, tensors, figures))
         tensors["advantages"] = self.last_advantages = advantage.advantages.float()  # [B, T]; samples.jsonl reads it
         counts = GlobalCounts.of(batch.response_mask)
-        metrics: dict[str, list[float]] = {}
+        metrics = MicroBatchMetrics()
         stats = self.engine.train_step(self._micro_batches(tensors), self._loss_fn(counts, metrics))
         figures |= {"loss": stats.loss, "grad_norm": stats.grad_norm, "lr": stats.lr, "seconds": stats.seconds}
         figures["applied"] = float(stats.applied)  # False: a non-finite step was skipped (learner/health.py)
         if self.critic is not None and advantage.returns is not None:
             tensors["returns"] = advantage.returns.float()
             figures |= self._train_critic(tensors, counts, metrics)
-        figures.update({name: sum(v) / len(v) for name, v in metrics.items()})
+        figures.update(metrics.figures())
         return figures
 
     def _advantage_input(self, batch: TrainBatch, tensors: dict[str, torch.Tensor], figures: dict[str, float]):
@@ -155,7 +156,7 @@ class PolicyUpdate:
         size = self.engine.micro_batch_size
         return (max(2, size - size % 2), 2) if "pairs" in self.needs else (size, 1)
 
-    def _loss_fn(self, counts: GlobalCounts, metrics: dict[str, list[float]]):
+    def _loss_fn(self, counts: GlobalCounts, metrics: MicroBatchMetrics):
         """The policy's loss of one micro-batch: its share of the batch loss (engine convention, global counts)."""
         with_entropy, temperature = "entropy" in self.needs, self.temperature
         off_policy = self.config.staleness.correction != "none"
@@ -166,9 +167,9 @@ class PolicyUpdate:
             logprobs, entropy = engine.token_logprobs_and_entropy(
                 mb["input_ids"], mb["attention_mask"], temperature, entropy_grad=with_entropy
             )
+            mask = mb["response_mask"]
             if not with_entropy:
-                mask = mb["response_mask"]
-                metrics.setdefault("loss/entropy", []).append(float(masked_mean(entropy, mask.to(entropy.device))))
+                metrics.add({"loss/entropy": masked_mean(entropy, mask.to(entropy.device))}, mask)
                 entropy = None
             out = self.algorithm.loss(
                 LossInput(
@@ -181,8 +182,7 @@ class PolicyUpdate:
                     entropy=entropy,
                 )
             )
-            for name, value in out.metrics.items():
-                metrics.setdefault(name, []).append(float(value))
+            metrics.add(out.metrics, mask)
             return self.algorithm.aggregate(out.per_token_loss, mb["response_mask"], counts)
 
         return loss_fn
@@ -196,7 +196,7 @@ class PolicyUpdate:
         return values * batch.response_mask
 
     def _train_critic(
-        self, tensors: dict[str, torch.Tensor], counts: GlobalCounts, metrics: dict[str, list[float]]
+        self, tensors: dict[str, torch.Tensor], counts: GlobalCounts, metrics: MicroBatchMetrics
     ) -> dict[str, float]:
         from asyncrl.learner.critic import value_loss_fn
 

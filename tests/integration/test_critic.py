@@ -25,6 +25,7 @@ from asyncrl.learner.critic import (
     token_values,
     value_loss_fn,
 )
+from asyncrl.learner.step_metrics import MicroBatchMetrics
 from tests.helpers.engine_ranks import LENGTHS, fixed_batch
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_rank_world")]
@@ -142,11 +143,11 @@ def test_value_loss_falls_on_a_fixed_batch(model_dir: Path, tmp_path: Path) -> N
     losses, clip_fracs = [], []
     for _ in range(20):
         batch = value_step_batch(engine)  # V_old recomputed at the start of every step, as PPO does
-        metrics: dict[str, list[float]] = {}
+        metrics = MicroBatchMetrics()
         counts = GlobalCounts.of(batch["response_mask"])
         stats = engine.train_step(split_micro_batches(batch, 4), value_loss_fn(0.2, counts, metrics))
         losses.append(stats.loss)
-        clip_fracs.append(sum(metrics["value/clip_frac"]) / len(metrics["value/clip_frac"]))
+        clip_fracs.append(metrics.figures()["value/clip_frac"])
     print(f"value loss {losses[0]:.4f} -> {losses[-1]:.4f}; clip fraction first {clip_fracs[0]:.2f}")
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < 0.2 * losses[0]

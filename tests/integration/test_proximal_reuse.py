@@ -76,3 +76,16 @@ def in_micro_batch_order(batch) -> torch.Tensor:
     """The row indices in the order one rank's micro-batches take them (``learner/batch.py: longest_first``)."""
     rows = torch.arange(batch.rows)
     return longest_first({"attention_mask": batch.attention_mask, "row": rows})["row"]
+
+
+def test_a_steps_figures_do_not_move_with_the_micro_batch_size(tiny_model_dir: Path, tmp_path) -> None:
+    """The loss's metrics are the batch's token means (and maxima), whether 9 rows train in 5 passes or in one."""
+    figures = []
+    for rows in (2, 9):
+        config = run_config(str(tiny_model_dir), tmp_path / str(rows), zero_stage=0)
+        config = config.model_copy(update={"learner": config.learner.model_copy(update={"micro_batch_size": rows})})
+        update = PolicyUpdate(config, assemble(config), pad_token_id=0)
+        figures.append(update.train(update.collate(groups(1))))
+    cut, whole = figures
+    for name in ("loss/entropy", "offpolicy/mismatch_kl", "offpolicy/weight_max", "offpolicy/weight_mean"):
+        assert cut[name] == pytest.approx(whole[name], rel=1e-4), name
