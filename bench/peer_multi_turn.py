@@ -21,12 +21,9 @@ from asyncrl.actors.episodes import multi_turn, replay_episode
 from asyncrl.actors.generation import Response, WorkflowContext
 from asyncrl.common.environments.protocol import Calculator, EpisodeRow
 from asyncrl.common.environments.turns import EpisodeTools
-from asyncrl.common.tiny_models.agent import calculator_call
+from asyncrl.common.tiny_models.agent import TOOLS_TURN, calculator_call
 
-TOOL_CHAT_TEMPLATE = (
-    "{%- if tools %}{{- '<|im_start|>system\\ntools: ' }}"
-    "{%- for tool in tools %}{{- tool['function']['name'] }}{%- if not loop.last %}{{- ', ' }}{%- endif %}"
-    "{%- endfor %}{{- '<|im_end|>\\n' }}{%- endif %}"
+TOOL_CHAT_TEMPLATE = TOOLS_TURN + (
     "{%- for message in messages %}"
     "{%- if message['role'] == 'tool' %}"
     "{%- if loop.first or loop.previtem['role'] != 'tool' %}{{- '<|im_start|>tool\\n' }}"
@@ -44,9 +41,10 @@ TOOL_CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-"""The tiny agent model's template (``common/tiny_models/agent.py``) extended so it renders an assistant message's
-``tool_calls`` and runs of tool messages as one tool turn, which TRL checks before it trains with tools. It renders
-asyncrl's prompts and tool turns byte for byte as the model's own template does."""
+"""The tiny agent model's template (``common/tiny_models/agent.py``: the same tools turn, then ChatML) extended so
+it renders an assistant message's ``tool_calls`` and runs of tool messages as one tool turn, which TRL checks before
+it trains with tools. It renders asyncrl's prompts, tool turns and episodes byte for byte as the model's own template
+does (``tests/unit/test_peer_multi_turn.py``)."""
 
 RESPONSE_TEMPLATE = {
     "defaults": {"role": "assistant"},

@@ -26,13 +26,16 @@ from asyncrl.common.tiny_models.chat import CHATML_TEMPLATE, IM_END, IM_START, _
 
 AGENT_ALPHABET = TASK_ALPHABET + "ABCDEFGHIJKLMNOPQRSTUVWXYZ.?!'_;|#%&"
 
-TOOL_CHAT_TEMPLATE = (
+TOOLS_TURN = (
     "{%- if tools %}{{- '<|im_start|>system\\ntools: ' }}"
     "{%- for tool in tools %}{{- tool['function']['name'] }}{%- if not loop.last %}{{- ', ' }}{%- endif %}"
-    "{%- endfor %}{{- '<|im_end|>\\n' }}{%- endif %}" + CHATML_TEMPLATE
+    "{%- endfor %}{{- '<|im_end|>\\n' }}{%- endif %}"
 )
-"""ChatML with a short system turn naming the tools: a character-level model reads every character, so the
-template names the tools rather than printing their JSON schemas as Qwen2.5's does."""
+"""A short system turn naming the offered tools: a character-level model reads every character, so the template names
+the tools rather than printing their JSON schemas as Qwen2.5's does."""
+
+TOOL_CHAT_TEMPLATE = TOOLS_TURN + CHATML_TEMPLATE
+"""ChatML after :data:`TOOLS_TURN`."""
 
 
 def init_agent_model(out_dir: str | Path, *, seed: int = 0, **shape) -> Path:
