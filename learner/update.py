@@ -182,7 +182,7 @@ class PolicyUpdate:
                     entropy=entropy,
                 )
             )
-            metrics.add(out.metrics, mask)
+            metrics.add(out.metrics, mask, out.sequence_metrics)
             return self.algorithm.aggregate(out.per_token_loss, mb["response_mask"], counts)
 
         return loss_fn

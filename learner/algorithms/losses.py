@@ -158,7 +158,7 @@ def ppo_clip(inp: LossInput, settings: PPOClipSettings) -> LossOutput:
     metrics |= extra_metrics | weight_metrics
     metrics["loss/ratio_mean"] = masked_mean(ratio.detach(), mask)
     metrics["loss/approx_kl"] = masked_mean(_k3(log_ratio.detach()), mask)
-    return LossOutput(per_token_loss=zero_masked(loss, mask), metrics=metrics)
+    return LossOutput(zero_masked(loss, mask), metrics, sequence_metrics=OFF_POLICY_SEQUENCE_METRICS)
 
 
 @register_loss("gspo")
@@ -193,7 +193,8 @@ def gspo(inp: LossInput, settings: GSPOSettings) -> LossOutput:
     metrics |= extra_metrics | weight_metrics
     metrics["loss/ratio_mean"] = _sequence_mean(ratio.detach(), mask)
     metrics["loss/approx_kl"] = masked_mean(_k3(token_log_ratio), mask)
-    return LossOutput(per_token_loss=zero_masked(loss, mask), metrics=metrics)
+    per_sequence = OFF_POLICY_SEQUENCE_METRICS | {"loss/clip_frac", "loss/ratio_mean"}
+    return LossOutput(zero_masked(loss, mask), metrics, sequence_metrics=per_sequence)
 
 
 @register_loss("dpo")
@@ -240,7 +241,7 @@ def dpo(inp: LossInput, settings: DPOSettings) -> LossOutput:
         "dpo/accuracy": _mean((h > 0).float()),
         "dpo/loss": _mean(pair_loss.detach()),
     }
-    return LossOutput(per_token_loss=per_token, metrics=metrics)
+    return LossOutput(per_token_loss=per_token, metrics=metrics, sequence_metrics=frozenset(metrics))  # per pair
 
 
 def penalties(inp: LossInput, logprobs: Tensor, settings: PolicyGradientSettings) -> tuple[Tensor, dict[str, Tensor]]:
@@ -260,6 +261,10 @@ def penalties(inp: LossInput, logprobs: Tensor, settings: PolicyGradientSettings
         if settings.entropy_coef > 0:
             extra = extra - settings.entropy_coef * entropy
     return extra, metrics
+
+
+OFF_POLICY_SEQUENCE_METRICS = frozenset({"offpolicy/dropped_frac"})
+"""The metrics of :func:`importance_weights` that are shares of sequences, not of tokens."""
 
 
 def importance_weights(inp: LossInput, settings: OffPolicySettings) -> tuple[Tensor, dict[str, Tensor]]:

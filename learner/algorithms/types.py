@@ -129,10 +129,12 @@ class LossInput:
 @dataclass(frozen=True, slots=True)
 class LossOutput:
     """per_token_loss [B, T], zero at masked positions; metrics: detached scalars over the masked tokens
-    of this micro-batch, named ``component/metric``."""
+    of this micro-batch, named ``component/metric``; those named in ``sequence_metrics`` are means over its sequences
+    instead (a step weighs them by sequences, the others by tokens: ``learner/step_metrics.py``)."""
 
     per_token_loss: Tensor
     metrics: dict[str, Tensor] = field(default_factory=dict)
+    sequence_metrics: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)

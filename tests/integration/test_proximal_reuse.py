@@ -87,5 +87,12 @@ def test_a_steps_figures_do_not_move_with_the_micro_batch_size(tiny_model_dir: P
         update = PolicyUpdate(config, assemble(config), pad_token_id=0)
         figures.append(update.train(update.collate(groups(1))))
     cut, whole = figures
-    for name in ("loss/entropy", "offpolicy/mismatch_kl", "offpolicy/weight_max", "offpolicy/weight_mean"):
+    names = (
+        "loss/entropy",
+        "offpolicy/mismatch_kl",
+        "offpolicy/weight_max",
+        "offpolicy/weight_mean",
+        "offpolicy/dropped_frac",
+    )
+    for name in names:
         assert cut[name] == pytest.approx(whole[name], rel=1e-4), name

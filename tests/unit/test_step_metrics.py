@@ -30,3 +30,13 @@ def test_nothing_but_empty_passes_gives_no_figure() -> None:
     metrics = MicroBatchMetrics()
     metrics.add({"loss/entropy": 0.5}, torch.zeros(2, 2))
     assert metrics.figures() == {}
+
+
+def test_a_metric_over_sequences_is_weighted_by_sequences() -> None:
+    """A share of sequences (one of 1 dropped, then none of 3) is the whole batch's share: 1 / 4, not by tokens."""
+    metrics = MicroBatchMetrics()
+    long_one, three_short = torch.ones(1, 8, dtype=torch.bool), torch.zeros(3, 8, dtype=torch.bool)
+    three_short[:, :2] = True
+    metrics.add({"offpolicy/dropped_frac": 1.0}, long_one, per_sequence={"offpolicy/dropped_frac"})
+    metrics.add({"offpolicy/dropped_frac": 0.0}, three_short, per_sequence={"offpolicy/dropped_frac"})
+    assert metrics.figures()["offpolicy/dropped_frac"] == pytest.approx(0.25)  # by tokens it would read 8 / 14
