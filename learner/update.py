@@ -183,7 +183,7 @@ class PolicyUpdate:
                 )
             )
             metrics.add(out.metrics, mask, out.sequence_metrics)
-            return self.algorithm.aggregate(out.per_token_loss, mb["response_mask"], counts)
+            return self.algorithm.aggregate(out.per_token_loss, mask, counts)
 
         return loss_fn
 

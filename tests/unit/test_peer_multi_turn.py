@@ -37,10 +37,16 @@ def tokenizers(tmp_path_factory):
     return ours, theirs
 
 
-def test_the_prompt_and_a_tool_turn_are_the_same_bytes(tokenizers) -> None:
+@pytest.fixture(scope="module")
+def tools():
+    """The tools the agent preset offers the model."""
+    offered = run_tools(load_config(ROOT / "configs" / "agent.toml"))
+    assert offered
+    return offered
+
+
+def test_the_prompt_and_a_tool_turn_are_the_same_bytes(tokenizers, tools) -> None:
     ours, theirs = tokenizers
-    tools = run_tools(load_config(ROOT / "configs" / "agent.toml"))
-    assert tools
     prompt = {
         t: t.apply_chat_template(USER, tools=tools, tokenize=False, add_generation_prompt=True) for t in tokenizers
     }
@@ -49,9 +55,8 @@ def test_the_prompt_and_a_tool_turn_are_the_same_bytes(tokenizers) -> None:
     assert TurnEncoder.for_tokenizer(ours).text(TOOL) == TurnEncoder.for_tokenizer(theirs).text(TOOL)
 
 
-def test_an_episode_with_a_tool_call_is_the_same_bytes(tokenizers) -> None:
+def test_an_episode_with_a_tool_call_is_the_same_bytes(tokenizers, tools) -> None:
     ours, theirs = tokenizers
-    tools = run_tools(load_config(ROOT / "configs" / "agent.toml"))
     call = {"type": "function", "function": {"name": "calc", "arguments": {"expression": "10*41"}}}
     trl = [
         *USER,

@@ -1,4 +1,5 @@
-"""A step's metrics from its micro-batches: token-weighted means (the whole batch's token mean), maxima as maxima."""
+"""A step's metrics from its micro-batches: means weighted by tokens (or by sequences, for shares of sequences) are the
+whole batch's means; maxima are maxima."""
 
 from __future__ import annotations
 
