@@ -3,8 +3,10 @@
 A registry maps names to objects of one kind (all with the same signature). ``register`` is a
 decorator that refuses a name already claimed by a different object, so two plug-ins cannot
 silently shadow each other; ``get`` also accepts an import path ``package.module:attribute``, so a
-user can plug in their own without touching this code. Tests use ``snapshot()`` to register
-temporary entries and restore the real registry afterwards, never clearing it.
+user can plug in their own without touching this code. What an import path names is checked against the
+registry's :class:`Contract` (the call asyncrl will make) when it is resolved, so a config that names
+``os:system`` as a reward function is refused when it is checked, not called on every group. Tests use
+``snapshot()`` to register temporary entries and restore the real registry afterwards, never clearing it.
 """
 
 from __future__ import annotations
@@ -12,20 +14,63 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import inspect
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 _IMPORTED: dict[str, Any] = {}
+_FULFILLED: set[tuple[str, Contract]] = set()  # (path, contract) checked: a reward function is got for every group
 _IMPORT_LOCK = threading.RLock()  # a module imported here may resolve another path
 
 
-class Registry(Generic[T]):
-    """Named objects of one kind, e.g. ``Registry[Verifier]("verifier")``."""
+@dataclasses.dataclass(frozen=True)
+class Contract:
+    """How asyncrl calls a registry's entries, checked on whatever an import path names (:func:`_resolve`).
 
-    def __init__(self, kind: str) -> None:
+    ``shape`` shows the call to a person (``f(group, options) -> one score per response``); ``args`` positional
+    arguments and ``kwargs`` keyword arguments by name are what the call passes, bound to the entry's signature with
+    placeholders (``inspect.Signature.bind``); with ``methods``, an entry is a class whose instances have them.
+    """
+
+    shape: str
+    args: int = 0
+    kwargs: tuple[str, ...] = ()
+    methods: tuple[str, ...] = ()
+
+    def problem(self, target: Any) -> str | None:
+        """Why ``target`` cannot be called as this contract says, or None when it can."""
+        if self.methods and not isinstance(target, type):
+            return f"it is a {type(target).__name__}, not a class"
+        if not self.methods and isinstance(target, type):
+            return f"it is a class ({target.__qualname__}), not a function"
+        missing = [method for method in self.methods if not callable(getattr(target, method, None))]
+        if missing:
+            return f"class {target.__qualname__} has no {' or '.join(missing)} method"
+        if inspect.isbuiltin(target) or inspect.ismethoddescriptor(target):
+            return f"it is one of Python's builtins ({_describe(target)}), which was not written for this call"
+        try:
+            signature = inspect.signature(target)
+        except (TypeError, ValueError):
+            return "Python cannot read its signature"
+        try:
+            signature.bind(*[None] * self.args, **dict.fromkeys(self.kwargs))
+        except TypeError as exc:
+            bare = signature.replace(
+                parameters=[p.replace(annotation=p.empty) for p in signature.parameters.values()],
+                return_annotation=signature.empty,
+            )
+            return f"its signature {bare} cannot take that call ({exc})"
+        return None
+
+
+class Registry(Generic[T]):
+    """Named objects of one kind, e.g. ``Registry[Verifier]("verifier", Contract("f(response, answer)", args=2))``."""
+
+    def __init__(self, kind: str, contract: Contract | None = None) -> None:
         self.kind = kind
+        self.contract = contract
         self._entries: dict[str, T] = {}
 
     def register(self, name: str) -> Callable[[T], T]:
@@ -47,15 +92,24 @@ class Registry(Generic[T]):
         module needs an optional package, or would import this registry's module back."""
         self.register(name)(_Deferred(path))  # type: ignore[arg-type]
 
-    def get(self, name: str) -> T:
-        """The entry registered as ``name``, or the object at import path ``package.module:attribute``."""
-        if ":" in name:
-            return _import(name, self.kind)
+    def get(self, name: str, setting: str = "") -> T:
+        """The entry registered as ``name``, or the object at import path ``package.module:attribute`` (checked
+        against the :class:`Contract`). ``ValueError`` otherwise, naming ``setting`` (``reward.functions[0].name``)
+        where it is given."""
         try:
-            entry = self._entries[name]
-        except KeyError:
-            raise ValueError(f"unknown {self.kind} {name!r}; registered: {', '.join(self.names())}") from None
-        return _import(entry.path, self.kind) if isinstance(entry, _Deferred) else entry
+            if ":" in name:
+                return _import(name, self.kind, self.contract)
+            try:
+                entry = self._entries[name]
+            except KeyError:
+                raise ValueError(f"unknown {self.kind} {name!r}; registered: {', '.join(self.names())}") from None
+            return _import(entry.path, self.kind, self.contract) if isinstance(entry, _Deferred) else entry
+        except ValueError as exc:
+            if setting:
+                raise ValueError(f"{setting} = {name!r}: {exc}") from None
+            if isinstance(exc, _Unfulfilled):
+                raise ValueError(f"{self.kind} import path {exc.path!r}: {exc}") from None
+            raise
 
     def names(self) -> list[str]:
         return sorted(self._entries)
@@ -73,6 +127,14 @@ class Registry(Generic[T]):
             self._entries = saved
 
 
+class _Unfulfilled(ValueError):
+    """What import path ``path`` names does not fulfil its registry's :class:`Contract` (the message says how)."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(message)
+        self.path = path
+
+
 @dataclasses.dataclass(frozen=True, repr=False)
 class _Deferred:
     """An entry known by its import path until it is first used (the same path twice is the same entry)."""
@@ -87,12 +149,20 @@ def _describe(obj: object) -> str:
     return getattr(obj, "__qualname__", repr(obj))
 
 
-def _import(path: str, kind: str) -> Any:
+def _import(path: str, kind: str, contract: Contract | None = None) -> Any:
     """Resolve ``package.module:attr[.attr]`` once per process (then cached; thread-safe)."""
     with _IMPORT_LOCK:  # resolving is rare (start-up, then cached): one lock for every path
         if path not in _IMPORTED:
             _IMPORTED[path] = _resolve(path, kind)
-        return _IMPORTED[path]
+        target = _IMPORTED[path]
+        if contract is None or (path, contract) in _FULFILLED:
+            return target
+        problem = contract.problem(target)
+        if problem is not None:
+            article = "an" if kind[:1] in "aeiou" else "a"
+            raise _Unfulfilled(path, f"not {article} {kind} (expects {contract.shape}): {problem}")
+        _FULFILLED.add((path, contract))
+        return target
 
 
 def _resolve(path: str, kind: str) -> Any:

@@ -35,7 +35,7 @@ from collections.abc import Callable, Collection, Iterable
 
 from asyncrl.common.config import RunConfig, TaskSection
 from asyncrl.common.data.prompts import Prompter
-from asyncrl.common.data.tasks import Task, check_task_options, get_task, prompt_group, task_label
+from asyncrl.common.data.tasks import TASKS, Task, check_task_options, get_task, prompt_group, task_label
 from asyncrl.common.observability.logs import get_logger
 from asyncrl.common.observability.metrics import (
     DISPATCHER_DUPLICATE_GROUPS,
@@ -62,8 +62,15 @@ def prompt_source(section: TaskSection) -> tuple[Task, str]:
 
 
 def check_task(section: TaskSection) -> None:
-    """Whether ``task.name`` is registered and takes ``task.options``, without building it (no file is read)."""
-    check_task_options(section.name, task_options(section))
+    """Whether ``task.name`` is registered and takes ``task.options`` (within a generated task's bounds:
+    :func:`~asyncrl.common.data.tasks.check_task_options`), without reading any file; ``ValueError`` naming the
+    setting otherwise."""
+    options = task_options(section)
+    TASKS.get(section.name, "task.name")
+    try:
+        check_task_options(section.name, options)
+    except ValueError as exc:
+        raise ValueError(f"task.options: {exc}") from None
 
 
 FILE_SETTINGS = ("prompt_key", "answer_key", "split", "limit", "shuffle")

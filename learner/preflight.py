@@ -70,22 +70,39 @@ def check_model_context(config: RunConfig) -> int | None:
 def check_config(config: RunConfig) -> None:
     """What every ``rl-learner`` command checks before it starts anything: the algorithm's names and options
     (:func:`asyncrl.learner.algorithms.assembly.assemble`), the task's (:func:`asyncrl.learner.dispatcher.check_task`)
-    and the verifier of each ``task`` reward function with its options (``common/rewards/functions.py:
-    check_verifiers``), the rollout workflow's name (``common/workflows.py``), and ``model.max_model_len`` against the
-    model folder's context (:func:`check_model_context`). Raises ``ValueError``."""
+    and a built-in eval task's (:func:`check_eval_options`), the reward functions' names (an import path must name a
+    reward function) and the verifier of each ``task`` function with its options (``common/rewards/functions.py:
+    check_names, check_verifiers``), the rollout workflow's name (``common/workflows.py``), and
+    ``model.max_model_len`` against the model folder's context (:func:`check_model_context`). Raises ``ValueError``."""
     from asyncrl.common.data.tasks import task_label
-    from asyncrl.common.rewards.functions import check_verifiers
+    from asyncrl.common.rewards.functions import check_names, check_verifiers
     from asyncrl.common.workflows import check_workflow_name
     from asyncrl.learner.algorithms.assembly import assemble
     from asyncrl.learner.dispatcher import check_task
 
     assemble(config)
     check_task(config.task)
+    check_eval_options(config)
     check_workflow_name(config.rollout.workflow)
+    check_names(config.reward.functions)
     check_verifiers(config.reward.functions, task_label(config.task))
     check_model_context(config)
     check_episodes(config)
     check_adapters(config)
+
+
+def check_eval_options(config: RunConfig) -> None:
+    """A built-in eval task's ``eval.options``, checked as ``task.options`` are
+    (:func:`asyncrl.common.data.tasks.check_task_options`); ``ValueError`` naming the setting otherwise."""
+    from asyncrl.common.data.tasks import check_task_options
+
+    section = config.eval
+    if not section.every or section.name == "file":
+        return
+    try:
+        check_task_options(section.name, dict(section.options))
+    except ValueError as exc:
+        raise ValueError(f"eval.options: {exc}") from None
 
 
 def check_episodes(config: RunConfig) -> None:
@@ -96,10 +113,7 @@ def check_episodes(config: RunConfig) -> None:
     from asyncrl.common.environments.protocol import ENVIRONMENTS
     from asyncrl.common.environments.turns import TemplateError, episode_tools
 
-    try:
-        ENVIRONMENTS.get(config.environment.name)
-    except ValueError as exc:
-        raise ValueError(f"environment.name: {exc}") from None
+    ENVIRONMENTS.get(config.environment.name, "environment.name")
     if not (Path(config.model.path) / "tokenizer_config.json").exists():
         return  # no model folder yet (init-model makes it): the actors check the template when they load it
 

@@ -88,6 +88,11 @@ class Task(ABC):
     """A source of prompts. Subclasses register with :func:`register_task`, which sets ``name``."""
 
     name: ClassVar[str]
+    built_to_check: ClassVar[bool] = False
+    """Whether :func:`check_task_options` builds the task to check its options: a generated task builds in
+    microseconds, reading and importing nothing, so its constructor's own bounds refuse a value when a config is
+    checked (``rl-learner resolve``), not when the learner starts. A data file or an optional package's task is only
+    matched against its constructor's signature there."""
     skipped: Sequence[str] = ()
     """Rows :meth:`fit` left out because their prompt is too long to serve (where each is; a data file's)."""
 
@@ -179,12 +184,21 @@ TASKS.register_path("textarena", "asyncrl.common.environments.gyms:TextArenaTask
 
 def get_task(name: str, **options: Any) -> Task:
     """Build the task registered as ``name`` with ``options`` (its constructor's keyword arguments)."""
-    return check_task_options(name, options)(**options)
+    return _fitting(name, options)(**options)
 
 
 def check_task_options(name: str, options: dict[str, Any]) -> type[Task]:
-    """The task class registered as ``name``, once ``options`` are known to fit its constructor (``ValueError``
-    names them otherwise); nothing is built, so no data file is read."""
+    """The task class registered as ``name``, once ``options`` are known to fit it (``ValueError`` names them
+    otherwise): they fit its constructor's signature, and a task :attr:`~Task.built_to_check` is built with them, so
+    that its constructor refuses a value out of its bounds (``max_digits = 1e9``). No other task is built, so no data
+    file is read."""
+    cls = _fitting(name, options)
+    if cls.built_to_check:
+        cls(**options)
+    return cls
+
+
+def _fitting(name: str, options: dict[str, Any]) -> type[Task]:
     cls = TASKS.get(name)
     try:
         inspect.signature(cls).bind(**options)
@@ -217,6 +231,8 @@ def _check_range(task: str, option: str, value: int, low: int, high: int) -> Non
 class ArithmeticTask(Task):
     """``a+b=``, ``a-b=`` or ``a*b=`` over non-negative integers of up to ``max_digits`` digits."""
 
+    built_to_check = True
+
     _OPS: ClassVar[dict[str, Callable[[int, int], int]]] = {
         "+": lambda a, b: a + b,
         "-": lambda a, b: a - b,
@@ -245,6 +261,8 @@ class ReverseTask(Task):
     tokens — the uneven responses a synchronous batch waits on. With ``tail = 1`` over 2..96 letters, 60% of strings
     have at most 4 letters, one in ten has 20 or more, one in fifty all 96, and 8% of them hold half the letters.
     """
+
+    built_to_check = True
 
     def __init__(self, min_length: int = 3, max_length: int = 8, tail: float = 0.0) -> None:
         _check_range(self.name, "min_length", min_length, 1, 256)
@@ -305,6 +323,8 @@ class CountTask(Task):
     and then, and a long answer holds many chances to slip: partial skill that grows with the count.
     """
 
+    built_to_check = True
+
     def __init__(self, min_length: int = 1, max_length: int = 32, tail: float = 0.0) -> None:
         _check_range("count", "min_length", min_length, 1, 90)
         _check_range("count", "max_length", max_length, min_length, 90)
@@ -325,6 +345,8 @@ class CountdownTask(Task):
     random expression tree over 2..``count`` of them whose every intermediate value is a positive integer
     (subtraction only when it stays positive, division only when exact), so a solution always exists.
     """
+
+    built_to_check = True
 
     def __init__(self, count: int = 3, max_number: int = 10) -> None:
         _check_range("countdown", "count", count, 2, 6)

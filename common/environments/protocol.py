@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from asyncrl.common.environments.tool_calls import parse_tool_calls
-from asyncrl.common.registry import Registry
+from asyncrl.common.registry import Contract, Registry
 
 if TYPE_CHECKING:
     from asyncrl.common.config import RunConfig
@@ -97,7 +97,9 @@ class Environment(Protocol):
 
 
 EnvironmentFactory = Callable[[EpisodeRow, dict[str, Any]], Environment]
-ENVIRONMENTS: Registry[EnvironmentFactory] = Registry("environment")
+ENVIRONMENTS: Registry[EnvironmentFactory] = Registry(
+    "environment", Contract("a class Env(row, options) with step(action) and score()", 2, methods=("step", "score"))
+)
 """Environments by the name ``environment.name`` gives (or an import path ``package.module:Class``)."""
 register_environment = ENVIRONMENTS.register
 # Adapters that need optional packages (common/environments/gyms.py), imported when a run names them.

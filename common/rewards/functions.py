@@ -40,7 +40,7 @@ import numpy as np
 
 from asyncrl.common.config import RewardFunction, RunConfig
 from asyncrl.common.data.tasks import task_label
-from asyncrl.common.registry import Registry
+from asyncrl.common.registry import Contract, Registry
 from asyncrl.common.rewards.verifiers import Verifier, bind_verifier, first_line, verify_code_tests
 from asyncrl.common.wire.messages import RolloutGroup, model_turns
 
@@ -67,7 +67,9 @@ class RewardError(RuntimeError):
 
 # --------------------------------------------------------------------------- registry
 
-REWARDS: Registry[RewardFn] = Registry("reward function")
+REWARDS: Registry[RewardFn] = Registry(
+    "reward function", Contract("f(group, options) -> one score per response", args=2)
+)
 """Reward functions by name; a config may also name one by import path ``package.module:function``."""
 register_reward = REWARDS.register
 get_reward = REWARDS.get
@@ -193,6 +195,16 @@ def bind_functions(
 def episode_options(config: RunConfig) -> dict[str, Any]:
     """The options :func:`bind_functions` gives an ``environment`` function: what the run's episodes ran in."""
     return {"environment": config.environment.model_dump(), "model": config.model.path}
+
+
+def check_names(functions: Sequence[RewardFunction]) -> None:
+    """Each configured function is a registered name, or an import path to a reward function (``f(group, options)``:
+    :data:`REWARDS`' contract); ``ValueError`` naming the setting otherwise. What the learner checks in a config: a
+    registered function is not imported here (``reward_model`` loads transformers, ``environment`` the actors' code),
+    an import path is (the user's own code), so that ``os:system`` is refused before anything starts."""
+    for i, function in enumerate(functions):
+        if ":" in function.name or function.name not in REWARDS:
+            get_reward(function.name, f"reward.functions[{i}].name")
 
 
 def check_verifiers(functions: Sequence[RewardFunction], task: str) -> None:

@@ -50,7 +50,7 @@ from fractions import Fraction
 from typing import Any
 
 from asyncrl.common.config import ConfigError
-from asyncrl.common.registry import Registry
+from asyncrl.common.registry import Contract, Registry
 from asyncrl.common.rewards.answers import GROUPED_NUMBER, PLAIN_NUMBER, chosen_letter, final_answer, normalise
 from asyncrl.common.rewards.judge import judge
 from asyncrl.common.rewards.sandbox import run_python_tests
@@ -62,7 +62,9 @@ MAX_RESPONSE_CHARS = 200
 """Longer first lines score 0.0 without being parsed (no task's answer is that long)."""
 
 
-VERIFIERS: Registry[Verifier] = Registry("verifier")
+VERIFIERS: Registry[Verifier] = Registry(
+    "verifier", Contract("f(response, answer, *, option=default) -> score", args=2)
+)
 """Rule verifiers by task name."""
 register_verifier = VERIFIERS.register
 get_verifier = VERIFIERS.get

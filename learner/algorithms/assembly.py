@@ -16,11 +16,13 @@ from asyncrl.common.config import ConfigError, RunConfig
 from asyncrl.learner.algorithms.kl import KLRewardSettings
 from asyncrl.learner.algorithms.losses import OffPolicySettings
 from asyncrl.learner.algorithms.registries import (
+    OPTION_TABLES,
     advantage_settings,
     build_advantage,
     build_aggregation,
     build_loss,
     loss_settings,
+    settings_type,
 )
 from asyncrl.learner.algorithms.types import AdvantageInput, LossInput
 
@@ -41,6 +43,7 @@ def assemble(config: RunConfig) -> Algorithm:
     """Resolve and validate ``config.algorithm`` against the registries; raises :class:`ConfigError` naming the
     option (``algorithm.loss_options={clip_hgh=0.3}`` → "policy loss 'ppo_clip': unknown option(s) 'clip_hgh'")."""
     algorithm = config.algorithm
+    _check_names(config)
     loss_options = _loss_options(config)
     try:
         kl_reward = KLRewardSettings(**algorithm.kl_reward)
@@ -57,6 +60,19 @@ def assemble(config: RunConfig) -> Algorithm:
         kl_reward=kl_reward,
         needs=frozenset(needs),
     )
+
+
+def _check_names(config: RunConfig) -> None:
+    """Each ``algorithm.<axis>`` names a registered variant, or by import path a function of its axis: the call its
+    registry makes (``learner/algorithms/registries.py``) and a ``settings`` parameter annotated with its settings
+    model. Raises ``ValueError`` naming the setting (``algorithm.loss = 'os:system': not a policy loss …``)."""
+    for axis, registry in OPTION_TABLES:
+        name = getattr(config.algorithm, axis)
+        function = registry.get(name, f"algorithm.{axis}")
+        try:
+            settings_type(function)
+        except ValueError as exc:
+            raise ConfigError(f"algorithm.{axis} = {name!r}: {exc}") from None
 
 
 SECTION_OPTIONS = {"off_policy": "staleness"}

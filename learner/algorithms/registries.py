@@ -31,7 +31,7 @@ from pydantic import BaseModel, ValidationError
 from torch import Tensor
 
 from asyncrl.common.config import ConfigError
-from asyncrl.common.registry import Registry
+from asyncrl.common.registry import Contract, Registry
 from asyncrl.learner.algorithms.types import (
     AdvantageFn,
     AdvantageInput,
@@ -46,13 +46,21 @@ from asyncrl.learner.algorithms.types import (
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")
+ADVANTAGES: Registry[AdvantageFn] = Registry(
+    "advantage estimator", Contract("f(inp: AdvantageInput, settings) -> AdvantageOutput", 1, ("settings",))
+)
 """``fn(inp: AdvantageInput, settings) -> AdvantageOutput`` by name."""
-LOSSES: Registry[LossFn] = Registry("policy loss")
+LOSSES: Registry[LossFn] = Registry(
+    "policy loss", Contract("f(inp: LossInput, settings) -> LossOutput", 1, ("settings",))
+)
 """``fn(inp: LossInput, settings) -> LossOutput`` by name."""
-AGGREGATIONS: Registry[AggregationFn] = Registry("loss aggregation")
+AGGREGATIONS: Registry[AggregationFn] = Registry(
+    "loss aggregation", Contract("f(per_token_loss, response_mask, counts, settings) -> scalar", 3, ("settings",))
+)
 """``fn(per_token_loss [B, T], response_mask [B, T], counts: GlobalCounts, settings) -> scalar`` by name."""
-KL_ESTIMATORS: Registry[KLEstimatorFn] = Registry("KL estimator")
+KL_ESTIMATORS: Registry[KLEstimatorFn] = Registry(
+    "KL estimator", Contract("f(logprobs, ref_logprobs, settings) -> per-token KL", 2, ("settings",))
+)
 """``fn(logprobs [B, T], ref_logprobs [B, T], settings) -> [B, T]`` by name."""
 
 ALL_REGISTRIES: tuple[Registry[Any], ...] = (ADVANTAGES, LOSSES, AGGREGATIONS, KL_ESTIMATORS)

@@ -182,7 +182,7 @@ def test_a_turn_cut_by_its_budget_ends_the_episode_without_a_step(tools: Episode
 def test_a_multi_turn_run_needs_an_environment_that_exists() -> None:
     with pytest.raises(ConfigError, match=r"set environment\.name"):
         load_config(None, ["rollout.workflow=multi_turn"])
-    with pytest.raises(ValueError, match=r"environment\.name: unknown environment 'nowhere'; registered: calculator"):
+    with pytest.raises(ValueError, match=r"environment\.name = 'nowhere': unknown environment 'nowhere'; registered: "):
         check_config(load_config(None, ["rollout.workflow=multi_turn", "environment.name=nowhere"]))
     assert "calculator" in ENVIRONMENTS
     assert EnvironmentSection().max_turns == 4
