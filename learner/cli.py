@@ -45,10 +45,12 @@ def resolve(
     """Validate a config, write runs/<name>/config.json and (with --redis or --redis-url-file) publish it for
     actors."""
     from asyncrl.common.cliutil import given_redis_url, load
-    from asyncrl.common.config import write_resolved
+    from asyncrl.common.config import bind_refusal, write_resolved
     from asyncrl.learner.preflight import check_config
 
     resolved = load(config, set_, check=check_config)
+    if (refusal := bind_refusal(resolved)) is not None:  # only a warning: a worker's host may name its own keys
+        typer.echo(f"warning: {refusal} (a worker whose host names its keys in $ASYNCRL_CURVE_* binds it)", err=True)
     if resolved.lora.enabled:
         check_lora_serving(config, set_)
     print(resolved.to_json())

@@ -43,13 +43,18 @@ CurveOpt = Annotated[
 
 @contextlib.contextmanager
 def _run_redis(
-    config: Path | None, overrides: list[str] | None, curve: bool = False, check_model: bool = False
+    config: Path | None,
+    overrides: list[str] | None,
+    curve: bool = False,
+    check_model: bool = False,
+    binds_here: bool = False,
 ) -> Iterator[tuple[RunConfig, EmbeddedRedis, list[str]]]:
     """Resolve the config (with ``check_model``, check it against a local model folder: ``learner/model_check.py``,
-    the engine aside), start the run's embedded Redis, publish the config; stop Redis on exit. Yields the config, the
-    server and the overrides in force (with ``curve``, the generated keys' settings added)."""
+    the engine aside; with ``binds_here``, that reward workers started here can bind their endpoint), start the run's
+    embedded Redis, publish the config; stop Redis on exit. Yields the config, the server and the overrides in force
+    (with ``curve``, the generated keys' settings added)."""
     from asyncrl.common.cliutil import fail, load
-    from asyncrl.common.config import write_resolved
+    from asyncrl.common.config import bind_refusal, write_resolved
     from asyncrl.common.plane.control import ControlPlane
     from asyncrl.common.plane.keys import connect
     from asyncrl.common.plane.redis_server import EmbeddedRedis, EmbeddedRedisError
@@ -60,6 +65,8 @@ def _run_redis(
     if curve:
         overrides += _curve_overrides(load(config, overrides, check=check_config))
     resolved = load(config, overrides, check=check_config)
+    if binds_here and (refusal := bind_refusal(resolved)) is not None:  # not once the learner has started
+        fail(f"invalid config: {refusal}")
     if check_model and Path(resolved.model.path).is_dir():  # a hub name is the engine's to fetch and check
         from asyncrl.learner.model_check import check_model_folder
 
@@ -155,7 +162,7 @@ def run(
     except ValueError as exc:
         fail(str(exc))
     code = 1
-    with _run_redis(config, set_, curve, check_model=True) as (resolved, server, overrides):
+    with _run_redis(config, set_, curve, check_model=True, binds_here=rewards > 0) as (resolved, server, overrides):
         learner_args = ["--resume", str(_checkpoint_folder(resolved, resume))] if resume else []
         children = Children(resolved.run_dir / "logs")
         try:

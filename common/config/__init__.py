@@ -8,11 +8,19 @@ is written to ``runs/<name>/config.json`` and published to Redis, so that an act
 The schema is split by concern — :mod:`.base` (what every section shares), :mod:`.training` (what a run trains and
 how), :mod:`.operations` (how its processes keep in step), :mod:`.run` (the whole :class:`RunConfig`) and
 :mod:`.loading` (files, presets, overrides) — and read through this package: ``from asyncrl.common.config import
-RunConfig, load_config``. Imports nothing of asyncrl but :mod:`asyncrl.common.observability.redact`.
+RunConfig, load_config``. Imports nothing of asyncrl but :mod:`asyncrl.common.observability.redact` and
+:mod:`asyncrl.common.transport.net` (both the standard library only).
 """
 
 from asyncrl.common.config.base import GROUP_BASELINE_ADVANTAGES, MAX_DEPTH, ConfigError, Section
-from asyncrl.common.config.loading import HOST_KEY_ENV, field_help, load_config, with_host_keys, write_resolved
+from asyncrl.common.config.loading import (
+    HOST_KEY_ENV,
+    bind_refusal,
+    field_help,
+    load_config,
+    with_host_keys,
+    write_resolved,
+)
 from asyncrl.common.config.operations import HealthSection, TransportSection
 from asyncrl.common.config.run import RunConfig, broadcast_overlaps, weights_lag
 from asyncrl.common.config.training import (
@@ -39,6 +47,7 @@ __all__ = [
     "Section",
     "TaskSection",
     "TransportSection",
+    "bind_refusal",
     "broadcast_overlaps",
     "field_help",
     "load_config",

@@ -1,6 +1,6 @@
 """A config from its TOML file: the ``preset`` it overlays (files in ``configs/``), ``--set a.b=c`` overrides, the
-resolved config written to the run folder, this host's CURVE key paths from the environment, and the field reference
-``rl-learner fields`` prints."""
+resolved config written to the run folder, this host's CURVE key paths from the environment (and whether its reward
+workers can bind with them), and the field reference ``rl-learner fields`` prints."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from pydantic import (
 
 from asyncrl.common.config.base import MAX_CONFIG_BYTES, MAX_DEPTH, ConfigError, check_values
 from asyncrl.common.config.run import RunConfig, validated
+from asyncrl.common.transport.net import is_loopback
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
@@ -180,3 +181,18 @@ def with_host_keys(config: RunConfig, environ: Mapping[str, str] | None = None) 
     if not changes:
         return config
     return config.model_copy(update={"transport": config.transport.model_copy(update=changes)})
+
+
+def bind_refusal(config: RunConfig, environ: Mapping[str, str] | None = None) -> str | None:
+    """Why a reward worker of this host would refuse to bind ``transport.zmq_endpoint``, with this host's CURVE key
+    paths applied (:func:`with_host_keys`): beyond loopback without ``curve_server_key`` and ``curve_client_keys``
+    (``common/transport/channel.py`` refuses it when the worker binds, after the run has started). None when it binds.
+    """
+    transport = with_host_keys(config, environ).transport
+    if is_loopback(transport.zmq_endpoint) or (transport.curve_server_key and transport.curve_client_keys):
+        return None
+    return (
+        f"transport.zmq_endpoint = {transport.zmq_endpoint!r} binds the reward workers beyond loopback without CURVE "
+        "keys, which they refuse: set transport.curve_server_key and transport.curve_client_keys (rl-launch --curve "
+        "makes a run's keys), or bind tcp://127.0.0.1:0"
+    )

@@ -33,12 +33,10 @@ Delivery semantics (ZeroMQ PUSH/PULL, https://zguide.zeromq.org/docs/chapter2/):
 
 from __future__ import annotations
 
-import ipaddress
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import zmq
 
@@ -51,6 +49,7 @@ from asyncrl.common.observability.metrics import (
     WIRE_MALFORMED,
 )
 from asyncrl.common.transport.curve import AuthorizedKeys, CurveClient, CurveServer
+from asyncrl.common.transport.net import is_loopback
 from asyncrl.common.wire.messages import Decoder, Limits, WireError, encode
 from asyncrl.common.wire.seal import Seal, absorb, finish
 
@@ -63,20 +62,6 @@ class ChannelBlocked(TimeoutError):
 
 class InsecureBindError(PermissionError):
     """Refused to bind beyond loopback without CURVE keys."""
-
-
-def is_loopback(endpoint: str) -> bool:
-    """True for ``inproc``/``ipc`` and for ``tcp`` on a loopback address or ``localhost``."""
-    parts = urlsplit(endpoint)
-    if parts.scheme in ("inproc", "ipc"):
-        return True
-    host = (parts.hostname or "").strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # '*', an interface name or a host name: assume it reaches beyond this machine
 
 
 class _Channel:

@@ -1,9 +1,12 @@
-"""Where other hosts reach this process: the one address every listener advertises."""
+"""Where other hosts reach this process: the one address every listener advertises, and whether an endpoint stays on
+this machine. The standard library only: the config (``common/config``) imports it to check an endpoint."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
+from urllib.parse import urlsplit
 
 ADVERTISE_HOST_ENV = "ASYNCRL_ADVERTISE_HOST"
 """Set it to the address peers must use (a pod IP, a host's address on the cluster network); unset = the host name."""
@@ -17,6 +20,20 @@ def advertise_host() -> str:
 
 WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]")
 """Hosts a socket binds to on every interface: no peer can connect to them as written."""
+
+
+def is_loopback(endpoint: str) -> bool:
+    """True for ``inproc``/``ipc`` and for ``tcp`` on a loopback address or ``localhost``."""
+    parts = urlsplit(endpoint)
+    if parts.scheme in ("inproc", "ipc"):
+        return True
+    host = (parts.hostname or "").strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # '*', an interface name or a host name: assume it reaches beyond this machine
 
 
 def advertised_endpoint(endpoint: str) -> str:

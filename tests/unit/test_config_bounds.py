@@ -290,6 +290,90 @@ def test_each_command_exits_2_with_one_line_before_anything_starts(args: list[st
     assert result.stderr.count("\n") == 1 and message in result.stderr and result.stdout == ""
 
 
+BUILTIN = "it is one of Python's builtins (system), which was not written for this call"
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (
+            ['reward.functions=[{name="os:system"}]'],
+            "reward.functions[0].name = 'os:system': not a reward function (expects f(group, options) -> one score "
+            f"per response): {BUILTIN}",
+        ),
+        (
+            ['reward.functions=[{name="task"}, {name="json:dumps"}]'],
+            "reward.functions[1].name = 'json:dumps': not a reward function (expects f(group, options) -> one score "
+            "per response): its signature (obj, *, skipkeys=False,",
+        ),
+        (
+            ["algorithm.advantage=os:system"],
+            "algorithm.advantage = 'os:system': not an advantage estimator (expects f(inp: AdvantageInput, settings) "
+            f"-> AdvantageOutput): {BUILTIN}",
+        ),
+        (
+            ["algorithm.loss=tests.helpers.slow_rewards:constant"],
+            "algorithm.loss = 'tests.helpers.slow_rewards:constant': not a policy loss (expects f(inp: LossInput, "
+            "settings) -> LossOutput): its signature (group, options) cannot take that call",
+        ),
+        (
+            ["rollout.workflow=multi_turn", "environment.name=os:system"],
+            "environment.name = 'os:system': not an environment (expects a class Env(row, options) with step(action) "
+            "and score()): it is a builtin_function_or_method, not a class",
+        ),
+        (
+            ["task.options={max_digits=1e9}"],
+            "task.options: task 'arithmetic': max_digits must be an integer in [1, 9], got 1000000000.0",
+        ),
+        (
+            ["eval.every=5", "eval.name=arithmetic", "eval.options={max_digits=10}"],
+            "eval.options: task 'arithmetic': max_digits must be an integer in [1, 9], got 10",
+        ),
+    ],
+)
+def test_settings_that_would_fail_once_a_run_started_are_refused_by_resolve(settings: list[str], message: str) -> None:
+    """Each passed the schema and ``rl-learner resolve`` before, and failed later: a reward worker called
+    ``os.system(group, options)`` on every group, a task's bound was met at ``check-model`` or when the learner built
+    it."""
+    from typer.testing import CliRunner
+
+    from asyncrl.learner.cli import app
+
+    result = CliRunner().invoke(app, ["resolve", "--dry-run", *(a for s in settings for a in ("--set", s))])
+    assert result.exit_code == 2 and result.stdout == "", result.stdout
+    assert result.stderr.startswith(f"error: invalid config: {message}") and result.stderr.count("\n") == 1
+
+
+def test_reward_workers_that_would_refuse_to_bind_are_refused_before_the_run_starts(tmp_path: Path) -> None:
+    """``tcp://0.0.0.0:0`` without CURVE keys: ``rl-launch run``, whose reward workers start on this host with its
+    keys, refuses it before anything starts; ``rl-learner resolve`` says it once, since a worker on another host
+    may name its own keys ($ASYNCRL_CURVE_*), as every pod of a Kubernetes run does."""
+    from typer.testing import CliRunner
+
+    from asyncrl.learner.cli import app
+    from asyncrl.learner.launch import app as launch
+
+    wide = ["--set", "transport.zmq_endpoint=tcp://0.0.0.0:0", "--set", f"run.root={tmp_path}"]
+    refused = CliRunner().invoke(launch, ["run", *wide])
+    assert refused.exit_code == 2 and refused.stderr.count("\n") == 1, refused.output
+    assert refused.stderr.startswith(
+        "error: invalid config: transport.zmq_endpoint = 'tcp://0.0.0.0:0' binds the reward workers beyond loopback "
+        "without CURVE keys, which they refuse: set transport.curve_server_key and transport.curve_client_keys"
+    )
+    assert list(tmp_path.iterdir()) == []  # no Redis, no run folder
+    warned = CliRunner().invoke(app, ["resolve", "--dry-run", *wide])
+    assert warned.exit_code == 0 and warned.stderr.startswith("warning: transport.zmq_endpoint = 'tcp://0.0.0.0:0'")
+
+    from asyncrl.common.config import bind_refusal
+
+    wide_config = load_config(None, ["transport.zmq_endpoint=tcp://0.0.0.0:5555"])
+    host_keys = {"ASYNCRL_CURVE_SERVER_KEY": "k/server.key_secret", "ASYNCRL_CURVE_CLIENT_KEYS": "k/authorized"}
+    assert bind_refusal(wide_config, host_keys) is None  # this host's workers bind with their own keys
+    assert bind_refusal(wide_config, {"ASYNCRL_CURVE_SERVER_KEY": "k/server.key_secret"}) is not None
+    for endpoint in ("tcp://127.0.0.1:0", "tcp://localhost:7000", "tcp://[::1]:0", "ipc:///tmp/x"):
+        assert bind_refusal(load_config(None, [f"transport.zmq_endpoint={endpoint}"]), {}) is None
+
+
 @pytest.mark.integration  # it runs the console script
 def test_the_console_script_exits_2_with_one_line_and_no_traceback(tmp_path: Path) -> None:
     config = tmp_path / "run.toml"
