@@ -8,9 +8,9 @@ detected once, at the first run, by starting each candidate in turn, and logged 
 - :mod:`~asyncrl.common.rewards.sandbox_run`: one run behind a given fence — files, limits, wall clock, output,
   report, verdict;
 - :mod:`~asyncrl.common.rewards.sandbox_supervisor`: stage 2, started by path; it builds the private root, starts the
-  program's process and reports;
-- :mod:`~asyncrl.common.rewards.sandbox_harness`: what the program's process runs — the program, then its tests — and
-  why only tests that ran to their end pass a run.
+  run's two interpreters and reports;
+- :mod:`~asyncrl.common.rewards.sandbox_harness`: what those run — the program in one, its tests in the other, calls
+  between them by value — and why only tests that ran to their end pass a run.
 
 Each call runs the program under ``python -I`` (isolated mode: no ``PYTHON*`` variables, no user site-packages) with
 an environment of only ``PATH`` and ``HOME``. The process tree::
@@ -21,9 +21,12 @@ an environment of only ``PATH`` and ``HOME``. The process tree::
           python -I -S sandbox_supervisor.py <config>
                                           stage 2, init of the PID namespace: builds the private root, forks,
                                           waits, reports on a pipe (ready / exit status, CPU seconds, tests passed)
-            python -I -c <harness>        the untrusted program, then its tests, with the limits of the run
+            python -I -S -c <boot> runner the tests, not dumpable, holding the run's token; the program's names are
+                                          handles into the server
+            python -I -c <boot> server    the untrusted program, then the tests' calls into it
 
-Stage 2 and the harness run in interpreters where asyncrl is not importable: both import the standard library only.
+Both with the limits of the run. Stage 2 and the harness run in interpreters where asyncrl is not importable: both
+import the standard library only.
 """
 
 from __future__ import annotations
@@ -58,10 +61,13 @@ def isolation() -> Isolation:
 def run_python_tests(
     code: str, tests: str, *, cpu_s: float = 2, memory_mb: int = 256, wall_s: float = 5
 ) -> SandboxResult:
-    """Run ``code``, then ``tests`` in its namespace; it passes when the tests' last statement has run.
+    """Run ``code``, then ``tests`` against its top-level names; it passes when the tests' last statement has run
+    (or they exited with a success code, as ``unittest.main()`` does).
 
-    The program's exit status alone never passes a run: exiting before the tests end (with any status) fails it
-    (:mod:`~asyncrl.common.rewards.sandbox_harness` says how, and what a program can still do).
+    The tests run in an interpreter of their own: the program's functions and objects reach them as handles, values
+    cross by value, and a handle never compares with a value. The program's exit status alone never passes a run:
+    exiting before the tests end (with any status) fails it (:mod:`~asyncrl.common.rewards.sandbox_harness` says
+    how, what crosses between the two, and what a program can still do).
 
     The script is killed when it uses ``cpu_s`` CPU seconds (rounded up to whole seconds), ``memory_mb``
     MiB of address space (an allocation beyond it fails with ``MemoryError``), or ``wall_s`` seconds of

@@ -3,8 +3,9 @@
 :func:`run_behind` writes the program to ``main.py`` and the tests to ``tests.py`` in a fresh temporary folder and
 starts stage 2 (:mod:`asyncrl.common.rewards.sandbox_supervisor`, run by path: ``python -I -S <its file> <config>``)
 behind the fence's launcher (:mod:`asyncrl.common.rewards.sandbox_fences`), in a new session, with an environment of
-only ``PATH``. Stage 2 sets the limits of :class:`Limits` in the program's process and runs the harness
-(:mod:`asyncrl.common.rewards.sandbox_harness`) there with an environment of only ``PATH`` and ``HOME``. This module
+only ``PATH``. Stage 2 sets the limits of :class:`Limits` in the run's two processes, the program's and the tests',
+and runs the harness (:mod:`asyncrl.common.rewards.sandbox_harness`, compiled once here) in both with an environment
+of only ``PATH`` and ``HOME``. This module
 owns the rest: the wall clock (it kills the whole process group), the output (stdout and stderr go to files bounded by
 ``RLIMIT_FSIZE``, of which only the last few KiB are read back), stage 2's report, the per-run uid of a root worker
 (and, under the ``rlimits`` fence, killing every process of that uid after the run), and the verdict's reason.
@@ -23,6 +24,7 @@ import resource
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from dataclasses import dataclass
@@ -35,7 +37,7 @@ MAX_FILE_BYTES = 8 * 2**20
 SCRATCH_BYTES = 64 * 2**20  # the private tmpfs: working folder, /tmp and /dev/shm together
 SCRATCH_INODES = 4096
 SUPERVISOR = Path(__file__).resolve().with_name("sandbox_supervisor.py")  # stage 2, run by path
-HARNESS = Path(__file__).resolve().with_name("sandbox_harness.py")  # its text runs in the program's process
+HARNESS = Path(__file__).resolve().with_name("sandbox_harness.py")  # compiled here, run by the run's two interpreters
 _TAIL_BYTES = 2000
 _POLL_S = 0.01
 _DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
@@ -108,6 +110,8 @@ def run_behind(fence: Isolation, code: str, tests: str, limits: Limits) -> Sandb
         # Stage 2 reads and removes the tests before the program starts; 0600: a per-run uid cannot read them first.
         (folder / "tests.py").touch(mode=0o600)
         (folder / "tests.py").write_text(f"{tests}\n", encoding="utf-8", errors="replace")
+        (folder / "harness").touch(mode=0o600)  # the same: its code, compiled once per worker, read by stage 2
+        (folder / "harness").write_bytes(_harness_code())
         start = time.monotonic()
         outcome = _run(fence, folder, limits)
         seconds = time.monotonic() - start
@@ -272,7 +276,7 @@ def _stage2_config(folder: Path, rlimits: list[tuple[int, int, int]], uid: int |
     return {
         "folder": str(folder),
         "python": sys.executable,
-        "harness": _harness_source(),
+        "site": _site_packages(),
         "path": os.environ.get("PATH", os.defpath),
         "uid": uid,
         "rlimits": rlimits,
@@ -306,6 +310,15 @@ def _visible_paths() -> tuple[list[str], list[tuple[str, str]]]:
 
 
 @functools.cache
-def _harness_source() -> str:
-    """The harness's text, which stage 2 runs with ``python -I -c`` (the file is not inside the private root)."""
-    return HARNESS.read_text(encoding="utf-8")
+def _site_packages() -> list[str]:
+    """This interpreter's site-packages folders, which the test runner (started without ``site``) puts on its path."""
+    paths = sysconfig.get_paths()
+    return list(dict.fromkeys(p for p in (paths["purelib"], paths["platlib"]) if os.path.isdir(p)))
+
+
+@functools.cache
+def _harness_code() -> bytes:
+    """The harness, compiled once (``marshal``: the sandbox runs this same interpreter): compiling its text costs
+    each of a run's two interpreters milliseconds. Stage 2 hands it to both on a pipe (the file is not inside the
+    private root); docstrings are left out (``optimize=2``; the harness has no ``assert``)."""
+    return marshal.dumps(compile(HARNESS.read_text(encoding="utf-8"), "sandbox_harness.py", "exec", optimize=2))

@@ -2,12 +2,15 @@
 
 The worker (:mod:`asyncrl.common.rewards.sandbox_run`) starts this file behind the fence's launcher with one argument,
 the run's configuration (a ``marshal``-ed dict, hex). Behind a namespace fence it is the PID namespace's init: it reads
-and removes the tests, builds the private root, forks the program's process (limits, no capability, the run's uid,
-then ``exec`` of the harness, :mod:`asyncrl.common.rewards.sandbox_harness`), hands the harness the run's token and
-the tests, waits, and writes its report on the pipe ``report_fd``: ``ready`` before the program may exec, then
-``exit <wait status> <CPU s> <1 when the tests ran to their end, else 0>``, or ``error ...`` when the program never
-ran. It never runs the program's code itself, holds no capability once the program runs, and the program never holds
-the report pipe (close-on-exec). It alone knows the run's token until the harness has started.
+and removes the tests and the harness's compiled code, builds the private root, forks the run's two processes (limits,
+no capability, the run's uid, then ``exec`` of :data:`BOOT`, which runs the harness's code handed on a pipe,
+:mod:`asyncrl.common.rewards.sandbox_harness`): the test runner and the program server. The program runs only once the
+runner has made itself non-dumpable and said so; the runner then gets the run's token and the tests. This process
+waits for the runner and writes its report on the pipe ``report_fd``: ``ready`` before either may exec, then ``exit
+<wait status> <CPU s> <1 when the tests ran to their end, else 0>`` — the program's status when it ended before the
+tests did (it then says why), else the runner's — or ``error ...`` when they never ran. It never runs the program's
+code itself, holds no capability once they run, and neither holds the report pipe (close-on-exec). It and the runner
+alone know the run's token.
 
 Rule: this file imports the standard library only. It runs in a bare interpreter (``-I -S``: no site-packages, no
 ``PYTHON*`` variables, not its own folder on ``sys.path``) where asyncrl is not importable, and importing it would slow
@@ -26,6 +29,11 @@ import sys
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 262144
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, MNT_DETACH = 1, 4, 24, 38, 2
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
+BOOT = (
+    "import marshal, os, sys\nfd, code = int(sys.argv.pop(1)), b''\n"
+    "while chunk := os.read(fd, 65536):\n    code += chunk\nos.close(fd)\nexec(marshal.loads(code))\n"
+)
+"""What each of the run's interpreters runs first: the harness's code, read from the pipe its first argument names."""
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
 libc.prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
@@ -54,14 +62,15 @@ def bind(source: str, target: str, read_only: bool) -> None:
     mount("none", target, MS_REMOUNT | MS_BIND | MS_NOSUID | kept | (MS_RDONLY | MS_NODEV if read_only else 0))
 
 
-def take_tests(cfg: dict) -> tuple[bytes, bytes]:
-    """The run's token (33 bytes: 32 hex digits and a newline, what the harness reads first) and the tests, read
-    and removed from the host folder before the program can look there."""
-    path = cfg["folder"] + "/tests.py"
-    with open(path, "rb") as f:
-        tests = f.read()
-    os.unlink(path)
-    return os.urandom(16).hex().encode() + b"\n", tests
+def take_tests(cfg: dict) -> tuple[bytes, bytes, bytes]:
+    """The run's token (33 bytes: 32 hex digits and a newline, what the runner reads first), the tests and the
+    harness's code, read and removed from the host folder before the program can look there."""
+    found = []
+    for name in ("tests.py", "harness"):
+        with open(cfg["folder"] + "/" + name, "rb") as f:
+            found.append(f.read())
+        os.unlink(cfg["folder"] + "/" + name)
+    return os.urandom(16).hex().encode() + b"\n", *found
 
 
 def enter_private_root(cfg: dict) -> None:
@@ -97,7 +106,7 @@ def enter_private_root(cfg: dict) -> None:
 
 
 def drop_privileges(cfg: dict, parent: int) -> None:
-    """In the program's process before its exec: limits, no capability ever again, the run's uid."""
+    """In each of the run's processes before its exec: limits, no capability ever again, the run's uid."""
     for kind, soft, hard in cfg["rlimits"]:
         resource.setrlimit(kind, (soft, hard))
     for cap in range(64):  # the bounding set; stops at the last cap, or at once without CAP_SETPCAP (none to drop)
@@ -119,36 +128,36 @@ def drop_capabilities() -> None:
     call("capset", libc.capset, (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)())
 
 
-def spawn(cfg: dict, cwd: str, report: int, feed: bytes) -> tuple[int, int]:
-    """Fork the program's process; it execs only once this one holds no capability and has reported ``ready``, so
-    the program never meets a privileged parent. Once it has exec'd, hand its harness ``feed`` (the token, then the
-    tests) and return ``(pid, verdict pipe)``; raises if it could not start."""
-    parent = os.getpid()
+def start(cfg: dict, cwd: str, parent: int, role: str, fds: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """Fork one process of the run, which execs the harness as ``role`` with ``fds`` once told to (:func:`release`);
+    ``(pid, go pipe, errors pipe, code pipe)``. Every other descriptor of this process is close-on-exec."""
     go_read, go_write = os.pipe()
     errors_read, errors_write = os.pipe()  # close-on-exec: EOF without a word once the exec succeeded
-    feed_read, feed_write = os.pipe()
-    verdict_read, verdict_write = os.pipe()  # the token comes back here once the tests have run to their end
+    code_read, code_write = os.pipe()  # the harness's code, read by BOOT
     child = os.fork()
     if child == 0:
         try:
-            for fd in (go_write, errors_read, feed_write, verdict_read):
-                os.close(fd)
             os.chdir(cwd)
             drop_privileges(cfg, parent)
             if os.read(go_read, 1) != b"g":
                 raise RuntimeError("stage 2 ended before the program started")
-            os.set_inheritable(feed_read, True)
-            os.set_inheritable(verdict_write, True)
-            argv = [cfg["python"], "-I", "-c", cfg["harness"], str(feed_read), str(verdict_write)]
+            for fd in (code_read, *fds):
+                os.set_inheritable(fd, True)
+            flags, extra = (["-I", "-S"], cfg["site"]) if role == "runner" else (["-I"], [])
+            argv = [cfg["python"], *flags, "-c", BOOT, str(code_read), role, *map(str, fds), *extra]
             os.execve(cfg["python"], argv, {"PATH": cfg["path"], "HOME": cwd})
         except BaseException as error:
             os.write(errors_write, f"{type(error).__name__}: {error}".encode())
         finally:
             os._exit(127)
-    for fd in (go_read, errors_write, feed_read, verdict_write):
+    for fd in (go_read, errors_write, code_read):
         os.close(fd)
-    drop_capabilities()
-    os.write(report, b"ready\n")  # a worker that died closed the other end: BrokenPipeError ends it all
+    return child, go_write, errors_read, code_write
+
+
+def release(started: tuple[int, int, int, int]) -> None:
+    """Let a process of :func:`start` exec; raises with its error when it could not."""
+    child, go_write, errors_read, _ = started
     os.write(go_write, b"g")
     os.close(go_write)
     with os.fdopen(errors_read, "rb") as errors:
@@ -156,49 +165,103 @@ def spawn(cfg: dict, cwd: str, report: int, feed: bytes) -> tuple[int, int]:
     if message:
         os.waitpid(child, 0)
         raise RuntimeError(message)
-    try:  # the harness reads it all before the program runs; one that died unread is a failed run, not an error
-        view = memoryview(feed)
+
+
+def hand(fd: int, data: bytes) -> None:
+    """Write ``data`` and close; a reader that died unread is a failed run, not an error."""
+    try:
+        view = memoryview(data)
         while view:
-            view = view[os.write(feed_write, view) :]
+            view = view[os.write(fd, view) :]
     except BrokenPipeError:
         pass
-    os.close(feed_write)
-    return child, verdict_read
+    os.close(fd)
 
 
-def reap(child: int) -> tuple[int, float]:
-    """Wait for the program, reaping orphans of the namespace on the way: ``(wait status, CPU seconds)``."""
-    while True:
+def spawn(cfg: dict, cwd: str, report: int, feed: bytes, code: bytes) -> tuple[int, int, int, int]:
+    """Start the test runner and the program server (:mod:`sandbox_harness`): both exec only once this process holds
+    no capability and has reported ``ready``, so the program never meets a privileged parent. The program runs only
+    once the runner has made itself non-dumpable and said so (``r`` on the verdict pipe); the runner then gets
+    ``feed`` (the token, then the tests). ``(runner pid, server pid, verdict pipe, watch pipe)``; raises if either
+    could not start."""
+    parent = os.getpid()
+    feed_read, feed_write = os.pipe()
+    verdict_read, verdict_write = os.pipe()  # "r" when the runner is unreachable; the token when the tests ended
+    calls_read, calls_write = os.pipe()  # runner -> server
+    replies_read, replies_write = os.pipe()  # server -> runner
+    go_read, go_write = os.pipe()  # the program runs once this says so
+    watch_read, watch_write = os.pipe()  # closed once the server is reaped: its strays may hold its pipes open
+    runner_fds = (feed_read, verdict_write, calls_write, replies_read, watch_read)
+    server_fds = (calls_read, replies_write, go_read)
+    runner = start(cfg, cwd, parent, "runner", runner_fds)
+    server = start(cfg, cwd, parent, "server", server_fds)
+    for fd in (*runner_fds, *server_fds):
+        os.close(fd)
+    drop_capabilities()
+    os.write(report, b"ready\n")  # a worker that died closed the other end: BrokenPipeError ends it all
+    release(runner)
+    release(server)  # its interpreter starts beside the runner's; the program waits for the word
+    hand(runner[3], code)
+    hand(server[3], code)
+    if os.read(verdict_read, 1) != b"r":
+        raise RuntimeError("the test runner ended before it was ready (see stderr)")
+    hand(go_write, b"g")  # a server that died on its own: the runner sees it
+    hand(feed_write, feed)
+    return runner[0], server[0], verdict_read, watch_write
+
+
+def reap(runner: int, server: int, watch: int) -> dict[int, tuple[int, float]]:
+    """Wait for the runner, reaping orphans of the namespace on the way: ``{pid: (wait status, CPU seconds)}`` of
+    the runner and, when it ended first, the server — then ``watch`` is closed, which tells the runner."""
+    ended = {}
+    while runner not in ended:
         pid, status, usage = os.wait4(-1, 0)
-        if pid == child:
-            return status, usage.ru_utime + usage.ru_stime
+        if pid in (runner, server):
+            ended[pid] = (status, usage.ru_utime + usage.ru_stime)
+        if pid == server:
+            os.close(watch)
+    return ended
 
 
-def tests_passed(verdict: int, token: bytes) -> bool:
-    """Whether the pipe holds the token and nothing else (a forked copy of a passing run may add it again). Read
-    without waiting: a stray the program left may still hold the write end, and what it writes later is too late."""
+def verdict_word(verdict: int) -> bytes:
+    """What the runner wrote after ``r``: the token, ``g`` (the program's process ended first) or nothing. Read
+    without waiting: a stray of the tests may still hold the write end, and what it writes later is too late."""
     os.set_blocking(verdict, False)
     try:
-        data = os.read(verdict, 4096)
+        return os.read(verdict, 4096)
     except BlockingIOError:
-        return False
-    return bool(data) and data == token * (len(data) // len(token))
+        return b""
+
+
+def outcome(runner: int, server: int, verdict: int, watch: int, token: bytes) -> tuple[int, float, bool]:
+    """``(wait status, CPU seconds, tests passed)`` of the process that decided the run: the runner's, or the
+    server's when the program ended before the tests did (its exit status and stderr say why)."""
+    ended = reap(runner, server, watch)
+    word = verdict_word(verdict)
+    if word == b"g":
+        while server not in ended:  # its pipe reached EOF: it is ending, if not gone
+            pid, status, usage = os.wait4(-1, 0)
+            ended[pid] = (status, usage.ru_utime + usage.ru_stime)
+        return (*ended[server], False)
+    passed = bool(word) and word == token * (len(word) // len(token))
+    return (*ended[runner], passed)
 
 
 def main(cfg: dict) -> int:
     report = cfg["report_fd"]
     os.set_inheritable(report, False)
     try:
-        token, tests = take_tests(cfg)
+        token, tests, code = take_tests(cfg)
         if cfg["private_root"]:
             enter_private_root(cfg)
         call("not dumpable", libc.prctl, PR_SET_DUMPABLE, 0, 0, 0, 0)  # nor traceable, nor its /proc readable
-        child, verdict = spawn(cfg, "/sandbox" if cfg["private_root"] else cfg["folder"], report, token + tests)
+        cwd = "/sandbox" if cfg["private_root"] else cfg["folder"]
+        runner, server, verdict, watch = spawn(cfg, cwd, report, token + tests, code)
     except Exception as error:
         os.write(report, f"error {type(error).__name__}: {error}\n".encode())
         return 125
-    status, cpu = reap(child)
-    os.write(report, f"exit {status} {cpu:.3f} {int(tests_passed(verdict, token))}\n".encode())
+    status, cpu, passed = outcome(runner, server, verdict, watch, token)
+    os.write(report, f"exit {status} {cpu:.3f} {int(passed)}\n".encode())
     return 0
 
 

@@ -7,6 +7,7 @@ judged by its exit status) unfenced, to show the attack is real. Honest programs
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from textwrap import dedent
@@ -255,3 +256,280 @@ def test_the_reward_scores_each_response_of_a_group() -> None:
     responses += ["def add(a, b):\n    return 0\n"]
     assert code_tests_reward(group(responses, TESTS), {"workers": 2}) == [1.0, 0.0, 1.0, 0.0]
     assert code_tests_reward(group(responses, FAILING), {"workers": 2}) == [0.0] * len(responses)
+
+
+# --------------------------------------------------------------------------- a program written against the harness
+# The program and the tests run in two interpreters: the tests' frames, constants, token and modules are in the test
+# runner, which the program can neither read nor trace. Each attack below scored 1.0 when both shared one interpreter
+# (the control runs them that way, unfenced); each must score 0 now.
+
+SECRET = "assert secret(12345) == 9876501234, 'secret(12345)'\n"  # no program computes this: it can only steal it
+FIND_THE_TOKEN = dedent("""
+    import os, re, sys
+
+    def steal(candidates):
+        for token in candidates:
+            for fd in range(3, 64):
+                try:
+                    os.write(fd, token)
+                except OSError:
+                    pass
+        os._exit(0)
+""")
+ANSWER_STEALERS = {
+    "the token read from the caller frames' locals": FIND_THE_TOKEN + dedent("""
+        def secret(x):
+            frame, found = sys._getframe(1), []
+            while frame is not None:
+                values = [v for v in frame.f_locals.values() if isinstance(v, bytes)]
+                found += [v for v in values if re.fullmatch(rb"[0-9a-f]{32}\\n", v)]
+                frame = frame.f_back
+            steal(found)
+    """),
+    "the token read from the process's own memory (what gc and ctypes reach)": FIND_THE_TOKEN + dedent("""
+        def secret(x):
+            found = {}
+            with open("/proc/self/maps") as maps, open("/proc/self/mem", "rb", buffering=0) as mem:
+                for line in maps:
+                    span, perms = line.split()[:2]
+                    if "rw" not in perms:
+                        continue
+                    start, end = (int(p, 16) for p in span.split("-"))
+                    try:
+                        mem.seek(start)
+                        chunk = mem.read(end - start)
+                    except (OSError, ValueError, OverflowError):
+                        continue
+                    for token in re.findall(rb"(?<![0-9a-f])[0-9a-f]{32}\\n", chunk):
+                        found[token] = found.get(token, 0) + 1
+            steal(sorted(found, key=found.get, reverse=True)[:1])
+    """),
+    "the tests read from a caller frame": dedent("""
+        import re, sys
+        def secret(x):
+            frame = sys._getframe(1)
+            while frame is not None:
+                for value in frame.f_locals.values():
+                    text = value.decode() if isinstance(value, bytes) else value
+                    if isinstance(text, str) and (m := re.search(rf"secret\\({x}\\) == (\\d+)", text)):
+                        return int(m.group(1))
+                frame = frame.f_back
+    """),
+    "the constants of the caller's code": dedent("""
+        import sys
+        def secret(x):
+            consts = sys._getframe(1).f_code.co_consts
+            return next(c for c in consts if type(c) is int and c != x)
+    """),
+    "an object whose __eq__ always says yes": dedent("""
+        class Yes:
+            def __eq__(self, other):
+                return True
+        def secret(x):
+            return Yes()
+    """),
+    "an int whose __eq__ always says yes": dedent("""
+        class Yes(int):
+            def __eq__(self, other):
+                return True
+            __hash__ = int.__hash__
+        def secret(x):
+            return Yes(0)
+    """),
+    "unittest's assertEqual patched": dedent("""
+        import unittest
+        unittest.TestCase.assertEqual = lambda self, first, second, msg=None: None
+        def secret(x):
+            return 0
+    """),
+}
+UNITTEST_SECRET = "import unittest\nunittest.TestCase().assertEqual(secret(12345), 9876501234)\n"
+
+
+def stealer_tests(name: str) -> str:
+    return UNITTEST_SECRET if "unittest" in name else SECRET
+
+
+def one_interpreter(code: str, tests: str) -> bool:
+    """The control: the program, then the tests, in one interpreter under a harness that writes a token to a pipe
+    when the tests' last line has run — the scheme before the tests had an interpreter of their own — unfenced."""
+    harness = dedent(f"""
+        import os, sys
+        def harness(verdict):
+            token = os.urandom(16).hex().encode() + b"\\n"
+            tests = {tests.encode()!r}
+            namespace = {{"__name__": "__main__"}}
+            exec(compile({code!r}, "main.py", "exec"), namespace)
+            exec(compile(tests, "tests.py", "exec"), namespace)
+            os.write(verdict, token)
+            os._exit(0)
+        harness(int(sys.argv[1]))
+    """)
+    read, write = os.pipe()
+    try:
+        done = subprocess.run([sys.executable, "-I", "-c", harness, str(write)], pass_fds=(write,),
+                              capture_output=True, timeout=30)
+        os.close(write)
+        data = os.read(read, 4096)
+    finally:
+        os.close(read)
+    return done.returncode == 0 and bool(data) and data == data[:33] * (len(data) // 33)
+
+
+@pytest.mark.parametrize("name", list(ANSWER_STEALERS))
+def test_a_program_that_reaches_for_the_tests_scores_zero(name: str) -> None:
+    result = run_python_tests(ANSWER_STEALERS[name], stealer_tests(name))
+    assert not result.passed and result.reason.startswith("failed:"), result
+
+
+@pytest.mark.parametrize("name", list(ANSWER_STEALERS))
+def test_the_attack_is_real_in_one_interpreter(name: str) -> None:
+    assert one_interpreter(ANSWER_STEALERS[name], stealer_tests(name))
+
+
+def test_a_handle_never_compares_with_a_value() -> None:
+    """The reason names the rule: the tests compare plain values, never ask the program's ``__eq__``."""
+    result = run_python_tests(ANSWER_STEALERS["an object whose __eq__ always says yes"], SECRET)
+    assert "TypeError" in result.reason and "compare plain values" in result.reason, result
+
+
+def test_the_runner_is_out_of_the_programs_reach() -> None:
+    """The test runner is not dumpable: its memory cannot be read nor the process traced, even by its own uid."""
+    reach = dedent("""
+        import ctypes, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        reached = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if b"runner" not in open(f"/proc/{pid}/cmdline", "rb").read().split(b"\\0"):
+                    continue
+            except OSError:
+                continue
+            try:
+                with open(f"/proc/{pid}/mem", "rb") as mem:
+                    reached.append(("mem", pid))
+            except OSError:
+                pass
+            if libc.ptrace(16, int(pid), None, None) == 0:  # PTRACE_ATTACH
+                reached.append(("ptrace", pid))
+        assert reached, "the runner is out of reach"
+    """)
+    result = run_python_tests(reach, "")
+    assert not result.passed and "the runner is out of reach" in result.reason, result
+
+
+# --------------------------------------------------------------------------- honest programs, two interpreters
+
+HONEST = {
+    "unittest.main()": (ADD, dedent("""
+        import unittest
+        class TestAdd(unittest.TestCase):
+            def test_add(self):
+                self.assertEqual(add(2, 3), 5)
+        unittest.main()
+    """)),
+    "a class of the program": (dedent("""
+        class Solution:
+            def two_sum(self, nums, target):
+                seen = {}
+                for i, n in enumerate(nums):
+                    if target - n in seen:
+                        return [seen[target - n], i]
+                    seen[n] = i
+    """), "assert Solution().two_sum([2, 7, 11, 15], 9) == [0, 1]\n"),
+    "an object's state through its methods and attributes": (dedent("""
+        class Stack:
+            def __init__(self):
+                self.items = []
+            def push(self, x):
+                self.items.append(x)
+            def pop(self):
+                return self.items.pop()
+            def __len__(self):
+                return len(self.items)
+    """), "s = Stack()\ns.push(1)\ns.push((2, 'b'))\nassert len(s) == 2 and s.items == [1, (2, 'b')]\n"
+          "assert s.pop() == (2, 'b') and s and s == s and s != Stack()\n"),
+    "a linked list built by the tests with the program's class": (dedent("""
+        class Node:
+            def __init__(self, val, next=None):
+                self.val, self.next = val, next
+        def reverse(head):
+            prev = None
+            while head:
+                head.next, prev, head = prev, head, head.next
+            return prev
+    """), dedent("""
+        node = reverse(Node(1, Node(2, Node(3))))
+        values = []
+        while node is not None:
+            values.append(node.val)
+            node = node.next
+        assert values == [3, 2, 1], values
+    """)),
+    "an in-place function": ("def rotate(nums, k):\n    nums[:] = nums[-k:] + nums[:-k]\n",
+                             "nums = [1, 2, 3, 4]\nalias = nums\nrotate(nums, 1)\nassert alias == [4, 1, 2, 3]\n"),
+    "the program's exceptions": (dedent("""
+        class InvalidInput(ValueError):
+            pass
+        def check(x):
+            if x < 0:
+                raise InvalidInput(f"negative: {x}")
+            return {1: "a"}[x]
+    """), dedent("""
+        for exc in (InvalidInput, ValueError):
+            try:
+                check(-1)
+                raise AssertionError("no exception")
+            except exc as error:
+                assert str(error) == "negative: -1"
+        try:
+            check(2)
+        except KeyError as error:
+            assert error.args == (2,)
+    """)),
+    "a generator, plain values and modules of the program": (dedent("""
+        import math
+        from collections import Counter
+        LIMIT = [1, 2.5, None, (True, b"x"), {"k": {3}}]
+        def squares(n):
+            yield from (i * i for i in range(n))
+        def counts(text):
+            return Counter(text)
+    """), dedent("""
+        assert list(squares(4)) == [0, 1, 4, 9] and sum(squares(3)) == 5
+        assert LIMIT == [1, 2.5, None, (True, b"x"), {"k": {3}}]
+        assert counts("aab") == {"a": 2, "b": 1} and type(counts("a")) is dict
+        assert math.isclose(math.pi, 3.14159, rel_tol=1e-5)
+    """)),
+    "what the program prints and reads during a call": (dedent("""
+        def main():
+            a, b = map(int, input().split())
+            print(a + b)
+    """), dedent("""
+        import contextlib, io, sys
+        sys.stdin = io.StringIO("2 3\\n")
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            main()
+        assert out.getvalue() == "5\\n", out.getvalue()
+    """)),
+}
+
+
+@pytest.mark.parametrize("name", list(HONEST))
+def test_honest_programs_pass_across_the_two_interpreters(name: str) -> None:
+    code, tests = HONEST[name]
+    result = run_python_tests(code, tests)
+    assert result.passed, result
+
+
+def test_unittest_main_decides_by_its_tests() -> None:
+    failing = HONEST["unittest.main()"][1].replace("add(2, 3), 5", "add(2, 3), 6")
+    result = run_python_tests(ADD, failing)
+    assert not result.passed and "FAILED (failures=1)" in result.reason, result
+
+
+def test_what_the_tests_hand_the_program_is_plain_data() -> None:
+    """A callback of the tests cannot cross: the program would call back into the runner."""
+    result = run_python_tests("def apply(f, x):\n    return f(x)\n", "assert apply(lambda v: v + 1, 1) == 2\n")
+    assert not result.passed and "only plain values" in result.reason, result
