@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -21,6 +22,38 @@ def fail(message: str, code: int = REFUSED_EXIT_CODE) -> NoReturn:
     """Print a one-paragraph error for a person (no traceback) and exit."""
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(code)
+
+
+def crash(exc: BaseException) -> NoReturn:
+    """Exit 1 after an error no command handled, written once for a person and for ``rl-launch``
+    (``learner/children.py: root_cause``): its traceback, each exception it was raised from as one line saying where
+    (not a traceback of its own), then ``error: Type: message`` on one line, last. Plain text, written here rather than
+    by ``sys.excepthook``: Typer's hook draws a panel that wraps the message at the terminal's width, and
+    ``torch.distributed`` wraps the hook to put ``[rank0]: `` before every line."""
+    lines = ["Traceback (most recent call last):\n", *traceback.extract_tb(exc.__traceback__).format()]
+    for cause in _raised_from(exc):
+        frames = traceback.extract_tb(cause.__traceback__)
+        where = f" ({frames[-1].filename}:{frames[-1].lineno}, in {frames[-1].name})" if frames else ""
+        lines.append(f"raised from {_one_line(cause)}{where}\n")
+    lines.append(f"error: {_one_line(exc)}\n")
+    sys.stderr.write("".join(lines))
+    sys.stderr.flush()
+    raise SystemExit(1)
+
+
+def _raised_from(exc: BaseException, most: int = 8) -> list[BaseException]:
+    """The exceptions ``exc`` was raised from or while handling, nearest first (as Python would print them)."""
+    chain: list[BaseException] = []
+    cause = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    while cause is not None and len(chain) < most and all(cause is not seen for seen in chain):
+        chain.append(cause)
+        cause = cause.__cause__ or (None if cause.__suppress_context__ else cause.__context__)
+    return chain
+
+
+def _one_line(exc: BaseException) -> str:
+    message = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
 def load(config_path: Path | None, overrides: list[str] | None, check: Callable[[Any], None] | None = None):

@@ -138,9 +138,14 @@ def _become_subreaper() -> bool:
         return False
 
 
-ERROR_LINE = re.compile(r"\b\w*(Error|Exception)\b: \S|\bERROR\b")
+ERROR_LINE = re.compile(r"\b\w*(Error|Exception)\b: \S|\bERROR\b|^error: ")
+"""A line that says something failed; ``error: …`` is a command's own last word (``common/cliutil.py``: fail, crash)."""
 FOLLOW_UPS = ("root cause above", "stack trace (above)", "See the traceback above")
 """Error lines that only point back at the real one (vLLM's frontend after its engine died, for one)."""
+RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
+"""What ``torch.distributed`` puts before every line its excepthook prints (``[rank0]: ``): not part of the cause."""
+MAX_CAUSE_CHARS = 2000
+"""The longest cause line shown whole: a checkpoint refused by a full disk is said in about 500 characters."""
 
 
 def why_it_failed(returncode: int, log: Path) -> str:
@@ -157,8 +162,8 @@ def why_it_failed(returncode: int, log: Path) -> str:
 
 
 def root_cause(log: Path, tail_bytes: int = 256 * 1024) -> str:
-    """The line of a child's log most likely to say why it failed (:func:`cause_line`), with the log's path; cut to
-    300 characters."""
+    """The line of a child's log most likely to say why it failed (:func:`cause_line`), whole (up to
+    :data:`MAX_CAUSE_CHARS`), with the log's path."""
     try:
         with log.open("rb") as f:
             f.seek(max(0, f.seek(0, 2) - tail_bytes))
@@ -166,15 +171,19 @@ def root_cause(log: Path, tail_bytes: int = 256 * 1024) -> str:
     except OSError:
         return f"(no log at {log})"
     line = cause_line(text)
-    return line[:300] + ("" if line == "(empty log)" else f" … (the whole log: {log})")
+    if line == "(empty log)":
+        return line
+    shown = line if len(line) <= MAX_CAUSE_CHARS else f"{line[:MAX_CAUSE_CHARS]} …"
+    return f"{shown} (the whole log: {log})"
 
 
 def cause_line(text: str) -> str:
-    """The last exception or ERROR line of ``text`` that is not a pointer back to an earlier one; else its last
-    line."""
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    """The last exception or error line of ``text`` that is not a pointer back to an earlier one (else its last
+    line), without the ``[rank0]: `` and ``error: `` in front of it."""
+    lines = [RANK_PREFIX.sub("", line).strip() for line in text.splitlines()]
+    lines = [line for line in lines if line]
     errors = [line for line in lines if ERROR_LINE.search(line) and not any(f in line for f in FOLLOW_UPS)]
-    return (errors or lines or ["(empty log)"])[-1]
+    return (errors or lines or ["(empty log)"])[-1].removeprefix("error: ")
 
 
 def tail_metrics(path: Path) -> dict | None:

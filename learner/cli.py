@@ -403,7 +403,12 @@ def main() -> None:
 
     passive_waits()  # before torch loads OpenMP: the learner shares cores with actors (common/openmp.py)
     private_umask()  # what the run writes (checkpoints by DeepSpeed included) is its user's only
-    app()
+    try:
+        app()
+    except Exception as exc:  # what no command handled: its traceback once, then its one line (rl-launch shows it)
+        from asyncrl.common.cliutil import crash
+
+        crash(exc)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Checkpoints on a disk that refuses them, for real: a 1 MiB tmpfs fills up during DeepSpeed's save, and a read-only
 bind mount refuses a save and a clean-up. The learner says which disk and what to do in one line, removes its
-unfinished folder, and nothing a dead save left behind blocks a later save or resume. Mounting needs root: skipped
-elsewhere. Every mount is undone by the test that made it."""
+unfinished folder, and nothing a dead save left behind blocks a later save or resume; ``rl-learner train`` dying of it
+leaves one traceback in its log and the whole line for ``rl-launch`` to show. Mounting needs root: skipped elsewhere.
+Every mount is undone by the test that made it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import contextlib
 import logging
 import os
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from asyncrl.learner.checkpoint import Checkpointer
 from asyncrl.learner.checkpoint_disk import disk_refusal, disk_space
 from asyncrl.learner.checkpoint_format import CheckpointError, SavedState, capture_rng, open_checkpoint
 from asyncrl.learner.checkpoint_history import find_checkpoint
+from asyncrl.learner.children import why_it_failed
 from asyncrl.learner.engine import PolicyEngine
 from tests.helpers.engine_ranks import LENGTHS
 
@@ -139,3 +142,49 @@ def test_torch_s_short_write_error_is_read_as_a_full_disk(tmp_path: Path) -> Non
     message = disk_refusal(error, tmp_path / "checkpoints" / ".tmp-step-1")
     assert message is not None and "the disk is full" in message and "unexpected pos 1472" in message
     assert disk_refusal(RuntimeError("shapes do not match"), tmp_path) is None
+
+
+LEARNER_WITH_A_STEP_TO_SAVE = """
+import sys
+from asyncrl.learner import cli, run_state
+
+init = run_state.RunState.__init__
+
+
+def with_a_step_to_save(self, *args, **kwargs):
+    init(self, *args, **kwargs)
+    self._rewards = [0.5]  # as if a step were trained (no actor here): the stop saves a checkpoint
+
+
+run_state.RunState.__init__ = with_a_step_to_save
+sys.argv = ["rl-learner", "train", *sys.argv[1:]]
+cli.main()
+"""
+
+
+def test_a_learner_that_dies_of_a_full_disk_logs_one_traceback_and_the_launcher_shows_the_whole_line(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """``rl-learner train`` as ``rl-launch`` starts it (its output in a log file): no actor comes within
+    ``learner.no_actors_s``, so it saves a checkpoint on a 1 MiB disk, which refuses it. The log holds the learner's
+    line, one traceback (not one per chained exception, not in a panel cut at the terminal's width, no ``[rank0]: ``
+    before each line) and the cause on one line, last; the launcher's line is that cause, whole."""
+    run_dir = tmp_path / "runs" / "disk"
+    settings = [f"run.root={tmp_path / 'runs'}", "run.name=disk", f"model.path={tiny_model_dir}"]
+    settings += ["learner.zero_stage=0", "checkpoint.export_hf=false", "learner.no_actors_s=1"]
+    log = tmp_path / "learner.log"
+    with mounted(run_dir / "checkpoints", "-t", "tmpfs", "-o", "size=1m", "tmpfs"), log.open("wb") as out:
+        args = [sys.executable, "-c", LEARNER_WITH_A_STEP_TO_SAVE, *(a for s in settings for a in ("--set", s))]
+        code = subprocess.run(args, stdout=out, stderr=subprocess.STDOUT, timeout=300).returncode
+    text = log.read_text()
+    assert code == 1, text[-3000:]
+    assert text.count("Traceback (most recent call last)") == 1 and "[rank" not in text and "╭" not in text, text
+    said, traceback_at = text.index("checkpoint not saved step="), text.index("Traceback (most recent call last)")
+    assert said < traceback_at, "the learner's own line comes first, then the traceback"
+    last = text.rstrip("\n").splitlines()[-1]
+    assert last.startswith("error: CheckpointError: checkpoint not saved: writing ") and last.endswith("(run.root)")
+
+    line = why_it_failed(code, log)
+    assert "\n" not in line and "…" not in line
+    assert line == f"{last.removeprefix('error: ')} (the whole log: {log})"
+    assert f"mounted at {run_dir / 'checkpoints'}" in line and "the disk is full" in line

@@ -88,7 +88,7 @@ def test_rl_launch_stops_the_run_at_once_when_every_actor_refuses_its_settings(t
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-3000:]
     said = done.stderr
-    refusal = "exited with an error: error: model.path: the model's attention head size is 16"
+    refusal = "exited with an error: model.path: the model's attention head size is 16"
     for actor in ("actor-0", "actor-1"):
         assert said.count(f"{actor} {refusal}") == 1, said[-3000:]
     assert "stopping the run: every rollout actor refused its settings" in said

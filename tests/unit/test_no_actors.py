@@ -105,3 +105,43 @@ def test_a_child_killed_by_a_signal_is_said_to_be_killed_not_what_its_log_ended_
     log.write_text("UserWarning: resource_tracker: There appear to be 1 leaked semaphore objects\n")
     assert why_it_failed(-9, log).startswith("killed by SIGKILL, from outside the run")
     assert why_it_failed(1, log).startswith("UserWarning: resource_tracker")  # an exit status: its log says why
+
+
+def test_the_launcher_line_is_the_whole_cause_without_a_rank_prefix(tmp_path: Path) -> None:
+    cause = "CheckpointError: checkpoint not saved: writing /runs/x/.tmp-step-3 " + "x" * 400 + " (run.root)"
+    log = tmp_path / "learner.log"
+    # the old way a learner died: torch.distributed's excepthook before every line of the traceback it printed
+    log.write_text(f"INFO learner started\n[rank0]: Traceback (most recent call last):\n[rank0]: {cause}\n")
+    assert root_cause(log) == f"{cause} (the whole log: {log})"  # 478 characters, not cut at 300
+    # a command's own last word (cliutil.fail or crash) after its traceback, which ends with a wordier line
+    log.write_text(f"Traceback (most recent call last):\nasyncrl.learner.x.{cause}\nerror: {cause}\n")
+    assert root_cause(log) == f"{cause} (the whole log: {log})"
+    log.write_text("UserWarning: resource_tracker: leaked semaphores\nerror: invalid config: task.options: bad\n")
+    assert root_cause(log).startswith("invalid config: task.options: bad (the whole log: ")
+    log.write_text("RuntimeError: " + "y" * 5000 + "\n")
+    assert root_cause(log).endswith(f"y … (the whole log: {log})")  # a flood is still cut, and says so
+
+
+def test_an_unhandled_error_is_written_as_one_traceback_then_its_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from asyncrl.common.cliutil import crash
+
+    def save() -> None:
+        try:
+            try:
+                raise OSError(28, "No space left on device")
+            except OSError:
+                raise RuntimeError("unexpected pos 955648\nvs 955536") from None
+        except RuntimeError as exc:
+            raise ValueError("checkpoint not saved: the disk is full") from exc
+
+    try:
+        save()
+    except ValueError as exc:
+        with pytest.raises(SystemExit) as exited:
+            crash(exc)
+    assert exited.value.code == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "Traceback (most recent call last):" and sum("Traceback" in line for line in lines) == 1
+    assert lines[-2].startswith("raised from RuntimeError: unexpected pos 955648 vs 955536 (")  # one line each
+    assert lines[-2].endswith(", in save)") and sum(line.startswith("raised from") for line in lines) == 1
+    assert lines[-1] == "error: ValueError: checkpoint not saved: the disk is full"
