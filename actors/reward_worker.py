@@ -37,6 +37,7 @@ in hand and exits 1: only a new process frees those threads.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
@@ -122,6 +123,7 @@ class RewardWorker:
             seal=run_seal(self.client, self.plane.keys, "rollouts"),
             on_unsealed=self._unsealed,
         )
+        self.channel.on_refused_handshake = functools.partial(self._handshake_refused, "rollouts")
         # What is scored is the decode of the token ids the learner trains, never the texts a message carries.
         self.texts = ResponseTexts.load(config.model.path)
         self.calls = TimedCalls()
@@ -373,6 +375,7 @@ class RewardWorker:
         section = self.config.environment
         seal = run_seal(self.client, self.plane.keys, "environments")
         self.environments = EnvironmentService(section, seal, environment_host(section))
+        self.environments.socket.on_refused_handshake = functools.partial(self._handshake_refused, "environments")
         self.environments.start(pull_endpoint.rsplit(":", 1)[0] + ":0", self._curve())
 
     def _curve(self) -> CurveServer | None:
@@ -386,6 +389,10 @@ class RewardWorker:
     def _unsealed(self, count: int) -> None:
         """A message without a valid seal was refused: in the audit trail, the 1st, 10th, 100th, … of them."""
         self.audit.refused("message.unsealed", "no valid seal", channel=self.channel.name, refused=count)
+
+    def _handshake_refused(self, channel: str, count: int) -> None:
+        """A connection failed the CURVE handshake (no run credential): in the audit trail, the 1st, 10th, 100th, …"""
+        self.audit.refused("connection.refused", f"failed CURVE handshake on {channel}", channel=channel, refused=count)
 
     def _key_refused(self, client_key: str) -> None:
         """A CURVE client key was refused: in the audit trail, the 1st, 10th, 100th, … refusal of each key."""

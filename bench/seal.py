@@ -1,17 +1,21 @@
 """What membership and scoring-what-is-trained cost per rollout group.
 
-Three figures for each group size (8 responses × ``--tokens`` tokens, int32 ids, float32 log-probs, int32 versions):
+Figures for each group size (8 responses × ``--tokens`` tokens, int32 ids, float32 log-probs, int32 versions):
 
-- ``seal_us``: sealing one encoded group (keyed BLAKE2b over every frame) — the sender's added work;
-- ``push_pull_us`` with and without a seal: one group PUSHed and PULLed (decoded and validated) over loopback ZeroMQ
-  in one process, per group, the median of ``--rounds`` rounds; their difference is the whole per-message overhead
-  on the data plane (seal + verify);
+- ``seal_us``: sealing one encoded group (HMAC-SHA-256 over every frame) — the sender's added work in Python;
+- ``push_pull_us``: one group PUSHed and PULLed (decoded and validated) over loopback ZeroMQ in one process, with
+  neither seal nor CURVE (the bare channel, the baseline);
+- ``push_pull_member_us``: the same on a channel as the run uses it: sealed, and CURVE with the keys every member
+  derives from the run secret (encryption and authentication in libzmq's I/O threads, off the Python thread);
+  ``member_overhead`` is its ratio to the baseline, ``member_added_us`` the difference: the whole per-message cost of
+  admitting only the run's processes;
 - ``decode_us``: the decode of a group's token ids with the tiny models' character tokenizer (what the reward worker
   scores and the learner checks).
 
-Both sides of each ratio run in the same process, alternating, on the same core.
+Each figure is the median of ``--rounds`` rounds; both sides of each ratio run in the same process, alternating, on
+the same core.
 
-    python bench/seal.py [--tokens 64 1024] [--groups 2000] [--rounds 3]
+    python bench/seal.py [--tokens 64 1024 16384] [--groups 2000] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -66,28 +70,30 @@ def measure(tokens: int, groups: int, rounds: int) -> dict[str, float]:
     tokenizer = build_char_tokenizer(TASK_ALPHABET)
     group = synthetic.rollout_group(8, tokens, seed=0, vocab_size=len(tokenizer))
     frames, seal = encode(group), Seal(bytes(32), "bench")
-    plain, sealed = [], []
+    plain, member = [], []
     for _ in range(rounds):
         plain.append(push_pull_us(frames, None, groups))
-        sealed.append(push_pull_us(frames, seal, groups))
+        member.append(push_pull_us(frames, seal, groups))
     texts = ResponseTexts(tokenizer)
     return {
         "bytes": sum(memoryview(f).nbytes for f in frames),
         "seal_us": round(per_group_us(lambda: seal.seal(frames), groups), 2),
         "push_pull_us": round(statistics.median(plain), 2),
-        "push_pull_sealed_us": round(statistics.median(sealed), 2),
-        "seal_overhead": round(statistics.median(sealed) / statistics.median(plain), 3),
+        "push_pull_member_us": round(statistics.median(member), 2),
+        "member_added_us": round(statistics.median(member) - statistics.median(plain), 2),
+        "member_overhead": round(statistics.median(member) / statistics.median(plain), 3),
         "decode_us": round(per_group_us(lambda: texts.decode(group), max(groups // 10, 10)), 2),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[64, 1024])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[64, 1024, 16384])
     parser.add_argument("--groups", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    figures = {f"{t}_tokens": measure(t, args.groups, args.rounds) for t in args.tokens}
+    # Fewer groups of the largest sizes, so that each size takes about as long.
+    figures = {f"{t}_tokens": measure(t, max(64, args.groups * 1024 // max(t, 1024)), args.rounds) for t in args.tokens}
     for name, row in figures.items():
         print(name, row)
     print(json.dumps({"responses_per_group": 8, "cores": "one process, one core", **figures}))

@@ -40,6 +40,12 @@ CHANNEL_REFUSED_CLIENTS = Counter(
     "CURVE handshakes refused on a ZeroMQ channel because the client's public key is not authorised.",
     ["channel"],
 )
+CHANNEL_REFUSED_HANDSHAKES = Counter(
+    "asyncrl_channel_refused_handshakes_total",
+    "Connections to a ZeroMQ channel that failed the CURVE handshake (no run credential, or an unauthorised key): "
+    "nothing they sent was read.",
+    ["channel"],
+)
 CHANNEL_UNSEALED = Counter(
     "asyncrl_channel_unsealed_messages_total",
     "Messages refused on a ZeroMQ channel before decoding because their seal (the run secret's MAC) did not verify.",

@@ -15,20 +15,24 @@ Delivery semantics (ZeroMQ PUSH/PULL, https://zguide.zeromq.org/docs/chapter2/):
   ``on_malformed`` (the reward worker dead-letters it), logged at the 1st, 10th, 100th, … of each
   field, and skipped; the receiver keeps running. A frame above ``max_bytes`` is refused inside
   libzmq, which drops the connection (the sender reconnects): that message never reaches the
-  process, so it is not counted. libzmq queues a whole multi-frame message before the process
-  sees its first frame and bounds only each frame, so a peer that may connect can still make one
-  message large: beyond loopback only CURVE-authorised peers may.
-- **Membership**: a channel with a :class:`~asyncrl.common.wire.seal.Seal` sends every message with the run secret's MAC
-  as an extra first frame, and its receiving end refuses a message whose seal does not verify before decoding any of it:
-  counted (``asyncrl_channel_unsealed_messages_total``), logged at the 1st, 10th, 100th, …, handed to ``on_unsealed``,
-  never dead-lettered (a stranger's bytes are not the run's to keep). Loopback included.
-- **Security**: CURVE encryption and authentication; required whenever a socket binds beyond
-  loopback, optional on loopback. The binding side holds the server secret key and accepts only
-  the client public keys found in its authorised-keys folder (re-read when an unknown key knocks, so
-  a key dropped into the folder is accepted without a restart); every refused client is counted
-  (``asyncrl_channel_refused_clients_total``), logged once per key and handed to ``CurveServer.on_refused`` (the
-  reward worker's audit trail). The connecting side holds its
-  client key pair and the server's public key — from a file, or as advertised in the server's heartbeat.
+  process, so it is not counted.
+- **Who may connect** (a channel with a :class:`~asyncrl.common.wire.seal.Seal`, loopback included): CURVE with keys
+  every process of the run derives from the run secret (:class:`~asyncrl.common.transport.curve.MemberCurve`), or
+  the operator's keys where they are given (required beyond loopback; the binding side then accepts only the client
+  public keys in its authorised-keys folder, re-read when an unknown key knocks, and its public key is advertised in
+  the server's heartbeat). libzmq reads nothing but the handshake from a peer until it completes, so a peer without
+  the credential gets no message queued: libzmq queues a whole multi-frame message before its first frame can be
+  read, and bounds each frame, not their number, so admitting strangers to the queue would let one message of many
+  frames take any amount of memory. What such a peer can hold is the one frame it sends before the handshake fails.
+  Every failed handshake is counted (``asyncrl_channel_refused_handshakes_total``), logged at the 1st, 10th, 100th, …
+  and handed to ``on_refused_handshake`` (the reward worker's audit trail); a refused operator key also to
+  ``CurveServer.on_refused``. Encryption and authentication run in libzmq's I/O threads (``bench/seal.py``).
+- **Membership of each message**: a sealed channel sends every message with the run secret's MAC as an extra first
+  frame, and its receiving end refuses a message whose seal does not verify before decoding any of it: counted
+  (``asyncrl_channel_unsealed_messages_total``), logged at the 1st, 10th, 100th, …, handed to ``on_unsealed``,
+  never dead-lettered (a stranger's bytes are not the run's to keep). Where the run's own CURVE keys admit the
+  connection it cannot fail; it is what holds against a client with an authorised operator key but not the secret.
+- A channel without a seal (tests, benchmarks) binds only on loopback and admits anyone who connects.
 """
 
 from __future__ import annotations
@@ -43,17 +47,21 @@ import zmq
 from asyncrl.common.observability.logs import get_logger, worth_logging
 from asyncrl.common.observability.metrics import (
     CHANNEL_RECEIVED,
+    CHANNEL_REFUSED_HANDSHAKES,
     CHANNEL_SENT,
     CHANNEL_SENT_BYTES,
     CHANNEL_UNSEALED,
     WIRE_MALFORMED,
 )
-from asyncrl.common.transport.curve import AuthorizedKeys, CurveClient, CurveServer
+from asyncrl.common.transport.curve import AuthorizedKeys, CurveClient, CurveServer, MemberCurve, MemberKey
 from asyncrl.common.transport.net import is_loopback
 from asyncrl.common.wire.messages import Decoder, Limits, WireError, encode
 from asyncrl.common.wire.seal import Seal, absorb, finish
 
 log = get_logger("channel")
+_FAILED_HANDSHAKES = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 
 
 class ChannelBlocked(TimeoutError):
@@ -65,17 +73,22 @@ class InsecureBindError(PermissionError):
 
 
 class _Channel:
-    def __init__(self, kind: int, name: str, hwm: int) -> None:
+    def __init__(self, kind: int, name: str, hwm: int, seal: Seal | None = None) -> None:
         self.name = name
+        self.seal = seal
         self.context = zmq.Context.instance()
         self.socket = self.context.socket(kind)
         self.socket.linger = 0
         self.socket.sndhwm = hwm
         self.socket.rcvhwm = hwm
         self._authenticator: Any = None
+        self._refusals: Any = None  # a bound socket's monitor of failed handshakes (see refused_handshakes)
+        self.refused_handshakes = 0
+        self.on_refused_handshake: Callable[[int], None] | None = None
         self.endpoint = ""
         self.curve_public_key = ""
-        """The server public key (Z85) a CURVE-bound socket advertises to its clients; empty without CURVE."""
+        """The server public key (Z85) a socket bound with the operator's CURVE keys advertises to its clients; empty
+        otherwise (a run's own keys are derived by every member, never advertised)."""
         self.authorized: AuthorizedKeys | None = None  # a CURVE server's ZAP check
 
     def bind(self, endpoint: str, curve: CurveServer | None = None) -> str:
@@ -87,6 +100,8 @@ class _Channel:
             )
         if curve is not None:
             self._serve_curve(curve)
+        elif self.seal is not None:
+            self._serve_members(MemberCurve.of(self.seal))
         if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
             port = self.socket.bind_to_random_port(endpoint.rsplit(":", 1)[0])
             self.endpoint = f"{endpoint.rsplit(':', 1)[0]}:{port}"
@@ -96,21 +111,57 @@ class _Channel:
         return self.endpoint
 
     def _serve_curve(self, curve: CurveServer) -> None:
+        """Serve with the operator's keys: clients whose public key is in the authorised folder."""
         import zmq.auth
-        from zmq.auth.thread import ThreadAuthenticator
 
         public, secret = zmq.auth.load_certificate(str(curve.secret_key_file))
         if secret is None:
             raise ValueError(f"{curve.secret_key_file} holds no secret key")
         self.authorized = AuthorizedKeys(self.name, Path(curve.authorized_clients), curve.on_refused)
+        self._serve(public, secret, self.authorized)
+        self.curve_public_key = public.decode()
+
+    def _serve_members(self, keys: MemberCurve) -> None:
+        """Serve with the run's own keys: only a process that holds the run secret completes the handshake."""
+        self._serve(keys.server_public, keys.server_secret, MemberKey(self.name, keys.client_public))
+
+    def _serve(self, public: bytes, secret: bytes, provider: AuthorizedKeys | MemberKey) -> None:
+        """CURVE server with a ZAP thread that asks ``provider`` about each client key; failed handshakes counted."""
+        from zmq.auth.thread import ThreadAuthenticator
+
         self._own_context()
         self._authenticator = ThreadAuthenticator(self.context)
         self._authenticator.start()
-        self._authenticator.configure_curve_callback(domain="*", credentials_provider=self.authorized)
+        self._authenticator.configure_curve_callback(domain="*", credentials_provider=provider)
         self.socket.curve_publickey = public
         self.socket.curve_secretkey = secret
         self.socket.curve_server = True
-        self.curve_public_key = public.decode()
+        self._refusals = self.socket.get_monitor_socket(_FAILED_HANDSHAKES)
+
+    def count_refused_handshakes(self) -> int:
+        """Count the handshakes that failed since the last call (a peer without the run's keys, or with keys the
+        operator did not authorise); logs the 1st, 10th, 100th, … and calls ``on_refused_handshake``. Cheap: one
+        socket option read when none failed."""
+        monitor = self._refusals
+        if monitor is None:
+            return 0
+        new = 0
+        while monitor.get(zmq.EVENTS) & zmq.POLLIN:
+            monitor.recv_multipart()  # (event and value, endpoint): which peer is not known to the socket
+            new += 1
+            self.refused_handshakes += 1
+            CHANNEL_REFUSED_HANDSHAKES.labels(self.name).inc()
+            if self.on_refused_handshake is not None:
+                self.on_refused_handshake(self.refused_handshakes)
+            if worth_logging(self.refused_handshakes):
+                log.warning(
+                    "refused a connection that failed the CURVE handshake; nothing it sent was read",
+                    channel=self.name,
+                    refused=self.refused_handshakes,
+                    action="only the run's processes (which reach its Redis, and so its secret) or clients with an "
+                    "authorised key may connect; a flood of these is a peer that is neither",
+                )
+        return new
 
     def _own_context(self) -> None:
         """Move the (not yet bound) socket into a context of its own: a CURVE server's ZAP handler binds
@@ -124,8 +175,9 @@ class _Channel:
         old.close(linger=0)
 
     def connect(self, endpoint: str, curve: CurveClient | None = None) -> None:
-        """Connect; with ``curve``, this connection is encrypted and authenticated (options are read per connect,
-        so one socket may reach several servers, each with its own key)."""
+        """Connect; with ``curve`` (the operator's keys) or a seal (the run's own keys), this connection is encrypted
+        and authenticated (options are read per connect, so one socket may reach several servers, each with its own
+        key)."""
         if curve is not None:
             import zmq.auth
 
@@ -135,11 +187,20 @@ class _Channel:
             self.socket.curve_publickey = public
             self.socket.curve_secretkey = secret
             self.socket.curve_serverkey = curve.server_key()
+        elif self.seal is not None:
+            keys = MemberCurve.of(self.seal)
+            self.socket.curve_publickey = keys.client_public
+            self.socket.curve_secretkey = keys.client_secret
+            self.socket.curve_serverkey = keys.server_public
         self.socket.connect(endpoint)
         self.endpoint = endpoint
 
     def close(self) -> None:
         """Close at once (linger 0): queued messages are discarded, a dead peer cannot block us."""
+        if self._refusals is not None:
+            self.socket.disable_monitor()
+            self._refusals.close(linger=0)
+            self._refusals = None
         self.socket.close(linger=0)
         if self._authenticator is not None:
             self._authenticator.stop()
@@ -159,9 +220,8 @@ class PushChannel(_Channel):
     def __init__(
         self, name: str, hwm: int = 64, send_timeout_s: float | None = None, seal: Seal | None = None
     ) -> None:
-        super().__init__(zmq.PUSH, name, hwm)
+        super().__init__(zmq.PUSH, name, hwm, seal)
         self.socket.sndtimeo = -1 if send_timeout_s is None else int(send_timeout_s * 1000)
-        self.seal = seal
 
     def send(self, message: Any) -> None:
         self.send_frames(encode(message))
@@ -198,7 +258,7 @@ class PullChannel(_Channel):
         seal: Seal | None = None,
         on_unsealed: Callable[[int], None] | None = None,
     ) -> None:
-        super().__init__(zmq.PULL, name, hwm)
+        super().__init__(zmq.PULL, name, hwm, seal)
         self.limits = limits or Limits()
         self.decoder = Decoder(expected, self.limits)
         # Refuse oversized frames inside libzmq, before they are even buffered (the limit is per frame there).
@@ -206,7 +266,6 @@ class PullChannel(_Channel):
         self.on_malformed = on_malformed
         self.malformed = 0
         self._malformed_by_label: dict[str, int] = {}  # keys: WireError.label, bounded by the schema
-        self.seal = seal
         self.on_unsealed = on_unsealed
         self.unsealed = 0
 
@@ -214,6 +273,7 @@ class PullChannel(_Channel):
         """The next well-formed message, or None when none arrived within ``timeout_s`` (malformed ones are counted
         and skipped meanwhile: a flood of them cannot keep the caller from checking for a stop past its timeout)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self.count_refused_handshakes()
         while True:
             # A message already queued is read without a poll: pyzmq's poll costs tens of microseconds per call.
             if not self.socket.get(zmq.EVENTS) & zmq.POLLIN:

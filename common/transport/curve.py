@@ -1,6 +1,14 @@
-"""CURVE for the data plane's ZeroMQ sockets: the binding side's keys and authorised clients (:class:`CurveServer`,
-checked per handshake by :class:`AuthorizedKeys`), the connecting side's (:class:`CurveClient`), and making a run's
-keys (:func:`create_run_keys`). Why and when CURVE is required: ``common/transport/channel.py``.
+"""CURVE for the data plane's ZeroMQ sockets, from two sources of keys:
+
+- **the run's own** (:class:`MemberCurve`): every process of a run derives the same key pairs per channel from the run
+  secret (so from the run's Redis, which needs its password), and a server accepts only the derived client key
+  (:class:`MemberKey`). Used wherever a sealed channel has no operator keys, loopback included: a peer without the run's
+  credential fails the handshake, before libzmq queues anything it sends.
+- **the operator's** key files: the binding side's pair and a folder of authorised client public keys
+  (:class:`CurveServer`, checked per handshake by :class:`AuthorizedKeys`), the connecting side's pair and the server's
+  public key (:class:`CurveClient`), made by :func:`create_run_keys`. Required beyond loopback.
+
+Why and when each applies: ``common/transport/channel.py``.
 """
 
 from __future__ import annotations
@@ -8,9 +16,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from asyncrl.common.observability.logs import get_logger, worth_logging
 from asyncrl.common.observability.metrics import CHANNEL_REFUSED_CLIENTS
+
+if TYPE_CHECKING:
+    from asyncrl.common.wire.seal import Seal
 
 log = get_logger("channel")
 
@@ -44,6 +56,47 @@ class CurveClient:
             return self.server_public_key
         public, _ = zmq.auth.load_certificate(str(self.server_public_key))
         return public
+
+
+@dataclass(frozen=True)
+class MemberCurve:
+    """The CURVE key pairs (Z85) every process of a run derives for one channel from the run secret::
+
+        server secret = BLAKE2b(key = BLAKE2b(channel, key = secret, person = "asyncrl-curve-v1"), "server")
+        client secret = the same with "client";   public = X25519 base-point multiple of the secret (zmq.curve_public)
+
+    Whoever can compute them holds the run secret: a server that accepts only ``client_public`` admits members only.
+    The server's public key is never advertised (a client derives it), so a stranger cannot even start a handshake."""
+
+    server_public: bytes
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+
+    @classmethod
+    def of(cls, seal: Seal) -> MemberCurve:
+        import zmq
+        from zmq.utils import z85
+
+        server_secret, client_secret = (z85.encode(seal.key_seed(role)) for role in ("curve-server", "curve-client"))
+        return cls(zmq.curve_public(server_secret), server_secret, zmq.curve_public(client_secret), client_secret)
+
+    def __repr__(self) -> str:  # never the secret keys
+        return f"MemberCurve(server_public={self.server_public.decode()!r})"
+
+
+class MemberKey:
+    """The ZAP callback of a server with :class:`MemberCurve` keys: only the run's derived client key passes."""
+
+    def __init__(self, channel: str, client_public: bytes) -> None:
+        self.channel = channel
+        self.client_public = client_public
+
+    def callback(self, domain: str, client_key: bytes) -> bool:
+        if client_key == self.client_public:
+            return True
+        CHANNEL_REFUSED_CLIENTS.labels(self.channel).inc()
+        return False
 
 
 class AuthorizedKeys:

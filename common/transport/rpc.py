@@ -3,7 +3,8 @@
 
 They carry what the channels of :mod:`asyncrl.common.transport.channel` carry, with the same guarantees: a seal with the
 run secret on every message both ways (a message that does not verify is dropped and counted before it is parsed), CURVE
-whenever the server binds beyond loopback, a size limit enforced inside libzmq, linger 0. A request is ``{"id": n,
+on every connection (the run's derived keys, or the operator's beyond loopback) so that a peer without the credential
+gets nothing queued, a size limit enforced inside libzmq, linger 0. A request is ``{"id": n,
 ...}`` and its reply repeats the id; nothing is retried here (the caller owns time limits and retries). Neither class is
 thread-safe: one thread owns each socket.
 """
@@ -73,9 +74,8 @@ class ReplySocket(_Channel):
     def __init__(
         self, name: str, seal: Seal | None, hwm: int = 1000, on_refused: Callable[[], None] | None = None
     ) -> None:
-        super().__init__(zmq.ROUTER, name, hwm)
+        super().__init__(zmq.ROUTER, name, hwm, seal)
         self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        self.seal = seal
         self.refusals = _Refusals(name, on_refused)
 
     def bind(self, endpoint: str, curve: CurveServer | None = None) -> str:
@@ -85,6 +85,7 @@ class ReplySocket(_Channel):
 
     def recv(self, timeout_s: float) -> tuple[bytes, dict[str, Any]] | None:
         """The next request within ``timeout_s`` (refused ones are counted and skipped), or None."""
+        self.count_refused_handshakes()
         if not self.socket.poll(int(timeout_s * 1000), zmq.POLLIN):
             return None
         client, *frames = self.socket.recv_multipart(copy=False)
@@ -107,9 +108,8 @@ class RequestSocket(_Channel):
     """A client's end, connected to one server: :meth:`send` a request, :meth:`recv` its replies."""
 
     def __init__(self, name: str, seal: Seal | None, endpoint: str, curve: CurveClient | None = None) -> None:
-        super().__init__(zmq.DEALER, name, hwm=1000)
+        super().__init__(zmq.DEALER, name, hwm=1000, seal=seal)
         self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        self.seal = seal
         self.refusals = _Refusals(name)
         self.connect(endpoint, curve)
 

@@ -1,10 +1,11 @@
 """Membership of a run on the data plane: every message a run's process sends over ZeroMQ carries a seal, a MAC
 keyed by the run's secret, and a receiver refuses a message whose seal does not verify before decoding a byte of it.
 
-Why a MAC and not only CURVE: CURVE is required beyond loopback, but on one machine every local user can reach a
-reward worker's loopback socket. A seal needs no key files, works on loopback and across hosts alike, and costs a
-keyed hash over the message (HMAC-SHA-256, which SHA extensions of current CPUs run at GB/s; ``bench/seal.py``
-measures it).
+The secret also keys the channels' CURVE key pairs (:meth:`Seal.key_seed`, used by
+``common/transport/curve.py``): a connection is admitted only from a process that holds it, before libzmq queues a
+byte it sends. The seal stays the per-message check: it needs no key files, binds a message to its channel, and holds
+where the operator's CURVE keys admit a client that does not hold the secret. It costs a keyed hash over the message
+(HMAC-SHA-256, which SHA extensions of current CPUs run at GB/s; ``bench/seal.py`` measures it).
 
 The run secret is 32 random bytes kept in the run's Redis (``asyncrl:<run>:secret``), made by the first process that
 asks (``SET NX``) and read by every other at start: whoever can reach the run's Redis — which needs its password —
@@ -37,6 +38,7 @@ TAG_BYTES = 16
 SECRET_BYTES = 32
 _PERSON = b"asyncrl-seal-v1"
 _GROUP_PERSON = b"asyncrl-group-v1"
+_CURVE_PERSON = b"asyncrl-curve-v1"
 _LENGTH = struct.Struct("<Q")
 
 
@@ -49,6 +51,8 @@ class Seal:
         self._channel = channel
         prefix = channel.encode()
         self._primed = hmac.new(secret, _PERSON + _LENGTH.pack(len(prefix)) + prefix, "sha256")
+        # The root of this channel's CURVE keys (common/transport/curve.py: MemberCurve), kept instead of the secret.
+        self._curve_root = hashlib.blake2b(prefix, key=secret, digest_size=32, person=_CURVE_PERSON).digest()
 
     def __repr__(self) -> str:  # never the secret
         return f"Seal(channel={self._channel!r})"
@@ -68,6 +72,11 @@ class Seal:
     def seal(self, frames: Sequence[Any]) -> list[Any]:
         """``frames`` with their seal as a new first frame."""
         return [self.tag(frames), *frames]
+
+    def key_seed(self, role: str) -> bytes:
+        """32 bytes that only a holder of the run secret can compute, one per channel and ``role`` (e.g. the
+        channel's CURVE server or client secret key)."""
+        return hashlib.blake2b(role.encode(), key=self._curve_root, digest_size=32).digest()
 
     def verifies(self, tag: Any, digest: bytes) -> bool:
         """Whether a received tag frame equals the digest computed over the frames that followed it (constant time)."""

@@ -30,17 +30,12 @@ from asyncrl.common.transport.channel import ChannelBlocked, PushChannel
 from asyncrl.common.transport.curve import CurveClient, create_keypair, create_run_keys
 from asyncrl.common.wire.messages import Heartbeat
 from asyncrl.common.wire.seal import run_seal
+from tests.helpers.audit_trail import entries
 from tests.helpers.reward_stack import heartbeat, publish, start, stop
 from tests.helpers.rollouts import issue, make_group
 from tests.helpers.waits import wait_for
 
 pytestmark = pytest.mark.integration
-
-
-def entries(client, run: str) -> list[dict]:
-    """The run's audit stream as audit.jsonl lines (once this process's writer has written what it recorded)."""
-    assert audit_module.flush(30, client)
-    return [entry_line(i.decode(), f) for i, f in client.xrange(RunKeys(run).audit)]
 
 
 def jsonl(path: Path) -> list[dict]:

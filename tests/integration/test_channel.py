@@ -177,3 +177,32 @@ def test_two_curve_servers_in_one_process(keys) -> None:
                 assert isinstance(pull.recv(timeout_s=10), RolloutGroup)
             finally:
                 sender.close()
+
+
+def test_a_sealed_channel_admits_only_holders_of_the_run_secret_before_reading_a_byte() -> None:
+    """A sealed channel on loopback is CURVE with the run's derived keys: a peer without a seal (NULL mechanism) and one
+    with another secret fail the handshake, so none of their frames is read or queued; a member's message arrives."""
+    from asyncrl.common.wire.seal import Seal
+
+    secret = bytes(range(32))
+    group = synthetic.rollout_group(4, 8, seed=1)
+    with PullChannel("rollouts", RolloutGroup, seal=Seal(secret, "rollouts")) as pull:
+        endpoint = pull.bind("tcp://127.0.0.1:0")
+        assert pull.curve_public_key == ""  # derived by every member, never advertised
+        other_run = Seal(bytes(32), "rollouts")
+        strangers = [PushChannel("rollouts", send_timeout_s=1), PushChannel("rollouts", seal=other_run)]
+        member = PushChannel("rollouts", send_timeout_s=10, seal=Seal(secret, "rollouts"))
+        try:
+            for push in (*strangers, member):
+                push.connect(endpoint)
+            strangers[0].socket.send_multipart([b"\0" * 16, b"x" * 1024])  # what a peer writes by hand
+            strangers[1].send(group)
+            wait_for(lambda: pull.count_refused_handshakes() >= 0 and pull.refused_handshakes >= 2, "two refusals")
+            member.send(group)
+            received = pull.recv(timeout_s=10)
+            assert received is not None and received.group_id == group.group_id
+            assert pull.recv(timeout_s=0.5) is None  # nothing of the strangers' was queued
+            assert pull.unsealed == 0 and pull.malformed == 0
+        finally:
+            for push in (*strangers, member):
+                push.close()

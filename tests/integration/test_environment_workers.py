@@ -3,7 +3,8 @@ serve the episodes' environments, and the test drives episodes as an actor does 
 engine, and :class:`~asyncrl.actors.remote_environments.RemoteEnvironments` pointed at the workers their heartbeats
 advertise). An episode whose worker is killed with -9 moves to the other, its steps replayed there; with no worker
 left, the next one fails within its time limit and says what to do. The worker makes the environment its own config
-names, never one a request names, and answers nothing that lacks the run's seal."""
+names, never one a request names, and answers nobody without the run's credential
+(refused at the CURVE handshake: nothing such a peer sends is read)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.tiny_models.chat import build_bpe_tokenizer
 from asyncrl.common.transport.rpc import RequestSocket
 from asyncrl.common.wire.seal import run_seal
+from tests.helpers.flood import flood
 from tests.helpers.reward_stack import heartbeat, publish, start, wait_for
 from tests.helpers.scrape import metric
 from tests.helpers.scripted_episodes import CALL, episode, replay, tools_for
@@ -132,12 +134,16 @@ def test_an_episode_moves_when_its_worker_dies_and_fails_when_none_is_left(remot
         assert "no reward worker serves environments" in message and "rl-actor reward" in message, message
 
 
-def test_a_worker_makes_its_own_environment_and_answers_only_sealed_requests(remote, redis_client, workers) -> None:
+def test_a_worker_makes_its_own_environment_and_serves_only_the_run(remote, redis_client, workers) -> None:
+    """Requests naming another environment or an unknown op are refused; a peer without the run's credential (one
+    request, and a flood of 128 frames × 4 MB from four connections) fails the handshake and costs no memory."""
     endpoint = workers["beats"]["rw-1"].environment_endpoint
     plane = ControlPlane(redis_client, RUN)
     sealed = RequestSocket("environments", run_seal(plane.client, plane.keys, "environments"), endpoint)
     stranger = RequestSocket("environments", None, endpoint)
+    pid = workers["procs"]["rw-1"].pid
     try:
+        grown = flood(endpoint, pid, 4 * 1024, connections=4, frames=128, frame_mb=4, hold_s=3, kind="DEALER")
         row = {"prompt": "", "answer": "42", "extra": {}, "seed": 1}
         named = {"name": "tests.helpers.episodes:Misbehaving", "options": {"how": "crash"}}
         stranger.send({"id": 1, "op": "make", "episode": "e1", "row": row})
@@ -151,8 +157,12 @@ def test_a_worker_makes_its_own_environment_and_answers_only_sealed_requests(rem
     assert [r["id"] for r in replies] == [2, 3, 4]
     assert "error" not in replies[0] and replies[1]["observation"][0]["content"].startswith("42"), replies
     assert replies[2]["error"].startswith("refused: op must be one of make, step, score, close"), replies[2]
-    wait_until(lambda: served(redis_client, "rw-1", "unsealed", "refused") == 1, "the stranger's request refused")
+    beat = heartbeat(redis_client, RUN, "rw-1")
+    refused = {"channel": "environments"}  # at the handshake: nothing the stranger sent was read
+    wait_until(lambda: metric(beat, "asyncrl_channel_refused_handshakes_total", refused) >= 1, "the stranger refused")
+    assert served(redis_client, "rw-1", "unsealed", "refused") == 0
     assert served(redis_client, "rw-1", "invalid", "refused") == 1
+    assert grown < 4 * 1024, f"the worker's resident memory grew by {grown} KiB"
 
 
 def wait_for_replies(socket: RequestSocket, count: int, timeout_s: float = 20) -> list[dict]:

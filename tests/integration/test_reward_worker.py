@@ -15,6 +15,8 @@ from asyncrl.common.plane.keys import RunKeys
 from asyncrl.common.transport.channel import PushChannel
 from asyncrl.common.wire.messages import Decoder, Heartbeat, RolloutGroup, decode_blob, encode_blob
 from asyncrl.common.wire.seal import Seal, run_seal
+from tests.helpers.audit_trail import entries as audit_entries
+from tests.helpers.flood import flood
 from tests.helpers.reward_stack import heartbeat, publish, read_replay, reward_worker, stop, wait_for
 from tests.helpers.rollouts import issue, make_group
 from tests.helpers.stack import BIN
@@ -320,32 +322,42 @@ def test_what_is_scored_is_the_decode_of_the_token_ids(redis_server, redis_clien
         stop(proc, log)
 
 
-def test_a_message_without_the_run_seal_is_refused_before_decoding(redis_server, redis_client, tmp_path) -> None:
-    """A local process that reaches the worker's loopback socket but not the run's Redis cannot seal a message: a
-    well-formed group under a live id is refused unread, counted, and never dead-lettered; the real one is scored."""
+def test_a_peer_without_the_run_credential_costs_no_memory_and_nothing_it_sends_is_read(
+    redis_server, redis_client, tmp_path
+) -> None:
+    """A local process that reaches the worker's loopback socket but not the run's Redis: the reproduction of a
+    memory flood (one message of 64 frames × 60 MB, from four connections at once) and a sender with another secret
+    fail the CURVE handshake, so libzmq queues nothing of theirs: the worker's memory stays within one frame limit of
+    where it was, every refused connection is counted and audited, nothing is dead-lettered, and a member's group is
+    scored."""
     run = "sealed"
-    publish(redis_client, run)
+    publish(redis_client, run, "transport.max_message_mb=64")
     plane = ControlPlane(redis_client, run)
     real = make_group(["19"], group_id="g-real")
     issue(plane, real)
     log = tmp_path / f"{run}.log"
     with reward_worker(redis_server, redis_client, tmp_path, run) as (proc, endpoint):
-        stranger, member = sender(endpoint), sender(endpoint, redis_client, run)
+        member = sender(endpoint, redis_client, run)
         wrong_key = PushChannel("rollouts", send_timeout_s=10, seal=Seal(b"x" * 32, "rollouts"))
         wrong_key.connect(endpoint)
         try:
-            for push in (stranger, wrong_key):
-                push.send(dataclasses.replace(real, texts=["19"]))
-                push.socket.send_multipart([b"\x93garbage"])
+            grown = flood(endpoint, proc.pid, budget_kib=64 * 1024, connections=4, frames=64, frame_mb=60)
+            wrong_key.send(dataclasses.replace(real, texts=["19"]))
             member.send(real)
             entries = read_replay(redis_client, run, 1)
         finally:
-            for push in (stranger, wrong_key, member):
+            for push in (wrong_key, member):
                 push.close()
+        assert grown < 64 * 1024, f"the worker's resident memory grew by {grown} KiB"
         assert [e.group.rollout.group_id for e in entries] == ["g-real"]
         beat = heartbeat(redis_client, run, "rw-1")
-        wait_for(lambda: metric(beat, "asyncrl_channel_unsealed_messages_total") == 4, proc, log, "4 refusals")
-        assert metric(beat, "asyncrl_wire_malformed_messages_total") == 0  # never decoded
+        wait_for(lambda: metric(beat, "asyncrl_channel_refused_handshakes_total") >= 5, proc, log, "5 refusals")
+        refusals = int(metric(beat, "asyncrl_channel_refused_handshakes_total"))  # each retry of each connection
+        assert metric(beat, "asyncrl_channel_unsealed_messages_total") == 0  # nothing of theirs was even read
+        assert metric(beat, "asyncrl_wire_malformed_messages_total") == 0
         assert redis_client.xlen(RunKeys(run).dead) == 0
         stop(proc, log)
-    assert log.read_text().count("refused a message without a valid seal") == 1
+    logged = log.read_text().count("refused a connection that failed the CURVE handshake")
+    assert logged == len(str(refusals)), (logged, refusals)  # the 1st, 10th, 100th, …
+    refused = [e for e in audit_entries(redis_client, run) if e["event"] == "connection.refused"]
+    assert refused and refused[0]["channel"] == "rollouts", refused

@@ -74,3 +74,17 @@ def test_an_end_of_turn_token_stays_in_the_ids_and_out_of_the_text() -> None:
     ids = [*tokenizer.encode("19", add_special_tokens=False), tokenizer.eos_token_id]
     group = dataclasses.replace(make_group(["19"], lengths=[3]), token_ids=np.asarray(ids, np.int32), texts=["19"])
     assert ResponseTexts(tokenizer).decode(group) == ["19"] and ResponseTexts(tokenizer).mismatch(group) is None
+
+
+def test_the_run_curve_keys_are_derived_from_the_secret_and_the_channel_and_hide_their_secrets() -> None:
+    import zmq
+
+    from asyncrl.common.transport.curve import MemberCurve
+
+    keys = MemberCurve.of(Seal(SECRET, "rollouts"))
+    assert MemberCurve.of(Seal(SECRET, "rollouts")) == keys  # every member derives the same pairs
+    assert MemberCurve.of(Seal(bytes(32), "rollouts")) != keys  # another run's secret
+    assert MemberCurve.of(Seal(SECRET, "environments")).server_public != keys.server_public  # another channel
+    assert keys.server_public == zmq.curve_public(keys.server_secret) != keys.client_public
+    assert keys.client_public == zmq.curve_public(keys.client_secret)
+    assert keys.server_secret.decode() not in repr(keys) and keys.client_secret.decode() not in repr(keys)
