@@ -12,6 +12,12 @@ environment fails with ``MemoryError`` instead of swapping the machine. The pare
 the next ``make``; a child with :data:`MAX_STUCK` steps still running past their limit is killed and replaced (the
 episodes it held end as errors).
 
+The child runs behind the strongest fence this machine allows (``environment.fence``;
+:mod:`~asyncrl.actors.environment_fence` says what each one stops): its own PID, mount and IPC namespaces, a read-only
+filesystem but its scratch, no capability, and a uid of its own when the actor is root, so environment code cannot
+signal, trace or write into the process it serves; a hostile ``step`` ends only its own child, which is replaced as
+one that crashed.
+
 :class:`HostedEnvironment` is what the episode loop sees: the :class:`~asyncrl.common.environments.protocol.Environment`
 protocol, async, backed by the host.
 """
@@ -19,18 +25,21 @@ protocol, async, backed by the host.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import itertools
 import json
 import operator
 import os
+import signal
 import subprocess
 import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from asyncrl.actors import environment_fence
 from asyncrl.common.config import EnvironmentSection
 from asyncrl.common.environments.protocol import (
     EnvironmentFailed,
@@ -106,16 +115,12 @@ class EnvironmentHost:
         if self.restarts:  # one that died, or that this host killed (stuck, or not reading)
             exit_code = self._child.proc.returncode if self._child is not None else "killed"
             log.warning("environment host replaced", exit_code=exit_code, restarts=self.restarts)
-        env = {**os.environ, "ASYNCRL_ENV_MEMORY_MB": str(self.section.max_memory_mb)}
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "asyncrl.actors.environment_host"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-            text=True,
-            bufsize=1,
-        )
-        child = _Child(proc)
+        try:
+            fence = environment_fence.host_fence(self.section.fence)
+        except RuntimeError as exc:  # offline asked for where no namespace may be made
+            raise EnvironmentFailed(str(exc)) from None
+        # On the writer thread, which lives as long as this host: the launcher's parent-death signal follows it.
+        child = _Child(environment_fence.launch(fence, self.section.max_memory_mb))
         threading.Thread(target=self._read, args=(child,), name="environment-host-reader", daemon=True).start()
         return child
 
@@ -147,6 +152,8 @@ class EnvironmentHost:
             if child is None or child is self._child:
                 child, self._child = self._child, None
         if child is not None and child.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):  # its session: the launcher and the child
+                os.killpg(child.proc.pid, signal.SIGKILL)
             child.proc.kill()
             child.proc.wait()
 
@@ -296,6 +303,8 @@ def _serve() -> None:
     """The child's loop: one thread per request, answers written whole under a lock."""
     import resource
 
+    if plan := os.environ.get(environment_fence.PLAN_VARIABLE):  # first of all: no environment code has run yet
+        environment_fence.enter(json.loads(plan))
     limit_mb = int(os.environ.get("ASYNCRL_ENV_MEMORY_MB", "0"))
     if limit_mb:
         resource.setrlimit(resource.RLIMIT_AS, (limit_mb * 2**20, limit_mb * 2**20))

@@ -112,3 +112,38 @@ def candidates() -> list[Isolation]:
         Isolation("rlimits", (), per_run, f"{own_budget} for that uid", base, per_run_uid=True),
         worker_uid,
     ]
+
+
+# --------------------------------------------------------------------------- the environment host's fences
+# Environment code (``actors/environment_host.py``) is not a model's program: it needs the venv, its packages, the
+# network where it calls a service, and time. So its fences keep the filesystem (read-only) and, unless asked, the
+# network, and fence the process off from the process it serves (``actors/environment_fence.py`` says what each does).
+
+HOST_UID_BASE = UID_BASE - 2**24
+"""Per-host uids of a root actor's environment hosts: below the sandbox's per-run uids, far above any real account."""
+_HOST_NAMESPACES = ("pid", "mount", "ipc")
+
+
+def host_candidates(network: bool) -> list[Isolation]:
+    """The environment host's fences to try, strongest first: ``namespaces`` (root: PID, mount and IPC namespaces, a
+    per-host uid), ``user-namespaces`` (the same plus a user namespace: the actor's uid, no capabilities), and
+    ``none``. Without ``network`` each namespace fence adds a network namespace (no network, not even loopback).
+
+    Each launcher starts the host in a fresh ``/proc`` of its own PID namespace, whose init it is; the caller starts
+    it in a new session (``kill(0)`` from the host then reaches only the host's own process group).
+    """
+    root = os.geteuid() == 0
+    names = _HOST_NAMESPACES if network else (*_HOST_NAMESPACES, "net")
+    unshare = (tool("unshare"), *(f"--{name}" for name in names), "--mount-proc", "--fork", "--kill-child")
+    base = (tool("setpriv"), "--pdeathsig", "KILL", "--")
+    own = "its own PID namespace (it is the init)"
+    user_namespaces = Isolation(
+        "user-namespaces", ("user", *names), "the actor's uid, root in its user namespace, no capabilities", own,
+        (*base, unshare[0], "--user", "--map-root-user", *unshare[1:], "--"), per_run_uid=False,
+    )
+    none = Isolation("none", (), "the actor's uid" + (" (root)" if root else ""), "the actor's", (), per_run_uid=False)
+    if not root:
+        return [user_namespaces, none]
+    per_host = f"a per-host uid ({HOST_UID_BASE} and up), no capabilities"
+    return [Isolation("namespaces", names, per_host, own, (*base, *unshare, "--"), per_run_uid=True),
+            user_namespaces, none]
