@@ -1,20 +1,25 @@
 """Environments in their own process (``environment.isolation = "process"``, the default): one that crashes the
 process, hangs, asks for more memory than ``environment.max_memory_mb`` or returns garbage ends its own episode as an
 environment error — the process that drives the episodes (here the test, as an actor would) goes on, the next
-episode gets a working environment, and the reward worker's replay through the same kind of process scores it."""
+episode gets a working environment, and the reward worker's replay through the same kind of process scores it.
+The process is fenced off from the one it serves: an environment that tries to kill, trace or write into it ends
+only its own process."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
+from asyncrl.actors import environment_fence
 from asyncrl.actors.environment_host import EnvironmentHost
 from asyncrl.actors.episodes import close_environment_hosts, environment_host
 from asyncrl.common.config import load_config
@@ -110,7 +115,7 @@ def test_a_process_that_stops_reading_costs_a_step_its_limit_and_is_replaced() -
     async def frozen_then_fine() -> tuple[str, int]:
         await host.call_async("make", episode="e1", name="calculator", options={}, row=row)
         frozen = host._child.proc.pid
-        os.kill(frozen, signal.SIGSTOP)
+        stop_group(host, signal.SIGSTOP)
         watchdog = threading.Timer(20, lambda: running(frozen) and os.kill(frozen, signal.SIGKILL))
         watchdog.start()  # were the write made on the event loop, this would be what ends it (and the test fails)
         ticks = 0
@@ -147,11 +152,11 @@ def frozen_at_start(host: EnvironmentHost, thaw_after_s: float | None) -> list[i
 
     def start_frozen():
         child = start()
-        os.kill(child.proc.pid, signal.SIGSTOP)
+        os.killpg(child.proc.pid, signal.SIGSTOP)  # its session: the launcher and the child behind it
         pids.append(child.proc.pid)
         if thaw_after_s is not None:
             threading.Timer(
-                thaw_after_s, lambda: running(child.proc.pid) and os.kill(child.proc.pid, signal.SIGCONT)
+                thaw_after_s, lambda: running(child.proc.pid) and os.killpg(child.proc.pid, signal.SIGCONT)
             ).start()
         return child
 
@@ -184,3 +189,92 @@ def test_a_process_that_never_starts_fails_the_request_naming_the_wait(monkeypat
         assert not running(pids[0])  # killed, not left stopped
     finally:
         host.close()
+
+
+def stop_group(host: EnvironmentHost, sig: signal.Signals) -> None:
+    """``sig`` to a child's session: its launcher and the child itself (behind a fence, a process in a PID namespace
+    of its own whose pid here is not the launcher's)."""
+    os.killpg(host._child.proc.pid, sig)
+
+
+# --------------------------------------------------------------------------- the fence
+
+ACTOR = """
+import json, os, sys
+from prometheus_client import REGISTRY
+from asyncrl.actors.episodes import environment_host
+from tests.helpers.scripted_episodes import episode, tools_for
+
+how, victim_file, fence = sys.argv[1:4]
+if fence == "user-namespaces":  # the fence of an actor that is not root, on a machine where this one is
+    from asyncrl.actors import environment_fence
+    from asyncrl.common.rewards.sandbox_fences import host_candidates
+    fence, environment_fence._FENCES["auto"] = "auto", host_candidates(network=True)[1]
+options = {"how": how, "victim": os.getpid(), "victim_pidns": os.readlink("/proc/self/ns/pid"), "file": victim_file}
+table = "{" + ", ".join(f"{key} = {json.dumps(value)}" for key, value in options.items()) + "}"
+settings = ("environment.isolation=process", "environment.step_timeout_s=20", f"environment.fence={fence}",
+            "environment.name=tests.helpers.hostile_environments:Hostile", f"environment.options={table}")
+tools = tools_for("qwen2")
+attacked, _, turn = episode(tools, ["first", "second"], *settings, answer="attack")
+fine, _, _ = episode(tools, ["first", "second"], *settings, answer="42")
+errors = REGISTRY.get_sample_value("asyncrl_actor_episode_endings_total", {"ending": "environment_error"})
+print(json.dumps({"attacked": attacked.finish_reasons[0], "fine": fine.finish_reasons[0], "errors": errors,
+                  "fine_turns": int(sum(fine.trained(0)[1:] != fine.trained(0)[:-1]) + 1),
+                  "restarts": environment_host(turn.environment).restarts}))
+"""
+
+
+def play_the_actor(how: str, victim_file: Path, fence: str = "auto") -> tuple[int, dict, str]:
+    """Run :data:`ACTOR`, a disposable process that plays the actor (the host's parent and the attack's victim):
+    (its exit status, what it printed last, its stderr). Were the fence gone, the victim is that process, not pytest."""
+    actor = subprocess.run([sys.executable, "-c", ACTOR, how, str(victim_file), fence], capture_output=True,
+                           text=True, timeout=240, check=False)
+    lines = actor.stdout.strip().splitlines()
+    return actor.returncode, json.loads(lines[-1]) if lines else {}, actor.stderr
+
+
+@pytest.fixture
+def victim_file() -> Path:
+    """A file of the actor's, 0600 in a 0700 folder, as the run folder's are (outside the temporary folder, whose
+    fenced view is the host's own)."""
+    import shutil
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="asyncrl-victim-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None))
+    path = folder / "state"
+    path.write_text("the actor's")
+    path.chmod(0o600)
+    yield path
+    shutil.rmtree(folder)
+
+
+@pytest.mark.parametrize("fence", ["auto", "user-namespaces"])
+@pytest.mark.parametrize("how", ["kill_parent", "kill_all", "trace"])
+def test_an_environment_cannot_kill_trace_or_write_into_the_actor(how: str, fence: str, victim_file: Path) -> None:
+    """A step that kills its parent (and the actor's pid), kills every process it may (``kill(-1, 9)``), or traces or
+    writes into the actor: the actor lives, the episode ends as an environment error, the host that ended itself is
+    replaced at the next make, and the next episode runs to its turn limit. Behind this machine's fence, and behind
+    the user-namespace fence of an actor that is not root."""
+    if fence == "user-namespaces" and os.geteuid() != 0:
+        fence = "auto"  # which is that fence: the test above says so
+    status, result, stderr = play_the_actor(how, victim_file, fence)
+    assert status == 0, f"the actor died (exit {status}): {stderr[-2000:]}"
+    assert "ESCAPED" not in stderr, stderr[-2000:]
+    assert result["attacked"] == "environment_error" and result["errors"] == 1.0, result
+    assert result["restarts"] >= 1, result
+    assert result["fine"] == "length" and result["fine_turns"] == 7, result  # 4 model turns, 3 observations
+    assert victim_file.read_text() == "the actor's"
+
+
+def test_without_the_fence_the_attack_reaches_the_actor(victim_file: Path) -> None:
+    """What the fence stops, shown on the disposable actor: with ``environment.fence = "none"`` its step kills it."""
+    status, _, _ = play_the_actor("kill_parent", victim_file, fence="none")
+    assert status == -signal.SIGKILL
+
+
+def test_the_fence_here_is_the_strongest_this_machine_has() -> None:
+    """Root with namespaces (CI, this test's machines) gets a uid of its own; any other user a user namespace. A
+    machine that allows neither fails here rather than passing unfenced."""
+    fence = environment_fence.host_fence("auto")
+    assert fence.fence == ("namespaces" if os.geteuid() == 0 else "user-namespaces"), fence
+    assert not fence.refused, fence
