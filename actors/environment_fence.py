@@ -47,6 +47,8 @@ from asyncrl.common.observability.logs import get_logger
 from asyncrl.common.rewards.sandbox_fences import HOST_UID_BASE, Isolation, host_candidates
 
 log = get_logger("environment_host")
+READY = {"ready": True}
+"""The first line a host writes once it can take requests (behind its fence, before any environment code runs)."""
 PLAN_VARIABLE = "ASYNCRL_ENV_FENCE"
 """The host's fence (:func:`plan`, as JSON) on its way to :func:`enter`, in the host's environment."""
 SECRETS = ("ASYNCRL_REDIS_URL", "ASYNCRL_REDIS_URL_FILE", "ASYNCRL_CURVE_CLIENT_KEY", "ASYNCRL_CURVE_CLIENT_KEYS",
@@ -162,8 +164,6 @@ def _detect(setting: str) -> Isolation:
 
 def _probe(fence: Isolation) -> str:
     """Start a host behind ``fence`` and wait for it to say it is ready; "" when it did, else why not."""
-    from asyncrl.actors.environment_host import READY
-
     with tempfile.TemporaryFile() as err:
         proc = launch(fence, 512, stderr=err)
         try:

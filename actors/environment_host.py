@@ -60,7 +60,7 @@ MAX_STUCK = 8
 START_TIMEOUT_S = 60.0
 """How long a new child may take to start (a Python interpreter and asyncrl's imports, on a loaded machine) before it
 counts as failed. Not part of any request's ``environment.step_timeout_s``: that limit is the environment's own time."""
-READY = {"ready": True}
+READY = environment_fence.READY
 """The child's first line: it has started and imported what it needs, and takes requests from now on."""
 
 
