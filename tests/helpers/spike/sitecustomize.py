@@ -11,10 +11,7 @@ here is imported by asyncrl itself.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
 import os
-import sys
 
 MODULE = "asyncrl.actors.weight_receiver"
 
@@ -39,25 +36,7 @@ def _plant(module) -> None:
     extension.asyncrl_load = asyncrl_load
 
 
-class _PlantOnImport(importlib.abc.MetaPathFinder):
-    """Finds ``actors.weight_receiver`` once, through the normal finders, and patches it right after it executes."""
-
-    def find_spec(self, name, path, target=None):
-        if name != MODULE:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
-            return spec
-        execute = spec.loader.exec_module
-
-        def exec_module(module) -> None:
-            execute(module)
-            _plant(module)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
 if os.environ.get("ASYNCRL_SPIKE_VERSION"):
-    sys.meta_path.insert(0, _PlantOnImport())
+    from tests.helpers.plant_on_import import plant_on_import
+
+    plant_on_import(MODULE, _plant)
