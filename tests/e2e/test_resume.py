@@ -18,22 +18,26 @@ adapters alone, which the actor's engine serves as its LoRA adapter.
 2. ``--resume latest`` with two ranks; the whole learner (torchrun and both ranks) is then killed with SIGKILL
    between two checkpoints, as when its host dies: nothing of it gets to clean up.
 3. Resumed again, then stopped with SIGTERM to rank 0: the step finishes, a checkpoint of it is saved, exit 0.
-4. Resumed once more, to the end; the reward worker and the actor then exit 0 by themselves.
+4. Resumed once more, to the end; the reward worker and the actor then exit 0 by themselves. On the way, the actor
+   receives version :data:`TAMPERED`'s adapters with one bit of a bucket flipped after the broadcast and before its
+   digest check, as if altered in transit (tests/helpers/tamper/, on the actor's ``PYTHONPATH``): it refuses that
+   version (its log, ``weights.refused`` in the audit trail), keeps serving the adapters it had, and loads the next.
 
-Then the run is audited from what it left: metrics.jsonl has steps 1..N once each and its reward rose; Redis shows
-every issued group
-trained exactly once in the surviving history, or accounted for (dropped by a rule, still in flight, or lost after its
-re-issue), the real groups behind the hijacked ids included, and nothing but the forgeries dead-lettered; the actor
-loaded the adapters the two ranks sent — gathered under ZeRO-3 — the restored ones included; audit.jsonl tells who
-started and resumed the run. Last, the run's final checkpoint as users take it: ``rl-learner eval --checkpoint latest``
-serves its merged ``hf/`` export on vLLM and writes every greedy answer (``--samples``), and transformers, loading the
-PEFT ``adapter/`` folder over the base model and the ``hf/`` folder, answers every prompt the same
-(tests/helpers/lora_exports.py). The equality of two ranks and one on the same batches is
-tests/integration/test_learner_ranks.py's; a full-weight run's resume is tests/e2e/test_redis_restart.py's.
+Then the run is audited from what it left: metrics.jsonl has steps 1..N once each and its reward rose; Redis shows every
+issued group trained exactly once in the surviving history, or accounted for (dropped by a rule, still in flight, or
+lost after its re-issue), the real groups behind the hijacked ids included, and nothing but the forgeries dead-lettered;
+the actor loaded the adapters the two ranks sent — gathered under ZeRO-3 — the restored ones included, and all but the
+tampered version; audit.jsonl tells who started and resumed the run, and which version the actor refused. Last, the
+run's final checkpoint as users take it: ``rl-learner eval --checkpoint latest`` serves its merged ``hf/`` export on
+vLLM and writes every greedy answer (``--samples``), and transformers, loading the PEFT ``adapter/`` folder over the
+base model and the ``hf/`` folder, answers every prompt the same (tests/helpers/lora_exports.py). The equality of two
+ranks and one on the same batches is tests/integration/test_learner_ranks.py's; a full-weight run's resume is
+tests/e2e/test_redis_restart.py's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -51,7 +55,7 @@ from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.keys import connect
 from asyncrl.common.plane.replay import ReplayWriter
 from asyncrl.common.rewards.verifiers import bind_verifier
-from asyncrl.common.transport.channel import PushChannel
+from asyncrl.common.transport.channel import ChannelBlocked, PushChannel
 from asyncrl.common.wire.messages import RolloutGroup, ScoredGroup
 from asyncrl.common.wire.seal import numbered_group_id, run_seal, run_secret
 from asyncrl.learner.checkpoint_format import open_checkpoint
@@ -71,6 +75,11 @@ LORA.append(f"learner.lr={LORA_PRESET['learner']['lr']}")
 """configs/lora.toml's adapters and learning rate."""
 
 
+TAMPER = ROOT / "tests/helpers/tamper"
+TAMPERED = STEPS - 6
+"""The version whose adapters the actor receives with one bit flipped: broadcast by the last learner (the third resume
+stops a step or two after the second's checkpoint, well before it), so it is sent once, and the version before it was
+loaded clean."""
 EVAL_PROMPTS = 64
 """configs/demo.toml's eval.limit: the greedy answers compared across vLLM and the two exports."""
 
@@ -106,7 +115,7 @@ def test_a_two_rank_learner_killed_twice_resumes_and_every_group_is_trained_once
         # 0. forgeries while the first learner waits for its first batch, then the actor
         first = start("learner-1", "--profile", "2")
         sent = strike(plane, first)
-        procs.start_actor("actor-0", run_args, core=1)
+        procs.start_actor("actor-0", run_args, core=1, env=tampering(TAMPERED))
 
         # 1. kill -9 of rank 1 after a checkpoint and before the next
         _wait(lambda: between_checkpoints(run_dir, 3), "step 3 or 5", first)
@@ -140,10 +149,14 @@ def test_a_two_rank_learner_killed_twice_resumes_and_every_group_is_trained_once
         assert third.wait(300) == 0, procs.log("learner-3")[-3000:]
         stopped_at = _steps(run_dir)[-1]
         assert complete_checkpoints(run_dir / "checkpoints")[-1][0] == stopped_at
+        assert stopped_at < TAMPERED - 1  # the tampered version and the one before it come from the last learner
 
         # 4. resume to the end: the run wants actors while it goes on (the autoscaling signal), none once finished
         fourth = start("learner-4", "--resume", "latest")
         _wait(lambda: plane.run.actors_wanted() >= 1, "the actors wanted", fourth)
+        _wait(lambda: "refused new weights" in procs.log("actor-0"), f"version {TAMPERED} refused", fourth)
+        [actor] = [h for h in plane.registry.processes()[0] if h.process_id == "actor-0"]
+        assert metric(actor, "asyncrl_actor_weight_digest_mismatches_total") == 1  # what the alert reads
         assert fourth.wait(900) == 0, procs.log("learner-4")[-3000:]
         assert plane.run.actors_wanted() == 0
         for name in ("reward", "actor-0"):  # the run finished: both exit 0 by themselves
@@ -166,6 +179,7 @@ def test_a_two_rank_learner_killed_twice_resumes_and_every_group_is_trained_once
         assert "refused a rollout group without scoring it" in procs.log("reward")
         actor_log = procs.log("actor-0")
         assert re.search(rf"loaded new weights version={STEPS} .*restore=3", actor_log)  # the third resume's
+        _refused_once(actor_log, TAMPERED)
         assert "learner rank following rank 0 rank=1 world_size=2" in procs.log("learner-4")
         pids = {"actor-0": procs.procs["actor-0"].pid, "reward": procs.procs["reward"].pid, **leaders}
         _audit_trail(run_dir, plane, url, resumed_from=[first_saved, second_saved, stopped_at], pids=pids)
@@ -196,6 +210,25 @@ def test_a_two_rank_learner_killed_twice_resumes_and_every_group_is_trained_once
         procs.stop_all()
 
 
+def tampering(version: int) -> dict[str, str]:
+    """The environment of an actor whose engine receives ``version``'s adapters with one bit flipped in transit
+    (tests/helpers/tamper/sitecustomize.py, first on its ``PYTHONPATH``; the spike's folder is not needed here)."""
+    path = [str(TAMPER), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {"PYTHONPATH": os.pathsep.join(path), "ASYNCRL_TAMPER_VERSION": str(version)}
+
+
+def _refused_once(actor_log: str, version: int) -> None:
+    """The actor's log: ``version`` arrived altered and was refused while the version before it went on serving, it
+    was never loaded, and the next version replaced the one that had served through it."""
+    assert f"planted a tampering: version {version} bucket 0 " in actor_log, actor_log[-3000:]
+    refusals = re.findall(r"refused new weights: .* version=(\d+) serving=(\d+) ", actor_log)
+    assert refusals == [(str(version), str(version - 1))], refusals
+    assert not re.search(rf"loaded new weights version={version} ", actor_log)
+    [line] = re.findall(rf"loaded new weights version={version + 1} previous=\d+ .*", actor_log)
+    assert f"previous={version - 1} " in line, line
+    print(f"refused version {version} while serving {version - 1}; loaded {version + 1} next: {line}")
+
+
 def strike(plane: ControlPlane, learner) -> list[tuple[str, str, RolloutGroup]]:
     """The forgeries of :func:`tests.helpers.forgery.forgeries`, sent while no actor runs yet; returns them once every
     one was refused (by the reward worker or the learner) and the stranger was refused at the handshake, with none of
@@ -206,18 +239,25 @@ def strike(plane: ControlPlane, learner) -> list[tuple[str, str, RolloutGroup]]:
     sent = forgeries(plane)
     # An insider: it holds the run secret (it reached the run's Redis), so its messages pass the seal and meet the
     # issue-record checks. A stranger on the same machine sends the same groups and more without the run's credential:
-    # its connection fails the CURVE handshake, so none of them is read.
+    # its connection fails the CURVE handshake, so none of them is read. Between two of its failed handshakes its socket
+    # may have no connection to queue on, and then a send blocks: that too is the stranger refused, so a blocked send
+    # is given up after a second.
     push = PushChannel("rollouts", send_timeout_s=10, seal=run_seal(plane.client, plane.keys, "rollouts"))
     push.connect(endpoint)
-    stranger = PushChannel("rollouts", send_timeout_s=10)
+    stranger = PushChannel("rollouts", send_timeout_s=1)
     stranger.connect(endpoint)
+
+    def from_stranger(group: RolloutGroup) -> None:
+        with contextlib.suppress(ChannelBlocked):
+            stranger.send(group)
+
     try:
         for _, _, group in (f for f in sent if f[0] == "socket"):
             push.send(group)
-            stranger.send(group)
+            from_stranger(group)
         sprayed = [dataclasses.replace(g, texts=["19"] * 8) for g in right_texts(plane)]
         for group in sprayed:
-            stranger.send(group)  # right answers over other token ids, under every id it knows is in flight
+            from_stranger(group)  # right answers over other token ids, under every id it knows is in flight
         rigged = [ScoredGroup(rollout=g, rewards=np.ones(8, np.float32)) for w, _, g in sent if w == "replay"]
         ReplayWriter(plane.client, plane.keys).add(rigged)
         # the socket closes with linger 0: wait until every forgery was refused by the worker or the learner
@@ -278,7 +318,11 @@ def _audit_trail(run_dir: Path, plane: ControlPlane, url: str, resumed_from: lis
     assert all(len(digest) == 16 for _, digest in published)
     actor = [line for line in of("weights.loaded") if line["who"]["process"] == "actor-0"]
     assert actor and {(line["version"], line["digest"]) for line in actor} <= published
-    assert not of("weights.refused")
+    [refused] = of("weights.refused")  # the tampered version, by the actor, and nothing else
+    assert (refused["version"], refused["who"]["process"]) == (TAMPERED, "actor-0"), refused
+    assert refused["reason"].startswith("bucket 0 ") and (TAMPERED, refused["digest"]) in published, refused
+    loaded = {line["version"] for line in actor}
+    assert TAMPERED not in loaded and {TAMPERED - 1, TAMPERED + 1} <= loaded
 
 
 def _trained(plane: ControlPlane) -> dict[str, int]:
