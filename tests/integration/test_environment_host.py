@@ -31,7 +31,7 @@ from tests.helpers.stack import running
 
 pytestmark = pytest.mark.integration
 TOOLS = tools_for("qwen2")
-HOSTED = ("environment.isolation=process", "environment.step_timeout_s=2", "environment.max_memory_mb=512")
+HOSTED = ("environment.isolation=process", "environment.step_timeout_s=5", "environment.max_memory_mb=512")
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -31,6 +31,7 @@ from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.dead_letters import DEAD_LETTER_MAXLEN
 from asyncrl.common.plane.keys import RunKeys
 from asyncrl.common.tiny_models import synthetic
+from asyncrl.common.transport.channel import PushChannel
 from asyncrl.common.wire.messages import encode, encode_blob
 from asyncrl.common.wire.seal import run_seal
 from tests.helpers.garbage import bad_blob, bad_messages
@@ -112,12 +113,13 @@ def test_reward_worker_survives_a_garbage_flood_on_its_pull_socket(redis_server,
     with reward_worker(redis_server, redis_client, tmp_path, run) as (proc, endpoint):
         log = tmp_path / f"{run}.log"
         port = int(heartbeat(redis_client, run, "rw-1").metrics_url.rsplit(":", 1)[1].split("/")[0])
-        push = zmq.Context.instance().socket(zmq.PUSH)
-        push.sndtimeo = 60_000  # a receiver that stopped taking messages fails the test instead of hanging it
-        push.connect(endpoint)
-        big = zmq.Context.instance().socket(zmq.PUSH)  # frames above the limit: refused inside libzmq
-        big.linger = 0
-        big.connect(endpoint)
+        # Members' sockets (the run's CURVE keys), written to raw: the frames are sealed already. A receiver that
+        # stopped taking messages fails the test (60 s send timeout) instead of hanging it.
+        member = PushChannel("rollouts", hwm=1000, send_timeout_s=60, seal=seal)
+        member.connect(endpoint)
+        oversize = PushChannel("rollouts", seal=seal)  # frames above the limit: refused inside libzmq
+        oversize.connect(endpoint)
+        push, big = member.socket, oversize.socket
         try:
             push.send_multipart(seal.seal(encode(first)), copy=False)
             assert [e.group.rollout.group_id for e in read_replay(redis_client, run, 1)] == ["before"]
@@ -131,8 +133,8 @@ def test_reward_worker_survives_a_garbage_flood_on_its_pull_socket(redis_server,
             drained = time.perf_counter() - drained
             rss_after = rss(proc.pid)
         finally:
-            push.close(linger=0)
-            big.close()
+            member.close()
+            oversize.close()
         assert proc.poll() is None, log.read_text()[-5000:]
         assert [e.group.rollout.group_id for e in scored] == ["after"]
         counted = wait_for(lambda: malformed(port, sent), proc, log, f"{sent} malformed messages counted")
