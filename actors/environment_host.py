@@ -217,7 +217,7 @@ class EnvironmentHost:
             return self._answer(await asyncio.wait_for(asyncio.wrap_future(future), deadline - loop.time()))
         except TimeoutError:
             child.late.add(request_id)
-            if len(child.late) >= MAX_STUCK:
+            if len(child.late) == MAX_STUCK:  # once per child: the requests that time out after it are its own
                 log.warning("environment process has too many stuck steps; replacing it", stuck=len(child.late))
                 self._kill(child)
             raise EnvironmentFailed(f"{op} took longer than environment.step_timeout_s = {timeout_s:g}") from None
