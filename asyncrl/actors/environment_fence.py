@@ -114,12 +114,11 @@ def _proc_writable(uid: int | None) -> bool:
 
 @functools.cache
 def _needed() -> tuple[str, ...]:
-    """What a host must read: the interpreter's prefixes, ``sys.path``, the working folder, asyncrl's folders."""
-    import asyncrl.actors
-    import asyncrl.common
+    """What a host must read: the interpreter's prefixes, ``sys.path``, the working folder, the folder asyncrl is in."""
+    import asyncrl
 
-    packages = (Path(module.__file__).parent.parent for module in (asyncrl, asyncrl.common, asyncrl.actors))
-    paths = {sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix, os.getcwd(), *sys.path, *packages}
+    package = Path(asyncrl.__file__).parent.parent  # asyncrl/common and asyncrl/actors are inside it
+    paths = {sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix, os.getcwd(), *sys.path, package}
     return tuple(sorted({os.path.realpath(p) for p in paths if p and os.path.isdir(p)}))
 
 

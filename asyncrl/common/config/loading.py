@@ -20,7 +20,7 @@ from asyncrl.common.config.base import MAX_CONFIG_BYTES, MAX_DEPTH, ConfigError,
 from asyncrl.common.config.run import RunConfig, validated
 from asyncrl.common.transport.net import is_loopback
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs"  # the repository's configs/, beside asyncrl/
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
