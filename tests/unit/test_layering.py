@@ -2,7 +2,8 @@
 through others, even inside a function (a circle there means a module with two jobs); ``common`` imports neither
 ``actors`` nor ``learner``, nor vLLM or DeepSpeed; ``actors`` and ``learner`` never import each other and ``learner``
 never imports vLLM. Imports under ``if TYPE_CHECKING:`` are only for annotations and do not count. Every part is
-imported under the one top-level package, ``asyncrl``, and the distribution installs every one of its packages."""
+imported under the one top-level package, ``asyncrl``, whose every module is at the path its name says, and the
+distribution installs every one of its packages."""
 
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ PACKAGES = ("common", "actors", "learner")
 
 
 def module_files() -> dict[str, Path]:
-    """Every module of the three parts by its importable name (``asyncrl.common.plane.keys``)."""
+    """Every module of the three parts by its importable name, which is its path (``asyncrl.common.plane.keys`` is
+    ``asyncrl/common/plane/keys.py``)."""
     found = {}
     for package in PACKAGES:
-        for path in (ROOT / package).rglob("*.py"):
-            found["asyncrl." + ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")] = path
+        for path in (ROOT / "asyncrl" / package).rglob("*.py"):
+            found[".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")] = path
     return found
 
 
@@ -95,8 +97,9 @@ def test_the_layering_rule_sees_a_crossing() -> None:
 
 
 def test_nothing_imports_the_parts_outside_the_asyncrl_package() -> None:
-    """``common``, ``actors`` and ``learner`` are folders, not packages: a ``from common.keys import …`` works
-    from the repository's root only, and would load a second copy of the module beside ``asyncrl.common.plane.keys``."""
+    """The root's ``common``, ``actors`` and ``learner`` are links into ``asyncrl/``, not packages: a ``from
+    common.plane.keys import …`` works from the repository's root only, and would load a second copy of the module
+    beside ``asyncrl.common.plane.keys``."""
     bare = {}
     for path in sorted(ROOT.glob("**/*.py")):
         if ".venv" in path.parts or "build" in path.parts:
@@ -108,7 +111,12 @@ def test_nothing_imports_the_parts_outside_the_asyncrl_package() -> None:
 
 
 def test_the_distribution_installs_every_package() -> None:
-    """``pyproject.toml`` lists the packages by hand (their folders are mapped): a new sub-package must be listed."""
-    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    packages = {name for name, path in module_files().items() if path.name == "__init__.py"} | {"asyncrl"}
-    assert listed == packages
+    """``pyproject.toml`` finds the packages under ``asyncrl`` without mapping a folder (path = module), and only
+    regular packages: a folder of modules without an ``__init__.py`` would be left out of the wheel, so there is none;
+    the root's links into ``asyncrl/`` are no packages of their own."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert setuptools == {"packages": {"find": {"include": ["asyncrl", "asyncrl.*"], "namespaces": False}}}
+    folders = {path.parent for path in module_files().values()} | {ROOT / "asyncrl"}
+    assert sorted(str(f.relative_to(ROOT)) for f in folders if not (f / "__init__.py").is_file()) == []
+    for name in PACKAGES:
+        assert (ROOT / name).resolve() == ROOT / "asyncrl" / name, f"{name}: a link to asyncrl/{name}"

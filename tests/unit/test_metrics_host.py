@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def calls_without_addr() -> tuple[list[str], int]:
     """(``file:line`` of each product call of start_metrics_server without ``addr=``, how many calls there are)."""
     missing, total = [], 0
-    for path in sorted(p for folder in ("actors", "common", "learner") for p in (ROOT / folder).rglob("*.py")):
+    for path in sorted(p for part in ("actors", "common", "learner") for p in (ROOT / "asyncrl" / part).rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if not isinstance(node, ast.Call):
                 continue
