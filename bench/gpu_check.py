@@ -156,7 +156,7 @@ def _entropy_module():
     dependencies."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("entropy", ROOT / "learner" / "algorithms" / "entropy.py")
+    spec = importlib.util.spec_from_file_location("entropy", ROOT / "asyncrl" / "learner" / "algorithms" / "entropy.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
