@@ -74,8 +74,8 @@ SHARED_CORES = {
     "test_lifeline_sweeper.py",
     # DeepSpeed engines in the test's own process, offline `rl-learner` runs and two-rank torchruns: training whose
     # checks compare numbers, never a clock
-    "test_checkpoint.py", "test_critic.py", "test_dpo_offline.py", "test_learner_engine.py", "test_learner_ranks.py",
-    "test_lora_engine.py", "test_preset_updates.py",
+    "test_checkpoint.py", "test_checkpoint_disk.py", "test_critic.py", "test_dpo_offline.py", "test_learner_engine.py",
+    "test_learner_ranks.py", "test_lora_engine.py", "test_preset_updates.py",
 }
 """Modules with integration tests that start no vLLM engine, sandbox or timed fault (no deadline, TTL or time budget
 decides what they check): under ``-n 2`` they run beside the serial chain, like the unit tier. Everything
