@@ -197,7 +197,7 @@ def test_a_sealed_channel_admits_only_holders_of_the_run_secret_before_reading_a
                 push.connect(endpoint)
             strangers[0].socket.send_multipart([b"\0" * 16, b"x" * 1024])  # what a peer writes by hand
             strangers[1].send(group)
-            wait_for(lambda: pull.count_refused_handshakes() >= 0 and pull.refused_handshakes >= 2, "two refusals")
+            wait_for(lambda: pull.count_refused_handshakes() >= 2, "two refusals")
             member.send(group)
             received = pull.recv(timeout_s=10)
             assert received is not None and received.group_id == group.group_id

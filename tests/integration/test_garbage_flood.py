@@ -34,6 +34,7 @@ from asyncrl.common.tiny_models import synthetic
 from asyncrl.common.transport.channel import PushChannel
 from asyncrl.common.wire.messages import encode, encode_blob
 from asyncrl.common.wire.seal import run_seal
+from tests.helpers.flood import resident_kib
 from tests.helpers.garbage import bad_blob, bad_messages
 from tests.helpers.reward_stack import heartbeat, publish, read_replay, reward_worker, wait_for
 from tests.helpers.rollouts import issue, make_group
@@ -46,14 +47,6 @@ MAX_GROWTH = 200 * 2**20
 """Resident memory a receiver may gain over a flood."""
 # Oversized messages are a quarter of a megabyte: rarer than the others, or they alone would set the rate.
 WEIGHTS = {"oversized": 1} | {kind: 20 for kind in ("random_bytes", "truncated_msgpack")}
-
-
-def rss(pid: int) -> int:
-    """Resident set size of ``pid`` in bytes (``VmRSS`` of /proc/<pid>/status)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for {pid}")
 
 
 def samples(port: int, name: str) -> dict[str, float]:
@@ -123,7 +116,7 @@ def test_reward_worker_survives_a_garbage_flood_on_its_pull_socket(redis_server,
         try:
             push.send_multipart(seal.seal(encode(first)), copy=False)
             assert [e.group.rollout.group_id for e in read_replay(redis_client, run, 1)] == ["before"]
-            rss_before = rss(proc.pid)
+            rss_before = resident_kib(proc.pid) * 1024
             sent, seconds = flood(push, pool)
             for _ in range(3):
                 big.send(bytes(MAX_BYTES + 1))
@@ -131,7 +124,7 @@ def test_reward_worker_survives_a_garbage_flood_on_its_pull_socket(redis_server,
             drained = time.perf_counter()
             scored = read_replay(redis_client, run, 1, timeout_s=300)
             drained = time.perf_counter() - drained
-            rss_after = rss(proc.pid)
+            rss_after = resident_kib(proc.pid) * 1024
         finally:
             member.close()
             oversize.close()
@@ -176,7 +169,7 @@ def test_replay_consumer_survives_a_garbage_flood_in_the_replay_stream(redis_ser
         port = int(proc.stdout.readline().split()[1])
         redis_client.xadd(keys.replay, {b"m": encode_blob(valid)})
         wait_for(lambda: samples(port, "asyncrl_replay_entries_read_total").get("") == 1, proc, log, "the first group")
-        rss_before = rss(proc.pid)
+        rss_before = resident_kib(proc.pid) * 1024
         sent, seconds = flood_stream(redis_client, keys.replay, blobs)
         drained = time.perf_counter()
         redis_client.xadd(keys.replay, {b"m": encode_blob(valid)})
@@ -188,7 +181,7 @@ def test_replay_consumer_survives_a_garbage_flood_in_the_replay_stream(redis_ser
             timeout_s=300,
         )
         drained = time.perf_counter() - drained
-        rss_after = rss(proc.pid)
+        rss_after = resident_kib(proc.pid) * 1024
         fields = samples(port, "asyncrl_replay_dead_letters_total")
         counted = int(sum(fields.values()))
         pending = redis_client.xpending(keys.replay, "learner")["pending"]

@@ -140,15 +140,13 @@ class _Channel:
 
     def count_refused_handshakes(self) -> int:
         """Count the handshakes that failed since the last call (a peer without the run's keys, or with keys the
-        operator did not authorise); logs the 1st, 10th, 100th, … and calls ``on_refused_handshake``. Cheap: one
-        socket option read when none failed."""
+        operator did not authorise); logs the 1st, 10th, 100th, … and calls ``on_refused_handshake``. Returns the
+        refusals so far. Cheap: one socket option read when none failed."""
         monitor = self._refusals
         if monitor is None:
             return 0
-        new = 0
         while monitor.get(zmq.EVENTS) & zmq.POLLIN:
             monitor.recv_multipart()  # (event and value, endpoint): which peer is not known to the socket
-            new += 1
             self.refused_handshakes += 1
             CHANNEL_REFUSED_HANDSHAKES.labels(self.name).inc()
             if self.on_refused_handshake is not None:
@@ -161,7 +159,7 @@ class _Channel:
                     action="only the run's processes (which reach its Redis, and so its secret) or clients with an "
                     "authorised key may connect; a flood of these is a peer that is neither",
                 )
-        return new
+        return self.refused_handshakes
 
     def _own_context(self) -> None:
         """Move the (not yet bound) socket into a context of its own: a CURVE server's ZAP handler binds
