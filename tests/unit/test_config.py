@@ -6,7 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.common.config import ConfigError, RunConfig, field_help, load_config, with_host_keys, write_resolved
+from asyncrl.common.config import (
+    ConfigError,
+    RunConfig,
+    field_help,
+    known_presets,
+    load_config,
+    with_host_keys,
+    write_resolved,
+)
 
 
 def write(path: Path, text: str) -> Path:
@@ -94,6 +102,30 @@ def test_malformed_override_and_missing_files_are_explained(tmp_path: Path) -> N
         load_config(write(tmp_path / "bad.toml", "[learner\n"))
     with pytest.raises(ConfigError, match="preset 'nope' not found"):
         load_config(write(tmp_path / "p.toml", 'preset = "nope"\n'))
+
+
+def test_a_users_file_named_after_a_preset_overlays_that_preset(tmp_path: Path) -> None:
+    """``grpo.toml`` saying ``preset = "grpo"`` is the user's change over the package's GRPO, not a cycle; a real
+    cycle (a → b → a) is still named one."""
+    mine = write(tmp_path / "dapo.toml", 'preset = "dapo"\n[learner]\nsteps = 3\n')
+    config = load_config(mine)
+    assert (config.learner.steps, config.algorithm.preset, config.algorithm.dynamic_sampling) == (3, "dapo", True)
+    write(tmp_path / "a.toml", 'preset = "b"\n')
+    write(tmp_path / "b.toml", 'preset = "a"\n')
+    with pytest.raises(ConfigError, match="preset cycle through"):
+        load_config(tmp_path / "a.toml")
+
+
+def test_a_presets_bare_name_is_a_config_where_no_such_file_exists(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An installed package has no configs/ folder: ``rl-launch run demo`` runs the packaged demo; a file of that
+    name in the working folder comes first."""
+    monkeypatch.chdir(tmp_path)
+    assert load_config("demo").run.name == "demo"
+    write(tmp_path / "demo", "[run]\nname = \"mine\"\n")
+    assert load_config("demo").run.name == "mine"
+    assert {"demo", "grpo", "dapo", "ppo", "dpo", "lora", "agent"} <= set(known_presets())
 
 
 def test_resolved_config_round_trips_through_json(tmp_path: Path) -> None:

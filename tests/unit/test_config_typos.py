@@ -7,11 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.common.config import ConfigError, load_config
+from asyncrl.common.config import ConfigError, load_config, preset_dir
 from asyncrl.learner.algorithms.assembly import assemble
 from asyncrl.learner.preflight import check_config
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(
@@ -53,7 +51,7 @@ def test_a_task_typo_is_caught_without_building_the_task(overrides: list[str], m
     assert message in str(raised.value)
 
 
-@pytest.mark.parametrize("config", sorted((ROOT / "configs").glob("*.toml")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("config", sorted(preset_dir().glob("*.toml")), ids=lambda p: p.stem)
 def test_every_shipped_config_passes(config: Path) -> None:
     overrides = ["data.path='pairs.jsonl'"] if config.stem == "dpo" else []  # a preferences run needs its file
     check_config(load_config(config, overrides))

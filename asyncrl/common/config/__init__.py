@@ -1,9 +1,10 @@
 """The run configuration: one validated schema for a whole run, loaded from TOML.
 
 Every field's docstring is its help text (``rl-learner fields`` prints them). A config file may name a ``preset`` (a
-TOML file in ``configs/``) that it overlays; then ``--set a.b=c`` overrides apply, then validation. The resolved config
-is written to ``runs/<name>/config.json`` and published to Redis, so that an actor started with only
-``--redis URL --run NAME`` works from exactly the same settings as the learner.
+TOML file beside it, or one the package ships in ``asyncrl/presets/``) that it overlays; then ``--set a.b=c``
+overrides apply, then validation. The resolved config is written to ``runs/<name>/config.json`` and published to
+Redis, so that an actor started with only ``--redis URL --run NAME`` works from exactly the same settings as the
+learner.
 
 The schema is split by concern — :mod:`.base` (what every section shares), :mod:`.training` (what a run trains and
 how), :mod:`.operations` (how its processes keep in step), :mod:`.run` (the whole :class:`RunConfig`) and
@@ -17,7 +18,9 @@ from asyncrl.common.config.loading import (
     HOST_KEY_ENV,
     bind_refusal,
     field_help,
+    known_presets,
     load_config,
+    preset_dir,
     with_host_keys,
     write_resolved,
 )
@@ -50,7 +53,9 @@ __all__ = [
     "bind_refusal",
     "broadcast_overlaps",
     "field_help",
+    "known_presets",
     "load_config",
+    "preset_dir",
     "weights_lag",
     "with_host_keys",
     "write_resolved",

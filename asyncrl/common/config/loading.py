@@ -1,9 +1,11 @@
-"""A config from its TOML file: the ``preset`` it overlays (files in ``configs/``), ``--set a.b=c`` overrides, the
+"""A config from its TOML file: the ``preset`` it overlays (a file beside it, or one of the package's presets in
+``asyncrl/presets/``, read through ``importlib.resources``), ``--set a.b=c`` overrides, the
 resolved config written to the run folder, this host's CURVE key paths from the environment (and whether its reward
 workers can bind with them), and the field reference ``rl-learner fields`` prints."""
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 import os
 import sys
@@ -20,12 +22,24 @@ from asyncrl.common.config.base import MAX_CONFIG_BYTES, MAX_DEPTH, ConfigError,
 from asyncrl.common.config.run import RunConfig, validated
 from asyncrl.common.transport.net import is_loopback
 
-CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs"  # the repository's configs/, beside asyncrl/
+
+def preset_dir() -> Path:
+    """The presets the package ships (``asyncrl/presets/*.toml``; the checkout's ``configs/`` links to them). An
+    installed package is unpacked on disk, from a wheel as from a checkout, so the resource is a folder."""
+    folder = importlib.resources.files("asyncrl") / "presets"
+    if not isinstance(folder, Path):  # only a zipped install would do this
+        raise ConfigError("asyncrl's presets are not in a folder on disk; install asyncrl unpacked (pip install)")
+    return folder
+
+
+def known_presets() -> list[str]:
+    return sorted(p.stem for p in preset_dir().glob("*.toml"))
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """The config in ``path`` (over its ``preset``, if any) with ``key.path=value`` overrides applied."""
-    data: dict[str, Any] = _read_toml_with_preset(Path(path)) if path else {}
+    """The config in ``path`` (over its ``preset``, if any) with ``key.path=value`` overrides applied. ``path`` may
+    also be a preset's bare name (``demo``) where no such file exists: an installed package has no ``configs/``."""
+    data: dict[str, Any] = _read_toml_with_preset(_config_path(Path(path))) if path else {}
     for item in overrides:
         key, value = _parse_override(item)
         check_values(value, key.split("."))
@@ -34,14 +48,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 
 def _read_toml_with_preset(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    if path in seen:
-        raise ConfigError(f"{path}: preset cycle through {' -> '.join(map(str, seen))}")
     data = _parse_toml(path, _read_config_file(path))
     check_values(data, [], f"{path}: ")
     base_name = data.pop("preset", None)
     if base_name is None:
         return data
-    base_path = _preset_path(str(base_name), path.parent)
+    base_path = _preset_path(str(base_name), path.parent, (*seen, path))
     return _deep_merge(_read_toml_with_preset(base_path, (*seen, path)), data)
 
 
@@ -75,12 +87,26 @@ def _parse_toml(path: Path, text: str) -> dict[str, Any]:
         ) from None
 
 
-def _preset_path(name: str, relative_to: Path) -> Path:
-    for candidate in (relative_to / name, relative_to / f"{name}.toml", CONFIG_DIR / f"{name}.toml"):
-        if candidate.is_file():
+def _config_path(path: Path) -> Path:
+    """``path``, or the package's preset of that name when ``path`` is a bare name and no such file exists."""
+    packaged = preset_dir() / f"{path.name}.toml"
+    if not path.exists() and path.name == str(path) and packaged.is_file():
+        return packaged
+    return path
+
+
+def _preset_path(name: str, relative_to: Path, chain: tuple[Path, ...]) -> Path:
+    """The file ``preset = name`` names: beside the config first (a user's own base), else the package's preset. A
+    file already in the chain is passed over, so a user's ``grpo.toml`` may itself say ``preset = "grpo"``."""
+    reading = {p.resolve() for p in chain}
+    candidates = (relative_to / name, relative_to / f"{name}.toml", preset_dir() / f"{name}.toml")
+    found = [c for c in candidates if c.is_file()]
+    for candidate in found:
+        if candidate.resolve() not in reading:
             return candidate
-    known = sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
-    raise ConfigError(f"preset {name!r} not found; known presets: {', '.join(known) or 'none'}")
+    if found:
+        raise ConfigError(f"{chain[-1]}: preset cycle through {' -> '.join(map(str, chain))}")
+    raise ConfigError(f"preset {name!r} not found; known presets: {', '.join(known_presets()) or 'none'}")
 
 
 def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
