@@ -168,14 +168,22 @@ class Broadcaster:
         self._start(version, params)
 
     def finish(self) -> dict[str, float]:
-        """Wait for the transfer in flight, if any, then publish its version as the actors' current one."""
+        """Wait for the transfer in flight, if any, then publish its version as the actors' current one — unless the
+        transfer failed: the ``version`` key is the newest weights the actors were sent (``common/staleness.py``),
+        and an actor judged against weights it never received would stop sampling for a version that never comes.
+        The next sync that completes publishes the newest version."""
         if self._in_flight is None:
             return {}
         version, pending = self._in_flight
         waited = time.perf_counter()
         figures = pending.result()
         self._in_flight = None
-        self.plane.run.set_version(version)
+        if figures.get("failed"):
+            log.warning(
+                "weight version not published: its sync failed", version=version, published=self.plane.run.version()
+            )
+        else:
+            self.plane.run.set_version(version)
         return figures | {"version": float(version), "wait_s": time.perf_counter() - waited}
 
     def _start(self, version: int, params_of: Callable[[], Mapping[str, torch.Tensor]]) -> None:

@@ -151,11 +151,14 @@ def test_each_actor_takes_the_ranks_its_heartbeat_asks_and_absent_ranks_name_the
         assert [list(manifest.ranks_of(a)) for a in "ab"] == [[1, 2], [3]] and manifest.owner_of(2) == "a"
         assert figures["failed"] == 1.0 and set(broadcaster.evicted) == {"a", "b"}  # nobody came
         assert len(manifest.digest) == 16 and all(len(b.digest) == 16 for b in manifest.buckets)  # sealed
+        assert plane.run.version() == 0  # a failed sync is never announced: the actors are judged by what they hold
+        assert "failed" not in broadcaster.publish(2, lambda: {"w": torch.ones(3)})  # both evicted: nobody to wait on
+        assert plane.run.version() == 2
     finally:
         broadcaster.close()
     unsealed = Broadcaster(run_config(tmp_path, weight_sync={"timeout_s": 1, "digests": False}), plane)
     try:
-        unsealed.publish(2, lambda: {"w": torch.ones(3)})
+        unsealed.publish(3, lambda: {"w": torch.ones(3)})
         manifest = plane.run.read_manifest()[0]
         assert manifest.members and manifest.digest == "" and manifest.buckets[0].digest == ""  # digests off
     finally:
