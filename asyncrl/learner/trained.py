@@ -24,6 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from asyncrl.common.observability.logs import get_logger
+from asyncrl.common.plane import replies
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.prompt_ledger import add_counts
 from asyncrl.common.plane.replay import ReplayEntry, ReplayReader
@@ -133,7 +134,7 @@ class TrainedLog:
         pipe.execute()
 
     def _unacked(self) -> dict[str, tuple[int, str]]:
-        raw = self.plane.client.hgetall(self.unacked_key)
+        raw = replies.blob_map(self.plane.client.hgetall(self.unacked_key))
         out = {}
         for entry, value in raw.items():
             trained_at, group = json.loads(value)

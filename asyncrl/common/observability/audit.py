@@ -43,7 +43,7 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from asyncrl.common.observability.logs import get_logger, worth_logging
 from asyncrl.common.observability.metrics import AUDIT_FAILURES, AUDIT_SUPPRESSED
@@ -52,6 +52,7 @@ from asyncrl.common.plane.keys import RunKeys
 
 if TYPE_CHECKING:
     import redis
+    from redis.typing import EncodableT, FieldT
 
 log = get_logger("audit")
 
@@ -185,7 +186,10 @@ class _Writer:
                 self._cond.wait_for(lambda: bool(self._items))
                 client, key, entry = self._items[0]
             try:
-                client.xadd(key, entry, maxlen=AUDIT_MAXLEN, approximate=True)
+                # redis-py asks for a dict[FieldT, EncodableT]; a dict is invariant in its types, so dict[str, str]
+                # does not match it, but it is what XADD sends.
+                fields = cast("dict[FieldT, EncodableT]", entry)
+                client.xadd(key, fields, maxlen=AUDIT_MAXLEN, approximate=True)
             except Exception as exc:  # given up on (past the client's outage limit), or refused by Redis
                 failed("record", entry.get("event", ""), exc)
             with self._cond:
@@ -305,7 +309,7 @@ class Audit:
 def voice(client: redis.Redis, run: str) -> Audit:
     """The process's :class:`Audit` for ``run`` (the last constructed), or an ``unknown`` one with this process's
     host and pid (on ``client``'s connections; a pipeline's commands run only at its ``execute``, so not on it)."""
-    import redis
+    import redis.client
 
     if run not in _VOICES and isinstance(client, redis.client.Pipeline):
         client = redis.Redis(connection_pool=client.connection_pool)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from asyncrl.common.observability.audit import EXIT_FLUSH_S, RESERVED, client_secrets, failed, flush, scrub
 from asyncrl.common.observability.logs import get_logger
 from asyncrl.common.observability.metrics import AUDIT_FAILURES, AUDIT_MIRRORED
+from asyncrl.common.plane import replies
 from asyncrl.common.plane.keys import RunKeys
 from asyncrl.common.private import open_private, private_dir
 
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 log = get_logger("audit")
 
 
-def entry_line(entry_id: str, fields: Mapping[bytes | str, bytes | str], secrets: tuple[str, ...] = ()) -> dict:
+def entry_line(entry_id: str, fields: Mapping[bytes, bytes], secrets: tuple[str, ...] = ()) -> dict:
     """The audit.jsonl object of one stream entry (scrubbed once more: anyone with the Redis password can XADD)."""
     text = {_text(k): _text(v) for k, v in fields.items()}
     try:
@@ -84,7 +85,9 @@ class AuditMirror:
         """Append every entry after :attr:`last_id`; returns how many. Raises Redis errors (the thread logs them)."""
         copied = 0
         with self._lock:
-            while entries := self.client.xrange(self.key, min=f"({self.last_id}", count=self.BATCH):
+            while entries := replies.stream_range(
+                self.client.xrange(self.key, min=f"({self.last_id}", count=self.BATCH)
+            ):
                 lines = [entry_line(_text(entry_id), fields, self._secrets) for entry_id, fields in entries]
                 self._append(lines)
                 self.last_id, copied = lines[-1]["id"], copied + len(lines)

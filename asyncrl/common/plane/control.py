@@ -56,6 +56,7 @@ class ControlPlane:
             groups = self.client.xinfo_groups(self.keys.replay)
             depths["replay_pending"] = sum(int(g["pending"]) for g in groups)
             lags = [g.get("lag") for g in groups]
-            if lags and all(isinstance(lag, int) for lag in lags):
-                depths["replay_unread"] = max(lags)
+            known = [lag for lag in lags if isinstance(lag, int)]  # a lag Redis cannot tell is nil
+            if lags and len(known) == len(lags):
+                depths["replay_unread"] = max(known)
         return depths

@@ -19,6 +19,7 @@ from asyncrl.common.wire.messages import WireError, pack_frames
 
 if TYPE_CHECKING:
     import redis
+    from redis.typing import EncodableT, FieldT
 
 DEAD_LETTER_MAXLEN = 10_000
 """Approximate cap of the dead-letter stream's entries (``XADD MAXLEN ~``)."""
@@ -37,7 +38,7 @@ def dead_letter(client: redis.Redis, keys: RunKeys, source: str, reason: str, pa
     rate-limited per source)."""
     fields = letter_fields(source, reason, payload, f"{time.time():.3f}")
     client.xadd(keys.dead, fields, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
-    dead_lettered(client, keys.run, source, fields["reason"], len(payload))
+    dead_lettered(client, keys.run, source, clipped_reason(reason), len(payload))
 
 
 def dead_letters(client: redis.Redis, keys: RunKeys, letters: Sequence[tuple[str, str, bytes]]) -> None:
@@ -50,25 +51,30 @@ def dead_letters(client: redis.Redis, keys: RunKeys, letters: Sequence[tuple[str
     for fields in kept:
         pipe.xadd(keys.dead, fields, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
     pipe.execute()
-    for fields, (source, _, payload) in zip(kept, letters, strict=True):
-        dead_lettered(client, keys.run, source, fields["reason"], len(payload))
+    for source, reason, payload in letters:
+        dead_lettered(client, keys.run, source, clipped_reason(reason), len(payload))
 
 
-def letter_fields(source: str, reason: str, payload: bytes, at: str) -> dict[str, str | bytes]:
+def letter_fields(source: str, reason: str, payload: bytes, at: str) -> dict[FieldT, EncodableT]:
     """The fields of one dead letter: ``source``, ``reason`` (its first :data:`DEAD_LETTER_REASON` characters),
     ``payload`` (its first :data:`DEAD_LETTER_EXCERPT` bytes: a small message whole), ``size`` (of the whole payload,
     in bytes), ``digest`` (BLAKE2b-256 of the whole payload, hex) and ``at`` (Unix time)."""
     view = memoryview(payload).cast("B")
-    if len(reason) > DEAD_LETTER_REASON:
-        reason = f"{reason[:DEAD_LETTER_REASON]}… ({len(reason)} characters)"
     return {
         "source": source,
-        "reason": reason,
+        "reason": clipped_reason(reason),
         "payload": bytes(view[:DEAD_LETTER_EXCERPT]),
         "size": str(view.nbytes),
         "digest": hashlib.blake2b(view, digest_size=32).hexdigest(),
         "at": at,
     }
+
+
+def clipped_reason(reason: str) -> str:
+    """``reason`` as its dead letter keeps it: its first :data:`DEAD_LETTER_REASON` characters."""
+    if len(reason) > DEAD_LETTER_REASON:
+        return f"{reason[:DEAD_LETTER_REASON]}… ({len(reason)} characters)"
+    return reason
 
 
 DEAD_PAYLOAD_BYTES = 1024

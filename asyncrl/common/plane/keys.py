@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import redis
 
+
 @dataclass(frozen=True)
 class RunKeys:
     """The names of every Redis key of one run."""
@@ -165,7 +166,9 @@ def connect(url: str, outage_s: float | None = None) -> redis.Redis:
     above 6 kB as separate buffers, where hiredis's packer copies every 100 kB group once more.
     """
     import redis
-    from redis.connection import Encoder, PythonRespSerializer
+
+    # Encoder is where redis-py's own connections take it from; the module does not list it as an export.
+    from redis.connection import Encoder, PythonRespSerializer  # pyright: ignore[reportPrivateImportUsage]
 
     from asyncrl.common.config import TransportSection
     from asyncrl.common.plane.outage import OutageClock, OutageRetry

@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 
 from asyncrl.common.observability.audit import Audit
 from asyncrl.common.observability.logs import get_logger
+from asyncrl.common.plane import replies
 from asyncrl.common.wire.messages import Decoder, Heartbeat, Limits, WireError, decode_blob, encode_blob
 
 if TYPE_CHECKING:
@@ -65,8 +66,11 @@ class ProcessRegistry:
 
     def processes(self) -> tuple[list[Heartbeat], dict[str, str]]:
         """(live heartbeats, id → kind of every process whose heartbeat expired), sorted by id."""
-        kinds = {k.decode(): v.decode() for k, v in sorted(self.client.hgetall(self.keys.processes).items())}
-        blobs = self.client.mget([self.keys.heartbeat(i) for i in kinds]) if kinds else []
+        kinds = {
+            k.decode(): v.decode()
+            for k, v in sorted(replies.blob_map(self.client.hgetall(self.keys.processes)).items())
+        }
+        blobs = replies.maybe_blobs(self.client.mget([self.keys.heartbeat(i) for i in kinds])) if kinds else []
         live, lost = [], {}
         for (pid, kind), blob in zip(kinds.items(), blobs, strict=True):
             if blob is None:

@@ -22,11 +22,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.common.observability.logs import get_logger
+from asyncrl.common.plane import replies
 from asyncrl.common.plane.dead_letters import dead_letter
 from asyncrl.common.wire.messages import Decoder, Limits, PromptGroup, WireError, decode_blob, encode_blob
 
 if TYPE_CHECKING:
     import redis
+    import redis.client
+    from redis.typing import EncodableT, FieldT
 
     from asyncrl.common.plane.keys import RunKeys
 
@@ -93,7 +96,7 @@ class PromptLedger:
         item = self.client.brpop(queues, timeout=timeout_s)
         if item is None:
             return []
-        blobs = [item[1]]
+        blobs = [replies.blob(item[1])]
         if limit > 1:
             blobs += self.client.eval(_POP_UP_TO, len(queues), *queues, limit - 1)
         taken = []
@@ -122,7 +125,7 @@ class PromptLedger:
 
         No ledger entry and no counter: admission never counts them and the dispatcher never re-issues them (the
         learner's eval round has its own deadline, ``eval.deadline_s``)."""
-        blobs = {g.group_id: encode_blob(g) for g in groups}
+        blobs: dict[FieldT, EncodableT] = {g.group_id: encode_blob(g) for g in groups}
         if not blobs:
             return
         pipe = self.client.pipeline(transaction=True)
@@ -136,18 +139,20 @@ class PromptLedger:
         ids = list(group_ids)
         if not ids:
             return
-        queued = [b for b in self.client.hmget(self.keys.groups, ids) if b is not None]
+        queued = [b for b in replies.maybe_blobs(self.client.hmget(self.keys.groups, ids)) if b is not None]
         pipe = self.client.pipeline(transaction=True)
         pipe.hdel(self.keys.groups, *ids)
         for blob in queued:
-            pipe.lrem(self.keys.eval_prompts, 0, blob)
+            _unqueue(pipe, self.keys.eval_prompts, blob)
         pipe.execute()
 
     def queue_depth(self) -> int:
         return int(self.client.llen(self.keys.prompts))
 
     def record_issued(self, groups: Iterable[PromptGroup]) -> None:
-        mapping = {g.group_id: json.dumps(LedgerEntry(g.issued_at, g.issued_version).__dict__) for g in groups}
+        mapping: dict[FieldT, EncodableT] = {
+            g.group_id: json.dumps(LedgerEntry(g.issued_at, g.issued_version).__dict__) for g in groups
+        }
         if mapping:
             self.client.hset(self.keys.inflight, mapping=mapping)
 
@@ -172,7 +177,9 @@ class PromptLedger:
             return 0
         pipe = self.client.pipeline(transaction=False)
         for group_id, raw in zip(ids, self.client.hmget(self.keys.inflight, ids), strict=True):
-            entry = json.loads(raw) if raw is not None else {}
+            if raw is None:
+                continue
+            entry = json.loads(raw)
             if entry.get("actor") or entry.get("scorer"):
                 cleared = json.dumps({**entry, "actor": "", "scorer": ""})
                 pipe.eval(_COMPARE_AND_SET, 1, self.keys.inflight, group_id, raw, cleared)
@@ -201,7 +208,8 @@ class PromptLedger:
             self.client.hdel(self.keys.inflight, *ids)
 
     def ledger(self) -> dict[str, LedgerEntry]:
-        return {k.decode(): LedgerEntry(**json.loads(v)) for k, v in self.client.hgetall(self.keys.inflight).items()}
+        entries = replies.blob_map(self.client.hgetall(self.keys.inflight))
+        return {k.decode(): LedgerEntry(**json.loads(v)) for k, v in entries.items()}
 
     def ledger_size(self) -> int:
         """Groups in the in-flight ledger (without reading them)."""
@@ -212,7 +220,7 @@ class PromptLedger:
 
         This is the dispatcher's commit point: a counter never claims a group whose payload is missing.
         """
-        payloads = {g.group_id: encode_blob(g) for g in groups}
+        payloads: dict[FieldT, EncodableT] = {g.group_id: encode_blob(g) for g in groups}
         pipe = self.client.pipeline(transaction=True)
         if payloads:
             pipe.hset(self.keys.groups, mapping=payloads)
@@ -225,7 +233,7 @@ class PromptLedger:
 
     def load_group(self, group_id: str) -> PromptGroup | None:
         """The stored payload of an issued group; None when there is none (or it is unreadable: dead-lettered)."""
-        return self._decode_stored(group_id, self.client.hget(self.keys.groups, group_id))
+        return self._decode_stored(group_id, replies.maybe_blob(self.client.hget(self.keys.groups, group_id)))
 
     def lookup(self, group_ids: Iterable[str]) -> dict[str, Standing]:
         """Each group's :class:`Standing` (completed before? its issue record) in one round trip: ``SMISMEMBER``
@@ -259,14 +267,14 @@ class PromptLedger:
         instead of duplicating it. Returns how many queued copies were removed. Queue the new copy with
         :meth:`return_prompts` (front of the queue) afterwards.
         """
-        old = self.client.hget(self.keys.groups, group.group_id)
+        old = replies.maybe_blob(self.client.hget(self.keys.groups, group.group_id))
         pipe = self.client.pipeline(transaction=True)
         pipe.hset(self.keys.groups, group.group_id, encode_blob(group))
         pipe.hset(self.keys.inflight, group.group_id, json.dumps(entry.__dict__))
         if old is not None:
-            pipe.lrem(self.keys.prompts, 0, old)
-        replies = pipe.execute()
-        return int(replies[2]) if old is not None else 0
+            _unqueue(pipe, self.keys.prompts, old)
+        results = pipe.execute()
+        return int(results[2]) if old is not None else 0
 
     def retire_groups(
         self, group_ids: Iterable[str], counts: Mapping[str, int] | None = None, completed: bool = False
@@ -279,12 +287,12 @@ class PromptLedger:
         ids = list(group_ids)
         if not ids:
             return 0
-        queued = [b for b in self.client.hmget(self.keys.groups, ids) if b is not None]
+        queued = [b for b in replies.maybe_blobs(self.client.hmget(self.keys.groups, ids)) if b is not None]
         pipe = self.client.pipeline(transaction=True)
         pipe.hdel(self.keys.inflight, *ids)
         pipe.hdel(self.keys.groups, *ids)
         for blob in queued:  # a re-issued copy nobody took yet would be wasted work
-            pipe.lrem(self.keys.prompts, 0, blob)
+            _unqueue(pipe, self.keys.prompts, blob)
         if completed:
             pipe.sadd(self.keys.done, *ids)
         add_counts(pipe, self.keys, counts or {})
@@ -298,7 +306,7 @@ class PromptLedger:
 
     def dispatch_counts(self) -> dict[str, int]:
         """The dispatcher's counters (a missing one is 0)."""
-        return {k.decode(): int(v) for k, v in self.client.hgetall(self.keys.dispatch).items()}
+        return {k.decode(): int(v) for k, v in replies.blob_map(self.client.hgetall(self.keys.dispatch)).items()}
 
     def add_dispatch_counts(self, counts: Mapping[str, int]) -> None:
         pipe = self.client.pipeline(transaction=True)
@@ -334,6 +342,12 @@ if redis.call('SET', KEYS[2], '1', 'NX', 'EX', ARGV[1]) then
 end
 return 0
 """
+
+
+def _unqueue(pipe: redis.client.Pipeline, queue: str, blob: bytes) -> None:
+    """Queue the removal of every copy of ``blob`` from ``queue`` (``LREM queue 0 blob``) in ``pipe``."""
+    # redis-py annotates LREM's value as str, but sends any value it can encode, bytes as they are.
+    pipe.lrem(queue, 0, blob)  # pyright: ignore[reportArgumentType]
 
 
 def add_counts(pipe: redis.client.Pipeline, keys: RunKeys, counts: Mapping[str, int]) -> None:

@@ -35,6 +35,7 @@ from asyncrl.common.observability.logs import get_logger, worth_logging
 from asyncrl.common.observability.metrics import REPLAY_DEAD_LETTERS, REPLAY_ENTRIES_ADDED, REPLAY_ENTRIES_READ
 from asyncrl.common.plane.dead_letters import dead_letters
 from asyncrl.common.plane.keys import RunKeys
+from asyncrl.common.plane.replies import StreamEntry, blob, stream_read
 from asyncrl.common.wire.messages import Decoder, Limits, ScoredGroup, WireError, decode_blob, encode_blob
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ class ReplayWriter:
 
     def add(self, groups: Sequence[ScoredGroup]) -> list[str]:
         """XADD every group in one round trip; returns their stream ids."""
-        import redis  # lazy: keeps --help fast
+        import redis.exceptions  # lazy: keeps --help fast
 
         pipe = self.client.pipeline(transaction=False)
         for group in groups:
@@ -76,7 +77,7 @@ class ReplayWriter:
                 "transport.redis_maxmemory_mb for its next start (or lower transport.replay_maxlen)",
             )
             raise
-        ids = [i.decode() for i in replies]
+        ids = [blob(i).decode() for i in replies]
         REPLAY_ENTRIES_ADDED.inc(len(ids))
         return ids
 
@@ -105,7 +106,7 @@ class ReplayReader:
         self._create_group()
 
     def _create_group(self) -> None:
-        import redis
+        import redis.exceptions
 
         try:
             self.client.xgroup_create(self.keys.replay, self.group, id="0", mkstream=True)
@@ -115,7 +116,7 @@ class ReplayReader:
 
     def recover(self, count: int = 1000) -> list[ReplayEntry]:
         """Entries read before but never acknowledged: this consumer's own, then idle ones of others."""
-        own = self.client.xreadgroup(self.group, self.consumer, {self.keys.replay: "0"}, count=count)
+        own = stream_read(self.client.xreadgroup(self.group, self.consumer, {self.keys.replay: "0"}, count=count))
         self._note(own[0][1] if own else [])
         entries = self._decode_all(own[0][1] if own else [])
         entries += self._claim_idle(count)
@@ -141,13 +142,15 @@ class ReplayReader:
         """Up to ``count`` new entries, waiting at most ``block_ms`` for the first; after Redis came back from an
         outage, also those delivered to this consumer while it was dying whose reply never arrived."""
         last = self._last_id
-        reply = self.client.xreadgroup(self.group, self.consumer, {self.keys.replay: ">"}, count=count, block=block_ms)
+        reply = stream_read(
+            self.client.xreadgroup(self.group, self.consumer, {self.keys.replay: ">"}, count=count, block=block_ms)
+        )
         raw = list(reply[0][1]) if reply else []
         raw += self._lost_deliveries(last, {entry_id for entry_id, _ in raw})
         self._note(raw)
         return self._decode_all(raw)
 
-    def _lost_deliveries(self, last: str, received: set[bytes]) -> list[tuple[bytes, dict[bytes, bytes] | None]]:
+    def _lost_deliveries(self, last: str, received: set[bytes]) -> list[StreamEntry]:
         """Entries after ``last`` in this consumer's pending list that it never received: an ``XREADGROUP`` that the
         server ran (and logged) just before it was killed, whose reply was lost and whose retry read the next ones.
         Looked for only once after each outage (one round trip); they come after the new entries."""
@@ -155,7 +158,7 @@ class ReplayReader:
         if outages == self._outages:
             return []
         self._outages = outages
-        pending = self.client.xreadgroup(self.group, self.consumer, {self.keys.replay: last})
+        pending = stream_read(self.client.xreadgroup(self.group, self.consumer, {self.keys.replay: last}))
         lost = [entry for entry in (pending[0][1] if pending else []) if entry[0] not in received]
         if lost:
             log.warning("took back replay entries whose delivery was cut by a Redis restart", count=len(lost))
@@ -178,7 +181,7 @@ class ReplayReader:
         ids = list(entry_ids)
         return int(self.client.xack(self.keys.replay, self.group, *ids)) if ids else 0
 
-    def _decode_all(self, raw: list[tuple[bytes, dict[bytes, bytes] | None]]) -> list[ReplayEntry]:
+    def _decode_all(self, raw: list[StreamEntry]) -> list[ReplayEntry]:
         entries, done, rejected = [], [], []
         for entry_id, fields in raw:
             eid = entry_id.decode()

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.common.config import RunConfig
+from asyncrl.common.plane import replies
 from asyncrl.common.wire.messages import Decoder, Limits, WeightManifest, encode_blob, unpack_frames
 
 FORMATION_MANIFESTS_KEPT = 8
@@ -102,15 +103,17 @@ class RunRecord:
     def digests(self) -> dict[int, str]:
         """Version → the digest of the weights the learner last sent as that version (a resume re-sends some
         versions with other weights; the newest send wins, so an actor still serving the discarded ones stands out)."""
-        return {int(v): d.decode() for v, d in self.client.hgetall(self.keys.digests).items()}
+        return {int(v): d.decode() for v, d in replies.blob_map(self.client.hgetall(self.keys.digests)).items()}
 
     def read_manifest(self) -> tuple[WeightManifest, list[memoryview]] | None:
         """The current manifest and its frames (to hand on to a vLLM worker), or None before the first."""
-        return self._decode_manifest(self.client.get(self.keys.manifest))
+        return self._decode_manifest(replies.maybe_blob(self.client.get(self.keys.manifest)))
 
     def formation_manifest(self, epoch: int, position: int) -> tuple[WeightManifest, list[memoryview]] | None:
         """The manifest of a formation's ``position``-th broadcast (0 is its first), or None if not published yet."""
-        return self._decode_manifest(self.client.hget(self.keys.formation_manifests(epoch), str(position)))
+        return self._decode_manifest(
+            replies.maybe_blob(self.client.hget(self.keys.formation_manifests(epoch), str(position)))
+        )
 
     def _decode_manifest(self, blob: bytes | None) -> tuple[WeightManifest, list[memoryview]] | None:
         if blob is None:

@@ -100,7 +100,7 @@ def run_secret(client: redis.Redis, keys: RunKeys) -> bytes:
     """The run's secret from its Redis, made now (``SET NX``: one value whoever asks first) when there is none."""
     client.set(keys.secret, os.urandom(SECRET_BYTES), nx=True)
     secret = client.get(keys.secret)
-    if not secret or len(secret) < 16:
+    if not isinstance(secret, bytes) or len(secret) < 16:  # nil (a client that decodes replies would give str)
         raise RuntimeError(f"{keys.secret} in Redis holds no usable run secret; delete the key and restart the run")
     return bytes(secret)
 
