@@ -187,7 +187,7 @@ def check_lora_command(
 
 def _read_run_config(url: str, run: str):
     """The run's config from Redis with the run's log level set, or a clear exit 2."""
-    import redis as redis_lib
+    import redis.exceptions as redis_errors
 
     from asyncrl.common.cliutil import fail
     from asyncrl.common.config import ConfigError, with_host_keys
@@ -200,7 +200,7 @@ def _read_run_config(url: str, run: str):
         config = ControlPlane(connect(url), run).run.read_config()
     except (RunNotFoundError, ConfigError) as exc:
         fail(str(exc))
-    except redis_lib.exceptions.ConnectionError as exc:
+    except redis_errors.ConnectionError as exc:
         fail(f"cannot reach Redis at {url.split('@')[-1]}: {exc}")
     configure(config.monitoring.log_level)
     return with_host_keys(config)

@@ -289,7 +289,7 @@ class RewardWorker:
 
     def _mark(self, function: str, failed: bool) -> None:
         """Record the outcome of a function's last call; publish a change of state at once."""
-        import redis
+        import redis.exceptions
 
         before = self.state
         if failed:

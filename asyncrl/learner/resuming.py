@@ -31,14 +31,14 @@ def mark_finished(url: str | None, resolved: RunConfig, step: int) -> None:
     keeping them."""
     if not url:
         return
-    import redis as redis_lib
+    import redis.exceptions as redis_errors
 
     from asyncrl.common.plane.control import ControlPlane
     from asyncrl.common.plane.keys import connect
 
     try:
         ControlPlane(connect(url), resolved.run.name).run.mark_finished(step)
-    except redis_lib.exceptions.RedisError as exc:
+    except redis_errors.RedisError as exc:
         print(f"could not mark the run finished in Redis ({exc}); its actors stop when they find it", file=sys.stderr)
 
 

@@ -159,7 +159,7 @@ class StepTelemetry:
         self.state, self.version = "training", int(values.get("version", self.version))
         if not self.publishes_summary:
             return
-        import redis
+        import redis.exceptions
 
         try:
             queues, live = self._sample_queues(queues, processes)
@@ -213,7 +213,7 @@ class StepTelemetry:
     def _want_actors(self, count: int) -> None:
         """The autoscaling signal, as a series (the HPA's route) and as the run's list in Redis (KEDA's), written
         every step: one transaction, and a Redis that lost its data has the list again at the next step."""
-        import redis
+        import redis.exceptions
 
         m.LEARNER_ACTORS_WANTED.set(count)
         try:

@@ -271,7 +271,7 @@ def _watch(plane, interval: float) -> None:
     """Redraw every ``interval`` seconds until Ctrl-C; a Redis outage is shown, not fatal."""
     import signal
 
-    import redis
+    import redis.exceptions
 
     # Ctrl-C is the way out even when a shell started us with SIGINT ignored (a non-interactive `cmd &` does)
     signal.signal(signal.SIGINT, signal.default_int_handler)

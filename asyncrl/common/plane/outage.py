@@ -49,7 +49,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import redis
+import redis.exceptions
 from redis.backoff import EqualJitterBackoff
 from redis.exceptions import AuthenticationError
 from redis.retry import Retry
