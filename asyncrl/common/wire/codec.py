@@ -14,15 +14,14 @@ ids against the vocabulary), and raises one :class:`WireError` that names the of
 value is one blob, :func:`encode_blob` packs the frames into one.
 """
 
-
 from __future__ import annotations
 
 import dataclasses
 import re
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 import ml_dtypes
 import msgpack
@@ -107,10 +106,18 @@ def array_field(
 MESSAGES: dict[str, type] = {}
 
 
-def message(tag: str):
-    """Class decorator: register a frozen dataclass as a wire message under ``tag``."""
+class _Tagged(Protocol):
+    TAG: ClassVar[str]
 
-    def wrap(cls: type) -> type:
+
+M = TypeVar("M", bound=_Tagged)
+
+
+def message(tag: str) -> Callable[[type[M]], type[M]]:
+    """Class decorator: register a frozen dataclass as a wire message under ``tag`` (it declares ``TAG:
+    ClassVar[str]``, which this sets); the class is returned as it is, its type too."""
+
+    def wrap(cls: type[M]) -> type[M]:
         if tag in MESSAGES:
             raise ValueError(f"wire tag {tag!r} already used by {MESSAGES[tag].__name__}")
         cls.TAG = tag
@@ -130,7 +137,7 @@ def encode(msg: Any) -> Frames:
     arrays: list[np.ndarray] = []
     body = _to_plain(msg, arrays)
     header = msgpack.packb([SCHEMA_VERSION, type(msg).TAG, body], use_bin_type=True)
-    return [header, *(memoryview(a).cast("B") for a in arrays)]
+    return [header, *(a.data.cast("B") for a in arrays)]
 
 
 _SCALARS = (str, int, float, bool, type(None))

@@ -53,8 +53,6 @@ def _ext_hook(code: int, data: bytes) -> _ArrayRef:
     return _ArrayRef(dtype, shape, frame)
 
 
-
-
 class Decoder:
     """Decodes frames into one expected message type (or any registered one) under ``limits``."""
 
@@ -126,7 +124,7 @@ def _checker(hint: Any) -> _Check:
 
 
 def _build_checker(hint: Any) -> _Check:
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _dataclass_checker(hint)
     origin = typing.get_origin(hint)
     if origin is list:
@@ -266,5 +264,3 @@ def _check_values(arr: np.ndarray, spec: ArraySpec, path: str) -> None:
         raise WireError(path, f"value {low} below the minimum {spec.min_value}")
     if spec.max_value is not None and high > spec.max_value:
         raise WireError(path, f"value {high} above the maximum {spec.max_value}")
-
-
