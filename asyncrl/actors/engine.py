@@ -27,7 +27,7 @@ import gc
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.actors import ipc_folder
 from asyncrl.actors.generation import Response, Sampling
@@ -36,6 +36,9 @@ from asyncrl.common.config import RolloutSection, RunConfig
 from asyncrl.common.observability.logs import get_logger
 from asyncrl.common.observability.procs import cpu_list, move_process
 from asyncrl.common.rewards.response_text import decode_responses
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.async_llm import AsyncLLM
 
 log = get_logger("engine")
 EXTENSION = "asyncrl.actors.weight_receiver.WeightReceiverExtension"
@@ -46,6 +49,9 @@ frontend would build an output and wake the actor's event loop for each of a bat
 
 class RolloutEngine:
     """Samples prompt groups on one vLLM engine and loads broadcast weights into it."""
+
+    llm: AsyncLLM | None
+    """vLLM's engine; None once :meth:`shutdown` dropped it."""
 
     def __init__(self, config: RunConfig, seed: int = 0, version: Callable[[], int] = lambda: 0) -> None:
         self.config = config
@@ -107,7 +113,7 @@ class RolloutEngine:
         )
         responses = [Response() for _ in range(sampling.n)]
         prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
-        async for output in self.llm.generate(prompt, params, request_id, lora_request=await self._policy_adapter()):
+        async for output in self._llm.generate(prompt, params, request_id, lora_request=await self._policy_adapter()):
             self.last_output = time.monotonic()
             for completion in output.outputs:
                 _append(responses[completion.index], completion, self._version_of)
@@ -130,12 +136,18 @@ class RolloutEngine:
         return (await self.generate(prompt_ids, sampling, f"first-token-{os.getpid()}-{time.monotonic_ns()}"))[0]
 
     @property
+    def _llm(self) -> AsyncLLM:
+        if self.llm is None:
+            raise RuntimeError("the rollout engine was shut down")
+        return self.llm
+
+    @property
     def dead(self) -> bool:
         """vLLM's engine process has died (whatever error the call that found out raised)."""
         return self.llm is not None and bool(self.llm.errored)
 
     async def abort(self, request_id: str) -> None:
-        await self.llm.abort(request_id)
+        await self._llm.abort(request_id)
 
     async def update_weights(
         self,
@@ -155,18 +167,20 @@ class RolloutEngine:
         """
         frames = [bytes(f) for f in manifest_frames]
         join_timeout, receive_timeout = rpc_timeouts(self.config.weight_sync.timeout_s, buckets)
-        await self.llm.pause_generation(mode="keep", clear_cache=False)
+        await self._llm.pause_generation(mode="keep", clear_cache=False)
         try:
             figures: dict[str, Any] = {}
             if join is not None:  # one result per worker (tensor parallelism: several)
-                checks = await self.llm.collective_rpc("asyncrl_join", join_timeout, args=(join,))
+                checks = await self._llm.collective_rpc("asyncrl_join", join_timeout, args=(join,))
                 figures["self_check_s"] = max(checks)
             verify = self.config.weight_sync.digests
-            received = _merged(await self.llm.collective_rpc("asyncrl_receive", receive_timeout, args=(frames, verify)))
+            received = _merged(
+                await self._llm.collective_rpc("asyncrl_receive", receive_timeout, args=(frames, verify))
+            )
             load = "refused" not in received  # on every worker, or on none
             async with self._adapter_lock:  # an adapter of zeros must not land after this version's
                 adapter = adapter_settings(self.config) if self.config.lora.enabled else None
-                loaded = await self.llm.collective_rpc("asyncrl_load", receive_timeout, args=(load, adapter))
+                loaded = await self._llm.collective_rpc("asyncrl_load", receive_timeout, args=(load, adapter))
                 if load and adapter is not None:
                     self._adapter = policy_adapter_request()
             figures["load_s"] = max(loaded)
@@ -174,12 +188,12 @@ class RolloutEngine:
             if "refused" not in received:
                 # Before resuming, and before the actor adopts the version: every token sampled from now on carries
                 # the new label, and a label that could not be set leaves the actor on its old version.
-                await self.llm.update_weight_version(str(version))
+                await self._llm.update_weight_version(str(version))
                 if on_loaded is not None:
                     on_loaded()
             return figures
         finally:
-            await self.llm.resume_generation()
+            await self._llm.resume_generation()
 
     async def _policy_adapter(self) -> Any:
         """A LoRA run's ``LoRARequest`` for the policy's adapter slot (None without ``[lora]``). Until the first
@@ -188,15 +202,15 @@ class RolloutEngine:
             return self._adapter
         async with self._adapter_lock:
             if self._adapter is None:
-                await self.llm.collective_rpc("asyncrl_zero_adapter")
+                await self._llm.collective_rpc("asyncrl_zero_adapter")
                 self._adapter = policy_adapter_request()
         return self._adapter
 
     async def leave_weight_group(self) -> None:
-        await self.llm.collective_rpc("asyncrl_leave")
+        await self._llm.collective_rpc("asyncrl_leave")
 
     def shutdown(self) -> None:
-        self.llm.shutdown()
+        self._llm.shutdown()
         ipc_folder.release(self._ipc_folder)
         # Drop the engine now: AsyncLLM.__del__ at interpreter exit would try to shut it down again.
         self.llm = None

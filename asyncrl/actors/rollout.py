@@ -27,8 +27,9 @@ import sys
 import threading
 import time
 import uuid
+from typing import TYPE_CHECKING
 
-import redis
+import redis.exceptions
 
 from asyncrl.actors import liveness
 from asyncrl.actors.environment_service import serves_environments
@@ -60,6 +61,9 @@ from asyncrl.common.transport.net import advertise_host
 from asyncrl.common.wire.messages import Heartbeat, PromptGroup, RolloutGroup
 from asyncrl.common.wire.seal import run_seal
 
+if TYPE_CHECKING:
+    from asyncrl.actors.engine import RolloutEngine
+
 log = get_logger("actor")
 _PEER_REFRESH_S = 2.0
 
@@ -73,7 +77,7 @@ class RolloutActor:
         self.plane = ControlPlane(connect(redis_url, config.transport.redis_outage_s), config.run.name)
         self.audit = Audit(self.plane.client, config.run.name, self.actor_id, "actor")
         self.weights = WeightsFollower(config, self.plane, redis_url, self.actor_id, self.audit)
-        self.engine = None
+        self.engine: RolloutEngine | None = None  # from run() until _shutdown
         self.workflow = check_workflow(config.rollout.workflow)  # how a prompt group becomes a rollout
         # Every message is sealed with the run secret: reward workers refuse anything else before decoding it.
         seal = run_seal(self.plane.client, self.plane.keys, "rollouts")
@@ -162,7 +166,7 @@ class RolloutActor:
         from asyncrl.actors.engine import error_line
 
         try:
-            await self.engine.first_token()
+            await self.started_engine.first_token()
         except Exception as exc:
             raise EngineRefused(
                 f"model.path: vLLM started an engine for {self.config.model.path} but could not generate one token "
@@ -202,7 +206,7 @@ class RolloutActor:
             if group.purpose == "eval":
                 await self._catch_up(group.issued_version)
             turn = WorkflowContext.of(self.config, self.actor_id, request_id)
-            rollout = await self.workflow(self.engine, group, turn)
+            rollout = await self.workflow(self.started_engine, group, turn)
             rollout = dataclasses.replace(rollout, timings={**rollout.timings, "taken_at": taken_at})
         except asyncio.CancelledError:
             raise  # _shutdown aborted it and hands the group back
@@ -261,7 +265,7 @@ class RolloutActor:
             now, running, syncing = time.monotonic(), len(self._running), self.weights.syncing
             if not running or syncing:
                 settled_at = now
-            since = now - max(self.engine.last_output, settled_at)
+            since = now - max(self.started_engine.last_output, settled_at)
             if liveness.engine_progressing(running, syncing, since, stall_s):
                 try:
                     await asyncio.to_thread(liveness.touch, path)
@@ -282,6 +286,13 @@ class RolloutActor:
     async def _on_sender(self, fn, *args):
         """Run ``fn(*args)`` on the one thread that owns the PUSH socket."""
         return await asyncio.get_running_loop().run_in_executor(self._sender, fn, *args)
+
+    @property
+    def started_engine(self) -> RolloutEngine:
+        """The engine, which :meth:`run` starts before anything that generates."""
+        if self.engine is None:
+            raise RuntimeError(f"{self.actor_id}: the rollout engine is not running (not started, or shut down)")
+        return self.engine
 
     async def _sleep(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):

@@ -112,7 +112,7 @@ class EmbeddedRedis:
         try:
             with self._locked() as fd:
                 self._refuse_if_running(fd)
-                self._spawn(timeout_s, fd)
+                process = self._spawn(timeout_s, fd)
             with open_private(self.directory / "url", "w") as url_file:
                 url_file.write(self.url + "\n")
         except BaseException:
@@ -124,7 +124,7 @@ class EmbeddedRedis:
             "embedded redis started",
             dir=self.directory,
             port=self.port,
-            pid=self.process.pid,
+            pid=process.pid,
             maxmemory_mb=self.maxmemory_mb or "none",
         )
         return self
@@ -144,7 +144,7 @@ class EmbeddedRedis:
         if died is None or died.poll() is None or time.monotonic() < self._next_try:
             return None
         try:
-            self.restart()
+            process = self.restart().process
         except EmbeddedRedisError as exc:
             self._failures += 1
             delay = min(2.0 ** (self._failures - 1), 10.0)
@@ -152,16 +152,17 @@ class EmbeddedRedis:
             self.process = died  # still the one that died: the next call tries again
             log.error("could not start the embedded redis-server again", dir=self.directory, error=exc, retry_s=delay)
             return None
+        assert process is not None  # restart() returns a started server
         log.warning(
             "the embedded redis-server died; started it again on its AOF with the same port and password",
             dir=self.directory,
             pid=died.pid,
             exit_code=died.returncode,
-            new_pid=self.process.pid,
+            new_pid=process.pid,
             failed_tries=self._failures,
         )
         self._failures, self._next_try = 0, 0.0
-        return self.process.pid
+        return process.pid
 
     @contextlib.contextmanager
     def _locked(self, wait_s: float = 10.0) -> Iterator[int]:
@@ -196,7 +197,7 @@ class EmbeddedRedis:
                 port=self.port,
             )
 
-    def _spawn(self, timeout_s: float, lock_fd: int) -> None:
+    def _spawn(self, timeout_s: float, lock_fd: int) -> subprocess.Popen[bytes]:
         if not self.port:
             self.port = _free_or_zero(self._previous_port) or free_port()
         conf = self.directory / "redis.conf"
@@ -204,15 +205,16 @@ class EmbeddedRedis:
             f.write(self._config_text())
         log_path = self.directory / "redis.log"
         with open_private(log_path, "ab") as stderr:
-            self.process = subprocess.Popen(
+            self.process = process = subprocess.Popen(
                 [find_redis_server(), str(conf)],
                 stdout=subprocess.DEVNULL,
                 stderr=stderr,
                 start_new_session=True,  # a Ctrl-C to the parent must not kill Redis before the AOF flush
                 umask=PRIVATE_UMASK,  # the AOF, its rewrites and the log: 0600, whatever the caller's umask
             )
-        _write_pid(lock_fd, self.process.pid)  # at once: a server that runs is always named in the lock
-        self._wait_ready(timeout_s, log_path)
+        _write_pid(lock_fd, process.pid)  # at once: a server that runs is always named in the lock
+        self._wait_ready(process, timeout_s, log_path)
+        return process
 
     def _config_text(self) -> str:
         return "\n".join(
@@ -233,20 +235,20 @@ class EmbeddedRedis:
             ]
         )
 
-    def _wait_ready(self, timeout_s: float, log_path: Path) -> None:
-        import redis  # lazy: keeps --help fast
+    def _wait_ready(self, process: subprocess.Popen[bytes], timeout_s: float, log_path: Path) -> None:
+        import redis.exceptions  # lazy: keeps --help fast
 
         client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise EmbeddedRedisError(f"redis-server exited with {self.process.returncode}; see {log_path}")
+            if process.poll() is not None:
+                raise EmbeddedRedisError(f"redis-server exited with {process.returncode}; see {log_path}")
             with contextlib.suppress(redis.exceptions.ConnectionError, redis.exceptions.BusyLoadingError):
                 if client.ping():
                     client.close()
                     return
             time.sleep(0.05)
-        self._shutdown(self.process, timeout_s)
+        self._shutdown(process, timeout_s)
         raise EmbeddedRedisError(f"redis-server did not answer within {timeout_s}s; see {log_path}")
 
     def stop(self, timeout_s: float = 10.0) -> None:
