@@ -33,6 +33,7 @@ from datetime import timedelta
 
 import blake3
 import torch
+from torch.distributed.distributed_c10d import PrefixStore, Store
 
 from asyncrl.common.transport.net import ADVERTISE_HOST_ENV
 from asyncrl.common.weights.rendezvous import RedisStore
@@ -96,7 +97,7 @@ def bucket_digest(flat: torch.Tensor) -> str:
     its transfer; a CUDA bucket is copied to the host first.
     """
     host = flat.detach().contiguous().cpu()
-    return blake3.blake3(memoryview(host.view(torch.uint8).numpy())).hexdigest(DIGEST_BYTES)
+    return blake3.blake3(host.view(torch.uint8).numpy().data).hexdigest(DIGEST_BYTES)
 
 
 def version_digest(bucket_digests: Sequence[str]) -> str:
@@ -167,7 +168,8 @@ def gloo_group(store, rank: int, world_size: int, timeout: timedelta, environ: M
     host = environ.get(ADVERTISE_HOST_ENV)
     if not host or environ.get("GLOO_SOCKET_IFNAME"):
         return torch.distributed.ProcessGroupGloo(store, rank, world_size, timeout)
-    options = torch.distributed.ProcessGroupGloo._Options()
+    # torch's stubs declare ProcessGroupGloo.Options; the options its constructor takes are the binding's _Options.
+    options = torch.distributed.ProcessGroupGloo._Options()  # pyright: ignore[reportAttributeAccessIssue]
     options._timeout = timeout
     options._devices = [torch.distributed.ProcessGroupGloo.create_device(hostname=host)]
     return torch.distributed.ProcessGroupGloo(store, rank, world_size, options)
@@ -190,7 +192,7 @@ class GroupAddress:
 class WeightGroup:
     """One formation of the learner + actors group; rank 0 (the learner) is the broadcast root."""
 
-    def __init__(self, address: GroupAddress, store: torch.distributed.Store | None = None) -> None:
+    def __init__(self, address: GroupAddress, store: Store | None = None) -> None:
         self.address = address
         timeout = timedelta(seconds=address.timeout_s)
         self._own_store = store is None
@@ -198,7 +200,7 @@ class WeightGroup:
             given_up = formation_key(address.epoch, ABANDONED)
             store = RedisStore.connect(address.redis_url, address.run, address.timeout_s, abandoned_key=given_up)
         self._store = store  # keep the connection alive as long as the group
-        self.store = torch.distributed.PrefixStore(formation_key(address.epoch), store)
+        self.store = PrefixStore(formation_key(address.epoch), store)
         self.device = "cuda" if address.backend == "nccl" else "cpu"
         self.group = None
         try:
@@ -237,7 +239,10 @@ class WeightGroup:
             options = torch.distributed.BroadcastOptions()
             options.rootRank = 0
             options.timeout = timedelta(seconds=self.address.timeout_s)
-            return self.group.broadcast([tensor], options)
+            if self.group is None:
+                raise WeightSyncError("the weight group is closed")
+            # torch's stubs leave the collectives out of the Backend classes (ProcessGroupGloo, ProcessGroupNCCL).
+            return self.group.broadcast([tensor], options)  # pyright: ignore[reportAttributeAccessIssue]
         except Exception as exc:
             raise WeightSyncError(f"broadcast failed in epoch {self.address.epoch}: {exc}") from exc
 
@@ -292,9 +297,9 @@ class WeightGroup:
         return [self._wait(work, flat) for work, flat in zip(works, flats, strict=True)]
 
 
-def absent_ranks(store: torch.distributed.Store, epoch: int, world_size: int) -> list[int]:
+def absent_ranks(store: Store, epoch: int, world_size: int) -> list[int]:
     """Ranks (1..world-1) that never announced themselves for ``epoch``: the ones to evict after a timeout."""
-    prefixed = torch.distributed.PrefixStore(formation_key(epoch), store)
+    prefixed = PrefixStore(formation_key(epoch), store)
     return [rank for rank in range(1, world_size) if not prefixed.check([f"joined/{rank}"])]
 
 
@@ -307,7 +312,7 @@ def formation_key(epoch: int, key: str = "") -> str:
     return f"asyncrl/{epoch}/{key}"
 
 
-def abandon_formation(store: torch.distributed.Store, epoch: int) -> None:
+def abandon_formation(store: Store, epoch: int) -> None:
     """The learner's side: mark formation ``epoch`` given up, so that members still waiting in its rendezvous
     (:class:`WeightGroup` with a store of its own) stop at once and come to the next formation."""
     store.set(formation_key(epoch, ABANDONED), "1")

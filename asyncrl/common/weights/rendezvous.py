@@ -22,7 +22,9 @@ from collections.abc import Sequence
 from datetime import timedelta
 
 import redis
-import torch
+from torch.distributed.distributed_c10d import Store
+
+from asyncrl.common.plane import replies
 
 POLL_S = 0.005
 """How often a blocking ``get``/``wait`` looks for its keys."""
@@ -45,7 +47,7 @@ def rendezvous_prefix(run: str) -> str:
     return f"asyncrl:{run}:rendezvous:"
 
 
-class RedisStore(torch.distributed.Store):
+class RedisStore(Store):
     """A ``torch.distributed.Store`` on Redis, for ``ProcessGroupGloo``/``ProcessGroupNCCL`` rendezvous.
 
     ``client`` is a connection to the run's Redis (its password is what admits a member); ``timeout_s`` bounds
@@ -82,19 +84,19 @@ class RedisStore(torch.distributed.Store):
 
     def get(self, key: str) -> bytes:
         self.wait([key])
-        value = self.client.get(self._key(key))
+        value = replies.maybe_blob(self.client.get(self._key(key)))
         if value is None:  # expired between the wait and the read
             raise TimeoutError(f"rendezvous key {key!r} vanished")
         return bytes(value)
 
-    def add(self, key: str, amount: int) -> int:
+    def add(self, key: str, value: int) -> int:
         pipe = self.client.pipeline(transaction=True)
-        pipe.incrby(self._key(key), amount)
+        pipe.incrby(self._key(key), value)
         pipe.expire(self._key(key), self.ttl_s)
         return int(pipe.execute()[0])
 
-    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
-        return bytes(self._compare_set(keys=[self._key(key)], args=[expected, desired, self.ttl_s]))
+    def compare_set(self, key: str, expected_value: bytes | str, desired_value: bytes | str) -> bytes:
+        return bytes(self._compare_set(keys=[self._key(key)], args=[expected_value, desired_value, self.ttl_s]))
 
     def check(self, keys: Sequence[str]) -> bool:
         return int(self.client.exists(*[self._key(k) for k in keys])) == len(keys)
