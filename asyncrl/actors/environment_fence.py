@@ -42,6 +42,7 @@ import tempfile
 import threading
 from dataclasses import replace
 from pathlib import Path
+from typing import IO, Any, TypedDict
 
 from asyncrl.common.observability.logs import get_logger
 from asyncrl.common.rewards.sandbox_fences import HOST_UID_BASE, Isolation, host_candidates
@@ -51,8 +52,13 @@ READY = {"ready": True}
 """The first line a host writes once it can take requests (behind its fence, before any environment code runs)."""
 PLAN_VARIABLE = "ASYNCRL_ENV_FENCE"
 """The host's fence (:func:`plan`, as JSON) on its way to :func:`enter`, in the host's environment."""
-SECRETS = ("ASYNCRL_REDIS_URL", "ASYNCRL_REDIS_URL_FILE", "ASYNCRL_CURVE_CLIENT_KEY", "ASYNCRL_CURVE_CLIENT_KEYS",
-           "ASYNCRL_CURVE_SERVER_KEY")
+SECRETS = (
+    "ASYNCRL_REDIS_URL",
+    "ASYNCRL_REDIS_URL_FILE",
+    "ASYNCRL_CURVE_CLIENT_KEY",
+    "ASYNCRL_CURVE_CLIENT_KEYS",
+    "ASYNCRL_CURVE_SERVER_KEY",
+)
 """The run's secrets a fenced host does not inherit."""
 PROBE_S = 60.0
 _FENCES: dict[str, Isolation] = {}
@@ -73,7 +79,7 @@ def host_fence(setting: str) -> Isolation:
         return _FENCES[setting]
 
 
-def launch(fence: Isolation, memory_mb: int, **popen: object) -> subprocess.Popen:
+def launch(fence: Isolation, memory_mb: int, stderr: int | IO[Any] | None = None) -> subprocess.Popen[str]:
     """``python -m asyncrl.actors.environment_host`` behind ``fence``, in a session of its own (so its process group
     is the launcher and the host), with stdin and stdout pipes. Call it from a thread that outlives the host: the
     launcher's parent-death signal follows the thread that started it."""
@@ -83,12 +89,29 @@ def launch(fence: Isolation, memory_mb: int, **popen: object) -> subprocess.Pope
         env[PLAN_VARIABLE] = json.dumps(plan(fence, memory_mb))
     return subprocess.Popen(
         [*fence.launcher, sys.executable, "-m", "asyncrl.actors.environment_host"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, bufsize=1, start_new_session=True,
-        **popen,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        env=env,
+        text=True,
+        bufsize=1,
+        start_new_session=True,
     )
 
 
-def plan(fence: Isolation, memory_mb: int) -> dict[str, object]:
+class FencePlan(TypedDict):
+    """What :func:`plan` hands a host, as JSON in its environment."""
+
+    uid: int | None
+    scratch: list[str]
+    binds: list[str]
+    home: str
+    shared: list[str]
+    size_mb: int
+    proc_writable: bool
+
+
+def plan(fence: Isolation, memory_mb: int) -> FencePlan:
     """What :func:`enter` does in a host behind ``fence``: ``uid`` (a per-host uid, or None), ``scratch`` (folders
     that get a private tmpfs, shallowest first), ``binds`` (paths inside them bound back read-only), ``home`` (the
     host's own, 0700), ``shared`` (temporary folders, 1777) and ``proc_writable``."""
@@ -100,8 +123,15 @@ def plan(fence: Isolation, memory_mb: int) -> dict[str, object]:
     scratch = {os.path.realpath(folder) for folder in scratch if os.path.isdir(folder)} - {"/"}
     binds = [path for path in _needed() if path not in scratch and any(_below(path, s) for s in scratch)]
     binds = [path for path in binds if not any(_below(path, other) and path != other for other in binds)]
-    return {"uid": uid, "scratch": sorted(scratch, key=lambda p: p.count("/")), "binds": binds, "home": home,
-            "shared": sorted({tmp, "/tmp", "/dev/shm"}), "size_mb": memory_mb, "proc_writable": _proc_writable(uid)}
+    return {
+        "uid": uid,
+        "scratch": sorted(scratch, key=lambda p: p.count("/")),
+        "binds": binds,
+        "home": home,
+        "shared": sorted({tmp, "/tmp", "/dev/shm"}),
+        "size_mb": memory_mb,
+        "proc_writable": _proc_writable(uid),
+    }
 
 
 def _proc_writable(uid: int | None) -> bool:
@@ -157,8 +187,9 @@ def _detect(setting: str) -> Isolation:
         if not why:
             return replace(fence, refused="; ".join(refused))
         refused.append(f"{fence.fence}: {why}")
-    raise RuntimeError("environment.fence = 'offline' needs namespaces, which this machine refused: "
-                       + "; ".join(refused))
+    raise RuntimeError(
+        "environment.fence = 'offline' needs namespaces, which this machine refused: " + "; ".join(refused)
+    )
 
 
 def _probe(fence: Isolation) -> str:
@@ -178,13 +209,16 @@ def _probe(fence: Isolation) -> str:
         return lines[-1][-300:] if lines else f"exit {proc.returncode}"
 
 
-def _first_line(proc: subprocess.Popen, timeout_s: float) -> object:
+def _first_line(proc: subprocess.Popen[str], timeout_s: float) -> object:
     """The first line ``proc`` writes, as JSON (None when it writes none within ``timeout_s``)."""
     box: list[object] = [None]
+    stdout = proc.stdout
+    if stdout is None:
+        raise ValueError("the process was started without a stdout pipe (start it with launch())")
 
     def read() -> None:
         with contextlib.suppress(ValueError):
-            box[0] = json.loads(proc.stdout.readline())
+            box[0] = json.loads(stdout.readline())
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
@@ -194,23 +228,33 @@ def _first_line(proc: subprocess.Popen, timeout_s: float) -> object:
 
 def _log_fence(fence: Isolation, setting: str) -> None:
     network = "none" if "net" in fence.namespaces else "the actor's"
-    fields = {"fence": fence.fence, "namespaces": ",".join(fence.namespaces) or "none", "user": fence.user,
-              "processes": fence.processes, "network": network}
+    fields = {
+        "fence": fence.fence,
+        "namespaces": ",".join(fence.namespaces) or "none",
+        "user": fence.user,
+        "processes": fence.processes,
+        "network": network,
+    }
     if fence.fence != "none" and not fence.refused:
         log.info("environment host fence", **fields)
     elif setting == "none":
-        log.info("environment host unfenced (environment.fence = 'none'): its environments can signal, trace and "
-                 "write into this process", **fields)
+        log.info(
+            "environment host unfenced (environment.fence = 'none'): its environments can signal, trace and "
+            "write into this process",
+            **fields,
+        )
     else:
-        action = ("let this process create namespaces (root with CAP_SYS_ADMIN, or user namespaces enabled: sysctl "
-                  "user.max_user_namespaces), or run only environments you trust")
+        action = (
+            "let this process create namespaces (root with CAP_SYS_ADMIN, or user namespaces enabled: sysctl "
+            "user.max_user_namespaces), or run only environments you trust"
+        )
         log.warning("environment host behind a weaker fence", **fields, refused=fence.refused, action=action)
 
 
 # --------------------------------------------------------------------------- in the host
 
 
-def enter(fence_plan: dict[str, object]) -> None:
+def enter(fence_plan: FencePlan) -> None:
     """The host's first act behind a namespace fence (it is root in its namespaces still): the read-only view, its
     scratch, the binds back, then its uid and no capability ever again."""
     from asyncrl.common.rewards import sandbox_supervisor as stage2
@@ -239,8 +283,12 @@ def enter(fence_plan: dict[str, object]) -> None:
 
 
 class _MountAttr(ctypes.Structure):
-    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64), ("propagation", ctypes.c_uint64),
-                ("userns_fd", ctypes.c_uint64)]
+    _fields_ = [
+        ("attr_set", ctypes.c_uint64),
+        ("attr_clr", ctypes.c_uint64),
+        ("propagation", ctypes.c_uint64),
+        ("userns_fd", ctypes.c_uint64),
+    ]
 
 
 def _read_only(path: str, read_only: bool = True) -> None:
@@ -250,5 +298,13 @@ def _read_only(path: str, read_only: bool = True) -> None:
 
     attr = _MountAttr(*((MOUNT_ATTR_RDONLY, 0) if read_only else (0, MOUNT_ATTR_RDONLY)), 0, 0)
     flags = AT_RECURSIVE if read_only else 0
-    stage2.call(f"read-only {path}", stage2.libc.syscall, ctypes.c_long(SYS_MOUNT_SETATTR), ctypes.c_int(AT_FDCWD),
-                path.encode(), ctypes.c_uint(flags), ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)))
+    stage2.call(
+        f"read-only {path}",
+        stage2.libc.syscall,
+        ctypes.c_long(SYS_MOUNT_SETATTR),
+        ctypes.c_int(AT_FDCWD),
+        path.encode(),
+        ctypes.c_uint(flags),
+        ctypes.byref(attr),
+        ctypes.c_size_t(ctypes.sizeof(attr)),
+    )

@@ -58,11 +58,13 @@ def request_fields(request: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(episode, str) or not 0 < len(episode) <= MAX_KEY_CHARS:
         raise BadRequest(f"episode must be a key of 1-{MAX_KEY_CHARS} characters")
     if op == "make":
-        row = request.get("row")
+        row, needs = request.get("row"), "make needs a row with prompt, answer, extra and seed"
+        if not isinstance(row, dict):
+            raise BadRequest(needs)
         try:
             EpisodeRow(**row)
-        except TypeError:
-            raise BadRequest("make needs a row with prompt, answer, extra and seed") from None
+        except TypeError:  # a field missing or unknown, or a key that is not a string
+            raise BadRequest(needs) from None
         return {"row": row}
     if op == "step":
         action = request.get("action")
@@ -125,13 +127,13 @@ class EnvironmentService:
                 self._forget_idle(swept)
 
     def _dispatch(self, client: bytes, request: dict[str, Any]) -> None:
-        op = request.get("op")
         try:
             fields = request_fields(request)
         except BadRequest as exc:
             ENVIRONMENT_REQUESTS.labels("invalid", "refused").inc()
             self._replies.put((client, {"id": request["id"], "error": f"refused: {exc}"}))
             return
+        op: str = request["op"]  # one of OPS: request_fields checked it
         key = f"{client.hex()}/{request['episode']}"
         if op == "close":
             self._last_used.pop(key, None)
