@@ -20,7 +20,7 @@ from asyncrl.common.config import RunConfig
 from asyncrl.common.observability.logs import get_logger
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.outage import settling
-from asyncrl.common.transport.channel import ChannelBlocked, PushChannel
+from asyncrl.common.transport.channel import ChannelBlocked, PushChannel, events
 from asyncrl.common.transport.curve import CurveClient
 from asyncrl.common.wire.messages import Heartbeat
 from asyncrl.common.wire.seal import Seal
@@ -63,7 +63,7 @@ class RewardPeers:
             raise ChannelBlocked("channel 'rollouts': no reward worker connected")
         first = self._turn % len(endpoints)
         order = endpoints[first:] + endpoints[:first]
-        ready = (e for e in order if self.channels[e].socket.get(zmq.EVENTS) & zmq.POLLOUT)
+        ready = (e for e in order if events(self.channels[e].socket) & zmq.POLLOUT)
         endpoint = next(ready, order[0])
         self._turn = endpoints.index(endpoint) + 1
         self.channels[endpoint].send(message)

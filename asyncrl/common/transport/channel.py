@@ -40,7 +40,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -62,6 +62,12 @@ log = get_logger("channel")
 _FAILED_HANDSHAKES = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
+
+
+def events(socket: zmq.Socket) -> int:
+    """``socket``'s ``ZMQ_EVENTS``: whether it can receive (``zmq.POLLIN``) or send (``zmq.POLLOUT``) now, read without
+    a poll. pyzmq types every option's value as ``int | bytes | str``; this one is an int."""
+    return cast(int, socket.get(zmq.EVENTS))
 
 
 class ChannelBlocked(TimeoutError):
@@ -145,7 +151,7 @@ class _Channel:
         monitor = self._refusals
         if monitor is None:
             return 0
-        while monitor.get(zmq.EVENTS) & zmq.POLLIN:
+        while events(monitor) & zmq.POLLIN:
             monitor.recv_multipart()  # (event and value, endpoint): which peer is not known to the socket
             self.refused_handshakes += 1
             CHANNEL_REFUSED_HANDSHAKES.labels(self.name).inc()
@@ -167,7 +173,7 @@ class _Channel:
         opened at once) must not share the process-wide context."""
         old = self.socket
         self.context = zmq.Context()
-        self.socket = self.context.socket(old.type)
+        self.socket = self.context.socket(cast(int, old.type))  # an int, whatever pyzmq's option type says
         for option in (zmq.LINGER, zmq.SNDHWM, zmq.RCVHWM, zmq.SNDTIMEO, zmq.RCVTIMEO, zmq.MAXMSGSIZE):
             self.socket.setsockopt(option, old.getsockopt(option))
         old.close(linger=0)
@@ -215,9 +221,7 @@ class _Channel:
 class PushChannel(_Channel):
     """The sending end; blocks at the high-water mark for up to ``send_timeout_s`` (None = forever)."""
 
-    def __init__(
-        self, name: str, hwm: int = 64, send_timeout_s: float | None = None, seal: Seal | None = None
-    ) -> None:
+    def __init__(self, name: str, hwm: int = 64, send_timeout_s: float | None = None, seal: Seal | None = None) -> None:
         super().__init__(zmq.PUSH, name, hwm, seal)
         self.socket.sndtimeo = -1 if send_timeout_s is None else int(send_timeout_s * 1000)
 
@@ -274,7 +278,7 @@ class PullChannel(_Channel):
         self.count_refused_handshakes()
         while True:
             # A message already queued is read without a poll: pyzmq's poll costs tens of microseconds per call.
-            if not self.socket.get(zmq.EVENTS) & zmq.POLLIN:
+            if not events(self.socket) & zmq.POLLIN:
                 wait_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
                 if not self.socket.poll(wait_ms, zmq.POLLIN):
                     return None

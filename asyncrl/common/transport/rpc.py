@@ -18,7 +18,7 @@ from typing import Any
 import zmq
 
 from asyncrl.common.observability.logs import get_logger, worth_logging
-from asyncrl.common.transport.channel import _Channel
+from asyncrl.common.transport.channel import _Channel, events
 from asyncrl.common.transport.curve import CurveClient, CurveServer
 from asyncrl.common.wire.seal import Seal, absorb, finish
 
@@ -124,7 +124,7 @@ class RequestSocket(_Channel):
     def recv_ready(self) -> list[dict[str, Any]]:
         """Every reply already queued (refused ones counted and skipped)."""
         replies = []
-        while self.socket.get(zmq.EVENTS) & zmq.POLLIN:
+        while events(self.socket) & zmq.POLLIN:
             body = _unpack(self.seal, self.socket.recv_multipart(copy=False))
             if body is None:
                 self.refusals.refused()
