@@ -148,7 +148,8 @@ def combine(
         for i, value in enumerate(call(function, group)):
             if isinstance(value, tuple):
                 shares = function.weight * np.asarray(value, np.float64)
-                turns[i] = shares if turns[i] is None else turns[i] + shares
+                previous = turns[i]
+                turns[i] = shares if previous is None else previous + shares
                 value = sum(value)
             rewards[i] += function.weight * value
             details[i][key] = value

@@ -83,7 +83,8 @@ def _not_json(value):
     raise TypeError(f"{type(value).__name__} is not JSON")
 
 
-_scan = _json.make_scanner(_JSON())
+# typeshed types the context as a make_scanner (its own TODO says: any object with these settings).
+_scan = _json.make_scanner(_JSON())  # pyright: ignore[reportArgumentType]
 _dump = _json.make_encoder(None, _not_json, _json.encode_basestring_ascii, None, ":", ",", False, False, True)
 
 
@@ -374,6 +375,8 @@ class Remote:
     """A handle to one of the program's objects (the module docstring says what it forwards and what it refuses)."""
 
     __slots__ = ("_Remote__label", "_Remote__ref")
+    __label: str  # read here, not through __getattr__ (which forwards to the program)
+    __ref: int
 
     def __init__(self, ref, label):
         object.__setattr__(self, "_Remote__ref", ref)
@@ -385,8 +388,10 @@ class Remote:
     def __eq__(self, other):
         if type(other) is Remote:
             return self.__ref == other.__ref
-        raise TypeError(f"{self!r} compared with {type(other).__name__}: the program's objects do not compare with "
-                        "values; compare plain values (e.g. an attribute, or a list the program returns)")
+        raise TypeError(
+            f"{self!r} compared with {type(other).__name__}: the program's objects do not compare with "
+            "values; compare plain values (e.g. an attribute, or a list the program returns)"
+        )
 
     def __ne__(self, other):
         return not self == other
@@ -493,8 +498,9 @@ class _Runner:
 
     def exception(self, decoder, value):
         """The exception to raise for the program's ``[class, args or None, message]``."""
-        if not (type(value) is list and len(value) == 3 and type(value[1]) in (list, type(None))
-                and type(value[2]) is str):
+        if not (
+            type(value) is list and len(value) == 3 and type(value[1]) in (list, type(None)) and type(value[2]) is str
+        ):
             raise ProtocolError("a malformed exception")
         cls = self.exception_class(value[0])
         args = None if value[1] is None else decoder(["t", *value[1]])
@@ -520,6 +526,7 @@ class _Runner:
         except _BROKEN as error:
             self.broken(error)
         if kind == "raise":
+            assert isinstance(result, BaseException)  # outcome() decoded the program's exception
             raise result  # the program's exception, as the tests' class
         return result
 
@@ -547,8 +554,7 @@ class _Runner:
             message = receive(self.replies, self.watch)
             if message is None:
                 self.gone()
-            if not (type(message) is list and len(message) == 2 and message[0] == "ready"
-                    and type(message[1]) is list):
+            if not (type(message) is list and len(message) == 2 and message[0] == "ready" and type(message[1]) is list):
                 raise ProtocolError("a malformed description of the program's names")
             reserved = set(dir(builtins))
             for name, value in message[1]:
@@ -567,18 +573,21 @@ class _Runner:
 
 # what a forged message raises
 _BROKEN = (ProtocolError, ValueError, TypeError, IndexError, KeyError, RecursionError, StopIteration)
-_RUNNER = None
+_RUNNER: "_Runner | None" = None
 
 
 def _call(op, *operands):
+    assert _RUNNER is not None  # runner() makes it before the first handle exists
     return _RUNNER.call(op, operands)
 
 
 def _refuse(v):
     if type(v) is Remote:
         return ["r", object.__getattribute__(v, "_Remote__ref")]
-    raise TypeError(f"only plain values (None, bool, int, float, str, bytes, list, tuple, dict, set) and the "
-                    f"program's own objects can be passed to the program, not {type(v).__name__}")
+    raise TypeError(
+        f"only plain values (None, bool, int, float, str, bytes, list, tuple, dict, set) and the "
+        f"program's own objects can be passed to the program, not {type(v).__name__}"
+    )
 
 
 def _module(value):
@@ -610,10 +619,12 @@ def _not_dumpable():
     class Function(_ctypes.CFuncPtr):
         _flags_, _restype_ = _ctypes.FUNCFLAG_CDECL | _ctypes.FUNCFLAG_USE_ERRNO, Int
 
+    # typeshed's stubs take a path only (None is the program itself, as for ctypes.CDLL(None)) and a CDLL only (any
+    # object with a _handle serves).
     class Libc:
-        _handle = _ctypes.dlopen(None, os.RTLD_NOW)
+        _handle = _ctypes.dlopen(None, os.RTLD_NOW)  # pyright: ignore[reportArgumentType]
 
-    prctl = Function(("prctl", Libc()))
+    prctl = Function(("prctl", Libc()))  # pyright: ignore[reportArgumentType, reportCallIssue]
     if prctl(4, 0, 0, 0, 0) != 0 or prctl(3, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0, then PR_GET_DUMPABLE
         raise OSError(_ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
 

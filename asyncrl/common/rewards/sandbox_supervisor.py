@@ -39,8 +39,9 @@ libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
 libc.prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
 
 
-def call(what: str, function: object, *args: object) -> None:
-    """``function(*args)``, a libc call that returns 0 on success; raises ``OSError`` with ``what`` otherwise."""
+def call(what: str, function: ctypes._NamedFuncPointer, *args: object) -> None:
+    """``function(*args)``, a libc call that returns 0 on success; raises ``OSError`` with ``what`` otherwise.
+    (``_NamedFuncPointer`` is typeshed's name for a function of a ``CDLL``; annotations are never evaluated here.)"""
     if function(*args) != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, f"{what}: {os.strerror(errno)}")

@@ -340,14 +340,17 @@ def _math_equal(gold: str, pred: str) -> bool:
     """math-verify's verdict on two final answers (run in the judge process)."""
     from math_verify import parse, verify
 
-    return bool(verify(_parsed(gold), parse(f"${pred}$", parsing_timeout=None), timeout_seconds=None))
+    # parsing_timeout=None (no alarm: the judge process has its own limit) is documented; math-verify annotates int.
+    answer = parse(f"${pred}$", parsing_timeout=None)  # pyright: ignore[reportArgumentType]
+    return bool(verify(_parsed(gold), answer, timeout_seconds=None))
 
 
 @functools.lru_cache(maxsize=256)
 def _parsed(gold: str) -> list[Any]:
     from math_verify import parse
 
-    return parse(f"${gold}$", parsing_timeout=None)  # the K responses of a group share one reference
+    # the K responses of a group share one reference; parsing_timeout=None as in _math_equal
+    return parse(f"${gold}$", parsing_timeout=None)  # pyright: ignore[reportArgumentType]
 
 
 # --------------------------------------------------------------------------- regex
