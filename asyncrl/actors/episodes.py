@@ -61,6 +61,10 @@ from asyncrl.common.wire.messages import PromptGroup, RolloutGroup, model_turns
 
 log = get_logger("episodes")
 
+EpisodeEnvironment = Environment | HostedEnvironment
+"""An episode's environment: one in this process, or a hosted one (:func:`open_environment`), whose every call,
+``score`` too, is awaited."""
+
 
 class EpisodeMismatch(ValueError):
     """An episode the environment, replayed on the model's turns, would not have produced: the reward worker
@@ -119,7 +123,7 @@ def use_remote_environments(remote: RemoteEnvironments | None) -> None:
     _REMOTE[:] = [remote] if remote is not None else []
 
 
-async def open_environment(section: EnvironmentSection, row: EpisodeRow) -> Environment:
+async def open_environment(section: EnvironmentSection, row: EpisodeRow) -> EpisodeEnvironment:
     """The environment of ``row``: on the run's reward workers (``environment.isolation = "workers"``, in an actor that
     reaches them), in the environments' own process (``"process"``, and ``"workers"`` anywhere else: a reward
     worker's replay, an offline eval), or in this one (``"thread"``)."""
@@ -132,13 +136,13 @@ async def open_environment(section: EnvironmentSection, row: EpisodeRow) -> Envi
         raise EnvironmentFailed(f"environment {section.name!r} could not be made: {exc}") from exc
 
 
-def close_environment(env: Environment | None) -> None:
+def close_environment(env: EpisodeEnvironment | None) -> None:
     """Free a hosted environment in its process (one in this process goes with its episode)."""
     if isinstance(env, HostedEnvironment):
         env.close()
 
 
-async def final_score(env: Environment) -> float:
+async def final_score(env: EpisodeEnvironment) -> float:
     """``env.score()``, awaited when it is a coroutine, checked."""
     try:
         value = env.score()
@@ -155,7 +159,7 @@ event loop's default executor (which the actor's own Redis and socket calls use)
 
 
 async def take_step(
-    env: Environment, action: str, timeout_s: float, observe: Callable[[float], None] = lambda seconds: None
+    env: EpisodeEnvironment, action: str, timeout_s: float, observe: Callable[[float], None] = lambda seconds: None
 ) -> Step:
     """One step within ``timeout_s``; ``observe`` gets its seconds. A synchronous ``step`` runs in a thread
     (:data:`_STEPS`), so a slow one never stalls the actor's other episodes; an ``async`` one (a hosted environment's
@@ -312,7 +316,13 @@ async def replay_turns(
 
 
 async def _replay(
-    tools: EpisodeTools, section: EnvironmentSection, env: Environment, ids, parts, index: int, failed_there: bool
+    tools: EpisodeTools,
+    section: EnvironmentSection,
+    env: EpisodeEnvironment,
+    ids,
+    parts,
+    index: int,
+    failed_there: bool,
 ) -> list[float] | None:
     """Each model turn's reward up to the last one stepped, with the final score on the last turn; ``None`` when the
     environment failed where the actor's did."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,12 +21,16 @@ from asyncrl.actors.lifeline import follow_actor
 from asyncrl.common.weights.group import GroupAddress, WeightGroup, digest_mismatch, unpack_bucket
 from asyncrl.common.wire.messages import Decoder, WeightManifest
 
+if TYPE_CHECKING:
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
 
 class WeightReceiverExtension:
     """Methods added to each vLLM worker; state lives on the worker object itself."""
 
     _asyncrl_group: WeightGroup | None = None
     _asyncrl_received: tuple[WeightManifest, list] | None = None  # verified, not yet loaded
+    model_runner: Any  # the vLLM worker's, which this class is mixed into
 
     def asyncrl_join(self, address: dict[str, Any]) -> float:
         """Form (or re-form) the weight group; returns the self-check seconds.
@@ -156,8 +160,10 @@ class BufferOnlyLayers(logging.Filter):
         self.classes = classes
 
     def filter(self, record: logging.LogRecord) -> bool:
-        unloaded = record.msg == "%s: Failed to load weights" and isinstance(record.args, tuple) and record.args
-        return not (unloaded and record.args[0] in self.classes)
+        args = record.args
+        if record.msg != "%s: Failed to load weights" or not isinstance(args, tuple) or not args:
+            return True
+        return args[0] not in self.classes
 
 
 def quiet_buffer_only_layers(model: torch.nn.Module) -> None:
@@ -173,7 +179,7 @@ def quiet_buffer_only_layers(model: torch.nn.Module) -> None:
     logger.addFilter(BufferOnlyLayers(frozenset(without)))
 
 
-def tied_output_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+def tied_output_head(model: torch.nn.Module) -> tuple[VocabParallelEmbedding, torch.nn.Module] | None:
     """(output head, input embedding) of a model whose head shares the embedding's weight (``tie_word_embeddings``,
     as in Qwen2-0.5B or Llama-3.2-1B); None otherwise."""
     if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):

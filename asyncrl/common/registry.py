@@ -17,7 +17,7 @@ import importlib
 import inspect
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 T = TypeVar("T")
 _IMPORTED: dict[str, Any] = {}
@@ -71,7 +71,7 @@ class Registry(Generic[T]):
     def __init__(self, kind: str, contract: Contract | None = None) -> None:
         self.kind = kind
         self.contract = contract
-        self._entries: dict[str, T] = {}
+        self._entries: dict[str, T | _Deferred] = {}  # a _Deferred: registered by path (register_path)
 
     def register(self, name: str) -> Callable[[T], T]:
         """Decorator: register the decorated object as ``name``; a different object claiming it raises."""
@@ -103,7 +103,9 @@ class Registry(Generic[T]):
                 entry = self._entries[name]
             except KeyError:
                 raise ValueError(f"unknown {self.kind} {name!r}; registered: {', '.join(self.names())}") from None
-            return _import(entry.path, self.kind, self.contract) if isinstance(entry, _Deferred) else entry
+            if isinstance(entry, _Deferred):
+                return _import(entry.path, self.kind, self.contract)
+            return cast(T, entry)  # registered as a T (a type checker cannot rule out a T that is a _Deferred)
         except ValueError as exc:
             if setting:
                 raise ValueError(f"{setting} = {name!r}: {exc}") from None

@@ -373,7 +373,9 @@ class ReferenceModel:
     def __init__(self, path: str | Path, dtype: str | torch.dtype = "float32", device: str | None = None) -> None:
         torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
         self.device = torch.device(device or _default_device())
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(self.device).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        # transformers wraps Module.to with functools.wraps, whose type does not bind self: the device reads as self.
+        self.model = model.to(self.device).eval()  # pyright: ignore[reportArgumentType]
         self.model.requires_grad_(False)
 
     @torch.no_grad()

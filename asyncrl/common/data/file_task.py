@@ -67,7 +67,7 @@ class FileTask(Task):
         located = _read_examples(self.path, keys, split, limit)
         self.examples = [example for _, example in located]
         self._where = [where for where, _ in located]  # "path:line N" of each example, for later refusals
-        self.skipped: list[str] = []
+        self.skipped = []
         self._order: list[int] = []
         self._next = 0
 
@@ -81,6 +81,7 @@ class FileTask(Task):
         if overlong not in ("refuse", "skip"):
             raise ValueError(f"overlong must be 'refuse' or 'skip', got {overlong!r}")
         kept: list[tuple[str, TaskExample]] = []
+        skipped = self.skipped = list(self.skipped)  # Task declares a Sequence; this one grows
         for where, example in zip(self._where, self.examples, strict=True):
             n = _prompt_tokens(prompter, where, example)
             if n <= max_tokens:
@@ -89,8 +90,8 @@ class FileTask(Task):
             reason = f"prompt is {n} tokens; the run can serve at most {max_tokens}"
             if overlong == "refuse":
                 raise TaskFileError(f"{where}: {reason} (model.max_model_len - rollout.max_new_tokens)")
-            self.skipped.append(where)
-            if len(self.skipped) <= MAX_NAMED_SKIPS:
+            skipped.append(where)
+            if len(skipped) <= MAX_NAMED_SKIPS:
                 log.warning("skipped a row whose prompt is too long to serve", row=where, reason=reason)
         if self.skipped:
             log.warning(

@@ -113,7 +113,7 @@ class Prompter:
 
     def text(self, example: TaskExample) -> str:
         """The prompt text the model sees for ``example``; ``ValueError`` for ``messages`` without a template."""
-        if not self.chat:
+        if self.template is None:  # not self.chat
             if example.messages is not None:
                 raise ValueError(
                     "holds 'messages', but the run uses no chat template (task.chat = false, or the tokenizer of "

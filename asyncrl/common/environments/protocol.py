@@ -190,8 +190,9 @@ def calculate(expression: str) -> str:
 
 
 def _evaluate(node: ast.AST) -> int | float:
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        value = node.value
+    constant = node.value if isinstance(node, ast.Constant) else None
+    if isinstance(constant, (int, float)) and not isinstance(constant, bool):  # True is no number here
+        value = constant
     elif isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
         value = _OPERATORS[type(node.op)](_evaluate(node.left), _evaluate(node.right))
     elif isinstance(node, ast.UnaryOp) and type(node.op) in _OPERATORS:
@@ -320,5 +321,11 @@ class Calculator(ToolEnvironment):
 
     @classmethod
     def tool_specs(cls, options: dict[str, Any]) -> list[dict[str, Any]]:
-        about = "The value of an arithmetic expression: numbers, + - * / // % and parentheses."
-        return [function_spec("calc", about, expression="the expression, e.g. 37*48")]
+        return calculator_specs()
+
+
+def calculator_specs() -> list[dict[str, Any]]:
+    """:class:`Calculator`'s tool as the chat template offers it (the class itself is typed as the registry's
+    factory: its own attributes are not seen through the name)."""
+    about = "The value of an arithmetic expression: numbers, + - * / // % and parentheses."
+    return [function_spec("calc", about, expression="the expression, e.g. 37*48")]

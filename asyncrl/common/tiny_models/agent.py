@@ -128,10 +128,10 @@ def warm_start_calculator(
     the rest answer at once. Options and figures as :func:`asyncrl.common.tiny_models.character.warm_start_rows`."""
     from transformers import AutoTokenizer
 
-    from asyncrl.common.environments.protocol import Calculator
+    from asyncrl.common.environments.protocol import calculator_specs
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tools = Calculator.tool_specs({})
+    tools = calculator_specs()
     rng = random.Random(seed)
     rows = [
         encode_conversation(tokenizer, calculator_conversation(p, a, use_tool=rng.random() < tool_share), tools)

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import cast
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
@@ -100,9 +101,10 @@ def init_model(
         num_key_value_heads=heads,
         max_position_embeddings=max_position,
         tie_word_embeddings=False,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
+        # transformers types a special token's id for every kind of tokenizer; the char tokenizer's are ints
+        pad_token_id=cast(int, tokenizer.pad_token_id),
+        bos_token_id=cast(int, tokenizer.bos_token_id),
+        eos_token_id=cast(int, tokenizer.eos_token_id),
         dtype=dtype,
     )
     with _seeded(seed):
@@ -211,7 +213,8 @@ def warm_start_rows(
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         with _seeded(seed):
             losses = _train(model, rows, pad_id, steps=steps, lr=lr, batch=batch, seed=seed)
-        model.to(saved_dtype).save_pretrained(model_dir, safe_serialization=True)
+        # transformers wraps Module.to with functools.wraps, whose type does not bind self: the dtype reads as self.
+        model.to(saved_dtype).save_pretrained(model_dir, safe_serialization=True)  # pyright: ignore[reportArgumentType]
     finally:
         torch.set_num_threads(previous_threads)
     return {"loss_first": losses[0], "loss_last": losses[-1], "seconds": time.perf_counter() - started}
