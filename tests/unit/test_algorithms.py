@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from pydantic import BaseModel
 from torch import Tensor
 
 from asyncrl.common.config import ConfigError
@@ -67,6 +68,14 @@ def my_loss(inp: LossInput, settings: MyLossSettings) -> LossOutput:
     """Plain REINFORCE, −scale · A · log π_θ per token: named in tests as ``tests.unit.test_algorithms:my_loss``."""
     per_token = -settings.scale * inp.advantages * inp.logprobs
     return LossOutput(per_token_loss=zero_masked(per_token, inp.response_mask), metrics={})
+
+
+class PlainModelSettings(BaseModel):  # a pydantic model, but no Settings: it cannot say what the loss requires
+    scale: float = 1.0
+
+
+def plain_model_loss(inp: LossInput, settings: PlainModelSettings) -> LossOutput:
+    raise AssertionError("never called")
 
 
 # --------------------------------------------------------------------------- helpers
@@ -731,6 +740,12 @@ def test_a_user_loss_named_by_import_path_is_used() -> None:
     out = build_loss(path, {"scale": 2.0})(inp)
     torch.testing.assert_close(out.per_token_loss, _one_row([1.386294, 1.386294]), atol=1e-6, rtol=0)
     assert path not in LOSSES  # used without being registered under a name
+
+
+def test_a_user_loss_whose_settings_are_no_settings_model_is_refused_by_name() -> None:
+    # Its settings once passed as "a pydantic model", and assembling the config then failed on .requires().
+    with pytest.raises(ValueError, match=r"plain_model_loss must annotate its `settings` parameter .*types\.Settings"):
+        loss_settings("tests.unit.test_algorithms:plain_model_loss", {})
 
 
 def test_settings_and_types_validate_early() -> None:

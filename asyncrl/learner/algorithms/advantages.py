@@ -38,7 +38,7 @@ class AdvantageSettings(Settings):
 
 class GRPOSettings(AdvantageSettings):
     name: Literal["grpo"] = "grpo"
-    epsilon: float = Field(1e-6, ge=0.0)
+    epsilon: float = Field(default=1e-6, ge=0.0)
     """Added to the group's std so a group of equal rewards gives advantage 0, not 0/0."""
     scale: bool = True
     """Divide by the group's std; False = mean-centring only (the ``dr_grpo`` estimator)."""
@@ -58,12 +58,12 @@ class BatchMeanSettings(AdvantageSettings):
 
 class GAESettings(AdvantageSettings):
     name: Literal["gae"] = "gae"
-    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    gamma: float = Field(default=1.0, ge=0.0, le=1.0)
     """γ, the discount per response token (1: the outcome is not discounted, as in verl and OpenRLHF)."""
-    lam: float = Field(0.95, ge=0.0, le=1.0)
+    lam: float = Field(default=0.95, ge=0.0, le=1.0)
     """λ of GAE. 0.95 as the PPO paper (Schulman et al. 2017, Table 3), TRL's ``PPOConfig.lam`` and
     OpenRLHF's ``--lambd``; verl defaults to 1.0 (A = return − V, no bias from an untrained critic)."""
-    kl_coef: float = Field(0.0, ge=0.0)
+    kl_coef: float = Field(default=0.0, ge=0.0)
     """Coefficient of the per-token KL penalty in the token rewards (needs ``token_kl``); overridden by
     ``AdvantageInput.kl_coef`` when the learner runs a KL controller."""
     normalize: bool = True
@@ -76,9 +76,9 @@ class GAESettings(AdvantageSettings):
 
 class ReinforcePPSettings(AdvantageSettings):
     name: Literal["reinforce_pp"] = "reinforce_pp"
-    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    gamma: float = Field(default=1.0, ge=0.0, le=1.0)
     """γ of the return-to-go (1 in the REINFORCE++ paper and in verl)."""
-    kl_coef: float = Field(0.0, ge=0.0)
+    kl_coef: float = Field(default=0.0, ge=0.0)
     """Coefficient of the per-token KL penalty in the token rewards (needs ``token_kl``); 0 runs without
     a reference model. Overridden by ``AdvantageInput.kl_coef`` when the learner runs a KL controller."""
     normalize: bool = True

@@ -37,9 +37,9 @@ class K2Settings(Settings):
 
 class K3Settings(Settings):
     name: Literal["k3"] = "k3"
-    clamp: float = Field(20.0, gt=0.0)
+    clamp: float = Field(default=20.0, gt=0.0)
     """|log r| is clamped to this before exp: exp(89) overflows float32 (verl's ``low_var_kl`` clamps at 20)."""
-    value_clamp: float = Field(10.0, gt=0.0)
+    value_clamp: float = Field(default=10.0, gt=0.0)
     """The estimate itself is clamped to [−value_clamp, value_clamp], as verl's ``low_var_kl`` clamps it to
     [−10, 10]: at log r = 19.9 a single token would otherwise contribute e^19.9 ≈ 4.4e8 to the KL term, with a
     gradient to match. Where the clamp binds, that token's KL gradient is zero."""
@@ -75,12 +75,12 @@ class KLRewardSettings(Settings):
     mode: Literal["off", "fixed", "adaptive"] = "off"
     """``off``: coefficient 0; ``fixed``: always ``coef``; ``adaptive``: starts at ``coef`` and follows
     :meth:`KLController.update`."""
-    coef: float = Field(0.001, ge=0.0)
+    coef: float = Field(default=0.001, ge=0.0)
     """The (initial) coefficient β (verl's ``kl_ctrl.kl_coef`` default)."""
-    target: float = Field(0.1, gt=0.0)
+    target: float = Field(default=0.1, gt=0.0)
     """The KL the adaptive controller steers to, in the unit of the observed KL the caller passes
     (verl: the batch mean of the per-token KL, target 0.1; Ziegler et al. sum over the sequence, 6 nats)."""
-    horizon: float = Field(10_000.0, gt=0.0)
+    horizon: float = Field(default=10_000.0, gt=0.0)
     """Samples over which a relative error moves β by its own size: K_β = n / horizon (verl, and
     OpenAI's lm-human-preferences: 10000)."""
 

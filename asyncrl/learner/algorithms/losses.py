@@ -39,12 +39,12 @@ class OffPolicySettings(BaseModel):
     then π_θ/μ); ``truncate``: w ← min(w, cap); ``mask``: w ← 0 outside [1/cap, cap]."""
     level: Literal["token", "sequence"] = "token"
     """``token``: w per token; ``sequence``: every token of a sequence gets exp(Σ_t (log π_old − log μ))."""
-    cap: float = Field(2.0, gt=1.0)
+    cap: float = Field(default=2.0, gt=1.0)
     """Truncation cap, or upper edge of the kept band [1/cap, cap]."""
-    max_sequence_kl: float = Field(0.5, ge=0.0)
+    max_sequence_kl: float = Field(default=0.5, ge=0.0)
     """The mismatch guard: a sequence whose mean per-token k3 estimate of KL(μ ‖ π_old) is above this is dropped
     (every token's w = 0); 0 disables it. Acts on the sequences a spike hit, not the whole step."""
-    veto: float = Field(1e-4, ge=0.0, lt=1.0)
+    veto: float = Field(default=1e-4, ge=0.0, lt=1.0)
     """Token veto: a sequence with any token whose π_old/μ is below this is dropped (verl's rollout correction and
     slime veto such sequences: one token μ sampled but π_old all but forbids); 0 disables it."""
     behaviour_clip: bool = True
@@ -63,11 +63,11 @@ class PolicyGradientSettings(Settings):
 
     off_policy: OffPolicySettings = OffPolicySettings()
     """Correction by π_old/μ."""
-    kl_coef: float = Field(0.0, ge=0.0)
+    kl_coef: float = Field(default=0.0, ge=0.0)
     """Weight of the per-token KL(π_θ ‖ π_ref) term; used only when reference log-probs are given."""
     kl_estimator: str = "k3"
     """Registered KL estimator (or import path) for that term."""
-    entropy_coef: float = Field(0.0, ge=0.0)
+    entropy_coef: float = Field(default=0.0, ge=0.0)
     """Weight of the entropy bonus: loss_t −= entropy_coef · H_t; used only when ``LossInput.entropy`` is given."""
 
     def requires(self) -> frozenset[str]:
@@ -84,30 +84,30 @@ class PolicyGradientSettings(Settings):
 
 class PPOClipSettings(PolicyGradientSettings):
     name: Literal["ppo_clip"] = "ppo_clip"
-    clip_low: float = Field(0.2, ge=0.0, lt=1.0)
+    clip_low: float = Field(default=0.2, ge=0.0, lt=1.0)
     """ε_low: the ratio is clipped below at 1 − ε_low."""
-    clip_high: float = Field(0.2, ge=0.0)
+    clip_high: float = Field(default=0.2, ge=0.0)
     """ε_high: the ratio is clipped above at 1 + ε_high (DAPO's clip-higher sets 0.28)."""
-    dual_clip: float | None = Field(None, gt=1.0)
+    dual_clip: float | None = Field(default=None, gt=1.0)
     """c of dual-clip PPO (Ye et al. 2020): for A < 0 the loss is at most −A·c; None disables it."""
 
 
 class GSPOSettings(PolicyGradientSettings):
     name: Literal["gspo"] = "gspo"
-    clip_low: float = Field(3e-4, ge=0.0, lt=1.0)
+    clip_low: float = Field(default=3e-4, ge=0.0, lt=1.0)
     """ε_low: the sequence ratio is clipped below at 1 − ε_low. GSPO clips the length-normalized ratio
     far tighter than PPO clips token ratios: 3e-4 and 4e-4 in the paper (Zheng et al. 2025, §5.1)."""
-    clip_high: float = Field(4e-4, ge=0.0)
+    clip_high: float = Field(default=4e-4, ge=0.0)
     """ε_high: the sequence ratio is clipped above at 1 + ε_high."""
 
 
 class DPOSettings(Settings):
     name: Literal["dpo"] = "dpo"
-    beta: float = Field(0.1, gt=0.0)
+    beta: float = Field(default=0.1, gt=0.0)
     """β (τ for IPO): the strength of the implicit KL constraint to the reference."""
     kind: Literal["sigmoid", "ipo"] = "sigmoid"
     """``sigmoid``: DPO's logistic loss (with label smoothing: cDPO); ``ipo``: IPO's squared loss."""
-    label_smoothing: float = Field(0.0, ge=0.0, le=0.5)
+    label_smoothing: float = Field(default=0.0, ge=0.0, le=0.5)
     """ε of conservative DPO (Mitchell 2023): the probability that a preference label is flipped."""
 
     def requires(self) -> frozenset[str]:

@@ -42,6 +42,7 @@ from asyncrl.learner.algorithms.types import (
     LossFn,
     LossInput,
     LossOutput,
+    Settings,
 )
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -107,15 +108,19 @@ def _registrar(registry: Registry[Any], name: str) -> Callable[[F], F]:
 
 
 @functools.cache
-def settings_type(fn: Callable[..., Any]) -> type[BaseModel]:
-    """The settings model of ``fn``: the annotation of its parameter named ``settings``."""
+def settings_type(fn: Callable[..., Any]) -> type[Settings]:
+    """The settings model of ``fn``: the annotation of its parameter named ``settings``, a :class:`Settings` (whose
+    ``requires()`` the learner asks what to compute)."""
     try:
         hints = typing.get_type_hints(fn)
     except Exception as exc:  # an annotation naming something its module does not define
         raise ValueError(f"cannot read the annotations of {_qualname(fn)}: {exc}") from None
     model = hints.get("settings")
-    if not (isinstance(model, type) and issubclass(model, BaseModel)):
-        raise ValueError(f"{_qualname(fn)} must annotate its `settings` parameter with a pydantic settings model")
+    if not (isinstance(model, type) and issubclass(model, Settings)):
+        raise ValueError(
+            f"{_qualname(fn)} must annotate its `settings` parameter with a settings model: a subclass of "
+            "asyncrl.learner.algorithms.types.Settings (a pydantic model)"
+        )
     return model
 
 
@@ -125,27 +130,27 @@ def settings_tag(model: type[BaseModel]) -> str | None:
     return name.default if name is not None and isinstance(name.default, str) else None
 
 
-def advantage_settings(name: str, options: Mapping[str, Any] | None = None) -> BaseModel:
+def advantage_settings(name: str, options: Mapping[str, Any] | None = None) -> Settings:
     """The validated settings of advantage estimator ``name`` (a key or an import path)."""
     return _settings(ADVANTAGES, name, options)
 
 
-def loss_settings(name: str, options: Mapping[str, Any] | None = None) -> BaseModel:
+def loss_settings(name: str, options: Mapping[str, Any] | None = None) -> Settings:
     """The validated settings of policy loss ``name``."""
     return _settings(LOSSES, name, options)
 
 
-def aggregation_settings(name: str, options: Mapping[str, Any] | None = None) -> BaseModel:
+def aggregation_settings(name: str, options: Mapping[str, Any] | None = None) -> Settings:
     """The validated settings of loss aggregation ``name``."""
     return _settings(AGGREGATIONS, name, options)
 
 
-def kl_settings(name: str, options: Mapping[str, Any] | None = None) -> BaseModel:
+def kl_settings(name: str, options: Mapping[str, Any] | None = None) -> Settings:
     """The validated settings of KL estimator ``name``."""
     return _settings(KL_ESTIMATORS, name, options)
 
 
-def _settings(registry: Registry[Any], name: str, options: Mapping[str, Any] | None) -> BaseModel:
+def _settings(registry: Registry[Any], name: str, options: Mapping[str, Any] | None) -> Settings:
     model = settings_type(registry.get(name))
     options = dict(options or {})
     # Checked here rather than left to the model, so a user's model that allows extras still refuses them.

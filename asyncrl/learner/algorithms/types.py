@@ -16,9 +16,8 @@ Fields are appended, never reordered.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -164,14 +163,33 @@ class GlobalCounts:
         return GlobalCounts(self.tokens + other.tokens, self.sequences + other.sequences)
 
 
-AdvantageFn = Callable[[AdvantageInput, Any], AdvantageOutput]
-"""``fn(inp, settings) -> AdvantageOutput``; ``settings`` is annotated with the variant's own :class:`Settings`."""
-LossFn = Callable[[LossInput, Any], LossOutput]
-"""``fn(inp, settings) -> LossOutput``."""
-AggregationFn = Callable[[Tensor, Tensor, GlobalCounts, Any], Tensor]
-"""``fn(per_token_loss [B, T], response_mask [B, T], counts, settings) -> scalar``."""
-KLEstimatorFn = Callable[[Tensor, Tensor, Any], Tensor]
-"""``fn(logprobs [B, T], ref_logprobs [B, T], settings) -> per-token KL estimate [B, T]``."""
+# Each signature names its settings parameter: the registries bind it by name (registries.py: build_*).
+
+
+class AdvantageFn(Protocol):
+    """``fn(inp, settings) -> AdvantageOutput``; ``settings`` is annotated with the variant's own :class:`Settings`."""
+
+    def __call__(self, inp: AdvantageInput, /, settings: Any) -> AdvantageOutput: ...
+
+
+class LossFn(Protocol):
+    """``fn(inp, settings) -> LossOutput``."""
+
+    def __call__(self, inp: LossInput, /, settings: Any) -> LossOutput: ...
+
+
+class AggregationFn(Protocol):
+    """``fn(per_token_loss [B, T], response_mask [B, T], counts, settings) -> scalar``."""
+
+    def __call__(
+        self, per_token_loss: Tensor, response_mask: Tensor, counts: GlobalCounts, /, settings: Any
+    ) -> Tensor: ...
+
+
+class KLEstimatorFn(Protocol):
+    """``fn(logprobs [B, T], ref_logprobs [B, T], settings) -> per-token KL estimate [B, T]``."""
+
+    def __call__(self, logprobs: Tensor, ref_logprobs: Tensor, /, settings: Any) -> Tensor: ...
 
 
 def _expect_mask(mask: Tensor) -> Tensor:
