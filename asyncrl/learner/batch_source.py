@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 import numpy as np
 
@@ -44,6 +45,14 @@ from asyncrl.common.wire.provenance import episode_tokens, issue_mismatch
 from asyncrl.learner.dispatcher import Dispatcher
 from asyncrl.learner.evaluation import EvalRounds
 from asyncrl.learner.trained import Rewind, TrainedLog, replay_position
+
+
+class Position(TypedDict):
+    """What a checkpoint records of the data (:meth:`BatchSource.position`)."""
+
+    dispatch: dict[str, int]
+    replay: dict[str, object]
+
 
 log = get_logger("learner")
 RECOVER_MAX = 100_000
@@ -314,7 +323,7 @@ class BatchSource:
             recovered = {e.group.rollout.group_id for e in self._carry}
             self.trained.forget_missing(g for g in self._retrain if g not in recovered)
 
-    def position(self) -> dict[str, object]:
+    def position(self) -> Position:
         """What a checkpoint records of the data: the dispatcher's counters and the replay stream's position."""
         return {"dispatch": self.plane.prompts.dispatch_counts(), "replay": replay_position(self.reader)}
 

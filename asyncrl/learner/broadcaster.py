@@ -300,6 +300,7 @@ class Broadcaster:
 
     def _evict_absent(self, exc: WeightSyncError) -> None:
         formation = self.manifest  # the last published: the formation that failed
+        assert formation is not None  # _transfer published it before it sent
         absent = sorted({formation.owner_of(r) for r in absent_ranks(self.store, self.epoch, formation.world_size)})
         suspects = absent or list(self.members)  # all came but one hung mid-broadcast: retry them all later
         for actor in absent:

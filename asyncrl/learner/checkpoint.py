@@ -201,7 +201,8 @@ def export_hf(module: torch.nn.Module, params: dict[str, torch.Tensor], tokenize
     """The policy as a Hugging Face folder: ``params`` (full weights, named as in the HF checkpoint; a LoRA run's
     merged) as safetensors, the model's config, and the tokenizer. transformers' ``AutoModelForCausalLM`` and vLLM load
     it as is."""
-    hf_model = module.get_base_model() if hasattr(module, "get_base_model") else module  # under PEFT's wrapper
+    get_base_model = getattr(module, "get_base_model", None)  # under PEFT's wrapper
+    hf_model = get_base_model() if get_base_model is not None else module
     hf_model.save_pretrained(out, state_dict=params, safe_serialization=True)  # type: ignore[operator]
     if tokenizer is not None:
         tokenizer.save_pretrained(out)

@@ -100,7 +100,9 @@ class SavedState:
 def capture_rng() -> dict[str, Any]:
     """The process's Python, NumPy and torch (CPU and CUDA) RNG states, as JSON values."""
     version, internal, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    numpy_state = np.random.get_state()
+    assert isinstance(numpy_state, tuple)  # the global generator is MT19937: its legacy state is a tuple
+    name, keys, pos, has_gauss, cached = numpy_state
     states = {
         "python": [version, list(internal), gauss],
         "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],

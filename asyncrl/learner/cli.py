@@ -335,7 +335,9 @@ def train(
         from asyncrl.learner.loop import Learner
 
         try:
-            learner = Learner(resolved, url or server.url, resume=checkpoint, profile_step=profile)
+            learner = Learner(
+                resolved, server.url if server is not None else url, resume=checkpoint, profile_step=profile
+            )
         except (CheckpointError, TaskError) as exc:  # a bad data file is named with its row
             fail(str(exc))
         if learner.run() == "sigterm" and sigterm_exit_code:

@@ -53,7 +53,7 @@ class ValueModel(nn.Module):
 
     def __init__(self, backbone: PreTrainedModel, head: nn.Linear) -> None:
         super().__init__()
-        self.backbone = backbone
+        self.backbone: nn.Module = backbone  # or PEFT's wrapper of it ([lora]: _DeepSpeedValueModel)
         self.head = head
 
     @classmethod

@@ -13,10 +13,12 @@ import os
 import socket
 from datetime import timedelta
 from types import ModuleType
+from typing import Any, TypeVar
 
 import torch
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
+T = TypeVar("T")
 
 
 def configure_accelerator() -> str:
@@ -106,7 +108,8 @@ def _init_one_rank(backend: str, timeout: timedelta) -> None:
     if own_ifname:  # read when the group is made; the weight group, made later, chooses its own address
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # Linux's loopback interface
     try:
-        store = torch.distributed.HashStore()
+        # torch.distributed imports HashStore from its binding without exporting it (no __all__ lists it).
+        store = torch.distributed.HashStore()  # pyright: ignore[reportPrivateImportUsage]
         torch.distributed.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
     finally:
         if own_ifname:
@@ -142,11 +145,11 @@ def barrier() -> None:
         torch.distributed.barrier()
 
 
-def all_gather_object(value: object) -> list[object]:
-    """Every rank's ``value``, in rank order (picklable objects; collective)."""
+def all_gather_object(value: T) -> list[T]:
+    """Every rank's ``value``, in rank order (picklable objects of one type; collective)."""
     if world_size() == 1:
         return [value]
-    gathered: list[object] = [None] * world_size()
+    gathered: list[Any] = [None] * world_size()
     torch.distributed.all_gather_object(gathered, value)
     return gathered
 

@@ -73,9 +73,12 @@ class EvalRounds:
         every = self.config.eval.every
         if not every or (version % every and version != self.config.learner.steps):
             return False
+        return version not in self._issued_steps()
+
+    def _issued_steps(self) -> set[int]:
         if self._issued is None:  # a resumed run: the rounds its metrics.jsonl already holds are not issued again
             self._issued = recorded_steps(self.metrics_path)
-        return version not in self._issued
+        return self._issued
 
     def issue_if_due(self, version: int) -> bool:
         """Issue the round of ``version`` if one is due and not issued yet (by this learner)."""
@@ -85,7 +88,7 @@ class EvalRounds:
         groups = eval_groups(self.config, self.examples, self.encode, version, version, secret=secret)
         self.plane.prompts.issue_eval(groups)
         self.open[version] = Round(version, time.time(), {g.group_id: g for g in groups})
-        self._issued.add(version)
+        self._issued_steps().add(version)
         log.info("issued an eval round", step=version, groups=len(groups))
         return True
 

@@ -32,6 +32,9 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 from asyncrl.common.config import RunConfig, write_resolved
 from asyncrl.common.observability.logs import get_logger
@@ -117,7 +120,7 @@ class Learner:
             while self.version < self.config.learner.steps and not self._stop.is_set():
                 try:
                     if self.version + 1 == self.profile_step:
-                        profiled(self.profile_step, self.config.run_dir, self.step)
+                        profiled(self.version + 1, self.config.run_dir, self.step)
                     else:
                         self.step()
                 except NoActorsLeft as exc:
@@ -170,7 +173,7 @@ class Learner:
         timer.start()
         return timer
 
-    def _stop_on_sigterm(self) -> signal.Handlers | None:
+    def _stop_on_sigterm(self) -> Callable[[int, FrameType | None], Any] | int | None:
         """SIGTERM sets :attr:`_stop`: the step in progress finishes (a wait for a batch ends at once), a checkpoint
         is saved and :meth:`run` returns. Returns the handler it replaced (None off the main thread: no handler)."""
         if threading.current_thread() is not threading.main_thread():
@@ -195,8 +198,14 @@ class Learner:
         version = self.state.advance(float(taken.rewards().mean()))
         synced = self.broadcaster.publish(version, self.update.params)
         record = self.recorder.record(
-            version, started, taken, batch, self.update.last_advantages,
-            train=trained, sync=synced, restore=self.state.take_resumed(),
+            version,
+            started,
+            taken,
+            batch,
+            self.update.last_advantages,
+            train=trained,
+            sync=synced,
+            restore=self.state.take_resumed(),
         )
         self.health.roll_back_if_due()  # after the row: a rollback cuts metrics.jsonl back to its checkpoint
         return record

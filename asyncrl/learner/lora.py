@@ -16,12 +16,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
 
 from asyncrl.common.config.training import LoraSection
+
+if TYPE_CHECKING:
+    from peft import LoraConfig, PeftModel
+    from transformers import PreTrainedModel
 
 ADAPTER = "default"
 """PEFT's name for the one adapter the policy has."""
@@ -35,7 +39,7 @@ def add_adapters(model: torch.nn.Module, lora: LoraSection, task_type: str | Non
 
     settings = LoraConfig(
         r=lora.rank,
-        lora_alpha=lora.alpha,
+        lora_alpha=lora.alpha,  # pyright: ignore[reportArgumentType]  # PEFT annotates int, uses it in alpha / r
         lora_dropout=lora.dropout,
         target_modules=lora.target_modules,
         bias="none",
@@ -81,12 +85,14 @@ def save_pretrained_merged(model: torch.nn.Module, folder: str | Path) -> None:
     """``save_pretrained`` of ``model`` as a plain model of its base architecture: a PEFT model's targeted layers
     merged (:func:`merged_weights`, ``scale`` from the adapter's own settings), without a second copy of the model.
     Whole parameters only (not ZeRO-3 partitions)."""
-    if not hasattr(model, "peft_config"):
-        model.save_pretrained(folder, safe_serialization=True)
+    if not hasattr(model, "peft_config"):  # a Hugging Face model as it is
+        cast("PreTrainedModel", model).save_pretrained(folder, safe_serialization=True)
         return
-    settings = model.peft_config[ADAPTER]
-    merged = merged_weights(model.state_dict(), settings.lora_alpha / settings.r)
-    model.get_base_model().save_pretrained(folder, state_dict=merged, safe_serialization=True)
+    peft_model = cast("PeftModel", model)
+    settings = cast("LoraConfig", peft_model.peft_config[ADAPTER])  # add_adapters' one adapter
+    merged = merged_weights(peft_model.state_dict(), settings.lora_alpha / settings.r)
+    base = cast("PreTrainedModel", peft_model.get_base_model())
+    base.save_pretrained(folder, state_dict=merged, safe_serialization=True)
 
 
 class AdapterOffReference:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -77,7 +77,7 @@ class WandbTracker:
         self.run.log(values, step=step)
 
     def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
-        data = [[row.get(f) for f in SAMPLE_FIELDS] for row in rows]
+        data: list[Iterable[Any]] = [[row.get(f) for f in SAMPLE_FIELDS] for row in rows]
         table = self.wandb.Table(columns=list(SAMPLE_FIELDS), data=data)
         self.run.log({"samples": table}, step=step)
 
@@ -175,8 +175,8 @@ class _Feed:
             f"tracker {what}; the run goes on without it (metrics.jsonl has every row)",
             tracker=self.name,
             error=repr(exc),
-            action=action or f"check the {self.name} tracker's settings under [monitoring], or remove it from "
-            "monitoring.trackers",
+            action=action
+            or f"check the {self.name} tracker's settings under [monitoring], or remove it from monitoring.trackers",
         )
 
 

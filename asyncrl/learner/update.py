@@ -112,7 +112,7 @@ class PolicyUpdate:
             )
         figures: dict[str, float] = {}
         if self.critic is not None:
-            tensors["old_values"] = self._values(batch)
+            tensors["old_values"] = self._values(self.critic, batch)
         advantage = self.algorithm.advantage(self._advantage_input(batch, tensors, figures))
         tensors["advantages"] = self.last_advantages = advantage.advantages.float()  # [B, T]; samples.jsonl reads it
         counts = GlobalCounts.of(batch.response_mask)
@@ -122,7 +122,7 @@ class PolicyUpdate:
         figures["applied"] = float(stats.applied)  # False: a non-finite step was skipped (learner/health.py)
         if self.critic is not None and advantage.returns is not None:
             tensors["returns"] = advantage.returns.float()
-            figures |= self._train_critic(tensors, counts, metrics)
+            figures |= self._train_critic(self.critic, tensors, counts, metrics)
         figures.update(metrics.figures())
         return figures
 
@@ -187,23 +187,23 @@ class PolicyUpdate:
 
         return loss_fn
 
-    def _values(self, batch: TrainBatch) -> torch.Tensor:
+    def _values(self, critic: ValueEngine, batch: TrainBatch) -> torch.Tensor:
         """V_old [B, T] of the critic at the start of the step (GAE's bootstrap, the value clip's centre)."""
         values = torch.zeros(batch.response_mask.shape)
-        for rows, mb in training_passes(batch.tensors(), self.critic.micro_batch_size, dist.world_size()):
-            part = self.critic.values_no_grad(mb["input_ids"], mb["attention_mask"]).cpu()
+        for rows, mb in training_passes(batch.tensors(), critic.micro_batch_size, dist.world_size()):
+            part = critic.values_no_grad(mb["input_ids"], mb["attention_mask"]).cpu()
             values[rows, : part.shape[1]] = part.to(values.dtype)
         return values * batch.response_mask
 
     def _train_critic(
-        self, tensors: dict[str, torch.Tensor], counts: GlobalCounts, metrics: MicroBatchMetrics
+        self, critic: ValueEngine, tensors: dict[str, torch.Tensor], counts: GlobalCounts, metrics: MicroBatchMetrics
     ) -> dict[str, float]:
         from asyncrl.learner.critic import value_loss_fn
 
         keys = ("input_ids", "attention_mask", "response_mask", "old_values", "returns")
         shard = {k: tensors[k] for k in keys}
-        micro = rank_micro_batches(shard, self.critic.micro_batch_size, dist.rank(), dist.world_size())
-        stats = self.critic.train_step(micro, value_loss_fn(self.config.critic.value_clip, counts, metrics))
+        micro = rank_micro_batches(shard, critic.micro_batch_size, dist.rank(), dist.world_size())
+        stats = critic.train_step(micro, value_loss_fn(self.config.critic.value_clip, counts, metrics))
         return {"critic/loss": stats.loss, "critic/grad_norm": stats.grad_norm, "critic/seconds": stats.seconds}
 
     def _old_logprobs(self, batch: TrainBatch) -> torch.Tensor:

@@ -55,7 +55,7 @@ def _nvml_figures(device: int) -> dict[str, float]:
 def _nvml() -> Any:
     """The initialised ``pynvml`` module of ``nvidia-ml-py``, or None (not installed, or no driver)."""
     try:
-        import pynvml
+        import pynvml  # pyright: ignore[reportMissingImports]  # nvidia-ml-py: installed with vLLM's GPU build only
 
         pynvml.nvmlInit()
     except Exception as exc:  # ImportError, or NVMLError without a driver
