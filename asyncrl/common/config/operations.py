@@ -15,20 +15,20 @@ from asyncrl.common.config.base import MAX_STEPS, WEEK_S, Int, Section
 
 
 class StalenessSection(Section):
-    max_staleness: Int = Field(1, ge=0, le=1000)
+    max_staleness: Int = Field(default=1, ge=0, le=1000)
     """Versions a token may lag the policy being trained; 0 = synchronous on-policy training."""
     correction: Literal["none", "truncate", "mask"] = "truncate"
     """Off-policy correction by π_old/μ: ``none`` uses μ as π_old; ``truncate`` caps the weight; ``mask`` drops tokens outside the band."""  # noqa: E501
     level: Literal["token", "sequence"] = "token"
     """Level at which the importance weight is computed."""
-    cap: float = Field(2.0, gt=1.0, le=1e6)
+    cap: float = Field(default=2.0, gt=1.0, le=1e6)
     """Upper cap (truncate) or upper band edge (mask) of the importance weight."""
-    max_sequence_kl: float = Field(0.5, ge=0.0, le=1e6)
+    max_sequence_kl: float = Field(default=0.5, ge=0.0, le=1e6)
     """Mismatch guard: drop from the loss each sequence whose mean per-token KL(μ ‖ π_old) is above this (counted in
     ``train/offpolicy/dropped_frac``); 0 = off. Normal runs stay below 0.5 (bench/stability.py: ≤ 0.01% of a run's
     sequences dropped; at most 3% of one step's, the first update from a warm start); a bad weight load does not
     (tests/e2e/test_mismatch_guard.py)."""
-    veto: float = Field(1e-4, ge=0.0, lt=1.0)
+    veto: float = Field(default=1e-4, ge=0.0, lt=1.0)
     """Token veto: drop each sequence with a token whose π_old/μ is below this; 0 = off."""
     behaviour_clip: bool = True
     """Clip against μ as well as π_old (``ppo_clip`` losses: GRPO, DAPO, PPO): a token whose π_old/μ has already left
@@ -44,7 +44,7 @@ class TransportSection(Section):
     folder."""
     zmq_endpoint: str = "tcp://127.0.0.1:0"
     """Where reward workers bind their PULL socket for rollouts (port 0 = pick a free one)."""
-    zmq_hwm: Int = Field(64, ge=1, le=1_000_000)
+    zmq_hwm: Int = Field(default=64, ge=1, le=1_000_000)
     """ZeroMQ high-water mark in messages: senders block beyond it (back-pressure)."""
     curve_server_key: str = ""
     """Path of the CURVE server secret key file (required when binding beyond loopback)."""
@@ -53,18 +53,18 @@ class TransportSection(Section):
     curve_client_key: str = ""
     """Path of a rollout actor's CURVE client secret key file (``name.key_secret``); needed to send to reward workers
     that bind with CURVE (their public key comes from their heartbeat)."""
-    max_message_mb: float = Field(64.0, gt=0, le=4096)
+    max_message_mb: float = Field(default=64.0, gt=0, le=4096)
     """Largest accepted message; a bigger one is refused and counted, except one single frame over it, which ZeroMQ
     itself drops with the sender's connection (``ZMQ_MAXMSGSIZE``): the process never sees it."""
-    replay_maxlen: Int = Field(10_000, ge=10, le=100_000_000)
+    replay_maxlen: Int = Field(default=10_000, ge=10, le=100_000_000)
     """Approximate cap of the replay stream (``XADD MAXLEN ~``)."""
-    redis_maxmemory_mb: Int = Field(2048, ge=0, le=2**24)
+    redis_maxmemory_mb: Int = Field(default=2048, ge=0, le=2**24)
     """Memory limit of the embedded redis-server (``maxmemory``, with ``noeviction``: past it a write fails loudly, nothing of the run is evicted); 0 = none. Size it above ``replay_maxlen`` × a scored group's bytes, plus about 30 MB for the dead-letter stream."""  # noqa: E501
-    heartbeat_s: float = Field(2.0, gt=0, le=3600)
+    heartbeat_s: float = Field(default=2.0, gt=0, le=3600)
     """Seconds between heartbeats."""
-    heartbeat_ttl_s: float = Field(10.0, gt=0, le=86_400)
+    heartbeat_ttl_s: float = Field(default=10.0, gt=0, le=86_400)
     """A process whose heartbeat is older than this is considered dead."""
-    redis_outage_s: float = Field(60.0, gt=0, le=86_400)
+    redis_outage_s: float = Field(default=60.0, gt=0, le=86_400)
     """How long every process waits for Redis when it stops answering (killed, restarting on its AOF), retrying with back-off; past this it exits with status 75 and says what to do (restart Redis, then resume with ``--resume latest``)."""  # noqa: E501
 
     @field_validator("redis_url")
@@ -87,13 +87,13 @@ class TransportSection(Section):
 
 
 class WeightSyncSection(Section):
-    sync_every: Int = Field(1, ge=1, le=1000)
+    sync_every: Int = Field(default=1, ge=1, le=1000)
     """Broadcast new weights every this many optimizer steps (actors reload that much less often); needs
     ``staleness.max_staleness`` ≥ sync_every − 1, or ≥ sync_every with ``overlap``: the versions the actors' weights
     may trail."""
-    bucket_mb: float = Field(256.0, gt=0, le=65536)
+    bucket_mb: float = Field(default=256.0, gt=0, le=65536)
     """Size of one flat broadcast bucket."""
-    timeout_s: float = Field(60.0, gt=0, le=WEEK_S)
+    timeout_s: float = Field(default=60.0, gt=0, le=WEEK_S)
     """Time limit of one collective; an actor that misses it is evicted."""
     overlap: bool = True
     """Send a copy of the new weights while the next step trains (needs ``staleness.max_staleness`` ≥ 1; with 0
@@ -104,9 +104,9 @@ class WeightSyncSection(Section):
 
 
 class CheckpointSection(Section):
-    every: Int = Field(0, ge=0, le=MAX_STEPS)
+    every: Int = Field(default=0, ge=0, le=MAX_STEPS)
     """Save every this many steps (0 = only at the end and on SIGTERM); a resume re-trains the steps after it."""
-    keep: Int = Field(2, ge=1, le=10_000)
+    keep: Int = Field(default=2, ge=1, le=10_000)
     """Most recent checkpoints kept (plus the best by reward)."""
     keep_best: bool = True
     """Also keep the checkpoint with the highest mean reward over its steps (those since the one before)."""
@@ -116,19 +116,19 @@ class CheckpointSection(Section):
 
 
 class MonitoringSection(Section):
-    metrics_port: Int = Field(0, ge=0, le=65535)
+    metrics_port: Int = Field(default=0, ge=0, le=65535)
     """Prometheus /metrics port; 0 = pick a free one and register it in Redis."""
     metrics_host: str = "127.0.0.1"
     """Address the /metrics servers bind: loopback by default; ``0.0.0.0`` (every interface) where Prometheus scrapes from another host or pod (the Kubernetes manifests set it)."""  # noqa: E501
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     """Log level of every process."""
-    samples_every: Int = Field(5, ge=0, le=MAX_STEPS)
+    samples_every: Int = Field(default=5, ge=0, le=MAX_STEPS)
     """Every this many steps, append responses the learner trained on to samples.jsonl (0 = never)."""
-    samples_per_step: Int = Field(4, ge=0, le=1000)
+    samples_per_step: Int = Field(default=4, ge=0, le=1000)
     """Responses drawn at random for samples.jsonl each time, besides the step's worst and best."""
     trackers: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list, max_length=2)
     """Experiment trackers that mirror each step's metrics row and the samples: ``tensorboard`` (event files in ``<run>/tensorboard/``), ``wandb`` (Weights & Biases, in ``<run>/wandb/``). Optional packages: ``pip install 'asyncrl[trackers]'``."""  # noqa: E501
-    wandb_project: str = Field("asyncrl", pattern=r"^[A-Za-z0-9_.-]{1,128}$")
+    wandb_project: str = Field(default="asyncrl", pattern=r"^[A-Za-z0-9_.-]{1,128}$")
     """The W&B project of the ``wandb`` tracker."""
     wandb_mode: Literal["offline", "online"] = "offline"
     """``offline``: W&B writes the run to disk only (``wandb sync`` uploads it later); ``online``: sends as it goes, with the credentials W&B reads itself (``WANDB_API_KEY``)."""  # noqa: E501
@@ -138,37 +138,37 @@ class HealthSection(Section):
     """Run health (``learner/health.py``): non-finite steps are skipped, repeated ones roll the run back, and alert
     rules watch each step's metrics. An alert's threshold of 0 turns it off."""
 
-    max_skipped_steps: Int = Field(3, ge=1, le=10_000)
+    max_skipped_steps: Int = Field(default=3, ge=1, le=10_000)
     """Consecutive optimizer steps skipped for a non-finite loss or gradient (their update is never applied) after which the learner rolls back to the last healthy checkpoint."""  # noqa: E501
-    rollback_lr_factor: float = Field(0.5, gt=0.0, le=1.0)
+    rollback_lr_factor: float = Field(default=0.5, gt=0.0, le=1.0)
     """Each rollback multiplies the learning rate by this (cumulative: after two rollbacks at 0.5 the run trains at 0.25 × the schedule)."""  # noqa: E501
-    max_rollbacks: Int = Field(3, ge=0, le=1000)
+    max_rollbacks: Int = Field(default=3, ge=0, le=1000)
     """Rollbacks allowed in one run; when one more is due the learner stops with an error instead."""
-    kl_ref_max: float = Field(0.5, ge=0.0, le=1e6)
+    kl_ref_max: float = Field(default=0.5, ge=0.0, le=1e6)
     """Alert ``kl_ref_high`` while the per-token KL to the reference policy (``train/loss/kl_ref``, or ``train/kl_reward/kl`` with the KL in the reward) is above this."""  # noqa: E501
-    mismatch_kl_max: float = Field(0.1, ge=0.0, le=1e6)
+    mismatch_kl_max: float = Field(default=0.1, ge=0.0, le=1e6)
     """Alert ``mismatch_kl_high`` while KL(μ ‖ π_old) between the actors' sampling policy and the learner's (``train/offpolicy/mismatch_kl``) is above this."""  # noqa: E501
-    entropy_floor: float = Field(0.01, ge=0.0, le=1e6)
+    entropy_floor: float = Field(default=0.01, ge=0.0, le=1e6)
     """Alert ``entropy_collapse`` while the mean token entropy (``train/loss/entropy``, nats) is below this."""
-    entropy_drop_factor: float = Field(10.0, ge=0.0, le=1e6)
+    entropy_drop_factor: float = Field(default=10.0, ge=0.0, le=1e6)
     """Alert ``entropy_collapse`` also while the entropy is below 1/this of its highest value in the last ``entropy_window`` steps (0 = off; else above 1)."""  # noqa: E501
-    entropy_window: Int = Field(20, ge=2, le=1_000_000)
+    entropy_window: Int = Field(default=20, ge=2, le=1_000_000)
     """Steps over which ``entropy_drop_factor`` compares."""
-    reward_flat_window: Int = Field(20, ge=2, le=1_000_000)
+    reward_flat_window: Int = Field(default=20, ge=2, le=1_000_000)
     """Alert ``reward_flat`` while the standard deviation of the last this many steps' mean rewards (``rollout/reward_mean``) is below ``reward_flat_epsilon``."""  # noqa: E501
-    reward_flat_epsilon: float = Field(1e-3, ge=0.0, le=1e6)
+    reward_flat_epsilon: float = Field(default=1e-3, ge=0.0, le=1e6)
     """See ``reward_flat_window``."""
-    reward_error_rate: float = Field(0.05, ge=0.0, le=1.0)
+    reward_error_rate: float = Field(default=0.05, ge=0.0, le=1.0)
     """Alert ``reward_errors`` while the reward service's failures (dead-lettered groups, failed calls) since the last step exceed this fraction of them plus the step's groups."""  # noqa: E501
-    stale_drop_fraction: float = Field(0.1, ge=0.0, le=1.0)
+    stale_drop_fraction: float = Field(default=0.1, ge=0.0, le=1.0)
     """Alert ``stale_drops`` while the groups a step dropped as too stale (``groups/dropped_stale``) exceed this fraction of them plus the groups it trained."""  # noqa: E501
-    starving_idle_fraction: float = Field(0.5, ge=0.0, le=1.0)
+    starving_idle_fraction: float = Field(default=0.5, ge=0.0, le=1.0)
     """Alert ``learner_starving`` while the learner's mean idle fraction (``step/idle_fraction``, time spent waiting for a batch) over the last ``starving_window`` steps is above this (not in a synchronous run, ``staleness.max_staleness = 0``, which waits by design)."""  # noqa: E501
-    starving_window: Int = Field(10, ge=1, le=1_000_000)
+    starving_window: Int = Field(default=10, ge=1, le=1_000_000)
     """Steps averaged by ``starving_idle_fraction``."""
-    webhook_url: str = Field("", pattern=r"^(https?://\S+)?$")
+    webhook_url: str = Field(default="", pattern=r"^(https?://\S+)?$")
     """POST each alert transition as JSON (``alert``, ``state``, ``step``, ``value``, ``message``) to this URL from a background thread; empty = none. Failures are logged, never raised."""  # noqa: E501
-    webhook_timeout_s: float = Field(2.0, gt=0.0, le=30.0)
+    webhook_timeout_s: float = Field(default=2.0, gt=0.0, le=30.0)
     """Time limit of one webhook POST."""
 
     @model_validator(mode="after")

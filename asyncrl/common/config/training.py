@@ -15,11 +15,11 @@ from asyncrl.common.config.base import MAX_SEED, MAX_STEPS, MAX_TOKENS, WEEK_S, 
 
 
 class RunSection(Section):
-    name: str = Field("demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    name: str = Field(default="demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
     """Run name: the Redis namespace and the folder under ``root``."""
     root: str = "runs"
     """Folder that holds one sub-folder per run."""
-    seed: Int = Field(0, ge=0, le=MAX_SEED)
+    seed: Int = Field(default=0, ge=0, le=MAX_SEED)
     """Seed for prompt order, sampling and initialisation."""
 
 
@@ -28,7 +28,7 @@ class ModelSection(Section):
     """Hugging Face checkpoint folder (local; nothing is fetched from a hub)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Precision of the policy weights on actors and learner."""
-    max_model_len: Int = Field(512, ge=16, le=MAX_TOKENS)
+    max_model_len: Int = Field(default=512, ge=16, le=MAX_TOKENS)
     """Longest prompt + response in tokens; at most the model's context (its ``config.json``, checked before a run
     starts)."""
 
@@ -60,27 +60,27 @@ class RolloutSection(Section):
     """How an actor turns a prompt group into a rollout (``actors/workflows.py``): ``single_turn`` samples the group's
     K responses to its prompt in one request; ``multi_turn`` runs K episodes with ``[environment]``; an import path
     ``package.module:function`` names your own."""
-    num_samples: Int = Field(8, ge=1, le=4096)
+    num_samples: Int = Field(default=8, ge=1, le=4096)
     """Responses sampled per prompt (the group size K)."""
-    max_new_tokens: Int = Field(64, ge=1, le=MAX_TOKENS)
+    max_new_tokens: Int = Field(default=64, ge=1, le=MAX_TOKENS)
     """Longest response in tokens."""
-    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
     """Sampling temperature; 1.0 keeps the behaviour log-probs those of the policy itself."""
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     """Nucleus sampling mass."""
     stop: list[str] = Field(default_factory=list)
     """Strings that end a response."""
-    max_groups_in_flight: Int = Field(16, ge=1, le=65536)
+    max_groups_in_flight: Int = Field(default=16, ge=1, le=65536)
     """Prompt groups one actor generates at once."""
     kv_cache_bytes: Literal["auto"] | Annotated[int, Field(ge=0, le=2**50)] = "auto"
     """KV-cache size per vLLM engine in bytes; ``auto`` = sized by vLLM from ``gpu_memory_utilization`` on a GPU, and 256 MiB on CPUs (where vLLM misjudges free memory); 0 = from ``gpu_memory_utilization`` (GPUs only)."""  # noqa: E501
-    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
     """Share of each GPU's memory vLLM may take (weights, activations, KV cache) when ``kv_cache_bytes`` is ``auto``
     or 0; lower it when the learner shares the GPUs."""
-    tensor_parallel_size: Int = Field(1, ge=1, le=64)
+    tensor_parallel_size: Int = Field(default=1, ge=1, le=64)
     """GPUs one actor's engine spans (vLLM tensor parallelism); each of its workers joins the weight group as its own
     rank."""
-    max_num_seqs: Int = Field(0, ge=0, le=65536)
+    max_num_seqs: Int = Field(default=0, ge=0, le=65536)
     """Most sequences the engine runs at once (vLLM's ``max_num_seqs``); 0 = vLLM's default."""
     enable_prefix_caching: bool | None = None
     """Reuse the KV cache of shared prompt prefixes (the K samples of a group share their prompt); unset = vLLM's
@@ -134,7 +134,7 @@ class RolloutSection(Section):
 class RewardFunction(Section):
     name: str
     """Registered reward function, e.g. ``task``, ``format``, ``overlong``, ``code_tests``, ``reward_model``."""
-    weight: float = Field(1.0, ge=-1e6, le=1e6)
+    weight: float = Field(default=1.0, ge=-1e6, le=1e6)
     """Weight of this function in the summed reward."""
     options: dict[str, Any] = Field(default_factory=dict)
     """Settings passed to the function."""
@@ -143,9 +143,9 @@ class RewardFunction(Section):
 class RewardSection(Section):
     functions: list[RewardFunction] = Field(default_factory=lambda: [RewardFunction(name="task")])
     """Reward functions summed with their weights."""
-    timeout_s: float = Field(10.0, gt=0, le=WEEK_S)
+    timeout_s: float = Field(default=10.0, gt=0, le=WEEK_S)
     """Per-call time limit of a reward function (the ``environment`` function gets at least ``(environment.max_turns + 1) × environment.step_timeout_s``: its replay's steps have their own limits)."""  # noqa: E501
-    retries: Int = Field(2, ge=0, le=100)
+    retries: Int = Field(default=2, ge=0, le=100)
     """Retries of a call that timed out or failed before the group is dead-lettered."""
 
 
@@ -156,13 +156,13 @@ class TaskSection(Section):
     """Data file when ``name = "file"``: JSONL, Parquet, or a folder written by ``datasets``' ``save_to_disk``."""
     options: dict[str, Any] = Field(default_factory=dict)
     """Task settings, e.g. digit counts."""
-    prompt_key: str = Field("prompt", min_length=1)
+    prompt_key: str = Field(default="prompt", min_length=1)
     """Field of a data row holding the prompt: a string, or chat messages (``role``, ``content``); a dotted path reads a nested field. A row without that field may hold ``messages``."""  # noqa: E501
-    answer_key: str = Field("answer", min_length=1)
+    answer_key: str = Field(default="answer", min_length=1)
     """Field of a data row holding the reference answer the verifier checks; a dotted path reads a nested field (``reward_model.ground_truth``). The row's other fields reach reward functions as ``extra``."""  # noqa: E501
     split: str = ""
     """Split of a ``DatasetDict`` folder (``train``); empty = its only split."""
-    limit: Int = Field(0, ge=0, le=10**12)
+    limit: Int = Field(default=0, ge=0, le=10**12)
     """Use only the first this many rows of the data file (0 = all)."""
     shuffle: bool = True
     """Serve a data file's rows in a seeded shuffled order, reshuffled every pass; false = in file order."""
@@ -186,7 +186,7 @@ class EvalSection(Section):
     """Evaluation during the run on held-out prompts (``common/data/evaluation.py``): never trained on, scored by the
     run's reward functions, written as ``eval/*`` rows of metrics.jsonl."""
 
-    every: Int = Field(0, ge=0, le=MAX_STEPS)
+    every: Int = Field(default=0, ge=0, le=MAX_STEPS)
     """Evaluate the policy of every this many steps (at step 0, every N-th step and the last); 0 = no evaluation."""
     name: str = "file"
     """Held-out prompts: ``file`` (a data file, read as ``[task]`` reads one) or a built-in task drawn with ``seed``."""
@@ -200,19 +200,19 @@ class EvalSection(Section):
     """Field of a data row holding the reference answer; empty = ``task.answer_key``."""
     split: str = ""
     """Split of a ``DatasetDict`` folder; empty = its only split."""
-    limit: Int = Field(64, ge=1, le=10_000_000)
+    limit: Int = Field(default=64, ge=1, le=10_000_000)
     """Eval prompts per round: the first this many rows of the file (or draws of a built-in task)."""
-    seed: Int = Field(1_000_003, ge=0, le=MAX_SEED)
+    seed: Int = Field(default=1_000_003, ge=0, le=MAX_SEED)
     """Seed of a built-in task's draws (differs from ``run.seed``, so the eval set is not the training stream)."""
-    num_samples: Int = Field(1, ge=1, le=4096)
+    num_samples: Int = Field(default=1, ge=1, le=4096)
     """Responses per eval prompt (k of pass@k and mean@k)."""
-    temperature: float = Field(0.0, ge=0.0, le=100.0)
+    temperature: float = Field(default=0.0, ge=0.0, le=100.0)
     """Sampling temperature of eval prompts; 0 = greedy (then ``num_samples`` must be 1)."""
-    max_new_tokens: Int = Field(0, ge=0, le=MAX_TOKENS)
+    max_new_tokens: Int = Field(default=0, ge=0, le=MAX_TOKENS)
     """Longest eval response in tokens; 0 = ``rollout.max_new_tokens``."""
-    success_threshold: float = Field(1.0, ge=-1e9, le=1e9)
+    success_threshold: float = Field(default=1.0, ge=-1e9, le=1e9)
     """A response with reward at least this counts as solved (for pass@k and ``eval/accuracy``)."""
-    deadline_s: float = Field(600.0, gt=0, le=WEEK_S)
+    deadline_s: float = Field(default=600.0, gt=0, le=WEEK_S)
     """A round not back this long after its issue is recorded with what came back (``eval/missing`` counts the rest)."""
 
     @model_validator(mode="after")
@@ -248,20 +248,20 @@ class AlgorithmSection(Section):
 
 
 class LearnerSection(Section):
-    steps: Int = Field(50, ge=1, le=MAX_STEPS)
+    steps: Int = Field(default=50, ge=1, le=MAX_STEPS)
     """Optimizer steps in the run."""
-    groups_per_step: Int = Field(8, ge=1, le=65536)
+    groups_per_step: Int = Field(default=8, ge=1, le=65536)
     """Prompt groups in one training batch."""
-    micro_batch_size: Int = Field(8, ge=1, le=65536)
+    micro_batch_size: Int = Field(default=8, ge=1, le=65536)
     """Sequences per forward/backward pass, longest first, each pass cut to its longest sequence: with lengths
     that differ widely, smaller passes pad less."""
-    lr: float = Field(1e-5, gt=0.0, le=1.0)
+    lr: float = Field(default=1e-5, gt=0.0, le=1.0)
     """Peak learning rate."""
-    weight_decay: float = Field(0.0, ge=0.0, le=10.0)
+    weight_decay: float = Field(default=0.0, ge=0.0, le=10.0)
     """AdamW weight decay."""
-    grad_clip: float = Field(1.0, ge=0.0, le=1e6)
+    grad_clip: float = Field(default=1.0, ge=0.0, le=1e6)
     """Gradient norm clip (0 disables)."""
-    warmup_steps: Int = Field(0, ge=0, le=MAX_STEPS)
+    warmup_steps: Int = Field(default=0, ge=0, le=MAX_STEPS)
     """Linear learning-rate warm-up."""
     zero_stage: ZeroStage = 0
     """DeepSpeed ZeRO stage."""
@@ -271,15 +271,15 @@ class LearnerSection(Section):
     """Precision of the frozen reference model (KL terms, DPO); unset = ``precision``. bfloat16 halves its memory."""
     offload: bool = False
     """Offload optimizer state to CPU memory (ZeRO 1-3; no effect on CPU-only machines)."""
-    group_deadline_s: float = Field(300.0, gt=0, le=WEEK_S)
+    group_deadline_s: float = Field(default=300.0, gt=0, le=WEEK_S)
     """A prompt group not back in the replay stream this long after issue is re-issued once, then counted lost."""
-    wait_for_batch_s: float = Field(600.0, gt=0, le=WEEK_S)
+    wait_for_batch_s: float = Field(default=600.0, gt=0, le=WEEK_S)
     """Longest wait for one training batch before the learner stops with an error (actors or reward workers gone)."""
-    no_actors_s: float = Field(300.0, ge=0, le=WEEK_S)
+    no_actors_s: float = Field(default=300.0, ge=0, le=WEEK_S)
     """How long the learner waits with no rollout actor alive, or no reward worker (all gone, or none started; an
     actor whose engine is still starting counts), before it saves a checkpoint and exits 3; 0 = no such limit
     (``wait_for_batch_s`` applies)."""
-    max_minutes: float | None = Field(None, gt=0, le=366 * 24 * 60)
+    max_minutes: float | None = Field(default=None, gt=0, le=366 * 24 * 60)
     """Wall-clock budget: this many minutes after it started, the learner stops after the step in progress (a wait
     for a batch ends at once), saves a checkpoint (reason ``max_minutes``) and exits 0; unset = no budget."""
 
@@ -293,11 +293,11 @@ class LoraSection(Section):
     policy is the same model with its adapters switched off, and each weight version sends only the adapters to the
     actors. ``rank = 0`` trains every parameter."""
 
-    rank: Int = Field(0, ge=0, le=512)
+    rank: Int = Field(default=0, ge=0, le=512)
     """Adapter rank r; 0 = no adapters (full-parameter training). At most 512, the largest vLLM serves."""
-    alpha: float = Field(16.0, gt=0.0, le=1e6)
+    alpha: float = Field(default=16.0, gt=0.0, le=1e6)
     """Scale numerator: the adapter's output is multiplied by ``alpha / rank``."""
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     """Dropout on the adapter's input. Must stay 0: the learner computes π_old and π_θ without dropout, so that the
     importance ratio is exactly 1 before an update, as the actors' engine samples."""
     target_modules: list[Annotated[str, Field(min_length=1, max_length=128)]] | Literal["all-linear"] = LORA_ALL_LINEAR
@@ -327,9 +327,9 @@ class CriticSection(Section):
 
     path: str = ""
     """Value-model folder written by ``ValueModel.save`` (backbone + ``value_head.safetensors``), or a causal-LM checkpoint that gets a fresh zero head; empty = ``model.path`` with a fresh zero head."""  # noqa: E501
-    lr: float = Field(1e-5, gt=0.0, le=1.0)
+    lr: float = Field(default=1e-5, gt=0.0, le=1.0)
     """Peak learning rate of the critic (warm-up, weight decay and gradient clip follow ``[learner]``)."""
-    value_clip: float = Field(0.2, ge=0.0, le=1e6)
+    value_clip: float = Field(default=0.2, ge=0.0, le=1e6)
     """ε of the clipped value loss: V is kept within ±ε of the values at the start of the step (PPO2); 0 = no clipping."""  # noqa: E501
     precision: Literal["float32", "bfloat16", "float16"] | None = None
     """Training precision of the critic; unset = ``learner.precision``."""
@@ -337,7 +337,7 @@ class CriticSection(Section):
     """DeepSpeed ZeRO stage of the critic; unset = ``learner.zero_stage``."""
     offload: bool | None = None
     """Offload the critic's optimizer state to CPU memory; unset = ``learner.offload``."""
-    micro_batch_size: Int | None = Field(None, ge=1, le=65536)
+    micro_batch_size: Int | None = Field(default=None, ge=1, le=65536)
     """Sequences per critic forward/backward pass; unset = ``learner.micro_batch_size``."""
 
 
@@ -346,9 +346,9 @@ class DataSection(Section):
     """Training data: ``rollouts`` (actors sample and reward workers score, through Redis) or ``preferences`` (offline DPO on ``path``: no Redis, no actors)."""  # noqa: E501
     path: str = ""
     """JSONL or Parquet file of preference pairs with text fields ``prompt``, ``chosen``, ``rejected`` (``source = "preferences"``)."""  # noqa: E501
-    epochs: Int = Field(1, ge=1, le=1_000_000)
+    epochs: Int = Field(default=1, ge=1, le=1_000_000)
     """Passes over the preference pairs; the run ends after these or after ``learner.steps``, whichever comes first."""
-    batch_pairs: Int = Field(8, ge=1, le=65536)
+    batch_pairs: Int = Field(default=8, ge=1, le=65536)
     """Preference pairs per optimizer step (two sequences each; micro-batches hold whole pairs)."""
 
     @model_validator(mode="after")
@@ -363,17 +363,17 @@ class EnvironmentSection(Section):
     """Environment of a ``multi_turn`` workflow (``common/environments/protocol.py``): a registered name (``calculator``) or an import path ``package.module:Class``."""  # noqa: E501
     options: dict[str, Any] = Field(default_factory=dict)
     """Settings passed to the environment."""
-    max_turns: Int = Field(4, ge=1, le=1000)
+    max_turns: Int = Field(default=4, ge=1, le=1000)
     """Model turns per episode at most; an episode not done by then ends there (truncated)."""
-    max_episode_tokens: Int = Field(0, ge=0, le=MAX_TOKENS)
+    max_episode_tokens: Int = Field(default=0, ge=0, le=MAX_TOKENS)
     """Tokens after the prompt (model and environment turns together) per episode at most; 0 = up to ``model.max_model_len``."""  # noqa: E501
-    step_timeout_s: float = Field(10.0, gt=0, le=WEEK_S)
+    step_timeout_s: float = Field(default=10.0, gt=0, le=WEEK_S)
     """Time limit of one environment step; a step past it ends its episode as an error."""
-    episode_timeout_s: float = Field(0.0, ge=0, le=WEEK_S)
+    episode_timeout_s: float = Field(default=0.0, ge=0, le=WEEK_S)
     """Time limit of one episode, checked before each model turn (0 = none); an episode past it ends there."""
     isolation: Literal["process", "workers", "thread"] = "process"
     """Where environments run: ``process`` = a child process of the actor (and of the reward worker that replays them), so one that crashes, hangs or eats memory never takes an engine down; ``workers`` = on the run's reward workers, which serve them to every actor (an episode whose worker is lost moves to another, its steps replayed); ``thread`` = in the process itself (a synchronous step in a thread)."""  # noqa: E501
-    max_memory_mb: Int = Field(4096, ge=64, le=2**24)
+    max_memory_mb: Int = Field(default=4096, ge=64, le=2**24)
     """Address space of the environments' process (``isolation = "process"``); past it a step fails with MemoryError and ends its episode."""  # noqa: E501
     fence: Literal["auto", "offline", "none"] = "auto"
     """How the environments' process is fenced off from the process it serves (``actors/environment_fence.py``): ``auto`` = the strongest fence this machine allows (its own PID, mount and IPC namespaces, a read-only filesystem but its scratch, and a uid of its own when the actor is root), logged once; a hostile environment can end only its own process; ``offline`` = the same without network, not even loopback (refused where namespaces are not allowed); ``none`` = no fence (environment code can signal, trace and write into the actor)."""  # noqa: E501
