@@ -261,10 +261,13 @@ def _serve(server: EmbeddedRedis, resolved: RunConfig) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    process = server.process
+    if process is None:
+        raise RuntimeError("rl-launch redis serves a server it started")
     while not stop.wait(1.0):
-        if (code := server.process.poll()) is not None:
+        if (code := process.poll()) is not None:
             typer.echo(
-                f"redis-server (pid {server.process.pid}) exited with {code}; start it again with the same command "
+                f"redis-server (pid {process.pid}) exited with {code}; start it again with the same command "
                 f"(`rl-launch redis` for {resolved.run_dir}): it takes the same port, password and AOF, and the run's "
                 f"processes wait {resolved.transport.redis_outage_s:g}s (transport.redis_outage_s) for it",
                 err=True,
