@@ -5,18 +5,25 @@
 1. ``learner_ranks``: ``tests/helpers/update_ranks.py`` — PolicyUpdate's steps, a checkpoint and a restore, led by
    rank 0 (learner/ranks.py) — with one rank (ZeRO-2), then with two ranks under ZeRO-2 and ZeRO-3 (NCCL, one GPU
    each; needs 2 GPUs, else gloo on CPU). Two ranks must equal one within 1e-4: loss and grad norm of each step and
-   every weight the broadcaster sends (``params()``, ZeRO-3's bucket-by-bucket gather).
-2. ``weight_group``: ``WeightGroup`` (``common/weights/group.py``: the learner → actors broadcast) between two
+   every weight the broadcaster sends (``params()``, ZeRO-3's bucket-by-bucket gather). The helper runs with the
+   mismatch guard off (it would drop every row of its random behaviour log-probs, and a step that trains nothing
+   compares nothing): ``trained`` says every step of the one-rank reference had a gradient; ``ok`` needs it.
+2. ``learner_on_gpu``: the same one-rank GRPO case (ZeRO-2) on the CUDA device (DeepSpeed's ``cuda`` accelerator,
+   NCCL with one rank) against one rank on CPU (gloo): the learner's training step on a GPU at all, then its loss and
+   grad norm of each step and every weight after step 2 within ``GPU_TOLERANCE`` (1e-3: float32 on both, TF32 off as
+   torch's default leaves it — the result says what the device had). Needs one GPU (on CPUs it is ``skipped``); a
+   failure there is reported with the learner's error.
+3. ``weight_group``: ``WeightGroup`` (``common/weights/group.py``: the learner → actors broadcast) between two
    processes — NCCL when there are 2 GPUs (NCCL refuses two ranks on one GPU), else gloo — sending ``--mb`` MiB of
    sealed buckets; the receiver checks every bucket's digest. Prints GB/s.
-3. ``entropy_memory``: the entropy figure every training step reports (``token_entropy_no_grad``, chunked over
+4. ``entropy_memory``: the entropy figure every training step reports (``token_entropy_no_grad``, chunked over
    positions) against the differentiable ``token_entropy``, on a Qwen-sized vocabulary (151,936) of bf16 logits on the
    GPU: the values agree, and the chunked one's peak memory above its input stays near one chunk instead of a few
    float32 copies of the logits. Needs one GPU (on CPUs it is ``skipped``).
-4. ``gpu_figures``: the learner's ``gpu/*`` step figures (``common/observability/gpu.py``) read on the device: torch's
+5. ``gpu_figures``: the learner's ``gpu/*`` step figures (``common/observability/gpu.py``) read on the device: torch's
    allocator figures hold a tensor made for the check, and NVML's utilisation and device memory where
    ``nvidia-ml-py`` is installed. Needs one GPU.
-5. ``tensor_parallel``: a vLLM engine with ``rollout.tensor_parallel_size = 2`` whose two workers each join the
+6. ``tensor_parallel``: a vLLM engine with ``rollout.tensor_parallel_size = 2`` whose two workers each join the
    weight group as their own rank; needs vLLM and 2 GPUs (the device image has neither vLLM nor room to carry it),
    so it is reported ``skipped`` with the reason where they are missing.
 
@@ -30,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import os
 import subprocess
 import sys
 import tempfile
@@ -44,17 +50,22 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 TOLERANCE = 1e-4
+GPU_TOLERANCE = 1e-3  # float32 kernels of another device: other sums' order, not other arithmetic
 
 
-def _launch(nproc: int, model: Path, out: Path, zero_stage: int) -> float:
+def _launch(nproc: int, model: Path, out: Path, zero_stage: int, accelerator: str) -> float:
+    """``tests/helpers/update_ranks.py``'s GRPO case over ``nproc`` ranks on DeepSpeed's ``accelerator``; seconds."""
     from tests.helpers.torchrun import launcher_env, torchrun_command
 
     started = time.perf_counter()
     case = f"{zero_stage}:grpo"
     command = torchrun_command(nproc, "tests.helpers.update_ranks", str(model), str(out), "--case", case)
-    done = subprocess.run(command, cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=900)
+    env = launcher_env(DS_ACCELERATOR=accelerator)
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
-        raise RuntimeError(f"{nproc} rank(s), ZeRO-{zero_stage} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+        raise RuntimeError(
+            f"{nproc} rank(s) on {accelerator}, ZeRO-{zero_stage} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+        )
     return time.perf_counter() - started
 
 
@@ -65,31 +76,75 @@ def _case(out: Path, zero_stage: int) -> Path:
     return case_dir(out, zero_stage, "grpo")
 
 
-def check_learner_ranks(work: Path) -> dict:
-    from safetensors.torch import load_file
-
+def _model(work: Path) -> Path:
+    """The tiny model every launch trains, written once per run of this script."""
     from asyncrl.common.data.tasks import TASK_ALPHABET
     from asyncrl.common.tiny_models.character import init_model
 
+    if (work / "model" / "config.json").exists():
+        return work / "model"
+    return init_model(work / "model", alphabet=TASK_ALPHABET, seed=0)
+
+
+_ONE_RANK: dict[Path, float] = {}  # launched cases' seconds: a second check reads the first one's case
+
+
+def _one_rank(work: Path, accelerator: str) -> tuple[Path, float]:
+    """Where the ZeRO-2 case of one rank on ``accelerator`` was written, launched once per run; its seconds."""
+    out = work / f"one-{accelerator}"
+    if out not in _ONE_RANK:
+        _ONE_RANK[out] = _launch(1, _model(work), out, 2, accelerator)
+    return out, _ONE_RANK[out]
+
+
+def _compare(out: Path, zero_stage: int, reference: Path) -> dict:
+    """Every weight after step 2 and each step's loss and grad norm of ``out`` against the one-rank ``reference``."""
+    from safetensors.torch import load_file
+
+    weights = load_file(_case(out, zero_stage) / "step2.safetensors")
+    weights_ref = load_file(_case(reference, 2) / "step2.safetensors")
+    diff = max((weights[n].float() - t.float()).abs().max().item() for n, t in weights_ref.items())
+    stats = json.loads((_case(out, zero_stage) / "stats.json").read_text())
+    stats_ref = json.loads((_case(reference, 2) / "stats.json").read_text())
+    steps = max(abs(a[k] - b[k]) for a, b in zip(stats["steps"], stats_ref["steps"], strict=True) for k in a)
+    return {"max_weight_diff": diff, "max_loss_or_norm_diff": steps}
+
+
+def _trained(reference: Path) -> bool:
+    """Whether every step of the one-rank ``reference`` had a gradient: a step that trains nothing compares nothing."""
+    stats = json.loads((_case(reference, 2) / "stats.json").read_text())
+    return all(step["grad_norm"] > 0 for step in stats["steps"])
+
+
+def check_learner_ranks(work: Path) -> dict:
     gpus = torch.cuda.device_count()
-    if 0 < gpus < 2:
-        os.environ["DS_ACCELERATOR"] = "cpu"  # NCCL refuses two ranks on one GPU: gloo on CPU instead
-    model = init_model(work / "model", alphabet=TASK_ALPHABET, seed=0)
+    accelerator = "cuda" if gpus >= 2 else "cpu"  # NCCL refuses two ranks on one GPU: gloo on CPU instead
     result: dict = {"backend": "nccl" if gpus >= 2 else "gloo", "gpus": gpus}
-    result["one_rank_s"] = _launch(1, model, work / "one", 2)
-    one = json.loads((_case(work / "one", 2) / "stats.json").read_text())
-    weights_one = load_file(_case(work / "one", 2) / "step2.safetensors")
-    ok = True
+    one, result["one_rank_s"] = _one_rank(work, accelerator)
+    result["trained"] = ok = _trained(one)
     for zero_stage in (2, 3):
         out = work / f"two-zero{zero_stage}"
-        seconds = _launch(2, model, out, zero_stage)
-        two = json.loads((_case(out, zero_stage) / "stats.json").read_text())
-        weights = load_file(_case(out, zero_stage) / "step2.safetensors")
-        diff = max((weights[n].float() - t.float()).abs().max().item() for n, t in weights_one.items())
-        steps = max(abs(a[k] - b[k]) for a, b in zip(two["steps"], one["steps"], strict=True) for k in a)
-        result[f"zero{zero_stage}"] = {"seconds": seconds, "max_weight_diff": diff, "max_loss_or_norm_diff": steps}
-        ok &= diff <= TOLERANCE and steps <= TOLERANCE
+        seconds = _launch(2, _model(work), out, zero_stage, accelerator)
+        diffs = _compare(out, zero_stage, one)
+        result[f"zero{zero_stage}"] = {"seconds": seconds, **diffs}
+        ok &= max(diffs.values()) <= TOLERANCE
     result["ok"] = ok
+    return result
+
+
+def check_learner_on_gpu(work: Path) -> dict:
+    if not torch.cuda.is_available():
+        return {"skipped": "no GPU"}
+    result: dict = {
+        "device": torch.cuda.get_device_name(0),
+        "allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+    }
+    cpu, result["cpu_s"] = _one_rank(work, "cpu")
+    gpu, result["gpu_s"] = _one_rank(work, "cuda")
+    diffs = _compare(gpu, 2, cpu)
+    result.update(diffs, trained=_trained(cpu))
+    result["ok"] = result["trained"] and max(diffs.values()) <= GPU_TOLERANCE
     return result
 
 
@@ -227,6 +282,7 @@ def main() -> None:
     figures: dict = {"cuda": torch.cuda.is_available(), "gpus": torch.cuda.device_count(), "torch": torch.__version__}
     with tempfile.TemporaryDirectory(prefix="asyncrl-gpu-check-") as work:
         for name, check in (
+            ("learner_on_gpu", lambda: check_learner_on_gpu(Path(work))),
             ("learner_ranks", lambda: check_learner_ranks(Path(work))),
             ("weight_group", lambda: check_weight_group(args.mb)),
             ("entropy_memory", check_entropy_memory),

@@ -62,6 +62,7 @@ def test_two_ranks_train_like_one(runs: tuple[Path, Path], zero_stage: int, pres
     stats_one, weights_one, _ = read_case(one, ONE_RANK_STAGE, preset)
     stats, weights, again = read_case(two, zero_stage, preset)
     assert (stats_one["world_size"], stats["world_size"]) == (1, 2)
+    assert all(step["grad_norm"] > 0 for step in stats_one["steps"]), stats_one  # every step trained: not vacuous
     for mine, theirs in zip(stats["steps"], stats_one["steps"], strict=True):
         assert mine.keys() == theirs.keys() and ("critic/loss" in mine) == (preset == "ppo")
         for figure, value in theirs.items():  # loss, grad norm (and the critic's)
