@@ -246,15 +246,35 @@ class WeightGroup:
         except Exception as exc:
             raise WeightSyncError(f"broadcast failed in epoch {self.address.epoch}: {exc}") from exc
 
-    def _wait(self, work, tensor: torch.Tensor) -> torch.Tensor:
+    def _wait(self, work, tensor: torch.Tensor, what: str = "broadcast") -> torch.Tensor:
         try:
             if not work.wait(timedelta(seconds=self.address.timeout_s)):
-                raise WeightSyncError(f"broadcast timed out after {self.address.timeout_s}s")
+                raise WeightSyncError(f"{what} timed out after {self.address.timeout_s}s")
         except WeightSyncError:
             raise
         except Exception as exc:
-            raise WeightSyncError(f"broadcast failed in epoch {self.address.epoch}: {exc}") from exc
+            raise WeightSyncError(f"{what} failed in epoch {self.address.epoch}: {exc}") from exc
         return tensor
+
+    def receipt(self) -> None:
+        """Every rank says it holds every bucket: a one-element all-reduce after the broadcasts, complete only once
+        each member has posted it, which a member does after its last bucket arrived. A broadcast is pipelined through
+        the members, so the root's sends can finish while a member further on lost its data (a peer that left
+        mid-transfer closed the connection it was fed through); that member never posts the receipt, and the root's
+        fails instead of the version being announced to an actor that never got it."""
+        flag = torch.ones(1, device=self.device)
+        try:
+            options = torch.distributed.AllreduceOptions()
+            options.reduceOp = torch.distributed.ReduceOp(torch.distributed.ReduceOp.MIN)
+            options.timeout = timedelta(seconds=self.address.timeout_s)
+            if self.group is None:
+                raise WeightSyncError("the weight group is closed")
+            work = self.group.allreduce([flag], options)  # pyright: ignore[reportAttributeAccessIssue]
+        except WeightSyncError:
+            raise
+        except Exception as exc:
+            raise WeightSyncError(f"receipt failed in epoch {self.address.epoch}: {exc}") from exc
+        self._wait(work, flag, "receipt")
 
     def self_check(self) -> float:
         """Broadcast a known tensor and verify it arrived intact; returns the seconds it took."""
@@ -277,7 +297,8 @@ class WeightGroup:
         return self.send_packed(pack_bucket(bucket, params, self.device) for bucket in buckets)
 
     def send_packed(self, flats: Iterable[torch.Tensor]) -> int:
-        """Root: broadcast buckets already packed by :func:`pack_bucket` (at most two in flight); returns bytes."""
+        """Root: broadcast buckets already packed by :func:`pack_bucket` (at most two in flight), then wait for every
+        member's :meth:`receipt`; returns bytes."""
         sent = 0
         in_flight = None
         for flat in flats:
@@ -288,13 +309,17 @@ class WeightGroup:
             sent += flat.numel() * flat.element_size()
         if in_flight is not None:
             self._wait(*in_flight)
+        self.receipt()
         return sent
 
     def receive_all(self, buckets: Sequence[WeightBucket]) -> list[torch.Tensor]:
-        """Member: every bucket, received whole before any is used (all receives are posted, then awaited)."""
+        """Member: every bucket, received whole before any is used (all receives are posted, then awaited), then its
+        :meth:`receipt`."""
         flats = [torch.empty(b.numel, dtype=torch_dtype(b.dtype), device=self.device) for b in buckets]
         works = [self._start(flat) for flat in flats]
-        return [self._wait(work, flat) for work, flat in zip(works, flats, strict=True)]
+        received = [self._wait(work, flat) for work, flat in zip(works, flats, strict=True)]
+        self.receipt()
+        return received
 
 
 def absent_ranks(store: Store, epoch: int, world_size: int) -> list[int]:
