@@ -82,6 +82,7 @@ def follow_actor() -> threading.Thread | None:
     parent = os.getppid()
     if parent == actor:
         engine_core = None  # this is EngineCore (or a one-process executor's worker)
+        _own_process_group()
     elif parent_of(parent) == actor:
         engine_core = parent  # a worker under EngineCore: take it down too
     else:
@@ -90,6 +91,16 @@ def follow_actor() -> threading.Thread | None:
     _following = threading.Thread(target=_watch, args=(actor, engine_core), name="asyncrl-lifeline", daemon=True)
     _following.start()
     return _following
+
+
+def _own_process_group() -> None:
+    """Move EngineCore (and the workers it starts after this) out of the actor's process group: a signal sent to the
+    group — Ctrl-C in the actor's terminal, a Slurm ``scancel`` of the actor's job step — then reaches the actor alone,
+    which drains (aborts its requests, gives its groups back, leaves the registry) and shuts its engine down. Reached
+    by the same signal, EngineCore shut itself down under the draining actor (``EngineDeadError``) and the actor never
+    left cleanly. The actor's death still ends the engine (the watch below)."""
+    with contextlib.suppress(OSError):  # a session leader cannot move; it is then alone anyway
+        os.setpgid(0, 0)
 
 
 def _watch(actor: int, engine_core: int | None) -> None:

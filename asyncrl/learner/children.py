@@ -97,14 +97,22 @@ class Children:
     def log_path(self, name: str) -> Path:
         return self.log_dir / f"{name}.log"
 
-    def stop_all(self, timeout_s: float = 60.0) -> None:
+    def stop_all(self, timeout_s: float = 60.0, first: tuple[str, ...] = ()) -> None:
         """SIGTERM each child, wait, then SIGKILL its whole session (its own children, e.g. vLLM engine
-        processes, live in the session the child leads: the group id is the child's PID, ours to end)."""
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+        processes, live in the session the child leads: the group id is the child's PID, ours to end). The children
+        named in ``first`` are stopped before the others (the learner, whose last weight sync and checkpoint need the
+        actors still there), each within ``timeout_s``."""
+        self._stop([n for n in first if n in self.procs], timeout_s)
+        self._stop([n for n in self.procs if n not in first], timeout_s)
+        self._end_adopted()
+
+    def _stop(self, names: list[str], timeout_s: float) -> None:
+        for name in names:
+            if self.procs[name].poll() is None:
+                self.procs[name].send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout_s  # one deadline for all: a stuck child does not delay the others
-        for name, proc in self.procs.items():
+        for name in names:
+            proc = self.procs[name]
             try:
                 proc.wait(max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
@@ -112,7 +120,6 @@ class Children:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)  # stragglers of a child that died or hung
             proc.wait()
-        self._end_adopted()
 
     def _end_adopted(self) -> None:
         """SIGKILL and reap every descendant that was re-parented to us (see the module docstring), until none is

@@ -48,10 +48,12 @@ def _run_redis(
     curve: bool = False,
     check_model: bool = False,
     binds_here: bool = False,
+    advertise: str | None = None,
 ) -> Iterator[tuple[RunConfig, EmbeddedRedis, list[str]]]:
     """Resolve the config (with ``check_model``, check it against a local model folder: ``learner/model_check.py``,
     the engine aside; with ``binds_here``, that reward workers started here can bind their endpoint), start the run's
-    embedded Redis, publish the config; stop Redis on exit. Yields the config, the server and the overrides in force
+    embedded Redis (with ``advertise``, bound to that host's address too, for the run's other hosts), publish the
+    config; stop Redis on exit. Yields the config, the server and the overrides in force
     (with ``curve``, the generated keys' settings added)."""
     from asyncrl.common.cliutil import fail, load
     from asyncrl.common.config import bind_refusal, write_resolved
@@ -78,7 +80,9 @@ def _run_redis(
     write_resolved(resolved)
     try:
         memory = resolved.transport.redis_maxmemory_mb
-        server = EmbeddedRedis(resolved.run_dir / "redis", maxmemory_mb=memory).start()
+        server = EmbeddedRedis(
+            resolved.run_dir / "redis", maxmemory_mb=memory, advertise=advertise, follow_parent=advertise is not None
+        ).start()
     except EmbeddedRedisError as exc:
         fail(str(exc))
     try:
@@ -172,6 +176,46 @@ def run(
     raise typer.Exit(code)
 
 
+@app.command()
+def slurm(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    nodes: Annotated[int | None, typer.Option(help="Nodes of the job (slurm.nodes).")] = None,
+    partition: Annotated[str | None, typer.Option(help="Partition (slurm.partition).")] = None,
+    account: Annotated[str | None, typer.Option(help="Account (slurm.account).")] = None,
+    time: Annotated[str | None, typer.Option(help="Time limit, as sbatch --time (slurm.time_limit).")] = None,
+    gpus_per_node: Annotated[int | None, typer.Option(help="GPUs per node (slurm.gpus_per_node).")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the batch script; submit nothing.")] = False,
+    script_only: Annotated[
+        Path | None, typer.Option("--script-only", help="Write the batch script to this file; submit nothing.")
+    ] = None,
+    add_actors: Annotated[
+        int | None,
+        typer.Option(min=1, help="Submit a job of this many rollout actors that join the running run instead."),
+    ] = None,
+    run_name: Annotated[str | None, typer.Option("--run", help="The run (run.name), for --add-actors.")] = None,
+) -> None:
+    """Run on a Slurm cluster as one job: Redis, the learner and the reward workers on the first node, rollout actors
+    on the others ([slurm] section). Writes the batch script and submits it with sbatch; the job ends when the run
+    does. Run it on a login node, from a folder every node shares (run.root and this environment must be on it).
+    --add-actors N submits a job of N more actors that join the running run; scancel it to take them away."""
+    from asyncrl.learner.slurm_submit import submit
+
+    flags = {"nodes": nodes, "partition": partition, "account": account, "time_limit": time}
+    flags["gpus_per_node"] = gpus_per_node
+    overrides = [*(set_ or []), *(f"slurm.{k}={v}" for k, v in flags.items() if v is not None)]
+    overrides += [f"run.name={run_name}"] if run_name else []
+    raise typer.Exit(submit(config, overrides, dry_run=dry_run, script_only=script_only, add_actors=add_actors))
+
+
+@app.command("slurm-job", hidden=True)
+def slurm_job(config: ConfigOpt = None, set_: SetOpt = None) -> None:
+    """Inside the job rl-launch slurm submits: the run across the job's nodes (exits with the learner's code)."""
+    from asyncrl.learner.slurm_job import run_job
+
+    raise typer.Exit(run_job(config, list(set_ or []), _run_redis, _run_children))
+
+
 def _checkpoint_folder(resolved: RunConfig, spec: str) -> Path:
     """The checkpoint ``--resume`` names, found before anything starts (the learner verifies its files)."""
     from asyncrl.common.cliutil import fail
@@ -184,12 +228,14 @@ def _checkpoint_folder(resolved: RunConfig, spec: str) -> Path:
         fail(f"cannot resume: {exc}")
 
 
-def _run_children(children, resolved, server, config, overrides, counts, learner_args) -> int:
+def _run_children(
+    children, resolved, server, config, overrides, counts, learner_args, placement=None, stop=None
+) -> int:
+    """Start the run's processes and follow them until the learner ends (its exit code) or ``stop`` is set (130).
+    ``placement`` starts the rollout actors elsewhere (a Slurm job's ``srun`` steps: ``learner/slurm_job.py``) and
+    may wrap the learner's command; ``stop``: set by the caller's own signal handlers, else by SIGINT and SIGTERM."""
     import os
     import sys
-
-    from asyncrl.learner.batch_source import NO_ACTORS_EXIT_CODE
-    from asyncrl.learner.children import Progress, tail_metrics, why_it_failed
 
     bin_dir = Path(sys.executable).parent
     # The URL holds the Redis password: children read it from the server's 0600 file, never from argv (ps shows argv).
@@ -199,17 +245,31 @@ def _run_children(children, resolved, server, config, overrides, counts, learner
     for i in range(rewards):
         reward = [str(bin_dir / "rl-actor"), "reward", *run_args, "--id", f"reward-{i}"]
         children.start(f"reward-{i}", reward, cpus=pins.get("rewards"))
-    for i in range(actors):
+    if placement is not None:
+        actors = placement.start_actors(children, run_args)
+    for i in range(actors if placement is None else 0):
         # vLLM binds its CPU threads itself: to the pinned cores, else one core an actor round the machine's
         env = {"VLLM_CPU_OMP_THREADS_BIND": pins.get("actors") or str(cores[i % len(cores)])}
         actor = [str(bin_dir / "rl-actor"), *run_args, "--id", f"actor-{i}"]
         children.start(f"actor-{i}", actor, env, cpus=pins.get("actors"))
-    learner_cmd = [str(bin_dir / "rl-learner"), "train", *([str(config)] if config else [])]
+    learner_cmd = [*(placement.learner_prefix if placement else []), str(bin_dir / "rl-learner"), "train"]
+    learner_cmd += [str(config)] if config else []
     learner_cmd += [a for o in overrides for a in ("--set", o)] + [*run_args[:2], *learner_args]
     learner = children.start("learner", learner_cmd, cpus=pins.get("learner"))
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    if stop is None:
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+    return _follow(children, resolved, server, learner, actors, stop)
+
+
+def _follow(children, resolved, server, learner, actors: int, stop: threading.Event) -> int:
+    """Show progress and say why each child that failed did, until the learner ends or ``stop`` is set."""
+    import sys
+
+    from asyncrl.learner.batch_source import NO_ACTORS_EXIT_CODE
+    from asyncrl.learner.children import Progress, tail_metrics, why_it_failed
+
     metrics = resolved.run_dir / "metrics.jsonl"
     progress, told = Progress(resolved.learner.steps, sys.stderr), set()
     while not stop.wait(1.0) and learner.poll() is None:
@@ -221,8 +281,11 @@ def _run_children(children, resolved, server, config, overrides, counts, learner
             progress.say(f"{dead} exited with an error: {why}")
         if refused_by_every_actor(children, actors):
             progress.end()
-            typer.echo("stopping the run: every rollout actor refused its settings (above), and a restart would too; "
-                       "fix the setting each names, then run again", err=True)
+            typer.echo(
+                "stopping the run: every rollout actor refused its settings (above), and a restart would too; "
+                "fix the setting each names, then run again",
+                err=True,
+            )
             return REFUSED_EXIT_CODE
         if (last := tail_metrics(metrics)) is not None:
             progress.show(last)

@@ -23,7 +23,6 @@ environment is what a CPU host sets anyway: ``DS_ACCELERATOR=cpu``, vLLM's threa
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import shutil
@@ -43,6 +42,7 @@ from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.keys import connect
 from asyncrl.common.plane.redis_server import find_redis_server
 from tests.helpers.accounting import account_groups
+from tests.helpers.hosts import Hosts
 from tests.helpers.readme import readme_block
 from tests.helpers.stack import BIN, Processes, actor_pid
 
@@ -58,67 +58,6 @@ version sent after a host left; then the test stops the learner (SIGTERM) instea
 SYNC_TIMEOUT_S = 6
 """``weight_sync.timeout_s``: short, so a broadcast gives up on the hung actor soon; the heartbeat TTL (60 s) is long,
 so only that timeout can catch it."""
-CLONE_NEWNET = 0x40000000
-
-
-class Hosts:
-    """One network namespace per address, each with ``lo`` and an ``eth0`` on a bridge that lives in a namespace of
-    its own: no address or link of the test appears in the machine's namespace. :meth:`delete` removes them all."""
-
-    def __init__(self, prefix: str, addresses: list[str]) -> None:
-        self.prefix = prefix
-        self.names = {address: f"{prefix}-{n}" for n, address in enumerate(addresses)}
-        self.switch = f"{prefix}-sw"
-        self.made: list[str] = []
-
-    def create(self) -> None:
-        self._netns(self.switch)
-        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
-        _ip("-n", self.switch, "link", "set", "dev", "br0", "up")
-        for n, (address, ns) in enumerate(self.names.items()):
-            self._netns(ns)
-            _ip("link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", f"p{n}", "netns", self.switch)
-            _ip("-n", self.switch, "link", "set", "dev", f"p{n}", "master", "br0")
-            _ip("-n", self.switch, "link", "set", "dev", f"p{n}", "up")
-            _ip("-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
-            _ip("-n", ns, "link", "set", "dev", "eth0", "up")
-            _ip("-n", ns, "link", "set", "dev", "lo", "up")
-
-    def _netns(self, name: str) -> None:
-        _ip("netns", "add", name)
-        self.made.append(name)
-
-    def delete(self) -> None:
-        for name in reversed(self.made):  # a namespace's veth ends go with it
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
-        self.made.clear()
-
-    def exec(self, address: str) -> list[str]:
-        return ["ip", "netns", "exec", self.names[address]]
-
-    def thread_in(self, address: str) -> ThreadPoolExecutor:
-        """One thread in ``address``'s namespace (``setns`` moves only the calling thread): sockets it opens are that
-        host's. The test's Redis reads and scrapes run there."""
-        libc = ctypes.CDLL(None, use_errno=True)
-        path = f"/run/netns/{self.names[address]}"
-
-        def enter() -> None:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                if libc.setns(fd, CLONE_NEWNET) != 0:
-                    raise OSError(ctypes.get_errno(), f"setns into {path} failed")
-            finally:
-                os.close(fd)
-
-        return ThreadPoolExecutor(1, initializer=enter, thread_name_prefix="netns")
-
-
-def _ip(*args: str) -> None:
-    done = subprocess.run(["ip", *args], capture_output=True, text=True)
-    if done.returncode:
-        raise OSError(f"ip {' '.join(args)}: {done.stderr.strip()}")
-
-
 @pytest.fixture
 def hosts() -> Iterator[Hosts]:
     if shutil.which("ip") is None:

@@ -24,6 +24,7 @@ from asyncrl.common.config.operations import (
     TransportSection,
     WeightSyncSection,
 )
+from asyncrl.common.config.slurm import SlurmSection
 from asyncrl.common.config.training import (
     AlgorithmSection,
     CriticSection,
@@ -62,6 +63,7 @@ class RunConfig(Section):
     health: HealthSection = Field(default_factory=HealthSection)
     eval: EvalSection = Field(default_factory=EvalSection)
     environment: EnvironmentSection = Field(default_factory=EnvironmentSection)
+    slurm: SlurmSection = Field(default_factory=SlurmSection)
 
     @model_validator(mode="after")
     def _episodes_need_an_environment(self) -> RunConfig:

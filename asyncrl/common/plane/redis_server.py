@@ -75,7 +75,11 @@ class EmbeddedRedis:
 
     ``appendfsync``: Redis's AOF fsync policy (``always``: see the module docstring; a benchmark on tmpfs may pass
     ``everysec``). ``maxmemory_mb``: Redis's memory limit, past which writes fail (0 = none; default
-    ``transport.redis_maxmemory_mb``'s)."""
+    ``transport.redis_maxmemory_mb``'s). ``advertise``: a host name or address of this host that the run's other hosts
+    reach (a Slurm job's node 0): the server binds it beside loopback, and the URL names it. ``follow_parent``: the
+    server gets SIGTERM when the process that started it dies (``setpriv --pdeathsig``), for a starter that can be
+    killed before it stops the server (a Slurm job past ``KillWait``): Redis lives in a session of its own, which a
+    scheduler that tracks a job by process group does not reach."""
 
     def __init__(
         self,
@@ -84,6 +88,8 @@ class EmbeddedRedis:
         password: str | None = None,
         appendfsync: str = "always",
         maxmemory_mb: int | None = None,
+        advertise: str | None = None,
+        follow_parent: bool = False,
     ) -> None:
         from asyncrl.common.config import TransportSection
 
@@ -94,12 +100,14 @@ class EmbeddedRedis:
         self.port = port
         self._previous_port = previous_port  # taken at start when no port is given and it is free then
         self.password = password or previous_password or secrets.token_urlsafe(24)
+        self.advertise = advertise  # a host name or address the run's other hosts reach; None: loopback only
+        self.follow_parent = follow_parent
         self.process: subprocess.Popen[bytes] | None = None
         self._failures, self._next_try = 0, 0.0  # restarts that failed in a row (keep_up), when to try again
 
     @property
     def url(self) -> str:
-        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+        return f"redis://:{self.password}@{self.advertise or '127.0.0.1'}:{self.port}/0"
 
     @property
     def lock_path(self) -> Path:
@@ -205,8 +213,9 @@ class EmbeddedRedis:
             f.write(self._config_text())
         log_path = self.directory / "redis.log"
         with open_private(log_path, "ab") as stderr:
+            follow = [shutil.which("setpriv") or "setpriv", "--pdeathsig", "TERM", "--"] if self.follow_parent else []
             self.process = process = subprocess.Popen(
-                [find_redis_server(), str(conf)],
+                [*follow, find_redis_server(), str(conf)],
                 stdout=subprocess.DEVNULL,
                 stderr=stderr,
                 start_new_session=True,  # a Ctrl-C to the parent must not kill Redis before the AOF flush
@@ -219,7 +228,7 @@ class EmbeddedRedis:
     def _config_text(self) -> str:
         return "\n".join(
             [
-                "bind 127.0.0.1",
+                f"bind 127.0.0.1 {socket.gethostbyname(self.advertise)}" if self.advertise else "bind 127.0.0.1",
                 f"port {self.port}",
                 "protected-mode yes",
                 f"requirepass {self.password}",

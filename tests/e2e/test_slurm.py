@@ -1,0 +1,241 @@
+"""A run on a real Slurm cluster, submitted as a user submits it: ``rl-launch slurm run.toml --nodes 3`` on the login
+node, and ``rl-launch slurm run.toml --add-actors 1`` beside it.
+
+The cluster is Debian's ``slurmctld``, ``slurmd`` and ``munged`` (:class:`tests.helpers.slurm_cluster.SlurmCluster`):
+a controller and four nodes, each a host of its own (network, hostname), sharing this machine's filesystem as a
+cluster shares its run folder. The run's job puts Redis, the learner and a reward worker on ``node1`` and one rollout
+actor step on each of ``node2`` and ``node3``; the added actors' job one actor on ``node4``. Once that actor has loaded
+weights and two steps are trained, its job is cancelled (``scancel JOB``: SIGTERM, it leaves), then one actor step
+of the run's job (``scancel JOB.STEP``, which kills the step's tasks: it is counted lost, its groups are given out
+again), and the run goes on; then the run's job gets what Slurm sends before its time limit (``--signal=B:USR1``,
+sent here with ``scancel --signal=USR1 --batch``): the learner saves a checkpoint, every step stops and the job
+requeues itself; started again, it resumes from that checkpoint and runs to the end (``learner.steps``, raised in
+run.toml before the signal, as a user extends a run: the requeued job reads its config file again).
+
+Checked from the run's own records: the job ends COMPLETED (exit 0) after one restart; every step trained once and
+every group accounted for (the run's Redis, opened again on its AOF); every actor loaded every version sent to it;
+no secret in the scripts, ``scontrol show job``, the job's output or any process's argv; nothing of the run left
+running.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.keys import connect
+from asyncrl.common.plane.redis_server import EmbeddedRedis, find_redis_server
+from tests.helpers.accounting import account_groups
+from tests.helpers.runs import step_rows
+from tests.helpers.slurm_cluster import SlurmCluster, missing_programs
+from tests.helpers.stack import BIN
+from tests.helpers.waits import wait_for
+
+pytestmark = pytest.mark.e2e
+
+RUN, GROUPS = "slurm", 4
+STEPS = 100_000
+"""``learner.steps`` of the first start: more than it ever reaches, so nothing the test waits for races the run's end.
+Before the requeue the test lowers it in run.toml (a requeued job reads its config file again) to a few steps past
+where the run is: the second start ends the run there."""
+MORE_STEPS = 12
+"""Steps the second start trains at most."""
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    if missing := missing_programs():
+        pytest.fail(f"Slurm is not installed ({', '.join(missing)} missing): bin/setup installs slurm-wlm and munge")
+    made = SlurmCluster(tmp_path_factory.mktemp("slurm-cluster"), nodes=4)
+    try:
+        made.start()
+        yield made
+    finally:
+        made.stop()
+
+
+def _config(model: Path, steps: int) -> str:
+    return f"""preset = "demo"
+
+[run]
+name = "{RUN}"
+
+[model]
+path = "{model}"
+
+[learner]
+steps = {steps}
+groups_per_step = {GROUPS}
+
+[eval]
+every = 0
+
+[weight_sync]
+timeout_s = 10  # an actor that leaves mid-transfer holds a sync this long
+
+[rollout]
+kv_cache_bytes = 67108864
+cpu_single_process = true
+"""
+
+
+class Job:
+    """The submitted job, read through the cluster's commands."""
+
+    def __init__(self, cluster: SlurmCluster, folder: Path) -> None:
+        self.cluster, self.folder = cluster, folder
+        self.run_dir = folder / "runs" / RUN
+        self.env = {**cluster.env, "PATH": f"{BIN}:{Path(find_redis_server()).parent}:{os.environ['PATH']}"}
+        self.env["DS_ACCELERATOR"] = "cpu"
+        self.id = ""
+
+    def submit(self, *args: str) -> tuple[str, str]:
+        """``rl-launch slurm run.toml ARGS`` on the login node: the job id and what the command said."""
+        command = [BIN / "rl-launch", "slurm", "run.toml", *args]
+        done = self.cluster.command(command, env=self.env, cwd=self.folder, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip(), done.stderr
+
+    def state(self) -> dict[str, str]:
+        return self.cluster.job_state(self.id)
+
+    def steps_named(self) -> dict[str, str]:
+        """The job's running steps: name -> step id."""
+        done = self.cluster.command(["squeue", "--steps", f"--jobs={self.id}", "--noheader", "--format=%i %j"])
+        return {name: step for step, name in (line.split() for line in done.stdout.splitlines())}
+
+    def events(self) -> list[dict]:
+        """The run's audit trail so far (a line being written is left out)."""
+        audit = self.run_dir / "audit.jsonl"
+        lines = audit.read_text().splitlines() if audit.exists() else []
+        return [json.loads(line) for line in lines if line.endswith("}")]
+
+    def trained(self) -> int:
+        return len(step_rows(self.run_dir)) if (self.run_dir / "metrics.jsonl").exists() else 0
+
+    def finished(self) -> str | None:
+        state = self.state().get("JobState")
+        return state if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL") else None
+
+
+def _secrets(run_dir: Path) -> list[str]:
+    """The run's Redis password and the contents of its CURVE secret keys."""
+    url = (run_dir / "redis" / "url").read_text().strip()
+    password = url.split("://:", 1)[1].split("@", 1)[0]
+    keys = [p.read_text().strip() for p in (run_dir / "keys").rglob("*secret*") if p.is_file()]
+    return [password, *keys]
+
+
+def _argv_holding(secrets: list[str]) -> list[str]:
+    """Every process on this machine whose command line holds one of ``secrets``."""
+    shown = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes()
+        except OSError:
+            continue
+        shown += [f"{cmdline.parent.name}: {argv[:200]!r}" for s in secrets if s.encode() in argv]
+    return shown
+
+
+def _processes_of(run_dir: Path) -> list[str]:
+    """Processes still running whose command line or working folder is the run's."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (proc / "cmdline").read_bytes()
+            cwd = os.readlink(proc / "cwd")
+        except OSError:
+            continue
+        if str(run_dir).encode() in argv or cwd.startswith(str(run_dir)):
+            found.append(f"{proc.name}: {argv[:200]!r}")
+    return found
+
+
+def _not_loaded(events: list[dict], failed: set[int], stopped: dict[str, float]) -> dict[str, set[int]]:
+    """Per actor, the versions published to it whose transfer went through (not in ``failed``) that it did not load;
+    an actor told to stop (``stopped``: when) may miss those published after."""
+    published: dict[str, set[int]] = collections.defaultdict(set)
+    loaded: dict[str, set[int]] = collections.defaultdict(set)
+    for e in events:
+        if e["event"] == "weights.published":
+            for member in e["members"]:
+                if e["unix"] < stopped.get(member, float("inf")):
+                    published[member].add(int(e["version"]))
+        elif e["event"] == "weights.loaded":
+            loaded[e["who"]["process"]].add(int(e["version"]))
+    return {actor: versions - failed - loaded[actor] for actor, versions in published.items()}
+
+
+def test_a_run_submitted_to_slurm_survives_a_cancelled_step_and_a_requeue(
+    cluster: SlurmCluster, tmp_path: Path, model_dir: Path
+) -> None:
+    (tmp_path / "run.toml").write_text(_config(model_dir, STEPS))
+    job = Job(cluster, tmp_path)
+    job.id, said = job.submit("--nodes", "3")
+    assert f"submitted job {job.id} for run '{RUN}'" in said
+    wait_for(lambda: (job.run_dir / "redis" / "url").exists(), "the run's Redis", timeout_s=300, poll_s=0.5)
+    added, said = job.submit("--add-actors", "1")  # node4: the one node the run's job left free
+    assert f"submitted job {added} of actors for run '{RUN}'" in said
+    added_actor = f"actor-{added}-0"
+    script = (job.run_dir / "slurm-job.sh").read_text() + (job.run_dir / "slurm-actors.sh").read_text()
+    assert "#SBATCH --nodes=3" in script and "#SBATCH --signal=B:USR1@300" in script and "--requeue" in script
+
+    def loaded_by(actor: str) -> bool:
+        return any(e["event"] == "weights.loaded" and e["who"]["process"] == actor for e in job.events())
+
+    ready = "two steps trained, the added actor served"
+    wait_for(lambda: (job.trained() >= 2 and loaded_by(added_actor)) or job.finished(), ready, timeout_s=400)
+    assert not job.finished(), (job.state(), (job.run_dir / "logs" / f"slurm-{job.id}.out").read_text()[-3000:])
+    secrets = _secrets(job.run_dir)
+    assert _argv_holding(secrets) == []
+    top = [BIN / "rl-top", "--once", "--run", RUN, "--redis-url-file", job.run_dir / "redis" / "url"]
+    shown = cluster.command(top, env=job.env, timeout=120)  # from the login node, as the submit said
+    table = shown.stdout.split("\nprocess ", 1)[-1]
+    assert shown.returncode == 0 and {"actor-0", "actor-1", added_actor} <= set(table.split()), shown.stdout[-2000:]
+    stopped = {added_actor: time.time()}
+    assert cluster.command(["scancel", added]).returncode == 0  # the added actors leave (SIGTERM)
+    steps = job.steps_named()
+    assert {"actor-0", "actor-1"} <= set(steps), steps
+    cancelled_at = stopped["actor-1"] = time.time()  # may die between receiving a version and loading it
+    assert cluster.command(["scancel", steps["actor-1"]]).returncode == 0  # SIGKILL, Slurm's default for a step
+    wait_for(lambda: "actor-1" not in job.steps_named(), "actor-1's step ended", timeout_s=120, poll_s=0.5)
+    trained_before = job.trained()
+    wait_for(lambda: job.trained() > trained_before or job.finished(), "a step without actor-1", timeout_s=120)
+    final = job.trained() + MORE_STEPS
+    (tmp_path / "run.toml").write_text(_config(model_dir, final))  # what the requeued job trains to
+    assert cluster.command(["scancel", "--signal=USR1", "--batch", job.id]).returncode == 0  # the time limit nears
+
+    wait_for(lambda: int(job.state().get("Restarts", 0)) >= 1 or job.finished(), "the job requeued", timeout_s=240)
+    state = wait_for(job.finished, "the requeued job's end", timeout_s=600, poll_s=2)
+    output = (job.run_dir / "logs" / f"slurm-{job.id}.out").read_text()
+    assert (state, job.state()["ExitCode"], job.state()["Restarts"]) == ("COMPLETED", "0:0", "1"), output[-3000:]
+    [record] = [r for r in cluster.completions() if r["JobId"] == job.id and r["JobState"] == "COMPLETED"]
+    assert record["NodeList"] == "node[1-3]"
+
+    rows = step_rows(job.run_dir)
+    counts = collections.Counter(int(r["step"]) for r in rows)
+    assert sorted(counts) == list(range(1, final + 1)) and set(counts.values()) == {1}, counts  # each step once
+    events = job.events()
+    [resumed] = [e["unix"] for e in events if e["event"] == "run.resumed"]
+    gone = [e["unix"] for e in events if e["event"] == "process.lost" and e["process"] == "actor-1"]
+    assert [t for t in gone if cancelled_at - 1 <= t < resumed], gone  # its heartbeat ran out after the kill
+    failed = {int(r["sync/version"]) for r in rows if r.get("sync/failed") and "sync/version" in r}
+    missed = _not_loaded(events, failed, stopped)
+    assert set(missed) == {"actor-0", "actor-1", added_actor} and not any(missed.values()), missed
+    [left] = [e for e in events if e["event"] == "process.left" and e["who"]["process"] == added_actor]
+    assert left["unix"] < resumed and cluster.job_state(added)["JobState"] == "CANCELLED"
+    assert {e["who"]["host"] for e in events if e["event"] == "weights.loaded"} == {"node2", "node3", "node4"}
+
+    for holder in (script, cluster.command(["scontrol", "show", "job", "-d", job.id]).stdout, output):
+        assert not [s for s in secrets if s in holder]
+    assert job.steps_named() == {} and _processes_of(job.run_dir) == []
+    with EmbeddedRedis(job.run_dir / "redis") as redis:  # the run's Redis again, on its AOF: the ledger
+        account_groups(ControlPlane(connect(redis.url), RUN), final, GROUPS)

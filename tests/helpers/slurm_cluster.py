@@ -1,0 +1,181 @@
+"""A real Slurm cluster on one machine, for the tests: Debian's ``slurmctld``, ``slurmd`` and ``munged``.
+
+The controller and each compute node are hosts of their own (:class:`tests.helpers.hosts.Hosts`): a network namespace
+with its own address and, through a UTS namespace, its own hostname, which is how a ``slurmd`` finds its node in
+``slurm.conf``. One ``munged`` serves them all: its socket is a file, and every host sees the same filesystem (as a
+cluster's shared filesystem). Everything the cluster writes (its config, the munge key, spool and state folders,
+logs, the job-completion log) lives in one folder; :meth:`SlurmCluster.stop` ends every daemon by PID and removes the
+namespaces. Accounting (``sacct``) needs ``slurmdbd`` and a database, which this cluster does not run; a finished
+job's state is read from the job-completion log (``jobcomp/filetxt``) and ``scontrol show job``. A requeued job
+waits ``cred_expire`` seconds before it may start again: 10 here, 120 by Slurm's default.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from tests.helpers.hosts import Hosts
+from tests.helpers.waits import wait_for
+
+DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "scancel")
+CONTROLLER = "10.78.0.1"
+
+
+def missing_programs() -> list[str]:
+    return [name for name in DAEMONS if shutil.which(name) is None and not Path("/usr/sbin", name).exists()]
+
+
+def _program(name: str) -> str:
+    return shutil.which(name) or str(Path("/usr/sbin", name))
+
+
+class SlurmCluster:
+    """``nodes`` compute nodes (``node1``…) of ``cpus`` CPUs each and a controller (``slurmctl``), in ``root``."""
+
+    def __init__(self, root: Path, nodes: int = 3, cpus: int = 2, prefix: str | None = None) -> None:
+        self.root = root
+        self.addresses = {CONTROLLER: "slurmctl"} | {f"10.78.0.{n + 2}": f"node{n + 1}" for n in range(nodes)}
+        self.nodes = [name for name in self.addresses.values() if name != "slurmctl"]
+        self.cpus = cpus
+        self.hosts = Hosts(prefix or f"asl{os.getpid()}", list(self.addresses), self.addresses)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.conf = root / "slurm.conf"
+        self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+
+    # ------------------------------------------------------------------ life
+
+    def start(self) -> None:
+        for folder in ("munge", "state", "spool", "log"):
+            (self.root / folder).mkdir(parents=True, exist_ok=True)
+        (self.root / "munge").chmod(0o700)
+        for name in self.nodes:
+            (self.root / "spool" / name).mkdir(exist_ok=True)
+        self.hosts.create()
+        self._start_munge()
+        self.conf.write_text(self._slurm_conf())
+        self._start("slurmctld", CONTROLLER, [_program("slurmctld"), "-D", "-i", "-f", str(self.conf)])
+        for address, name in self.addresses.items():
+            if name != "slurmctl":
+                self._start(f"slurmd-{name}", address, [_program("slurmd"), "-D", "-f", str(self.conf)])
+        wait_for(self._all_nodes_idle, "every Slurm node idle", timeout_s=60, poll_s=0.5)
+
+    def stop(self) -> None:
+        """Every job cancelled and waited for (a test that failed half-way leaves no job step running), then every
+        daemon by its PID (SIGTERM, then SIGKILL), then the namespaces."""
+        if "slurmctld" in self.procs and self.procs["slurmctld"].poll() is None:
+            self.command(["scancel", "--user=root"])
+            deadline = time.monotonic() + 90  # KillWait (20 s) after SIGTERM, then SIGKILL
+            while self.command(["squeue", "--noheader"]).stdout.strip() and time.monotonic() < deadline:
+                time.sleep(0.5)
+        for proc in reversed(list(self.procs.values())):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)
+        self.hosts.delete()
+
+    def _start_munge(self) -> None:
+        munge = self.root / "munge"
+        subprocess.run([_program("mungekey"), "--create", f"--keyfile={munge / 'munge.key'}"], check=True,
+                       capture_output=True)  # fmt: skip
+        command = [
+            _program("munged"), "--foreground", "--force", f"--key-file={munge / 'munge.key'}",
+            f"--socket={self.munge_socket}", f"--pid-file={munge / 'munged.pid'}", f"--log-file={munge / 'munged.log'}",
+            f"--seed-file={munge / 'munged.seed'}",
+        ]  # fmt: skip
+        self._start("munged", None, command)
+        wait_for(self.munge_socket.exists, "munged's socket", timeout_s=15, poll_s=0.1)
+
+    def _start(self, name: str, address: str | None, argv: Sequence[str]) -> None:
+        prefix = self.hosts.exec_named(address) if address else []
+        log = (self.root / "log" / f"{name}.out").open("w")
+        self.procs[name] = subprocess.Popen([*prefix, *argv], env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)  # fmt: skip
+
+    # ------------------------------------------------------------------ commands
+
+    def command(self, argv: Sequence[str | Path], host: str = CONTROLLER, **kwargs) -> subprocess.CompletedProcess:
+        """``argv`` on ``host`` (the controller: the cluster's login node), with this cluster's ``SLURM_CONF``."""
+        kwargs.setdefault("env", self.env)
+        kwargs.setdefault("capture_output", True)
+        kwargs.setdefault("text", True)
+        kwargs.setdefault("timeout", 60)
+        return subprocess.run([*self.hosts.exec_named(host), *map(str, argv)], **kwargs)
+
+    def _all_nodes_idle(self) -> bool:
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                log = (self.root / "log" / f"{name}.out").read_text()[-2000:]
+                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{log}")
+        done = self.command(["sinfo", "--noheader", "--format=%T", "--Node"])
+        states = done.stdout.split()
+        return done.returncode == 0 and len(states) == len(self.nodes) and set(states) == {"idle"}
+
+    def job_state(self, job_id: str) -> dict[str, str]:
+        """``scontrol show job`` of ``job_id`` as fields (``JobState``, ``ExitCode``, …)."""
+        done = self.command(["scontrol", "show", "job", "--oneliner", job_id])
+        return dict(f.split("=", 1) for f in done.stdout.split() if "=" in f)
+
+    def completions(self) -> list[dict[str, str]]:
+        """Every finished job's record in the job-completion log."""
+        path = self.root / "jobcomp.log"
+        lines = path.read_text().splitlines() if path.exists() else []
+        return [dict(f.split("=", 1) for f in line.split() if "=" in f) for line in lines]
+
+    # ------------------------------------------------------------------ config
+
+    @property
+    def munge_socket(self) -> Path:
+        return self.root / "munge" / "munge.socket"
+
+    def _slurm_conf(self) -> str:
+        r = self.root
+        nodes = "\n".join(
+            f"NodeName={name} NodeAddr={address} CPUs={self.cpus} RealMemory=8000 State=UNKNOWN"
+            for address, name in self.addresses.items()
+            if name != "slurmctl"
+        )
+        return f"""ClusterName=asyncrl
+SlurmctldHost=slurmctl({CONTROLLER})
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+AuthInfo=socket={self.munge_socket},cred_expire=10
+CredType=cred/munge
+StateSaveLocation={r}/state
+SlurmdSpoolDir={r}/spool/%n
+SlurmctldPidFile={r}/slurmctld.pid
+SlurmdPidFile={r}/slurmd.%n.pid
+SlurmctldLogFile={r}/log/slurmctld.log
+SlurmdLogFile={r}/log/slurmd.%n.log
+ProctrackType=proctrack/pgid
+TaskPlugin=task/none
+MpiDefault=none
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+ReturnToService=2
+SlurmdParameters=config_overrides
+JobCompType=jobcomp/filetxt
+JobCompLoc={r}/jobcomp.log
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+MinJobAge=3600
+KillWait=20
+SlurmctldTimeout=30
+SlurmdTimeout=30
+InactiveLimit=0
+{nodes}
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+"""
