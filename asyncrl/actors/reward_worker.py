@@ -345,6 +345,11 @@ class RewardWorker:
 
     def _dead_letter(self, group: RolloutGroup, exc: RewardError) -> None:
         dead_letter(self.client, self.plane.keys, "reward", str(exc), encode_blob(group))
+        # Final (the group passed its issue record and still cannot be scored: a replay that differs, a function
+        # that kept failing): the learner frees its slot at once. Not a refusal before that check — a group under a
+        # hijacked id must not retire the real one — nor a stalled worker's, re-issued when the worker is replaced.
+        if not isinstance(exc, WorkerStalled):
+            self.plane.prompts.note_refused(group.group_id)
         REWARD_DEAD_LETTERED_GROUPS.labels(exc.function).inc()
         log.warning(
             "dead-lettered a rollout group that could not be scored",

@@ -35,7 +35,7 @@ from asyncrl.common.config import RunConfig
 from asyncrl.common.data.prompts import Prompter, model_vocab_size
 from asyncrl.common.observability.logs import get_logger, worth_logging
 from asyncrl.common.plane.control import ControlPlane
-from asyncrl.common.plane.dead_letters import dead_letter
+from asyncrl.common.plane.dead_letters import dead_letter, newest_reason
 from asyncrl.common.plane.prompt_ledger import Standing
 from asyncrl.common.plane.replay import ReplayEntry, ReplayReader
 from asyncrl.common.rewards.response_text import ResponseTexts
@@ -72,6 +72,17 @@ NO_ACTORS_EXIT_CODE = 3
 class NoActorsLeft(StepInterrupted):
     """No rollout actor, or no reward worker, alive for ``learner.no_actors_s``: nobody can make a batch, so the
     learner saves a checkpoint and stops instead of waiting out ``wait_for_batch_s``."""
+
+
+class EveryGroupRefused(NoActorsLeft):
+    """The reward workers dead-lettered every group of the last :data:`REFUSED_STREAK_BATCHES` batches' worth and
+    none was trained: a new group would be refused too (an environment that cannot be replayed, a reward function
+    that always fails), so the learner saves a checkpoint and stops, naming the newest reason."""
+
+
+REFUSED_STREAK_BATCHES = 4
+"""Batches' worth of groups (``learner.groups_per_step`` each) dead-lettered in a row, none trained between, that stop
+the run (:class:`EveryGroupRefused`)."""
 
 
 WATCHED_KINDS = {"actor": "rollout actor", "reward": "reward worker"}
@@ -160,6 +171,7 @@ class BatchSource:
         self._carry: list[ReplayEntry] = []  # recovered entries not yet trained, still pending in the stream
         self._retrain: dict[str, str] = {}  # group -> entry of groups a resume trains again
         self._refused = 0  # groups refused by provenance since this learner started
+        self._dead_lettered_streak = 0  # groups retired as dead-lettered since the last admitted one
 
     # ------------------------------------------------------------------ one step
 
@@ -182,6 +194,7 @@ class BatchSource:
                 self.dispatcher.release(version)
                 held = {e.group.rollout.group_id for e in taken.entries}  # admitted: never lost or re-issued
                 self.dispatcher.reissue_overdue(self.config.learner.group_deadline_s, held=held)
+                self._retire_dead_lettered(taken)
                 self._close_eval_rounds()
                 on_wait()
                 candidates = self.reader.read(want - len(taken.entries), block_ms=500)
@@ -198,6 +211,7 @@ class BatchSource:
                 if verdict in ("ok", "stale", "zero_variance"):
                     decided.add(group_id)
                 if verdict == "ok":
+                    self._dead_lettered_streak = 0
                     taken.entries.append(entry)
                     standing = standings.get(group_id)
                     if standing is not None and standing.issued is not None:
@@ -255,6 +269,21 @@ class BatchSource:
                 f"no full batch within {limit}s: {len(taken.entries)}/{self.config.learner.groups_per_step} groups; "
                 "are actors and reward workers running?"
             )
+
+    def _retire_dead_lettered(self, taken: Taken) -> None:
+        """Free the slots of the groups the reward workers dead-lettered (``Dispatcher.retire_refused``); raise
+        :class:`EveryGroupRefused` once :data:`REFUSED_STREAK_BATCHES` batches' worth came in a row, none trained."""
+        self._dead_lettered_streak += self.dispatcher.retire_refused()
+        limit = REFUSED_STREAK_BATCHES * self.config.learner.groups_per_step
+        if self._dead_lettered_streak < limit:
+            return
+        self.reader.ack(taken.dropped)  # as for SIGTERM: the admitted stay pending for the resume
+        reason = (newest_reason(self.plane.client, self.plane.keys) or "unknown")[:300]
+        raise EveryGroupRefused(
+            f"the reward workers dead-lettered the last {self._dead_lettered_streak} groups and none was trained "
+            f"(the newest: {reason}); a new group would fail the same way; a checkpoint is saved; fix what the "
+            "reason names, then start the learner with --resume latest"
+        )
 
     def admit(self, entry: ReplayEntry, version: int, in_batch: set[str], standing: Standing | None = None) -> str:
         """``ok`` or one of :data:`VERDICTS` for ``entry`` arriving while the learner is at ``version``; ``standing``:

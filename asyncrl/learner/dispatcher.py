@@ -2,7 +2,7 @@
 
 Admission control (:class:`asyncrl.common.staleness.StalenessBound`, the one staleness rule of a run)::
 
-    released_total = distinct groups ever released − groups counted lost − groups discarded
+    released_total = distinct groups ever released − groups counted lost, discarded or refused
     release(v)     releases max(0, capacity(v) − released_total) new groups
 
 A re-issue does not count again (same group id), a completed group keeps counting (admission counts
@@ -40,6 +40,7 @@ from asyncrl.common.observability.logs import get_logger
 from asyncrl.common.observability.metrics import (
     DISPATCHER_DUPLICATE_GROUPS,
     DISPATCHER_LOST_GROUPS,
+    DISPATCHER_REFUSED_GROUPS,
     DISPATCHER_REISSUED_GROUPS,
     DISPATCHER_RELEASED_GROUPS,
     DISPATCHER_SKIPPED_ROWS,
@@ -356,6 +357,23 @@ class Dispatcher:
         self.plane.prompts.retire_groups(known, {"released": -len(known), "discarded": len(known)}, completed=True)
         return len(known)
 
+    def retire_refused(self) -> int:
+        """Retire the groups the reward workers dead-lettered for good (``note_refused``): out of the
+        ledger at once, remembered as done (a late copy is not scored again) and no longer counted by admission, so
+        a replacement is released. Counted ``refused``. Returns how many were in flight."""
+        ids = self.plane.prompts.take_refused()
+        known = [g for g in dict.fromkeys(ids) if self.plane.prompts.has_group(g)]
+        if known:
+            self.plane.prompts.retire_groups(known, {"released": -len(known), "refused": len(known)}, completed=True)
+            DISPATCHER_REFUSED_GROUPS.inc(len(known))
+            log.warning(
+                "retired prompt groups the reward workers refused; releasing replacements",
+                groups=len(known),
+                first=known[0],
+                action="the reason of each is in the dead letters (rl-top; XRANGE of the run's dead stream)",
+            )
+        return len(known)
+
     def note_duplicate(self, group_id: str = "") -> None:
         """Count a group the learner dropped because it already trained that id."""
         self.plane.prompts.add_dispatch_counts({"duplicates": 1})
@@ -374,5 +392,6 @@ class Dispatcher:
             "completed_total": self.plane.prompts.completed_count(),
             "duplicates_total": counts.get("duplicates", 0),
             "discarded_total": counts.get("discarded", 0),
+            "refused_total": counts.get("refused", 0),
             "created_total": counts.get("created", 0),
         }

@@ -15,8 +15,9 @@ def group_ledger(plane: ControlPlane, groups_per_step: int) -> tuple[dict[str, i
 
     ``created = trained + discarded + lost + in_flight``; each step trained exactly ``groups_per_step`` groups (a group
     trained twice would leave its first step one short: ``short_steps``); ``discarded`` counts the groups completed
-    without training (too stale, zero variance, or trained after a checkpoint that a resume went back from and gone
-    from the stream); ``lost`` those issued, neither done nor in flight.
+    without training (too stale, zero variance, refused by a reward worker — also counted ``refused`` — or trained
+    after a checkpoint that a resume went back from and gone from the stream); ``lost`` those issued, neither done nor
+    in flight.
     """
     run = plane.keys.run
     trained = {g.decode(): int(s) for g, s in plane.client.hgetall(plane.keys.trained).items()}
@@ -38,14 +39,16 @@ def group_ledger(plane: ControlPlane, groups_per_step: int) -> tuple[dict[str, i
         "steps_trained": steps,
         "short_steps": len(short),
     }
-    figures |= {name: counts.get(name, 0) for name in ("reissued", "duplicates", "restore_retrained", "restore_lost")}
+    kept = ("reissued", "duplicates", "refused", "restore_retrained", "restore_lost")
+    figures |= {name: counts.get(name, 0) for name in kept}
     problems = []
     if short:
         problems.append(f"steps without exactly {groups_per_step} groups (a group trained twice, or missing): {short}")
     if not (set(trained) <= done <= issued and in_flight <= issued) or done & in_flight:
         problems.append("a trained, done or in-flight group the run never issued, or one both done and in flight")
-    if len(discarded) != counts.get("discarded", 0) + counts.get("restore_lost", 0):
-        problems.append(f"{len(discarded)} groups done untrained, counted {counts.get('discarded', 0)} discarded")
+    untrained = counts.get("discarded", 0) + counts.get("refused", 0) + counts.get("restore_lost", 0)
+    if len(discarded) != untrained:
+        problems.append(f"{len(discarded)} groups done untrained, counted {untrained} discarded or refused")
     if len(lost) != counts.get("lost", 0):
         problems.append(f"{len(lost)} groups neither done nor in flight, counted {counts.get('lost', 0)} lost")
     return figures, problems

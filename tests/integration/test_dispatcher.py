@@ -332,3 +332,22 @@ def test_a_discarded_group_is_replaced_and_its_twin_is_a_duplicate(redis_client)
     assert d.release(0) == 1
     stats = d.stats()
     assert (stats["released_total"], stats["discarded_total"], stats["in_flight"]) == (2, 1, 2)
+
+
+def test_a_refused_group_frees_its_slot_at_the_next_look_and_is_not_issued_again(redis_client) -> None:
+    """A reward worker's final refusal (``note_refused``) retires the group at the dispatcher's next poll — not at
+    its deadline, re-issued to be refused again — and admission releases a replacement; an id not in flight (already
+    trained, or never this run's) changes nothing."""
+    d = make_dispatcher(redis_client, make_config(max_staleness=0, groups_per_step=2))
+    assert d.release(0) == 2
+    refused = d.plane.prompts.take_prompt("a1", timeout_s=1).group_id
+    d.plane.prompts.note_refused(refused)
+    d.plane.prompts.note_refused("not-one-of-this-runs-groups")
+    before = metric("asyncrl_dispatcher_refused_groups_total")
+    assert d.retire_refused() == 1 and d.retire_refused() == 0  # taken once
+    assert not d.is_known(refused) and d.plane.prompts.was_completed(refused)  # a late copy is not scored again
+    assert metric("asyncrl_dispatcher_refused_groups_total") == before + 1
+    assert d.release(0) == 1  # released_total = 2 − 1 refused: a replacement
+    assert refused not in [g.group_id for g in drain(d.plane)]
+    stats = d.stats()
+    assert (stats["released_total"], stats["refused_total"], stats["in_flight"]) == (2, 1, 2)

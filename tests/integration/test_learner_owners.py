@@ -17,10 +17,11 @@ from asyncrl.common.observability.audit import Audit
 from asyncrl.common.observability.audit import flush as flush_audit
 from asyncrl.common.observability.audit_file import entry_line
 from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.dead_letters import dead_letter
 from asyncrl.common.plane.replay import ReplayWriter
 from asyncrl.common.wire.messages import Heartbeat
 from asyncrl.learner.algorithms.assembly import assemble
-from asyncrl.learner.batch_source import BatchSource, StepInterrupted
+from asyncrl.learner.batch_source import BatchSource, EveryGroupRefused, StepInterrupted
 from asyncrl.learner.broadcaster import Broadcaster
 from asyncrl.learner.checkpoint_format import open_checkpoint
 from asyncrl.learner.checkpoint_history import complete_checkpoints
@@ -77,6 +78,28 @@ def test_batch_source_admits_answers_and_judges_the_rest(redis_client, tmp_path,
     source.settle(1, taken)
     assert source.trained.trained_steps() == {first.group_id: 1, second.group_id: 1}
     assert plane.prompts.ledger() == {} and source.reader.depth()["pending"] == 0  # no periodic checkpoints: acked now
+
+
+def test_a_run_whose_every_group_is_dead_lettered_stops_naming_the_newest_reason(
+    redis_client, tmp_path, tiny_model_dir, tokenizer
+) -> None:
+    """Reward workers that dead-letter every group (an environment that cannot be replayed): each group's slot is
+    freed at the next look and a replacement released, and after four batches' worth in a row, none trained, the
+    learner stops with the reason instead of waiting for a batch that never comes."""
+    config = run_config(tmp_path, tiny_model_dir)
+    plane = ControlPlane(redis_client, "owners")
+    source = BatchSource(config, plane, tokenizer, newest_version=0)
+    seen: set[str] = set()
+
+    def reward_workers_refuse_every_group() -> None:
+        for group_id in set(plane.prompts.ledger()) - seen:
+            seen.add(group_id)
+            dead_letter(redis_client, plane.keys, "reward", "refused: an environment turn differs from its replay", b"")
+            plane.prompts.note_refused(group_id)
+
+    with pytest.raises(EveryGroupRefused, match=r"dead-lettered the last 8 groups .*environment turn differs"):
+        source.take(0, threading.Event(), on_wait=reward_workers_refuse_every_group)
+    assert len(seen) == 8 and plane.prompts.dispatch_counts()["refused"] == 8  # 4 batches of 2, each one replaced
 
 
 def test_batch_source_drops_stale_groups_and_stops_when_asked(redis_client, tmp_path, tiny_model_dir, tokenizer):

@@ -119,6 +119,8 @@ def test_a_timing_out_function_is_retried_then_dead_lettered_while_others_are_sc
         assert f"reward function '{STALL}'" in reason and "failed 3 attempt(s)" in reason
         assert "timed out after 1.5 s" in reason
         assert decode_blob(Decoder(RolloutGroup), fields[b"payload"]).group_id == "stall-1"
+        # both final: the learner's dispatcher retires them at its next look instead of at their deadline
+        assert ControlPlane(redis_client, run).prompts.take_refused() == ["stall-1", "forged-1"]
         beat = wait_for(lambda: heartbeat(redis_client, run, "rw-1", state="ready"), proc, log, "ready again")
         assert metric(beat, "asyncrl_reward_timed_out_calls_total") == 3
         assert metric(beat, "asyncrl_reward_dead_lettered_groups_total") == 2
@@ -294,6 +296,7 @@ def test_only_groups_that_answer_an_issue_record_in_flight_are_scored(redis_serv
             assert expected.strip() in reason
         assert metric(heartbeat(redis_client, run, "rw-1"), "asyncrl_reward_refused_groups_total") == len(forged)
         assert plane.prompts.has_group("g-real")  # the real group behind the hijacked id is still in flight
+        assert plane.prompts.take_refused() == []  # and nothing asks the learner to retire it
         stop(proc, log)
 
 

@@ -112,6 +112,10 @@ DISPATCHER_LOST_GROUPS = Counter(
     "asyncrl_dispatcher_lost_groups_total",
     "Prompt groups given up on after missing the deadline (or losing their actor) once more after re-issue.",
 )
+DISPATCHER_REFUSED_GROUPS = Counter(
+    "asyncrl_dispatcher_refused_groups_total",
+    "Prompt groups retired because a reward worker refused or dead-lettered them for good (a replacement is released).",
+)
 DISPATCHER_DUPLICATE_GROUPS = Counter(
     "asyncrl_dispatcher_duplicate_groups_total",
     "Scored groups the learner dropped because the same group id was already trained (a re-issued group's twin).",

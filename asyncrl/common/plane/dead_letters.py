@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.common.observability.audit import dead_lettered
+from asyncrl.common.plane import replies
 from asyncrl.common.plane.keys import RunKeys
 from asyncrl.common.wire.messages import WireError, pack_frames
 
@@ -53,6 +54,12 @@ def dead_letters(client: redis.Redis, keys: RunKeys, letters: Sequence[tuple[str
     pipe.execute()
     for source, reason, payload in letters:
         dead_lettered(client, keys.run, source, clipped_reason(reason), len(payload))
+
+
+def newest_reason(client: redis.Redis, keys: RunKeys) -> str | None:
+    """The reason of the newest dead letter of the run, or None when there is none."""
+    newest = replies.stream_range(client.xrevrange(keys.dead, count=1))
+    return newest[0][1].get(b"reason", b"").decode(errors="replace") if newest else None
 
 
 def letter_fields(source: str, reason: str, payload: bytes, at: str) -> dict[FieldT, EncodableT]:

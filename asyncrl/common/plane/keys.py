@@ -117,6 +117,12 @@ class RunKeys:
         return self._k("dead")
 
     @property
+    def refused(self) -> str:
+        """List of the ids of groups the reward workers dead-lettered for good, for the learner's
+        dispatcher to retire at once (``learner/dispatcher.py: retire_refused``)."""
+        return self._k("refused")
+
+    @property
     def groups(self) -> str:
         """Hash: group id → encoded :class:`PromptGroup` of every issued group not yet completed or lost."""
         return self._k("groups")

@@ -34,6 +34,9 @@ if TYPE_CHECKING:
     from asyncrl.common.plane.keys import RunKeys
 
 log = get_logger("control")
+REFUSED_KEPT = 100_000
+"""Refused group ids kept for the dispatcher at most (it takes them every poll; a learner down for long drops the
+oldest, which their deadline still retires)."""
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,20 @@ class PromptLedger:
         }
         if mapping:
             self.client.hset(self.keys.inflight, mapping=mapping)
+
+    def note_refused(self, group_id: str) -> None:
+        """A reward worker dead-lettered the group for good: the dispatcher retires it at its next look,
+        instead of holding its slot until ``learner.group_deadline_s`` and re-issuing it to be refused again. The list
+        keeps the newest :data:`REFUSED_KEPT` ids (a flood of refusals cannot grow it without bound)."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.rpush(self.keys.refused, group_id)
+        pipe.ltrim(self.keys.refused, -REFUSED_KEPT, -1)
+        pipe.execute()
+
+    def take_refused(self, limit: int = REFUSED_KEPT) -> list[str]:
+        """Up to ``limit`` refused ids, oldest first, removed from the list."""
+        taken = replies.maybe_blobs(self.client.lpop(self.keys.refused, limit) or [])  # pyright: ignore[reportArgumentType]
+        return [g.decode() for g in taken if g is not None]
 
     def pushed(self, group_id: str, actor: str, worker: str) -> bool:
         """``actor`` pushed the group to reward ``worker``: both hold it now (:class:`LedgerEntry`). Nothing changes
