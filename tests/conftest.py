@@ -62,7 +62,8 @@ def tier_of(item: pytest.Item) -> str:
 SHARED_CORES = {
     # a redis-server or ZeroMQ sockets only
     "test_accounting.py", "test_audit.py", "test_channel.py", "test_control.py", "test_dead_letters.py",
-    "test_dispatcher.py", "test_metrics_endpoints.py", "test_metrics_loopback.py", "test_replay.py",
+    "test_dispatcher.py", "test_faulted_groups.py", "test_metrics_endpoints.py", "test_metrics_loopback.py",
+    "test_replay.py",
     # short command-line runs that exit before any engine, model or sandbox starts
     "test_check_data.py", "test_children.py", "test_cli.py", "test_preflight_cli.py", "test_run_file_modes.py",
     "test_task_file_refused.py", "test_top.py", "test_config_bounds.py", "test_k8s.py",

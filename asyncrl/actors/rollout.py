@@ -34,6 +34,7 @@ import redis.exceptions
 from asyncrl.actors import liveness
 from asyncrl.actors.environment_service import serves_environments
 from asyncrl.actors.episodes import use_remote_environments
+from asyncrl.actors.faults import faulted_episodes, settle_faulted
 from asyncrl.actors.remote_environments import RemoteEnvironments
 from asyncrl.actors.reward_peers import PeerDiscovery, RewardPeers
 from asyncrl.actors.weights_follower import WeightsFollower
@@ -219,6 +220,10 @@ class RolloutActor:
         # Finished work is delivered even during shutdown: it leaves _running first, so it is not also returned.
         self._running.pop(request_id, None)
         self._count(rollout)
+        if faulted := faulted_episodes(rollout):  # an environment fault is never trained (actors/faults.py)
+            attempts = self.config.environment.fault_attempts
+            await asyncio.to_thread(settle_faulted, self.plane, group, faulted, attempts)
+            return
         try:
             worker = await self._on_sender(self.push.send, rollout)
         except ChannelBlocked as exc:

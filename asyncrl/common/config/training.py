@@ -369,6 +369,8 @@ class EnvironmentSection(Section):
     """Tokens after the prompt (model and environment turns together) per episode at most; 0 = up to ``model.max_model_len``."""  # noqa: E501
     step_timeout_s: float = Field(default=10.0, gt=0, le=WEEK_S)
     """Time limit of one environment step; a step past it ends its episode as an error."""
+    fault_attempts: Int = Field(default=3, ge=1, le=100)
+    """Times a group is generated when an environment fault (a step that raised, hung past ``step_timeout_s`` or returned nothing usable; the environment's process died) ends one of its episodes: such a group is never trained, it is generated again from the start; after this many it is dead-lettered."""  # noqa: E501
     episode_timeout_s: float = Field(default=0.0, ge=0, le=WEEK_S)
     """Time limit of one episode, checked before each model turn (0 = none); an episode past it ends there."""
     isolation: Literal["process", "workers", "thread"] = "process"

@@ -146,6 +146,12 @@ ACTOR_EPISODE_TURNS = Histogram(
     "Model turns per multi-turn episode on a rollout actor.",
     buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
 )
+ACTOR_FAULTED_GROUPS = Counter(
+    "asyncrl_actor_faulted_groups_total",
+    "Groups an environment fault ended an episode of, never trained: generated again (retried) or, past "
+    "environment.fault_attempts, dead-lettered.",
+    ["outcome"],
+)
 ACTOR_EPISODE_ENDINGS = Counter(
     "asyncrl_actor_episode_endings_total",
     "Multi-turn episodes ended on a rollout actor, by how: done, stopped (the model ended the conversation), "

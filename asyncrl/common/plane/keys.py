@@ -123,6 +123,11 @@ class RunKeys:
         return self._k("refused")
 
     @property
+    def faults(self) -> str:
+        """Hash: group id → how many times an environment fault ended one of its episodes (``fault_attempts``)."""
+        return self._k("faults")
+
+    @property
     def groups(self) -> str:
         """Hash: group id → encoded :class:`PromptGroup` of every issued group not yet completed or lost."""
         return self._k("groups")

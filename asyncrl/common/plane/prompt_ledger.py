@@ -173,6 +173,10 @@ class PromptLedger:
         taken = replies.maybe_blobs(self.client.lpop(self.keys.refused, limit) or [])  # pyright: ignore[reportArgumentType]
         return [g.decode() for g in taken if g is not None]
 
+    def note_fault(self, group_id: str) -> int:
+        """An environment fault ended an episode of the group; how many times that has happened to it so far."""
+        return int(self.client.hincrby(self.keys.faults, group_id, 1))
+
     def pushed(self, group_id: str, actor: str, worker: str) -> bool:
         """``actor`` pushed the group to reward ``worker``: both hold it now (:class:`LedgerEntry`). Nothing changes
         when ``actor`` no longer holds it (``worker`` already received it, or it was re-issued meanwhile)."""
@@ -308,6 +312,7 @@ class PromptLedger:
         pipe = self.client.pipeline(transaction=True)
         pipe.hdel(self.keys.inflight, *ids)
         pipe.hdel(self.keys.groups, *ids)
+        pipe.hdel(self.keys.faults, *ids)
         for blob in queued:  # a re-issued copy nobody took yet would be wasted work
             _unqueue(pipe, self.keys.prompts, blob)
         if completed:
