@@ -87,17 +87,23 @@ the run (:class:`EveryGroupRefused`)."""
 
 WATCHED_KINDS = {"actor": "rollout actor", "reward": "reward worker"}
 """The kinds of process without which no batch can be made, and how the message names them."""
+FIRST_SIGHT_S = 120.0
+"""Before any rollout actor has been seen, the learner waits at least this long for the first: an actor heartbeats
+once its imports are done (vLLM's take tens of seconds on a loaded machine), and ``learner.no_actors_s`` is about
+processes that are gone, not ones still starting. Reward workers, quick to start, get no such grace."""
 
 
 class ActorWatch:
     """Raises :class:`NoActorsLeft` from :meth:`check` once no process of a kind in :data:`WATCHED_KINDS` (rollout
     actors, reward workers) has been alive for ``limit_s`` (0: never). A process counts from its first heartbeat (an
     actor while its engine still starts); each kind's clock starts at the first look that finds none of it, so a
-    learner started before its actors waits ``limit_s`` for the first. Reads the registry at most once a second."""
+    learner started before its actors waits for the first: ``limit_s``, and for an actor at least
+    :data:`FIRST_SIGHT_S`. Reads the registry at most once a second."""
 
     def __init__(self, registry, limit_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.registry, self.limit_s, self.clock = registry, limit_s, clock
         self.none_since: dict[str, float] = {}
+        self.seen: set[str] = set()  # kinds of which a process has been alive at some look
         self._next_look = 0.0
 
     def check(self) -> None:
@@ -110,11 +116,13 @@ class ActorWatch:
         for kind, called in WATCHED_KINDS.items():
             if kind in alive:
                 self.none_since.pop(kind, None)
+                self.seen.add(kind)
                 continue
             since = self.none_since.setdefault(kind, now)
-            if now - since > self.limit_s:
+            limit = self.limit_s if kind in self.seen or kind != "actor" else max(self.limit_s, FIRST_SIGHT_S)
+            if now - since > limit:
                 raise NoActorsLeft(
-                    f"no {called} alive for {self.limit_s:g}s (learner.no_actors_s): every {called} of the run is "
+                    f"no {called} alive for {limit:g}s (learner.no_actors_s): every {called} of the run is "
                     f"gone or none started; a checkpoint is saved; start {called}s, then the learner with "
                     "--resume latest"
                 )

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.common.wire.messages import Heartbeat
-from asyncrl.learner.batch_source import ActorWatch, NoActorsLeft
+from asyncrl.learner.batch_source import FIRST_SIGHT_S, ActorWatch, NoActorsLeft
 from asyncrl.learner.children import root_cause, why_it_failed
 
 
@@ -51,6 +51,31 @@ def test_no_actor_for_the_limit_stops_the_run_and_one_in_time_resets_the_clock()
     clock.now += 2.5
     with pytest.raises(NoActorsLeft, match=r"learner.no_actors_s"):
         watch.check()
+
+
+def test_before_the_first_process_of_a_kind_the_learner_waits_at_least_the_first_sight_grace() -> None:
+    """A short ``no_actors_s`` is about processes that are gone: actors still importing vLLM when the learner starts
+    have ``FIRST_SIGHT_S`` to show up; once one was seen, the short limit applies. Reward workers get no grace."""
+    registry, clock = Registry(), Clock()
+    watch = ActorWatch(registry, limit_s=5, clock=clock)
+    registry.live = [Heartbeat(process_id="reward-0", kind="reward", state="ready")]
+    watch.check()
+    clock.now += FIRST_SIGHT_S - 1
+    watch.check()  # no actor yet, but still within the grace
+    registry.live = [*registry.live, actor()]
+    clock.now += 1.0
+    watch.check()
+    registry.live = registry.live[:1]  # the actor is gone
+    clock.now += 1.0
+    watch.check()
+    clock.now += 5.5
+    with pytest.raises(NoActorsLeft, match=r"no rollout actor alive for 5s"):
+        watch.check()
+    never = ActorWatch(Registry(), limit_s=5, clock=clock)
+    never.check()
+    clock.now += 6.0
+    with pytest.raises(NoActorsLeft, match=r"no reward worker alive for 5s"):
+        never.check()
 
 
 def test_no_reward_worker_for_the_limit_stops_the_run_too() -> None:

@@ -277,8 +277,8 @@ class LearnerSection(Section):
     """Longest wait for one training batch before the learner stops with an error (actors or reward workers gone)."""
     no_actors_s: float = Field(default=300.0, ge=0, le=WEEK_S)
     """How long the learner waits with no rollout actor alive, or no reward worker (all gone, or none started; an
-    actor whose engine is still starting counts), before it saves a checkpoint and exits 3; 0 = no such limit
-    (``wait_for_batch_s`` applies)."""
+    actor whose engine is still starting counts; before the first actor, at least 120 s), before it saves a
+    checkpoint and exits 3; 0 = no such limit (``wait_for_batch_s`` applies)."""
     max_minutes: float | None = Field(default=None, gt=0, le=366 * 24 * 60)
     """Wall-clock budget: this many minutes after it started, the learner stops after the step in progress (a wait
     for a batch ends at once), saves a checkpoint (reason ``max_minutes``) and exits 0; unset = no budget."""
