@@ -218,6 +218,17 @@ def init_model_command(
             "warm-started on calculator episodes (configs/agent.toml)."
         ),
     ] = "task",
+    shape: Annotated[
+        str | None,
+        typer.Option(
+            help="A published architecture with random weights, for systems work (sizing, benchmarks), never for "
+            "learning: qwen2.5-0.5b, qwen2.5-1.5b or llama-3.2-1b (its vocabulary, widths, depth and chat template)."
+        ),
+    ] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option(help="With --shape: the weights' precision on disk, float32 or bfloat16 (default: model.dtype)."),
+    ] = None,
     threads: Annotated[int, typer.Option(min=1, help="CPU threads of the warm start.")] = 1,
     hidden: Annotated[int | None, typer.Option(min=16, help="Hidden size (default: the kind's, 128).")] = None,
     layers: Annotated[int | None, typer.Option(min=1, help="Decoder layers (default: the kind's, 2 or 4).")] = None,
@@ -226,7 +237,9 @@ def init_model_command(
 ) -> None:
     """Write the tiny Llama checkpoint the config names (model.path): character tokenizer, seeded weights,
     optionally a short supervised warm start on the config's task so that RL starts from partial skill. With
-    --kind agent: a tool-chat model warm-started on calculator episodes over the task's prompts (configs/agent.toml)."""
+    --kind agent: a tool-chat model warm-started on calculator episodes over the task's prompts (configs/agent.toml).
+    With --shape: a published architecture (vocabulary, widths, depth or --layers, chat template) with random weights,
+    to size and benchmark a run at the size users train — it learns nothing a test could read."""
     import random
 
     from asyncrl.common.cliutil import fail, load
@@ -236,6 +249,8 @@ def init_model_command(
 
     if kind not in MODEL_KINDS:
         fail(f"--kind must be one of {', '.join(MODEL_KINDS)}, got {kind!r}")
+    if dtype not in (None, "float32", "bfloat16"):
+        fail(f"--dtype must be float32 or bfloat16, got {dtype!r}")
     if hidden is not None and hidden % 8:
         fail(f"--hidden must be a multiple of 8 (4 attention heads of an even size for rotary positions), got {hidden}")
     resolved = load(config, set_, check=check_config)
@@ -243,11 +258,14 @@ def init_model_command(
     if (out / "config.json").exists() and not force:
         typer.echo(f"{out} exists; keeping it (--force to overwrite)", err=True)
         return
+    if shape is not None:
+        _init_shaped(out, shape, dtype or resolved.model.dtype, layers, resolved.run.seed, refused=(hidden, warm_steps))
+        return
     make, warm = MODEL_KINDS[kind]()
-    shape = {key: value for key, value in (("hidden", hidden), ("layers", layers)) if value is not None}
-    if "hidden" in shape:  # Llama's usual proportions: 4 heads of hidden/4, an MLP twice as wide
-        shape |= {"intermediate": 2 * shape["hidden"]}
-    folder = make(out, seed=resolved.run.seed, **shape)
+    widths = {key: value for key, value in (("hidden", hidden), ("layers", layers)) if value is not None}
+    if "hidden" in widths:  # Llama's usual proportions: 4 heads of hidden/4, an MLP twice as wide
+        widths |= {"intermediate": 2 * widths["hidden"]}
+    folder = make(out, seed=resolved.run.seed, **widths)
     if warm_steps:
         task, rng = get_task(resolved.task.name, **resolved.task.options), random.Random(resolved.run.seed + 1)
         pairs = [(e.prompt, e.answer) for e in (task.sample(rng) for _ in range(examples))]
@@ -257,6 +275,25 @@ def init_model_command(
             f"warm start: loss {figures['loss_first']:.3f} -> {figures['loss_last']:.3f} in {figures['seconds']:.1f}s",
             err=True,
         )
+    typer.echo(f"wrote {folder} (sha256 {model_fingerprint(folder)[:16]})", err=True)
+
+
+def _init_shaped(out: Path, shape: str, dtype: str, layers: int | None, seed: int, refused: tuple) -> None:
+    """``init-model --shape``: the published architecture ``shape`` at ``layers`` deep (default: its own)."""
+    from asyncrl.common.cliutil import fail
+    from asyncrl.common.tiny_models.character import model_fingerprint
+    from asyncrl.common.tiny_models.shapes import SHAPES, init_shaped_model
+
+    if shape not in SHAPES:
+        fail(f"--shape must be one of {', '.join(SHAPES)}, got {shape!r}")
+    if refused[0] is not None or refused[1]:
+        fail(
+            "--shape sets the widths and is never warm-started (random weights, for systems work): drop --hidden "
+            "and --warm-steps, or leave out --shape"
+        )
+    size = SHAPES[shape].parameters(layers)
+    typer.echo(f"writing {shape} ({size / 1e6:,.0f} M parameters, {dtype}) to {out}", err=True)
+    folder = init_shaped_model(out, shape, dtype=dtype, layers=layers, seed=seed)
     typer.echo(f"wrote {folder} (sha256 {model_fingerprint(folder)[:16]})", err=True)
 
 

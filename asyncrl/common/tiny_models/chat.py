@@ -19,11 +19,18 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PretrainedConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
 
 from asyncrl.common.tiny_models.character import IGNORE_INDEX, Row, _save_tokenizer, _seeded, warm_start_rows
 
@@ -59,14 +66,8 @@ def corpus(n: int = 3000, seed: int = 0) -> list[str]:
     return lines
 
 
-def build_bpe_tokenizer(arch: Architecture, *, vocab_size: int = 512, seed: int = 0) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer trained on :func:`corpus`, with the special tokens and template of ``arch``.
-
-    Byte-level: every string encodes (no unknown token), and decoding a whole response gives its text back; but
-    decoding a token *prefix* and re-encoding it need not give the same ids — why ids, never text, travel to the
-    learner.
-    """
-    specials = [END_OF_TEXT, IM_START, IM_END] + ([BOS, PAD] if arch == "llama" else [])
+def trained_bpe(specials: list[str], *, vocab_size: int, seed: int) -> Tokenizer:
+    """A byte-level BPE model with ``specials`` first (ids 0, 1, …), trained on :func:`corpus` up to ``vocab_size``."""
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
@@ -77,6 +78,18 @@ def build_bpe_tokenizer(arch: Architecture, *, vocab_size: int = 512, seed: int 
         show_progress=False,
     )
     backend.train_from_iterator(corpus(seed=seed), trainer)
+    return backend
+
+
+def build_bpe_tokenizer(arch: Architecture, *, vocab_size: int = 512, seed: int = 0) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on :func:`corpus`, with the special tokens and template of ``arch``.
+
+    Byte-level: every string encodes (no unknown token), and decoding a whole response gives its text back; but
+    decoding a token *prefix* and re-encoding it need not give the same ids — why ids, never text, travel to the
+    learner.
+    """
+    specials = [END_OF_TEXT, IM_START, IM_END] + ([BOS, PAD] if arch == "llama" else [])
+    backend = trained_bpe(specials, vocab_size=vocab_size, seed=seed)
     if arch == "llama":  # plain text gets BOS from the tokenizer; the chat template writes its own
         bos = backend.token_to_id(BOS)
         backend.post_processor = processors.TemplateProcessing(
@@ -124,7 +137,7 @@ def init_chat_model(
         padded_vocab = len(tokenizer) if arch == "llama" else (len(tokenizer) // 64 + 2) * 64
     if padded_vocab < len(tokenizer):
         raise ValueError(f"padded_vocab {padded_vocab} is below the tokenizer's {len(tokenizer)} tokens")
-    eos = [tokenizer.eos_token_id]
+    eos = [cast(int, tokenizer.eos_token_id)]
     shape = {
         "vocab_size": padded_vocab,
         "hidden_size": hidden,
@@ -145,9 +158,23 @@ def init_chat_model(
 
         config = Qwen2Config(num_key_value_heads=max(1, heads // 2), tie_word_embeddings=True, **shape)
         model_class = Qwen2ForCausalLM
+    return save_chat_model(out, config, model_class, tokenizer, eos=eos, seed=seed)
+
+
+def save_chat_model(
+    out: Path,
+    config: PretrainedConfig,
+    model_class: type,
+    tokenizer: PreTrainedTokenizerFast,
+    *,
+    eos: list[int],
+    seed: int,
+) -> Path:
+    """Write ``model_class(config)`` with weights drawn from ``seed``, in the config's dtype, and the tokenizer with
+    its chat template; generation stops on ``eos``. Returns ``out``."""
     with _seeded(seed):
         model = model_class(config)
-    model.to(getattr(torch, dtype))
+    model.to(getattr(torch, str(config.dtype).removeprefix("torch.")))
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id
     )
