@@ -96,3 +96,16 @@ def test_a_steps_figures_do_not_move_with_the_micro_batch_size(tiny_model_dir: P
     )
     for name in names:
         assert cut[name] == pytest.approx(whole[name], rel=1e-4), name
+
+
+def test_the_mismatch_is_measured_when_mu_stands_in_for_pi_old(tiny_model_dir: Path, tmp_path) -> None:
+    """With ``staleness.correction = "none"`` the loss reads μ as π_old, so its own ratio sees no mismatch; the step
+    still reports KL(μ ‖ π_old) from its forward — the same figure the correcting run reports on the same batch."""
+    figures = {}
+    for correction in ("none", "truncate"):
+        config = run_config(str(tiny_model_dir), tmp_path / correction, zero_stage=0)
+        config = config.model_copy(update={"staleness": config.staleness.model_copy(update={"correction": correction})})
+        update = PolicyUpdate(config, assemble(config), pad_token_id=0)
+        figures[correction] = update.train(update.collate(groups(1)))["offpolicy/mismatch_kl"]
+    assert figures["none"] > 0.1  # μ is random in these groups
+    assert figures["none"] == pytest.approx(figures["truncate"], rel=1e-4)

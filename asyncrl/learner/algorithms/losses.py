@@ -283,7 +283,7 @@ def importance_weights(inp: LossInput, settings: OffPolicySettings) -> tuple[Ten
     """
     mask = inp.response_mask
     log_w = token_log_weights(inp)
-    metrics = {"offpolicy/mismatch_kl": masked_mean(_k3(log_w), mask)}
+    metrics = {"offpolicy/mismatch_kl": mismatch_kl(inp.old_logprobs, inp.behaviour_logprobs, mask)}
     dropped = guarded_sequences(log_w, mask, settings)
     if settings.level == "sequence":
         log_w = log_w.sum(dim=-1, keepdim=True).expand_as(log_w)
@@ -303,6 +303,13 @@ def importance_weights(inp: LossInput, settings: OffPolicySettings) -> tuple[Ten
     metrics["offpolicy/weight_max"] = masked_max(raw, mask)
     metrics["offpolicy/corrected_frac"] = masked_mean(corrected.float(), mask)
     return weight, metrics
+
+
+def mismatch_kl(logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """KL(μ ‖ π) over the response tokens: the mean k3 estimate of log π − log μ (tokens sampled from μ, so
+    unbiased). With π = π_old it is the gap between how the actors sample and how the learner computes the same
+    policy (kernels, precision, staleness)."""
+    return masked_mean(_k3(zero_masked(logprobs.detach() - behaviour_logprobs.detach(), mask)), mask)
 
 
 def token_log_weights(inp: LossInput) -> Tensor:
