@@ -1,5 +1,5 @@
 """The learner's memory figures in each row (learner/resources.py): resident bytes always, the growth once two
-minutes of steps are in the ten-minute window, fitted over that window only."""
+minutes and eight steps are in the ten-minute window, fitted over that window only."""
 
 from __future__ import annotations
 
@@ -8,12 +8,15 @@ import pytest
 from asyncrl.learner.resources import MemoryTrend
 
 
-def test_the_growth_is_the_slope_over_the_window_once_it_spans_two_minutes() -> None:
+def test_the_growth_is_the_slope_over_the_window_once_it_spans_two_minutes_and_eight_steps() -> None:
     trend = MemoryTrend()
     assert set(trend.figures(0.0, 1e9)) == {"resources/rss_bytes"}
     assert "resources/rss_growth_bytes_per_h" not in trend.figures(60.0, 1e9 + 1e6)
-    figures = trend.figures(120.0, 1e9 + 2e6)  # 1 MB a minute
-    assert figures["resources/rss_bytes"] == 1e9 + 2e6
+    assert "resources/rss_growth_bytes_per_h" not in trend.figures(120.0, 1e9 + 2e6)  # three steps: no trend yet
+    for second in range(130, 170, 10):
+        assert "resources/rss_growth_bytes_per_h" not in trend.figures(float(second), 1e9 + second / 60 * 1e6)
+    figures = trend.figures(180.0, 1e9 + 3e6)  # the eighth step; 1 MB a minute
+    assert figures["resources/rss_bytes"] == 1e9 + 3e6
     assert figures["resources/rss_growth_bytes_per_h"] == pytest.approx(60e6)
     for minute in range(3, 30):  # flat from here on: the first minutes leave the window
         figures = trend.figures(60.0 * minute, 1e9 + 2e6)
