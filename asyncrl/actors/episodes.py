@@ -73,14 +73,15 @@ class EpisodeMismatch(ValueError):
 
 ENVIRONMENT_ERROR = "environment_error"
 FINISH_REASONS = {
-    "max_turns": "length",
+    "max_turns": "max_turns",
     "max_tokens": "length",
-    "deadline": "length",
+    "deadline": "deadline",
     ENVIRONMENT_ERROR: ENVIRONMENT_ERROR,
 }
-"""An episode's finish reason by its ending (``stop`` otherwise): ``length`` when a limit cut it, and
-``environment_error`` when its environment failed — which the replay must know to tell that failure (score 0) from
-one of its own (retried)."""
+"""An episode's finish reason by its ending (``stop`` otherwise: the environment said done, or the model ended its
+turn without a call): ``length`` when the token limit cut it (as a single-turn response's), ``max_turns`` at
+``environment.max_turns``, ``deadline`` past ``environment.episode_timeout_s``, and ``environment_error`` when its
+environment failed — which the replay must know to tell that failure (score 0) from one of its own (retried)."""
 
 
 def episode_row(group: PromptGroup | RolloutGroup, index: int) -> EpisodeRow:

@@ -32,6 +32,7 @@ def settle_faulted(plane: ControlPlane, group: PromptGroup, faulted: int, attemp
     """Give ``group`` back to be generated again, or dead-letter it once faults ended it ``attempts`` times; which
     (``retried`` or ``dead_lettered``)."""
     seen = plane.prompts.note_fault(group.group_id)
+    plane.prompts.add_dispatch_counts({"faulted_groups": 1, "faulted_episodes": faulted})  # metrics.jsonl's per step
     if seen < attempts:
         plane.prompts.return_prompts([group])
         outcome = "retried"

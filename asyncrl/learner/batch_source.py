@@ -138,6 +138,8 @@ class Taken:
     verdicts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(VERDICTS, 0))
     waited_s: float = 0.0
     """Seconds spent waiting for the batch: the learner's idle time in this step."""
+    faulted_episodes: int = 0
+    """Episodes an environment fault ended since the last batch (their groups generated again: ``actors/faults.py``)."""
     issued_at: dict[str, float] = field(default_factory=dict)
     """When each admitted group was issued (wall clock), from its issue record: the start of its timeline."""
     complete_at: float = 0.0
@@ -173,6 +175,7 @@ class BatchSource:
         self.evaluation = EvalRounds(config, plane, prompter, self.reader) if config.eval.every else None
         """The run's eval rounds (``learner/evaluation.py``); eval entries go there before admission."""
         self.trained = TrainedLog(plane, self.reader, defer_acks=config.checkpoint.every > 0)
+        self._faulted_total = self._faulted_episodes_total()  # counted on from the learner's start (or resume)
         self.actors = ActorWatch(plane.registry, config.learner.no_actors_s)
         self.newest_version = newest_version
         """The newest version any actor can hold; a token stamped above it was not sampled by this run's weights."""
@@ -230,8 +233,19 @@ class BatchSource:
             candidates = []
         taken.waited_s = time.perf_counter() - started
         taken.complete_at = time.time()
+        taken.faulted_episodes = self._faulted_since_last()
         self._close_eval_rounds()
         return taken
+
+    def _faulted_episodes_total(self) -> int:
+        """Episodes the actors of the run counted as ended by an environment fault (a counter in Redis)."""
+        return self.plane.prompts.dispatch_counts().get("faulted_episodes", 0)
+
+    def _faulted_since_last(self) -> int:
+        """Episodes an environment fault ended since the last call (or the learner's start)."""
+        total = self._faulted_episodes_total()
+        since, self._faulted_total = total - self._faulted_total, total
+        return since
 
     # ------------------------------------------------------------------ evaluation
 

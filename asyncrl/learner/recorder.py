@@ -28,7 +28,7 @@ import numpy as np
 
 from asyncrl.common.config import RunConfig
 from asyncrl.common.environments.tool_calls import parse_tool_calls
-from asyncrl.common.environments.turns import segments
+from asyncrl.common.environments.turns import EPISODE_FINISH_REASONS, segments
 from asyncrl.common.observability.audit import Audit
 from asyncrl.common.observability.audit_file import AuditMirror
 from asyncrl.common.observability.gpu import gpu_figures
@@ -215,6 +215,7 @@ def rollout_figures(version: int, taken: Taken, batch: TrainBatch) -> dict[str, 
         "generate_s_mean": sum(generate) / len(generate),
         **length_figures(taken),
         **episode_figures(taken),
+        **ending_figures(taken),
     }
 
 
@@ -292,8 +293,13 @@ def length_figures(taken: Taken) -> dict[str, float]:
         "prompt_tokens_mean": float(prompts.mean()),
         "prompt_tokens_max": float(prompts.max()),
     }
-    turns = [end - start for r in episode_rollouts(taken) for i in range(r.num_samples)
-             for start, end, trained in segments(r.trained(i)) if trained]
+    turns = [
+        end - start
+        for r in episode_rollouts(taken)
+        for i in range(r.num_samples)
+        for start, end, trained in segments(r.trained(i))
+        if trained
+    ]
     if turns:
         figures |= {"turn_tokens_mean": float(np.mean(turns)), "turn_tokens_max": float(max(turns))}
     return figures
@@ -320,6 +326,20 @@ def episode_figures(taken: Taken) -> dict[str, float]:
         "episode_tokens_max": float(lengths.max()),
         "episode_sampled_frac": sampled / max(int(lengths.sum()), 1),
     }
+
+
+def ending_figures(taken: Taken) -> dict[str, float]:
+    """How the step's episodes ended: ``rollout/episode_endings/<reason>``, the share of its trained episodes with
+    each finish reason (:data:`~asyncrl.common.environments.turns.EPISODE_FINISH_REASONS`); and what environment
+    faults cost since the last step — ``rollout/faulted_episodes``, the episodes a fault ended (their groups generated
+    again, never trained), and ``rollout/env_error_frac``, their share of those and the trained ones."""
+    reasons = [reason for r in episode_rollouts(taken) for reason in r.finish_reasons]
+    if not reasons and not taken.faulted_episodes:
+        return {}
+    figures = {f"episode_endings/{name}": reasons.count(name) / max(len(reasons), 1) for name in EPISODE_FINISH_REASONS}
+    figures["faulted_episodes"] = float(taken.faulted_episodes)
+    figures["env_error_frac"] = taken.faulted_episodes / (taken.faulted_episodes + len(reasons))
+    return figures
 
 
 def tool_call_figures(taken: Taken, decode: Callable[[list[int]], str] | None) -> dict[str, float]:

@@ -169,6 +169,12 @@ def test_the_episodes_environments_ran_on_the_reward_worker(agent: AgentRun) -> 
         (agent.run_dir / "logs" / f"actor-{n}.log").read_text().count("generating it again, untrained") for n in (0, 1)
     )
     assert retried >= 1  # the hang ended episodes in flight: their groups were generated again
+    rows = step_rows(agent.run_dir)  # and each step says how its episodes ended, and what faults cost
+    assert sum(r["rollout/faulted_episodes"] for r in rows) >= 1
+    assert max(r["rollout/env_error_frac"] for r in rows) > 0
+    for row in rows:
+        endings = [row[f"rollout/episode_endings/{name}"] for name in ("stop", "length", "max_turns", "deadline")]
+        assert sum(endings) == pytest.approx(1.0), row
     assert [s for s in samples if len(s.get("turns", [])) == 3]  # a call, the worker's answer, the final answer
 
 

@@ -262,7 +262,7 @@ def test_an_environment_cannot_kill_trace_or_write_into_the_actor(how: str, fenc
     assert "ESCAPED" not in stderr, stderr[-2000:]
     assert result["attacked"] == "environment_error" and result["errors"] == 1.0, result
     assert result["restarts"] >= 1, result
-    assert result["fine"] == "length" and result["fine_turns"] == 7, result  # 4 model turns, 3 observations
+    assert result["fine"] == "max_turns" and result["fine_turns"] == 7, result  # 4 model turns, 3 observations
     assert victim_file.read_text() == "the actor's"
 
 

@@ -14,6 +14,7 @@ from asyncrl.common.plane.replay import ReplayEntry
 from asyncrl.common.wire.messages import ScoredGroup
 from asyncrl.learner.batch_source import Taken
 from asyncrl.learner.recorder import (
+    ending_figures,
     episode_figures,
     group_stage_seconds,
     group_timelines,
@@ -95,6 +96,10 @@ def test_an_episodes_row_shows_its_turns_and_the_step_its_turn_counts(tmp_path) 
     assert figures["episode_turns_mean"] == figures["episode_turns_max"] == 2.0
     assert figures["episode_tokens_max"] == int(rollout.lengths[0])
     assert 0 < figures["episode_sampled_frac"] < 1
+    endings = ending_figures(Taken(entries=[ReplayEntry("1-0", group)], faulted_episodes=3))
+    assert endings["episode_endings/stop"] == 1.0 and endings["episode_endings/max_turns"] == 0.0
+    assert (endings["faulted_episodes"], endings["env_error_frac"]) == (3.0, 0.75)  # 3 faulted, 1 trained
+    figures |= endings
     calls = tool_call_figures(Taken(entries=[ReplayEntry("1-0", group)]), tools.tokenizer.decode)
     assert calls == {"episode_tool_calls_mean": 1.0, "episode_malformed_calls_mean": 0.0}
     assert tool_call_figures(Taken(entries=[ReplayEntry("1-0", group)]), None) == {}
@@ -107,6 +112,7 @@ def test_an_episodes_row_shows_its_turns_and_the_step_its_turn_counts(tmp_path) 
     assert "in flight     3 (24 episodes)" in text
     assert "episodes: turns 2.0 (max 2)" in text and "sampled by the model" in text
     assert "tool calls 1.00 per episode (0.00 malformed)" in text
+    assert "ended by a limit 0% (tokens 0%, turns 0%, time 0%)   environment faults 3 episodes (75.0%" in text
 
 
 def test_a_steps_lengths_cover_every_response_its_truncations_and_its_prompts(tmp_path) -> None:

@@ -28,6 +28,12 @@ import numpy as np
 
 from asyncrl.common.data.prompts import turn_end_id
 
+EPISODE_FINISH_REASONS = ("stop", "length", "max_turns", "deadline")
+"""How a trained episode ended, as its finish reason says: ``stop`` (the environment said done, or the model ended its
+turn without a call: the model's choice), ``length`` (the token limit), ``max_turns`` (``environment.max_turns``),
+``deadline`` (``environment.episode_timeout_s``). An episode its environment's fault ended (``environment_error``) is
+never trained (``actors/faults.py``)."""
+
 Message = dict[str, str]
 _PROBE = "asyncrl-episode-probe"
 

@@ -142,7 +142,22 @@ def _episode_lines(s: dict[str, Any]) -> list[str]:
             f"({s['rollout/episode_malformed_calls_mean']:.2f} malformed)"
             if "rollout/episode_tool_calls_mean" in s
             else ""
-        )
+        ),
+        *_ending_lines(s),
+    ]
+
+
+def _ending_lines(s: dict[str, Any]) -> list[str]:
+    """How the last step's episodes ended where the model did not choose to (a limit cut them), and the episodes
+    environment faults ended (generated again, untrained)."""
+    if "rollout/episode_endings/stop" not in s:
+        return []
+    cut = {name: s.get(f"rollout/episode_endings/{name}", 0.0) for name in ("length", "max_turns", "deadline")}
+    return [
+        f"         ended by a limit {100 * (1 - s['rollout/episode_endings/stop']):.0f}% "
+        f"(tokens {100 * cut['length']:.0f}%, turns {100 * cut['max_turns']:.0f}%, "
+        f"time {100 * cut['deadline']:.0f}%)   environment faults {s['rollout/faulted_episodes']:.0f} episodes "
+        f"({100 * s['rollout/env_error_frac']:.1f}%, generated again)"
     ]
 
 
