@@ -204,8 +204,7 @@ class RolloutActor:
     async def _generate(self, group: PromptGroup, request_id: str) -> None:
         taken_at = time.time()  # wall clock, as the learner's issue time: the group's timeline spans hosts
         try:
-            if group.purpose == "eval":
-                await self._catch_up(group.issued_version)
+            await self._catch_up(await asyncio.to_thread(self._weights_for, group))
             turn = WorkflowContext.of(self.config, self.actor_id, request_id)
             rollout = await self.workflow(self.started_engine, group, turn)
             rollout = dataclasses.replace(rollout, timings={**rollout.timings, "taken_at": taken_at})
@@ -232,9 +231,18 @@ class RolloutActor:
             return
         await asyncio.to_thread(self.plane.prompts.pushed, group.group_id, self.actor_id, worker)
 
+    def _weights_for(self, group: PromptGroup) -> int:
+        """The weights ``group`` is generated with. An eval group evaluates the policy it was issued at; a training
+        group waits for the weights of its release when they are on their way (:meth:`StalenessBound.sampling_version`:
+        with ``weight_sync.overlap`` the learner releases version r's groups while it still sends r, and sampled with
+        r − 1 they would be dropped as stale)."""
+        if group.purpose == "eval":
+            return group.issued_version
+        return self.bound.sampling_version(group.issued_version, self.plane.run.sending())
+
     async def _catch_up(self, version: int) -> None:
-        """An eval group evaluates the policy it was issued at: wait for those weights (at most
-        ``weight_sync.timeout_s``; its tokens' versions say what it evaluated either way)."""
+        """Wait for weights of ``version`` at least (at most ``weight_sync.timeout_s``; the tokens' versions say what
+        generated them either way, and the learner judges them by those)."""
         deadline = time.monotonic() + self.config.weight_sync.timeout_s
         while self.weights.version < version and time.monotonic() < deadline and not self._stopping.is_set():
             await self._sleep(0.05)

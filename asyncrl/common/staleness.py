@@ -14,9 +14,14 @@ With ``s = max_staleness`` and ``G = groups_per_step`` (the staleness-bounded ad
     capacity(v)          = (s + v + 1) · G      groups released, not lost or discarded, while the learner is at v
     floor(v)             = v − s                the oldest token version a batch trained at v may hold
     may_generate(a, p)   = a ≥ p − s            an actor holding version a samples only while this holds
+    sampling_version(r, c) = min(r, c)          a group released at r waits for these weights (c: the newest sent)
 
 A group released at version v is among the first (s + v + 1)·G and, trained in release order, lands in a batch
-no later than step v + s: so ``floor`` is rarely hit, and ``s = 0`` is exactly synchronous on-policy training.
+no later than step v + s, whose floor is v: so it must be sampled with weights v or newer. The learner releases v's
+groups as soon as it starts sending v (with ``weight_sync.overlap`` the transfer runs beside the next step), so an
+actor still holding v − 1 waits for v before it samples such a group (``actors/rollout.py``: ``_weights_for``) —
+otherwise a large model, whose transfer takes seconds, has its actors fill the queue with groups the learner then
+drops. With that, ``floor`` is rarely hit, and ``s = 0`` is exactly synchronous on-policy training.
 """
 
 from __future__ import annotations
@@ -55,6 +60,13 @@ class StalenessBound:
     def may_generate(self, actor_version: int, published_version: int) -> bool:
         """Whether an actor holding ``actor_version`` may sample while ``published_version`` is the newest sent."""
         return actor_version >= published_version - self.max_staleness
+
+    @staticmethod
+    def sampling_version(issued_version: int, coming_version: int) -> int:
+        """The weights a training group released at ``issued_version`` is sampled with (at least): those of its
+        release, the floor of the latest batch it can land in — or, when the learner does not send that version
+        (``weight_sync.sync_every``), the newest it is sending (``coming_version``)."""
+        return min(issued_version, coming_version)
 
     @property
     def synchronous(self) -> bool:

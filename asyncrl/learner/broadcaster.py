@@ -179,9 +179,9 @@ class Broadcaster:
         figures = pending.result()
         self._in_flight = None
         if figures.get("failed"):
-            log.warning(
-                "weight version not published: its sync failed", version=version, published=self.plane.run.version()
-            )
+            published = self.plane.run.version()
+            self.plane.run.set_sending(published)  # no actor waits for weights that are not coming
+            log.warning("weight version not published: its sync failed", version=version, published=published)
         else:
             self.plane.run.set_version(version)
         return figures | {"version": float(version), "wait_s": time.perf_counter() - waited}
@@ -212,6 +212,8 @@ class Broadcaster:
         )
         figures = {"members": float(len(self.members)), "bytes": 0.0, "self_check_s": 0.0}
         figures["snapshot_s"] = time.perf_counter() - start
+        # Before the next step releases groups at this version: their actors generate them with these weights.
+        self.plane.run.set_sending(version)
         self._in_flight = (version, self._pool.submit(self._transfer, unsealed, flats, figures, start))
 
     def _pack(self, buckets: list, params: dict[str, torch.Tensor]) -> list[torch.Tensor]:

@@ -109,6 +109,7 @@ class Learner:
         """Train until step ``learner.steps`` (or SIGTERM), saving checkpoints on the way and at the end. Returns why
         it ended: ``end`` (the run is finished), ``sigterm`` or ``max_minutes``."""
         self.plane.run.set_version(self.version)
+        self.plane.run.set_sending(self.version)  # nothing on its way yet (a resume re-sends its version)
         self.state.resume()
         log.info("learner started", run=self.config.run.name, steps=self.config.learner.steps, version=self.version)
         previous = self._stop_on_sigterm()

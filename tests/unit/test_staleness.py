@@ -18,6 +18,19 @@ def test_capacity_floor_and_may_generate_by_hand() -> None:
     assert not bound.synchronous
 
 
+def test_a_group_waits_for_the_weights_of_its_release_when_they_are_sent() -> None:
+    """max_staleness 1, 4 groups a step: the 4 groups released at version 1 (capacity(1) = 12, 8 released before)
+    are trained at step 3 at the latest, by the learner at version 2, whose floor is 1: sampled with version 0 they
+    would be dropped. The learner releases them while it sends version 1, so an actor still on 0 waits for 1."""
+    bound = StalenessBound(max_staleness=1, groups_per_step=4)
+    assert bound.capacity(1) == 12 and bound.floor(2) == 1
+    assert bound.may_generate(actor_version=0, published_version=1)  # the actor may sample: it is not behind...
+    assert bound.sampling_version(issued_version=1, coming_version=1) == 1  # ...but this group waits for version 1
+    assert bound.sampling_version(issued_version=1, coming_version=3) == 1  # a re-issued group: its own release
+    # weight_sync.sync_every = 2: version 3 is never sent, so the group waits for the newest coming, 2, not for 3
+    assert bound.sampling_version(issued_version=3, coming_version=2) == 2
+
+
 def test_max_staleness_zero_is_synchronous() -> None:
     bound = StalenessBound(max_staleness=0, groups_per_step=4)
     assert bound.synchronous

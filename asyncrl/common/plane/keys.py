@@ -38,6 +38,12 @@ class RunKeys:
         return self._k("version")
 
     @property
+    def sending(self) -> str:
+        """The newest version the learner has started to send (``version`` is the newest it finished sending): a
+        group issued at a version on its way is generated with it (``actors/rollout.py``)."""
+        return self._k("sending")
+
+    @property
     def finished(self) -> str:
         """The step a run completed at, set when its learner took its last step: its actors and workers then exit."""
         return self._k("finished")

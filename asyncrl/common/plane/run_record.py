@@ -58,6 +58,14 @@ class RunRecord:
     def set_version(self, version: int) -> None:
         self.client.set(self.keys.version, version)
 
+    def sending(self) -> int:
+        """The newest version the learner started to send; the published :meth:`version` when none is on its way."""
+        raw = self.client.get(self.keys.sending)
+        return self.version() if raw is None else int(raw)
+
+    def set_sending(self, version: int) -> None:
+        self.client.set(self.keys.sending, version)
+
     def mark_finished(self, step: int) -> None:
         """Say the run completed at ``step``: its actors and reward workers exit, and it wants no actor (an autoscaler
         scales them to zero)."""
