@@ -123,7 +123,7 @@ def test_a_presets_bare_name_is_a_config_where_no_such_file_exists(
     name in the working folder comes first."""
     monkeypatch.chdir(tmp_path)
     assert load_config("demo").run.name == "demo"
-    write(tmp_path / "demo", "[run]\nname = \"mine\"\n")
+    write(tmp_path / "demo", '[run]\nname = "mine"\n')
     assert load_config("demo").run.name == "mine"
     assert {"demo", "grpo", "dapo", "ppo", "dpo", "lora", "agent"} <= set(known_presets())
 
@@ -176,3 +176,27 @@ def test_this_hosts_curve_key_paths_come_from_the_environment() -> None:
     mine = with_host_keys(config, {"ASYNCRL_CURVE_CLIENT_KEY": "/mnt/secrets/actor-7.key_secret"})
     assert mine.transport.curve_client_key == "/mnt/secrets/actor-7.key_secret"
     assert mine.transport.curve_server_key == "" and config.transport.curve_client_key == "/run/keys/client.key_secret"
+
+
+@pytest.mark.parametrize("key", ["preset", "algorithm.preset"])
+def test_the_preset_switches_from_the_command_line_under_the_files_own_settings(tmp_path: Path, key: str) -> None:
+    """``--set preset=dapo`` (or the label ``algorithm.preset``) trains DAPO under the file's own settings; the label
+    never disagrees with what trains."""
+    mine = write(tmp_path / "mine.toml", 'preset = "grpo"\n[learner]\nlr = 3e-4\n[rollout]\nmax_new_tokens = 6\n')
+    config = load_config(mine, [f"{key}=dapo"])
+    assert (config.algorithm.preset, config.algorithm.dynamic_sampling, config.learner.lr) == ("dapo", True, 3e-4)
+    assert load_config(None, [f"{key}=gspo"]).algorithm.loss == "gspo"
+    with pytest.raises(ConfigError, match="preset 'nope' not found; known presets: agent"):
+        load_config(mine, [f"{key}=nope"])
+
+
+def test_dapos_overlong_penalty_follows_the_runs_response_limit() -> None:
+    """The preset names no limit: the penalty covers the last quarter before ``rollout.max_new_tokens``; a limit the
+    run's responses can never reach is refused in one line."""
+    [_, overlong] = load_config("dapo", ["rollout.max_new_tokens=6"]).reward.functions
+    assert overlong.options == {"max_tokens": 6, "buffer": 1}
+    [_, overlong] = load_config("dapo", ["rollout.max_new_tokens=64"]).reward.functions
+    assert overlong.options == {"max_tokens": 64, "buffer": 16}
+    unreachable = 'reward.functions=[{name="overlong",options={max_tokens=64,buffer=16}}]'
+    with pytest.raises(ConfigError, match=r"penalises responses longer than 48 tokens, which rollout\.max_new_tokens"):
+        load_config("dapo", [unreachable, "rollout.max_new_tokens=6"])

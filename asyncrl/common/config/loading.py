@@ -39,12 +39,36 @@ def known_presets() -> list[str]:
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """The config in ``path`` (over its ``preset``, if any) with ``key.path=value`` overrides applied. ``path`` may
     also be a preset's bare name (``demo``) where no such file exists: an installed package has no ``configs/``."""
-    data: dict[str, Any] = _read_toml_with_preset(_config_path(Path(path))) if path else {}
-    for item in overrides:
-        key, value = _parse_override(item)
+    parsed = [_parse_override(item) for item in overrides]
+    switch = [value for key, value in parsed if key in PRESET_KEYS]
+    data = _read_with_preset(_config_path(Path(path)) if path else None, str(switch[-1]) if switch else None)
+    for key, value in parsed:
+        if key in PRESET_KEYS:
+            continue
         check_values(value, key.split("."))
         _set_dotted(data, key, value)
     return validated(data)
+
+
+PRESET_KEYS = ("preset", "algorithm.preset")
+"""``--set preset=dapo`` (or ``algorithm.preset``, the label a config records) switches the preset under the config:
+the named preset, then the file's own settings over it — never a label that disagrees with what trains."""
+
+
+def _read_with_preset(path: Path | None, switch: str | None) -> dict[str, Any]:
+    """The config file over its own preset chain, or — with ``switch`` — over the preset ``switch`` instead."""
+    if switch is None:
+        return _read_toml_with_preset(path) if path else {}
+    if switch not in known_presets():
+        raise ConfigError(f"preset {switch!r} not found; known presets: {', '.join(known_presets())}")
+    base = _read_toml_with_preset(preset_dir() / f"{switch}.toml")
+    if path is None:
+        return base
+    own = _parse_toml(path, _read_config_file(path))
+    check_values(own, [], f"{path}: ")
+    own.pop("preset", None)
+    own.get("algorithm", {}).pop("preset", None)
+    return _deep_merge(base, own)
 
 
 def _read_toml_with_preset(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:

@@ -113,6 +113,28 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _overlong_follows_the_response_limit(self) -> RunConfig:
+        # DAPO's penalty acts on the last `buffer` tokens before `max_tokens`: by default the run's own limit, so that
+        # a preset cannot carry a limit the run's responses never reach.
+        limit = self.rollout.max_new_tokens
+        for function in self.reward.functions:
+            if function.name != "overlong":
+                continue
+            options = function.options
+            options.setdefault("max_tokens", limit)
+            if isinstance(options["max_tokens"], int):
+                options.setdefault("buffer", max(1, options["max_tokens"] // 4))
+            start = options["max_tokens"] - options["buffer"] if isinstance(options.get("buffer"), int) else None
+            if start is not None and start >= limit:
+                raise ValueError(
+                    f"reward.functions overlong: max_tokens = {options['max_tokens']} with buffer = "
+                    f"{options['buffer']} penalises responses longer than {start} tokens, which "
+                    f"rollout.max_new_tokens = {limit} never allows; leave max_tokens out (it follows "
+                    "rollout.max_new_tokens) or lower it"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _responses_leave_room_for_the_prompt(self) -> RunConfig:
         limit = self.model.max_model_len
         for name, tokens in (("rollout", self.rollout.max_new_tokens), ("eval", self.eval.max_new_tokens)):
