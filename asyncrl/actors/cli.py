@@ -167,20 +167,21 @@ def check_model_command(
     print(json.dumps(figures | {"engine_s": built - started, "token_s": time.perf_counter() - built}))
 
 
-@app.command("check-lora", hidden=True)
-def check_lora_command(
+@app.command("check-settings", hidden=True)
+def check_settings_command(
     config: Annotated[Path | None, typer.Argument(help="Run config (TOML).")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override a field: section.field=value.")] = None,
 ) -> None:
-    """Exit 2 with one line when the installed vLLM cannot serve the config's model with LoRA adapters (what each
-    actor checks at its start; `rl-learner resolve` runs this where vLLM is installed)."""
+    """Exit 2 with one line when the installed vLLM could not run the config without building an engine: the
+    ``[rollout]`` settings, ``[lora]`` on the model's architecture, the attention head size on CPUs — what each actor
+    checks at its start (`rl-learner resolve` and `check-model` run this where vLLM is installed)."""
     from asyncrl.actors.engine import EngineSettingsError
-    from asyncrl.actors.engine_checks import check_lora_support, vllm_serves_lora
+    from asyncrl.actors.engine_checks import check_engine_settings
     from asyncrl.common.cliutil import fail, load
 
     resolved = load(config, set_)
     try:
-        check_lora_support(resolved.model.path, resolved.lora.rank, vllm_serves_lora)
+        check_engine_settings(resolved)
     except EngineSettingsError as exc:
         fail(str(exc))
 

@@ -16,14 +16,15 @@ def rl_actor_command(command: str, config: Path | None, set_: list[str] | None) 
     return [str(Path(sys.executable).parent / "rl-actor"), command, *([str(config)] if config else []), *overrides]
 
 
-def check_lora_serving(config: Path | None, set_: list[str] | None) -> None:
-    """Where vLLM is installed, whether it serves the model with LoRA adapters: `rl-actor check-lora` in a child
-    process (the learner never imports vLLM), its one line and exit 2 when not. Without vLLM here, each actor checks
-    at its start."""
+def check_engine_serving(config: Path | None, set_: list[str] | None) -> None:
+    """Where vLLM is installed, whether it could run the config — ``[rollout]``'s settings, ``[lora]`` on the model,
+    the attention head size on CPUs — without building an engine: `rl-actor check-settings` in a child process (the
+    learner never imports vLLM), its one line and exit 2 when not. Without vLLM here, each actor checks at its
+    start."""
     import importlib.util
 
     if importlib.util.find_spec("vllm") is not None:
-        rl_actor_check("check-lora", config, set_)
+        rl_actor_check("check-settings", config, set_)
 
 
 def rl_actor_check(command: str, config: Path | None, set_: list[str] | None, *extra: str) -> str:

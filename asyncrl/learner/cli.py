@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from asyncrl.common.cliutil import RedisFileOpt, RedisOpt
-from asyncrl.learner.actor_commands import check_lora_serving, rl_actor_check, rl_actor_command
+from asyncrl.learner.actor_commands import check_engine_serving, rl_actor_check, rl_actor_command
 
 if TYPE_CHECKING:
     from asyncrl.common.config import RunConfig
@@ -51,8 +51,8 @@ def resolve(
     resolved = load(config, set_, check=check_config)
     if (refusal := bind_refusal(resolved)) is not None:  # only a warning: a worker's host may name its own keys
         typer.echo(f"warning: {refusal} (a worker whose host names its keys in $ASYNCRL_CURVE_* binds it)", err=True)
-    if resolved.lora.enabled:
-        check_lora_serving(config, set_)
+    if resolved.data.source == "rollouts":  # offline DPO starts no engine
+        check_engine_serving(config, set_)
     print(resolved.to_json())
     if dry_run:
         return
@@ -90,8 +90,8 @@ def check_model(
         fail(str(exc))
     for line in report_lines(report, resolved):
         typer.echo(line)
-    if resolved.lora.enabled:
-        check_lora_serving(config, set_)
+    if not engine:  # rl-actor check-model runs the same checks before it builds the engine
+        check_engine_serving(config, set_)
     if engine:
         import importlib.util
 

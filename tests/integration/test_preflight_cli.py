@@ -43,6 +43,19 @@ def test_an_actor_refuses_a_head_size_vllm_cpu_cannot_run_before_its_engine_star
     assert "run the actors on a GPU" in line and "VLLM::EngineCore" not in done.stderr
 
 
+@pytest.mark.parametrize("command", [["resolve", "--dry-run"], ["check-model", "--no-engine"]])
+def test_the_first_checks_a_user_runs_refuse_a_head_size_vllm_cpu_cannot_run(tmp_path: Path, command: list) -> None:
+    """The same model through ``rl-learner resolve`` and ``check-model --no-engine``, which build no engine: each asks
+    the installed vLLM (``rl-actor check-settings``) and refuses in the actor's one line, exit 2."""
+    model = init_model(tmp_path / "model", alphabet=TASK_ALPHABET, hidden=64, heads=4)
+    done = subprocess.run([BIN / "rl-learner", *command, "--set", f"model.path={model}"], capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 2, done.stderr[-2000:]
+    [line] = [x for x in done.stderr.splitlines() if x.startswith("error:")]
+    assert "model.path: the model's attention head size is 16" in line and "run the actors on a GPU" in line
+    assert "ok: the model can run this config" not in done.stdout
+
+
 def test_an_actor_refuses_lora_on_a_model_vllm_serves_without_adapters_before_its_engine_starts(
     tmp_path: Path, redis_server, redis_client
 ) -> None:
@@ -66,8 +79,8 @@ def test_an_actor_refuses_lora_on_a_model_vllm_serves_without_adapters_before_it
 
 
 def test_resolve_refuses_lora_on_a_model_the_installed_vllm_serves_without_adapters(tmp_path: Path) -> None:
-    """`rl-learner resolve` asks the installed vLLM (through `rl-actor check-lora`, a child process: the learner never
-    imports vLLM) and refuses a GPT-2 folder with ``[lora]`` in one line."""
+    """`rl-learner resolve` asks the installed vLLM (through `rl-actor check-settings`, a child process: the learner
+    never imports vLLM) and refuses a GPT-2 folder with ``[lora]`` in one line."""
     from transformers import GPT2Config
 
     gpt2 = tmp_path / "gpt2"
