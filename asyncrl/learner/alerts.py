@@ -200,8 +200,10 @@ class StaleDrops(Rule):
         return Check(
             True,
             share,
-            f"{stale:g} groups dropped as stale ({share:.1%} > {self.fraction:.1%}): actors run ahead of admission "
-            "control; check that weight syncs reach every actor (sync/*), or raise staleness.max_staleness",
+            f"{stale:g} groups dropped as stale ({share:.1%} > {self.fraction:.1%}): they came back more than "
+            "staleness.max_staleness steps after their release (the learner's log names each with its versions); "
+            "fewer groups in flight per actor (rollout.max_groups_in_flight) or a larger max_staleness keeps them in "
+            "the window, and a token older than its group's release means a weight sync missed its actor (sync/*)",
         )
 
 

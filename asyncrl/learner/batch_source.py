@@ -330,8 +330,17 @@ class BatchSource:
             if reason is not None:
                 self._refuse(entry, reason)
                 return "refused"
-        if int(entry.group.rollout.versions.min(initial=version)) < self.bound.floor(version):
+        oldest = int(entry.group.rollout.versions.min(initial=version))
+        if oldest < self.bound.floor(version):
             self.dispatcher.discard([group_id])
+            log.info(
+                "dropped a stale group",
+                group=group_id,
+                issued=entry.group.rollout.issued_version,
+                oldest_token=oldest,
+                floor=self.bound.floor(version),
+                actor=entry.group.rollout.actor_id,
+            )
             return "stale"
         if self.config.algorithm.dynamic_sampling and len(set(entry.group.rewards.tolist())) == 1:
             self.dispatcher.discard([group_id])  # DAPO's dynamic sampling: no signal; admission releases another
