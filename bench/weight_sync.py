@@ -66,6 +66,7 @@ load gave asyncrl 0.94 s, asyncrl_loaded 1.23 s and ratios 3.0 and 2.6: read the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -78,6 +79,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -224,29 +226,55 @@ def actor_figures(logs: Path, versions: range) -> dict[str, list[float]]:
     }
 
 
-def _plain_member(url: str, rank: int, shapes: list[list[int]], repeats: int) -> None:
-    group = WeightGroup(GroupAddress(url, RUN, epoch=99, rank=rank, world_size=3, timeout_s=600))
+@dataclass(frozen=True)
+class PlainGroup:
+    """The plain receivers of :func:`raw_baselines`: how many, the dtype they receive (that of the parameters, one
+    dtype for all), whether the per-parameter broadcasts run too, and the cores they are pinned to (receiver ``r`` on
+    ``cores[r - 1]``, one torch thread; empty = not pinned)."""
+
+    receivers: int = 2
+    dtype: torch.dtype = torch.float32
+    per_parameter: bool = True
+    cores: tuple[int, ...] = ()
+
+
+def _plain_member(url: str, rank: int, shapes: list[list[int]], repeats: int, plain: PlainGroup) -> None:
+    if plain.cores:
+        os.sched_setaffinity(0, {plain.cores[(rank - 1) % len(plain.cores)]})
+        torch.set_num_threads(1)
+    group = WeightGroup(GroupAddress(url, RUN, epoch=99, rank=rank, world_size=plain.receivers + 1, timeout_s=600))
     total = sum(torch.Size(s).numel() for s in shapes)
     for _ in range(repeats):
-        group.broadcast(torch.empty(total))
-        for shape in shapes:
-            group.broadcast(torch.empty(shape))
+        group.broadcast(torch.empty(total, dtype=plain.dtype))
+        for shape in shapes if plain.per_parameter else []:
+            group.broadcast(torch.empty(shape, dtype=plain.dtype))
 
 
-def raw_baselines(url: str, params: dict[str, torch.Tensor], repeats: int) -> tuple[list[float], list[float]]:
+def raw_baselines(
+    url: str, params: dict[str, torch.Tensor], repeats: int, plain: PlainGroup | None = None
+) -> tuple[list[float], list[float]]:
+    """Seconds of one ``broadcast`` of all of ``params`` as one flat tensor, and of one ``broadcast`` per parameter
+    (empty when ``plain.per_parameter`` is off), from this process to plain receivers (:class:`PlainGroup`; by default
+    two, float32, unpinned), ``repeats`` times each."""
+    dtype = next(iter(params.values())).dtype
+    plain = dataclasses.replace(plain or PlainGroup(), dtype=dtype)
     store = RedisStore(connect(url), RUN, 600)
     shapes = [list(p.shape) for p in params.values()]
     ctx = mp.get_context("spawn")
-    members = [ctx.Process(target=_plain_member, args=(url, r, shapes, repeats)) for r in (1, 2)]
+    members = [
+        ctx.Process(target=_plain_member, args=(url, r, shapes, repeats, plain)) for r in range(1, plain.receivers + 1)
+    ]
     for proc in members:
         proc.start()
-    group = WeightGroup(GroupAddress("", RUN, epoch=99, rank=0, world_size=3, timeout_s=600), store)
+    group = WeightGroup(GroupAddress("", RUN, epoch=99, rank=0, world_size=plain.receivers + 1, timeout_s=600), store)
     flat = torch.cat([p.reshape(-1) for p in params.values()])
     flat_times, per_param_times = [], []
     for _ in range(repeats):
         start = time.perf_counter()
         group.broadcast(flat)
         flat_times.append(time.perf_counter() - start)
+        if not plain.per_parameter:
+            continue
         start = time.perf_counter()
         for p in params.values():
             group.broadcast(p.contiguous())
