@@ -51,7 +51,7 @@ def resolve(
     resolved = load(config, set_, check=check_config)
     if (refusal := bind_refusal(resolved)) is not None:  # only a warning: a worker's host may name its own keys
         typer.echo(f"warning: {refusal} (a worker whose host names its keys in $ASYNCRL_CURVE_* binds it)", err=True)
-    if resolved.data.source == "rollouts":  # offline DPO starts no engine
+    if resolved.data.source == "rollouts" and Path(resolved.model.path).is_dir():  # what the checks read; DPO: none
         check_engine_serving(config, set_)
     print(resolved.to_json())
     if dry_run:

@@ -139,7 +139,7 @@ class Failing(Counting):
 
 def test_an_environment_that_never_finishes_ends_at_max_turns_with_its_turn_rewards(tools: EpisodeTools) -> None:
     rollout, engine, turn = episode(tools, ["a", "b", "c", "d"], f"environment.name={HERE}:Counting")
-    assert len(engine.prompts) == 4 and rollout.finish_reasons == ["length"]
+    assert len(engine.prompts) == 4 and rollout.finish_reasons == ["max_turns"]
     assert [t for _, _, t in segments(rollout.trained(0))] == [True, False] * 3 + [True]
     assert replay(tools, rollout, turn) == 1.0  # four turns' rewards of 0.25 (the last one stepped, not appended)
 
@@ -316,7 +316,7 @@ def test_the_environments_tools_are_offered_through_the_chat_templates_tool_form
 def test_an_episode_past_its_time_limit_ends_before_its_next_turn(tools: EpisodeTools) -> None:
     settings = (f"environment.name={HERE}:Counting", "environment.episode_timeout_s=0.000001")
     rollout, engine, turn = episode(tools, ["a", "b", "c"], *settings)
-    assert len(engine.prompts) == 1 and rollout.finish_reasons == ["length"]
+    assert len(engine.prompts) == 1 and rollout.finish_reasons == ["deadline"]
     assert [t for _, _, t in segments(rollout.trained(0))] == [True, False]  # its first turn and the answer to it
     assert replay(tools, rollout, turn) == 0.25
 
