@@ -35,7 +35,7 @@ from asyncrl.learner.algorithms import (
     LossInput,
 )
 from asyncrl.learner.algorithms.kl import KLController
-from asyncrl.learner.algorithms.losses import mismatch_kl
+from asyncrl.learner.algorithms.losses import log_ratios, mismatch_kl
 from asyncrl.learner.algorithms.masked import masked_mean
 from asyncrl.learner.batch import TrainBatch, collate, preference_rows, rank_micro_batches, training_passes
 from asyncrl.learner.engine import PolicyEngine, ReferenceModel, reference_for
@@ -184,7 +184,8 @@ class PolicyUpdate:
                 )
             )
             if not off_policy:  # μ stood in for π_old, so the loss saw no mismatch: measure it on this forward
-                out.metrics["offpolicy/mismatch_kl"] = mismatch_kl(logprobs, mb["behaviour_logprobs"], mask)
+                log_w = log_ratios(logprobs, mb["behaviour_logprobs"], mask)
+                out.metrics["offpolicy/mismatch_kl"] = mismatch_kl(log_w, mask)
             metrics.add(out.metrics, mask, out.sequence_metrics)
             return self.algorithm.aggregate(out.per_token_loss, mask, counts)
 

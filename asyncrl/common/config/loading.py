@@ -56,25 +56,21 @@ the named preset, then the file's own settings over it — never a label that di
 
 
 def _read_with_preset(path: Path | None, switch: str | None) -> dict[str, Any]:
-    """The config file over its own preset chain, or — with ``switch`` — over the preset ``switch`` instead."""
-    if switch is None:
-        return _read_toml_with_preset(path) if path else {}
-    if switch not in known_presets():
+    """The config file over its own preset chain, or — with ``switch`` — over the packaged preset ``switch``."""
+    if switch is not None and switch not in known_presets():
         raise ConfigError(f"preset {switch!r} not found; known presets: {', '.join(known_presets())}")
-    base = _read_toml_with_preset(preset_dir() / f"{switch}.toml")
     if path is None:
-        return base
-    own = _parse_toml(path, _read_config_file(path))
-    check_values(own, [], f"{path}: ")
-    own.pop("preset", None)
-    own.get("algorithm", {}).pop("preset", None)
-    return _deep_merge(base, own)
+        return _read_toml_with_preset(preset_dir() / f"{switch}.toml") if switch else {}
+    return _read_toml_with_preset(path, switch=switch)
 
 
-def _read_toml_with_preset(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+def _read_toml_with_preset(path: Path, seen: tuple[Path, ...] = (), switch: str | None = None) -> dict[str, Any]:
     data = _parse_toml(path, _read_config_file(path))
     check_values(data, [], f"{path}: ")
     base_name = data.pop("preset", None)
+    if switch is not None:  # the file's own settings over the packaged preset `switch`, its label included
+        data.get("algorithm", {}).pop("preset", None)
+        return _deep_merge(_read_toml_with_preset(preset_dir() / f"{switch}.toml"), data)
     if base_name is None:
         return data
     base_path = _preset_path(str(base_name), path.parent, (*seen, path))

@@ -283,7 +283,7 @@ def importance_weights(inp: LossInput, settings: OffPolicySettings) -> tuple[Ten
     """
     mask = inp.response_mask
     log_w = token_log_weights(inp)
-    metrics = {"offpolicy/mismatch_kl": mismatch_kl(inp.old_logprobs, inp.behaviour_logprobs, mask)}
+    metrics = {"offpolicy/mismatch_kl": mismatch_kl(log_w, mask)}
     dropped = guarded_sequences(log_w, mask, settings)
     if settings.level == "sequence":
         log_w = log_w.sum(dim=-1, keepdim=True).expand_as(log_w)
@@ -305,16 +305,21 @@ def importance_weights(inp: LossInput, settings: OffPolicySettings) -> tuple[Ten
     return weight, metrics
 
 
-def mismatch_kl(logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor) -> Tensor:
-    """KL(μ ‖ π) over the response tokens: the mean k3 estimate of log π − log μ (tokens sampled from μ, so
-    unbiased). With π = π_old it is the gap between how the actors sample and how the learner computes the same
-    policy (kernels, precision, staleness)."""
-    return masked_mean(_k3(zero_masked(logprobs.detach() - behaviour_logprobs.detach(), mask)), mask)
+def mismatch_kl(log_w: Tensor, mask: Tensor) -> Tensor:
+    """KL(μ ‖ π) over the response tokens: the mean k3 estimate of ``log_w`` = log π − log μ (:func:`log_ratios`;
+    tokens sampled from μ, so unbiased). With π = π_old it is the gap between how the actors sample and how the
+    learner computes the same policy (kernels, precision, staleness)."""
+    return masked_mean(_k3(log_w), mask)
+
+
+def log_ratios(logprobs: Tensor, behaviour_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """log π − log μ per token [B, T], detached, 0 on padding."""
+    return zero_masked(logprobs.detach() - behaviour_logprobs.detach(), mask)
 
 
 def token_log_weights(inp: LossInput) -> Tensor:
     """log π_old − log μ per token [B, T], detached, 0 on padding."""
-    return zero_masked(inp.old_logprobs.detach() - inp.behaviour_logprobs.detach(), inp.response_mask)
+    return log_ratios(inp.old_logprobs, inp.behaviour_logprobs, inp.response_mask)
 
 
 def behaviour_clipped(inp: LossInput, advantages: Tensor, clip_low: float, clip_high: float) -> Tensor:
