@@ -17,13 +17,13 @@ value is one blob, :func:`encode_blob` packs the frames into one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
-import ml_dtypes
 import msgpack
 import numpy as np
 
@@ -35,13 +35,21 @@ SCHEMA_VERSION = 2
 ARRAY_EXT = 1
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 2**20
 
-DTYPES: dict[str, np.dtype] = {
-    "int32": np.dtype(np.int32),
-    "int64": np.dtype(np.int64),
-    "float32": np.dtype(np.float32),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-}
-_DTYPE_NAMES = {dt: name for name, dt in DTYPES.items()}
+WIRE_DTYPES = ("int32", "int64", "float32", "bfloat16")
+"""The dtypes an array on the wire may have, by numpy's name for them (``bfloat16``: ml_dtypes')."""
+
+
+@functools.cache
+def wire_dtype(name: str) -> np.dtype:
+    """The numpy dtype of one of :data:`WIRE_DTYPES`. ml_dtypes is imported with the first bf16 array, not with this
+    module: its import takes about a second of CPU, which every process of a run paid at start-up."""
+    if name not in WIRE_DTYPES:
+        raise KeyError(name)
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
 
 
 INDEX_PART = re.compile(r"\[\d+\]")
@@ -97,7 +105,7 @@ def array_field(
     ``empty_default``, a field a message may leave out (it then holds an empty array of the first dtype)."""
     metadata = {"array": ArraySpec(tuple(dtypes), 1, min_value, max_value)}
     if empty_default:
-        return field(default_factory=lambda: np.zeros(0, DTYPES[dtypes[0]]), metadata=metadata)
+        return field(default_factory=lambda: np.zeros(0, wire_dtype(dtypes[0])), metadata=metadata)
     return field(metadata=metadata)
 
 
@@ -164,8 +172,8 @@ def _to_plain(value: Any, arrays: list[np.ndarray]) -> Any:
 
 
 def _array_ref(value: np.ndarray, arrays: list[np.ndarray]) -> msgpack.ExtType:
-    name = _DTYPE_NAMES.get(value.dtype)
-    if name is None:
+    name = value.dtype.name  # a bf16 array exists only once ml_dtypes is imported: its name is enough
+    if name not in WIRE_DTYPES or value.dtype != wire_dtype(name):
         raise TypeError(f"arrays of dtype {value.dtype} are not part of the wire format")
     arrays.append(np.ascontiguousarray(value).view(np.uint8).reshape(-1))
     return msgpack.ExtType(ARRAY_EXT, msgpack.packb([name, list(value.shape), len(arrays)]))

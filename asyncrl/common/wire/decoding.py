@@ -21,7 +21,6 @@ import numpy as np
 
 from asyncrl.common.wire.codec import (
     ARRAY_EXT,
-    DTYPES,
     INDEX_PART,
     MESSAGES,
     SCHEMA_VERSION,
@@ -29,6 +28,7 @@ from asyncrl.common.wire.codec import (
     Limits,
     WireError,
     frame_view,
+    wire_dtype,
 )
 
 
@@ -235,7 +235,7 @@ def _array(v: Any, spec: ArraySpec, path: str, ctx: _Ctx) -> np.ndarray:
     if not 1 <= v.frame < len(ctx.buffers) or v.frame in ctx.used:
         raise WireError(path, f"refers to frame {v.frame}, which is missing or already used")
     ctx.used.add(v.frame)
-    dtype = DTYPES[v.dtype]
+    dtype = wire_dtype(v.dtype)  # one of spec.dtypes, all wire dtypes
     buf = ctx.buffers[v.frame]
     if buf.nbytes != math.prod(v.shape) * dtype.itemsize:
         raise WireError(
@@ -255,7 +255,7 @@ def _check_values(arr: np.ndarray, spec: ArraySpec, path: str) -> None:
     """
     if arr.size == 0:
         return
-    floating = arr.dtype.kind == "f" or arr.dtype == DTYPES["bfloat16"]
+    floating = arr.dtype.kind == "f" or arr.dtype.name == "bfloat16"
     with np.errstate(invalid="ignore"):  # a NaN is reported below as a WireError, not as a warning
         low, high = float(arr.min()), float(arr.max())
     if floating and not (math.isfinite(low) and math.isfinite(high)):
