@@ -72,7 +72,7 @@ SHARED_CORES = {
     # the experiment trackers' own packages writing to disk (W&B's service process included)
     "test_trackers.py",
     # sleeping processes and an actor's sweeper ending them
-    "test_lifeline_sweeper.py",
+    "test_lifeline_sweeper.py", "test_actors_gone.py",
     # DeepSpeed engines in the test's own process, offline `rl-learner` runs and two-rank torchruns: training whose
     # checks compare numbers, never a clock
     "test_checkpoint.py", "test_checkpoint_disk.py", "test_critic.py", "test_dpo_offline.py", "test_learner_engine.py",
@@ -230,7 +230,7 @@ def _unit_tests_start_no_process(request: pytest.FixtureRequest) -> Iterator[Non
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The demo's model, warm-started once per session on one-digit addition to partial skill (about 40% right).
+    """The demo's model, warm-started once per session on one-digit addition to partial skill (about 72% right).
     Tests read it and never write it (runs keep their checkpoints in their own folders)."""
     folder = tmp_path_factory.mktemp("model") / "tiny-arith"
     command = [BIN / "rl-learner", "init-model", ROOT / "configs/demo.toml", "--set", f"model.path={folder}"]

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from asyncrl.common.cliutil import RedisFileOpt, RedisOpt
+from asyncrl.common.cliutil import RedisFileOpt, RedisOpt, listed_briefly
 
 app = typer.Typer(
     add_completion=False,
@@ -218,10 +219,15 @@ def _exit_if_finished(url: str, run: str, who: str) -> None:
         raise typer.Exit(0)
 
 
+listed_briefly(app)  # every command is defined by now
+
+
 def main() -> None:
     from asyncrl.common.openmp import passive_waits
 
     passive_waits()  # before torch loads OpenMP; vLLM's engine processes inherit it (common/openmp.py)
+    # vLLM logs to stdout unless told otherwise: a command's stdout is its result (eval's figures, check-model's JSON)
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     app()
 
 

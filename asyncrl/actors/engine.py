@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncrl.actors import ipc_folder
 from asyncrl.actors.generation import Response, Sampling
-from asyncrl.actors.lifeline import export_actor_pid, start_sweeper
+from asyncrl.actors.lifeline import engine_shut_down, export_actor_pid, start_sweeper
 from asyncrl.common.config import RolloutSection, RunConfig
 from asyncrl.common.observability.logs import get_logger
 from asyncrl.common.observability.procs import cpu_list, move_process
@@ -217,6 +217,7 @@ class RolloutEngine:
 
     def shutdown(self) -> None:
         self._llm.shutdown()
+        engine_shut_down()  # what is left of it exiting is no error (actors/lifeline.py)
         ipc_folder.release(self._ipc_folder)
         # Drop the engine now: AsyncLLM.__del__ at interpreter exit would try to shut it down again.
         self.llm = None

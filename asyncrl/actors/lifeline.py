@@ -140,8 +140,20 @@ def start_sweeper() -> subprocess.Popen | None:
         return _sweeper
     env = {key: value for key, value in os.environ.items() if key != ACTOR_PID_ENV}  # it must not sweep itself
     command = [sys.executable, "-m", "asyncrl.actors.lifeline", str(os.getpid())]
-    _sweeper = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
+    _sweeper = subprocess.Popen(command, env=env, stdin=subprocess.PIPE)  # stdin: :func:`engine_shut_down`
     return _sweeper
+
+
+def engine_shut_down() -> None:
+    """In the actor, after its engine's orderly shutdown: tell the sweeper, which then ends what is still exiting of
+    the engine without calling it an error (it is one only when the actor dies with its engine running)."""
+    if _sweeper is not None and _sweeper.stdin is not None:
+        with contextlib.suppress(OSError):
+            _sweeper.stdin.write(CLEAN)
+            _sweeper.stdin.flush()
+
+
+CLEAN = b"engine shut down\n"
 
 
 def sweep(actor: int) -> int:
@@ -182,8 +194,19 @@ def _sweep_after(actor: int) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
     _wait_for_exit(actor)
-    if killed := sweep(actor):
+    clean = _told_clean()
+    if (killed := sweep(actor)) and not clean:
         log.error("the rollout actor is gone; ended the vLLM processes it left", actor_pid=actor, processes=killed)
+
+
+def _told_clean() -> bool:
+    """Whether the actor said its engine shut down in order (:func:`engine_shut_down`), read without waiting: a
+    vLLM process forked from the actor may hold the pipe open."""
+    os.set_blocking(0, False)
+    try:
+        return CLEAN in (os.read(0, 4096) or b"")
+    except OSError:  # nothing written (EAGAIN), or no pipe
+        return False
 
 
 if __name__ == "__main__":

@@ -145,3 +145,14 @@ def _has_password(url: str) -> bool:
     from urllib.parse import urlsplit
 
     return bool(urlsplit(url).password)
+
+
+def listed_briefly(app: typer.Typer) -> typer.Typer:
+    """``app`` with each command listed in its ``--help`` by the first clause of its docstring (up to the first
+    ``. `` or ``: ``); ``COMMAND --help`` still shows the whole. Typer lists the whole docstring otherwise."""
+    for command in app.registered_commands:
+        doc = " ".join((command.help or (command.callback.__doc__ if command.callback else None) or "").split())
+        if command.short_help is None and doc:
+            cut = min((i for i in (doc.find(". "), doc.find(": ")) if i > 0), default=len(doc))
+            command.short_help = doc[:cut].rstrip(".")
+    return app

@@ -5,10 +5,12 @@ Why a module, not a YAML file of commands or a manifest generator: the manifests
 reviewable, patched by kustomize overlays), and both users of a command take it from here. ``tests/unit/test_k8s.py``
 builds every overlay and asserts that each container's ``command + args`` and ``env`` are exactly
 :func:`kube_container` of its role; the multi-host test starts its processes from :func:`learner`, :func:`actor`,
-:func:`reward` and :func:`redis` with its own :class:`Site`. A changed command fails that test until the manifests
-say the same, so they cannot drift apart. The "On a cluster" commands of ``docs/cluster.md`` are
-:func:`cluster_steps` of :data:`CLUSTER_EXAMPLE`, rendered by :func:`cluster_doc`: ``tests/unit/test_across_hosts.py``
-asserts the docs hold that text and ``tests/e2e/test_multi_host.py`` runs those very steps, host by host.
+:func:`reward` and :func:`redis` with its own :class:`Site` (a Job's learner is :func:`learner_job`: the same
+``rl-learner train`` arguments, wrapped so that the container exits with the learner's own status). A changed command
+fails that test until the manifests say the same, so they cannot drift apart. The "On a cluster" commands of
+``docs/cluster.md`` are :func:`cluster_steps` of :data:`CLUSTER_EXAMPLE`, rendered by :func:`cluster_doc`:
+``tests/unit/test_across_hosts.py`` asserts the docs hold that text and ``tests/e2e/test_multi_host.py`` runs those
+very steps, host by host.
 
 What differs between hosts or pods is a :class:`Site` parameter. On Kubernetes (:data:`KUBE`) the parameters that
 differ per pod or per overlay are the kubelet's ``$(NAME)`` references: it expands them in ``args`` and ``env`` from
@@ -48,6 +50,49 @@ exec "$@"
 """``sh -c`` script around the learner: ``rl-learner train --resume latest`` refuses a run with no checkpoint, and a
 container restarted by its pod must resume, so the choice is made here (a ``step-<N>`` folder exists only once its
 checkpoint is complete: it is written under a temporary name and renamed)."""
+
+LEARNER_JOB = """\
+# A Job's learner: the container exits with the learner's own status (its podFailurePolicy reads it).
+checkpoints=$1 nproc=$2 timeout=$3 rank=$4; shift 4
+# Resume from the newest complete checkpoint when there is one (a restarted pod), else start the run.
+for manifest in "$checkpoints"/step-*/manifest.json; do
+  [ -f "$manifest" ] && set -- "$@" --resume latest && break
+done
+# One rank: the learner alone. Several: torchrun, whose own status is 1 whatever its ranks exit with, so
+# each rank runs under the script $rank, and the first rank to fail writes its status to $status/first.
+status=$(mktemp -d)
+[ "$nproc" = 1 ] || set -- torchrun --standalone --nnodes=1 --nproc-per-node="$nproc" \\
+  --shutdown-timeout="$timeout" --no-python sh -c "$rank" rank "$status/first" "$@"
+# SIGTERM goes on (torchrun passes it to every rank and waits); then exit as the learner did.
+trap 'kill -TERM "$pid" 2>/dev/null' TERM INT
+"$@" &
+pid=$!
+wait "$pid"; code=$?
+while kill -0 "$pid" 2>/dev/null; do wait "$pid"; code=$?; done
+[ -s "$status/first" ] && read -r code < "$status/first"
+rm -rf "$status"
+exit "$code"
+"""
+"""``sh -c`` script of the learner's container (:func:`learner_job`): ``--resume latest`` as :data:`LEARNER_RESUME`
+adds it, and the container's exit status is the learner's — under torchrun, whose own is 1 for any failed rank, the
+status of the rank that failed first (the others are then stopped by torchrun's SIGTERM) — so that the Job's
+``podFailurePolicy`` tells a refused config (2, ``cliutil.REFUSED_EXIT_CODE``) from what another pod may mend (3: no
+actors left, 75: Redis gone, 143: SIGTERM, 1: a crash). Not ``exec``: the shell stays as the container's pid 1,
+passes SIGTERM on and waits (pid 1 ignores a signal it has no handler for)."""
+
+LEARNER_RANK = """\
+# One learner rank under torchrun: SIGTERM goes on to it. The first rank to fail writes its status to
+# the file $1 (noclobber: the file is made only where no other rank has made it).
+first=$1; shift
+trap 'kill -TERM "$pid" 2>/dev/null' TERM INT
+"$@" &
+pid=$!
+wait "$pid"; code=$?
+while kill -0 "$pid" 2>/dev/null; do wait "$pid"; code=$?; done
+[ "$code" = 0 ] || (set -C; echo "$code" > "$first") 2>/dev/null
+exit "$code"
+"""
+"""``sh -c`` script that :data:`LEARNER_JOB` runs each torchrun rank under (``torchrun --no-python``)."""
 
 REDIS_START = """\
 exec redis-server "$1" - <<EOF
@@ -130,7 +175,28 @@ def learner(site: Site) -> Process:
     torchrun = (
         "torchrun", "--standalone", "--nnodes=1", f"--nproc-per-node={site.nproc}",
         f"--shutdown-timeout={site.shutdown_timeout_s}",
-        "-m", "asyncrl.learner.cli", "train", site.config,
+        "-m", "asyncrl.learner.cli", *_train_args(site),
+    )  # fmt: skip
+    argv = ("sh", "-c", LEARNER_RESUME, "learner", _checkpoints(site), *torchrun)
+    return Process(argv, {ADVERTISE_ENV: site.advertise_host})
+
+
+def learner_job(site: Site) -> Process:
+    """``rl-learner train`` as a Kubernetes Job runs it (:data:`LEARNER_JOB`): alone for one rank, under torchrun for
+    several, resuming when a checkpoint exists, and exiting with the learner's own status (under torchrun, that of
+    the rank that failed first)."""
+    job = (_checkpoints(site), site.nproc, site.shutdown_timeout_s, LEARNER_RANK)
+    argv = ("sh", "-c", LEARNER_JOB, "learner", *job, "rl-learner", *_train_args(site))
+    return Process(argv, {ADVERTISE_ENV: site.advertise_host})
+
+
+def _checkpoints(site: Site) -> str:
+    return f"{site.root}/{site.run}/checkpoints"
+
+
+def _train_args(site: Site) -> tuple[str, ...]:
+    return (
+        "train", site.config,
         "--set", f"run.name={site.run}",
         "--set", f"run.root={site.root}",
         "--set", f"monitoring.metrics_port={site.metrics_port}",
@@ -139,9 +205,6 @@ def learner(site: Site) -> Process:
         "--redis-url-file", site.redis_url_file,
         *(("--sigterm-exit-code", str(site.sigterm_exit_code)) if site.sigterm_exit_code else ()),
     )  # fmt: skip
-    checkpoints = f"{site.root}/{site.run}/checkpoints"
-    argv = ("sh", "-c", LEARNER_RESUME, "learner", checkpoints, *torchrun)
-    return Process(argv, {ADVERTISE_ENV: site.advertise_host})
 
 
 def actor(site: Site, process_id: str) -> Process:
@@ -314,7 +377,7 @@ ROLES = ("learner", "actor", "reward", "redis")
 def kube_process(role: str) -> Process:
     """The process of ``role`` in its pod (the process id is the pod's name: stable across container restarts)."""
     if role == "learner":
-        return learner(KUBE)
+        return learner_job(KUBE)
     if role == "actor":
         return actor(KUBE, "$(POD_NAME)")
     if role == "reward":

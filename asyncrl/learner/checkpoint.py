@@ -33,12 +33,13 @@ replacements; the later checkpoints move to ``discarded/`` so that ``latest`` ne
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import shutil
 import time
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -62,6 +63,8 @@ from asyncrl.learner.checkpoint_history import prune
 from asyncrl.learner.checkpoint_settings import check_world_size
 
 if TYPE_CHECKING:
+    from peft import LoraConfig
+
     from asyncrl.learner.critic import ValueEngine
     from asyncrl.learner.engine import PolicyEngine
 
@@ -211,11 +214,16 @@ def export_hf(module: torch.nn.Module, params: dict[str, torch.Tensor], tokenize
 
 def export_adapter(module: torch.nn.Module, adapters: dict[str, torch.Tensor], out: Path) -> Path:
     """A LoRA run's adapters as a PEFT adapter folder (``adapter_config.json``, ``adapter_model.safetensors``):
-    ``peft.PeftModel.from_pretrained`` and vLLM's LoRA requests load it over the base model (``model.path``)."""
+    ``peft.PeftModel.from_pretrained`` and vLLM's LoRA requests load it over the base model (``model.path``), which
+    the config names by an absolute path when it is a local folder (:func:`asyncrl.learner.lora.base_model_reference`):
+    it loads from any working directory."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    module.peft_config[lora.ADAPTER].save_pretrained(out)  # type: ignore[index, union-attr]
+    peft_config = cast("dict[str, LoraConfig]", module.peft_config)  # under PEFT's wrapper
+    settings = copy.copy(peft_config[lora.ADAPTER])  # the policy's own settings stay as they are
+    settings.base_model_name_or_path = lora.base_model_reference(settings.base_model_name_or_path)
+    settings.save_pretrained(str(out))
     save_file({name: value.contiguous() for name, value in adapters.items()}, out / "adapter_model.safetensors")
     return out
 

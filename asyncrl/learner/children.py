@@ -19,8 +19,12 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+import redis.exceptions as redis_errors
+
 from asyncrl.common.observability.logs import get_logger
 from asyncrl.common.observability.procs import child_pids, cpu_list, ended
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.keys import connect
 from asyncrl.common.private import PRIVATE_UMASK, open_private, private_dir
 
 log = get_logger("launch")
@@ -56,6 +60,11 @@ def _ranges(cpus: set[int]) -> str:
 def pinned(cmd: list[str], cpus: str | None) -> list[str]:
     """``cmd`` run on ``cpus`` (through ``taskset``), or as it is."""
     return ["taskset", "--cpu-list", cpus, *cmd] if cpus else cmd
+
+
+ADOPTED_GRACE_S = 5.0
+"""How long the launcher lets orphaned descendants end by themselves before it kills them: an actor's sweeper stops
+2 s after its last find (``actors/lifeline.py``: ``SWEEP_QUIET_S``)."""
 
 
 class Children:
@@ -121,19 +130,30 @@ class Children:
                 os.killpg(proc.pid, signal.SIGKILL)  # stragglers of a child that died or hung
             proc.wait()
 
-    def _end_adopted(self) -> None:
-        """SIGKILL and reap every descendant that was re-parented to us (see the module docstring), until none is
-        left: one may have started another before it died."""
+    def _end_adopted(self, grace_s: float = ADOPTED_GRACE_S) -> None:
+        """Reap every descendant that was re-parented to us (see the module docstring), until none is left: those that
+        end by themselves within ``grace_s`` (an actor's sweeper finishing its sweep, an engine process following its
+        actor) quietly; the others then SIGKILLed and named (one may have started another before it died)."""
         mine = {proc.pid for proc in self.procs.values()} | self._others
+        deadline = time.monotonic() + grace_s
         while adopted := [pid for pid in child_pids(os.getpid()) if pid not in mine]:
             running = [pid for pid in adopted if not ended(pid)]  # the others only wait to be reaped
-            for pid in adopted:
+            if running and time.monotonic() < deadline:
+                _reap([pid for pid in adopted if pid not in running])
+                time.sleep(0.1)
+                continue
+            for pid in running:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                with contextlib.suppress(ChildProcessError):
-                    os.waitpid(pid, 0)
+            _reap(adopted)
             if running:
                 log.warning("ended processes our children left behind", pids=",".join(map(str, running)))
+
+
+def _reap(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
 
 
 def _become_subreaper() -> bool:
@@ -143,6 +163,29 @@ def _become_subreaper() -> bool:
         return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+class ActorsGone:
+    """Whether a run that nothing restarts actors for has none left: every rollout actor the launcher started has
+    exited, the run did not finish (its actors exit when it does), and no actor started elsewhere (``rl-actor`` by
+    hand) still heartbeats. Redis is only asked once the launched actors are all gone."""
+
+    def __init__(self, children, actors: int, redis_url: str, run: str) -> None:
+        self.children, self.names = children, [f"actor-{i}" for i in range(actors)]
+        self.redis_url, self.run = redis_url, run
+
+    def all_gone(self) -> bool:
+        procs = self.children.procs
+        if not self.names or any(procs[name].poll() is None for name in self.names):
+            return False
+        try:
+            plane = ControlPlane(connect(self.redis_url), self.run)
+            if plane.run.finished() is not None:
+                return False
+            live, _ = plane.registry.processes()
+        except redis_errors.RedisError:
+            return False  # Redis restarting: asked again in a second
+        return not any(b.kind == "actor" and b.process_id not in self.names for b in live)
 
 
 ERROR_LINE = re.compile(r"\b\w*(Error|Exception)\b: \S|\bERROR\b|^error: ")
@@ -250,4 +293,3 @@ class Progress:
         if self.live:
             self.stream.write("\n")
             self.stream.flush()
-

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from asyncrl.common.cliutil import RedisFileOpt, RedisOpt
+from asyncrl.common.cliutil import RedisFileOpt, RedisOpt, listed_briefly
 from asyncrl.learner.actor_commands import check_engine_serving, rl_actor_check, rl_actor_command
 
 if TYPE_CHECKING:
@@ -160,12 +160,15 @@ def eval_command(
     ] = None,
 ) -> None:
     """Evaluate a checkpoint offline on the run's eval set and print pass@k, mean@k and accuracy. The learner
-    resolves the checkpoint; `rl-actor eval` runs vLLM in its own process (the learner never imports vLLM)."""
+    resolves the checkpoint; `rl-actor eval` runs vLLM in its own process (the learner never imports vLLM), its log
+    in runs/<name>/logs/eval.log."""
     import subprocess
 
     from asyncrl.common.cliutil import fail, load
+    from asyncrl.common.private import open_private, private_dir
     from asyncrl.learner.checkpoint_format import CheckpointError
     from asyncrl.learner.checkpoint_history import find_checkpoint
+    from asyncrl.learner.children import root_cause
 
     resolved = load(config, set_)
     try:
@@ -174,7 +177,12 @@ def eval_command(
         fail(str(exc))
     command = [*rl_actor_command("eval", config, set_), "--checkpoint", str(folder)]
     command += ["--json"] * as_json + (["--samples", str(samples)] if samples else [])
-    raise typer.Exit(subprocess.run(command).returncode)
+    log_path = private_dir(resolved.run_dir / "logs") / "eval.log"
+    with open_private(log_path, "ab") as log_file:  # the engine's own lines: the result alone goes to stdout
+        code = subprocess.run(command, stderr=log_file).returncode
+    if code:
+        typer.echo(f"error: eval failed: {root_cause(log_path)}", err=True)
+    raise typer.Exit(code)
 
 
 @app.command()
@@ -297,13 +305,14 @@ def train(
     SIGTERM finishes the step, saves a checkpoint and exits 0 (or --sigterm-exit-code). Redis down for longer than
     transport.redis_outage_s: exits 75 saying what to do (restart Redis, then --resume latest). No rollout actor or no
     reward worker left for learner.no_actors_s: saves a checkpoint and exits 3. --resume of a run whose checkpoint is
-    at learner.steps says it finished and exits 0 at once.
+    at learner.steps says it finished and exits 0 at once; without --resume, a run folder that holds a checkpoint is
+    refused (exit 2), naming --resume latest and a new run.name.
     With data.source = "preferences": offline DPO on the file data.path (no Redis, no actors)."""
     from asyncrl.common.cliutil import fail, given_redis_url, load
     from asyncrl.common.plane.redis_server import EmbeddedRedis
     from asyncrl.learner.batch_source import NO_ACTORS_EXIT_CODE, NoActorsLeft
     from asyncrl.learner.preflight import check_config
-    from asyncrl.learner.resuming import says_finished, verified_checkpoint
+    from asyncrl.learner.resuming import says_finished, started_refusal, verified_checkpoint
 
     resolved = load(config, set_, check=check_config)
     if resolved.data.source == "preferences":
@@ -313,6 +322,8 @@ def train(
         return
     if resume and says_finished(resolved, resume, given_redis_url(redis, redis_file)):  # every rank: none starts
         return
+    if not resume and (refusal := started_refusal(resolved)) is not None:
+        fail(refusal)
     leader = os.environ.get("RANK", "0") == "0"  # rank 0 verifies the checkpoint and hands it on
     checkpoint = verified_checkpoint(resolved, resume) if resume and leader else None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: rank 0 leads, the others follow
@@ -394,6 +405,9 @@ def make_preferences(
     except ValueError as exc:
         fail(str(exc))
     typer.echo(f"wrote {pairs} pairs of task {resolved.task.name!r} to {path}", err=True)
+
+
+listed_briefly(app)  # every command is defined by now
 
 
 def main() -> None:

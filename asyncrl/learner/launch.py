@@ -8,13 +8,13 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from asyncrl.common.cliutil import REFUSED_EXIT_CODE
+from asyncrl.common.cliutil import REFUSED_EXIT_CODE, listed_briefly
 
 if TYPE_CHECKING:
     from asyncrl.common.config import RunConfig
@@ -49,11 +49,13 @@ def _run_redis(
     check_model: bool = False,
     binds_here: bool = False,
     advertise: str | None = None,
+    before_start: Callable[[RunConfig], None] | None = None,
 ) -> Iterator[tuple[RunConfig, EmbeddedRedis, list[str]]]:
     """Resolve the config (with ``check_model``, check it against a local model folder: ``learner/model_check.py``,
     the engine aside; with ``binds_here``, that reward workers started here can bind their endpoint), start the run's
     embedded Redis (with ``advertise``, bound to that host's address too, for the run's other hosts), publish the
-    config; stop Redis on exit. Yields the config, the server and the overrides in force
+    config; stop Redis on exit. ``before_start`` may refuse the resolved config before anything starts. Yields the
+    config, the server and the overrides in force
     (with ``curve``, the generated keys' settings added)."""
     from asyncrl.common.cliutil import fail, load
     from asyncrl.common.config import bind_refusal, write_resolved
@@ -67,6 +69,8 @@ def _run_redis(
     if curve:
         overrides += _curve_overrides(load(config, overrides, check=check_config))
     resolved = load(config, overrides, check=check_config)
+    if before_start is not None:
+        before_start(resolved)
     if binds_here and (refusal := bind_refusal(resolved)) is not None:  # not once the learner has started
         fail(f"invalid config: {refusal}")
     if check_model and Path(resolved.model.path).is_dir():  # a hub name is the engine's to fetch and check
@@ -166,14 +170,35 @@ def run(
     except ValueError as exc:
         fail(str(exc))
     code = 1
-    with _run_redis(config, set_, curve, check_model=True, binds_here=rewards > 0) as (resolved, server, overrides):
+    run_redis = _run_redis(
+        config, set_, curve, check_model=True, binds_here=rewards > 0, before_start=lambda r: _nothing_to_do(r, resume)
+    )
+    with run_redis as (resolved, server, overrides):
         learner_args = ["--resume", str(_checkpoint_folder(resolved, resume))] if resume else []
         children = Children(resolved.run_dir / "logs")
         try:
             code = _run_children(children, resolved, server, config, overrides, (actors, rewards, pins), learner_args)
         finally:
             children.stop_all()
+    if code == INTERRUPTED_EXIT_CODE:
+        from asyncrl.learner.resuming import how_to_go_on
+
+        typer.echo(how_to_go_on(resolved, config, set_), err=True)
     raise typer.Exit(code)
+
+
+def _nothing_to_do(resolved: RunConfig, resume: str | None) -> None:
+    """Before anything starts: a run folder that holds a checkpoint is refused without ``--resume`` (one line saying
+    what to pass); with it, a run already at ``learner.steps`` says it finished and exits 0."""
+    from asyncrl.common.cliutil import fail
+    from asyncrl.learner.resuming import finished_at, finished_line, started_refusal
+
+    if resume is None:
+        if (refusal := started_refusal(resolved)) is not None:
+            fail(refusal)
+    elif (step := finished_at(resolved, resume)) is not None:
+        typer.echo(finished_line(resolved, step), err=True)
+        raise typer.Exit(0)
 
 
 @app.command()
@@ -260,18 +285,23 @@ def _run_children(
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
-    return _follow(children, resolved, server, learner, actors, stop)
+    return _follow(children, resolved, server, learner, actors, stop, restarts_actors=placement is not None)
 
 
-def _follow(children, resolved, server, learner, actors: int, stop: threading.Event) -> int:
-    """Show progress and say why each child that failed did, until the learner ends or ``stop`` is set."""
+def _follow(
+    children, resolved, server, learner, actors: int, stop: threading.Event, restarts_actors: bool = False
+) -> int:
+    """Show progress and say why each child that failed did, until the learner ends or ``stop`` is set. Unless
+    others may bring actors back (``restarts_actors``: a Slurm job's), the run stops as soon as every rollout actor
+    started here has exited and no other actor serves the run."""
     import sys
 
     from asyncrl.learner.batch_source import NO_ACTORS_EXIT_CODE
-    from asyncrl.learner.children import Progress, tail_metrics, why_it_failed
+    from asyncrl.learner.children import ActorsGone, Progress, tail_metrics, why_it_failed
 
     metrics = resolved.run_dir / "metrics.jsonl"
     progress, told = Progress(resolved.learner.steps, sys.stderr), set()
+    gone = None if restarts_actors else ActorsGone(children, actors, server.url, resolved.run.name)
     while not stop.wait(1.0) and learner.poll() is None:
         if (restarted := server.keep_up()) is not None:
             children.keep(restarted)  # ours, not a stray a child left behind
@@ -287,11 +317,20 @@ def _follow(children, resolved, server, learner, actors: int, stop: threading.Ev
                 err=True,
             )
             return REFUSED_EXIT_CODE
+        if gone is not None and gone.all_gone():
+            progress.end()
+            typer.echo(
+                "stopping the run: every rollout actor it started has exited (why each one did is above) and "
+                "rl-launch does not start them again; the learner saves a checkpoint; fix the cause, then run again "
+                "with --resume latest",
+                err=True,
+            )
+            return NO_ACTORS_EXIT_CODE
         if (last := tail_metrics(metrics)) is not None:
             progress.show(last)
     progress.end()
     if learner.poll() is None:
-        return 130  # interrupted
+        return INTERRUPTED_EXIT_CODE
     if learner.returncode == OUTAGE_EXIT_CODE:
         typer.echo(
             "learner stopped: Redis was unreachable for longer than transport.redis_outage_s "
@@ -315,6 +354,8 @@ def refused_by_every_actor(children, actors: int) -> bool:
     return bool(codes) and all(code == REFUSED_EXIT_CODE for code in codes)
 
 
+INTERRUPTED_EXIT_CODE = 130
+"""``rl-launch run``'s exit status after Ctrl-C (or SIGTERM), as a shell reports an interrupted command."""
 OUTAGE_EXIT_CODE = 75
 """A child's exit status when Redis stayed down past ``transport.redis_outage_s`` (``common/plane/outage.py``)."""
 
@@ -337,6 +378,9 @@ def _serve(server: EmbeddedRedis, resolved: RunConfig) -> int:
             )
             return 1
     return 0
+
+
+listed_briefly(app)  # every command is defined by now
 
 
 def main() -> None:

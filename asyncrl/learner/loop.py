@@ -94,8 +94,6 @@ class Learner:
         self._stop_reason = "sigterm"  # the checkpoint's reason when _stop is set ("max_minutes": the budget)
         if resume is not None:
             self.state.restore(resume)
-        else:
-            self.state.warn_if_checkpoints_ignored()
         self.recorder.started(resume)  # run.started / run.resumed in the audit trail
 
     @property
@@ -149,10 +147,24 @@ class Learner:
             self.recorder.close(self.version, outcome)  # run.finished; the learner leaves; audit.jsonl complete
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
-        log.info("learner finished", run=self.config.run.name, version=self.version, stopped=outcome != "completed")
+        self._say_how_it_ended(outcome)
         if no_actors is not None:
             raise no_actors
         return "end" if outcome == "completed" else self._stop_reason
+
+    def _say_how_it_ended(self, outcome: str) -> None:
+        name, steps = self.config.run.name, self.config.learner.steps
+        if outcome == "completed":
+            log.info("learner finished", run=name, step=self.version, steps=steps)
+            return
+        log.info(
+            "learner stopped before the run finished",
+            run=name,
+            step=self.version,
+            steps=steps,
+            reason=self._stop_reason if outcome == "stopped" else outcome,
+            action="go on from its last checkpoint with --resume latest",
+        )
 
     def _stop_at_budget(self) -> threading.Timer | None:
         """With ``learner.max_minutes``: a timer that stops the run like SIGTERM does when the budget is spent."""

@@ -14,6 +14,7 @@ adapter (``….q_proj.lora_A.default.weight``); a saved adapter, and vLLM, spell
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -46,6 +47,13 @@ def add_adapters(model: torch.nn.Module, lora: LoraSection, task_type: str | Non
         task_type=task_type,
     )
     return get_peft_model(model, settings)
+
+
+def base_model_reference(path: str | None) -> str | None:
+    """``model.path`` as a saved adapter names its base (``base_model_name_or_path``): a local folder as an absolute
+    path, since PEFT reads a relative one from the working directory of whoever loads the adapter; a hub name (no
+    such folder) as it is."""
+    return os.path.abspath(path) if path and os.path.isdir(path) else path
 
 
 def saved_name(name: str) -> str:

@@ -117,14 +117,6 @@ class RunState:
         self._saved_step, self._rewards = self.version, []
         return path
 
-    def warn_if_checkpoints_ignored(self) -> None:
-        if complete_checkpoints(self.checkpointer.root):
-            log.warning(
-                "the run has checkpoints, but this learner starts from model.path",
-                checkpoints=self.checkpointer.root,
-                action="stop it and pass --resume latest to continue from the last checkpoint",
-            )
-
     # ------------------------------------------------------------------ restore
 
     def restore(self, checkpoint: Checkpoint) -> None:

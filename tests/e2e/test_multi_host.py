@@ -200,12 +200,19 @@ class Cluster:
             os.kill(frozen, signal.SIGCONT)
 
     def join_and_leave(self) -> float:
-        """D joins with an actor; once it served groups, C leaves (SIGTERM, exit 0). Returns when C was told."""
+        """D joins with an actor; once it served groups, C's actor is removed by hand as a person at its terminal
+        does — Ctrl-C, SIGINT to its whole process group — and leaves cleanly: exit 0, ``process.left`` in the
+        audit trail, its engine shut down in order (not killed by the same Ctrl-C). Returns when C was told."""
         self.procs.start("actor-2", self.steps[D][0], cpus={0})
         self.wait(lambda: self.trained_from("actor-2"), "groups of the host that joined")
         assert len(self.metric_steps()) < STEPS, "the run ended before the host that joined served it"
         left_at = time.time()
-        assert self.procs.stop("actor-1") == 0, self.procs.log("actor-1")[-3000:]
+        actor = self.procs.procs["actor-1"]
+        os.killpg(actor.pid, signal.SIGINT)  # its terminal's Ctrl-C: every process of its foreground group
+        assert actor.wait(90) == 0, self.procs.log("actor-1")[-3000:]
+        said = self.procs.log("actor-1")
+        assert "EngineDeadError" not in said, said[-3000:]
+        assert any(e["event"] == "process.left" and e["who"]["process"] == "actor-1" for e in self.events())
         assert self.metric_steps()[-1] < STEPS, "the run ended before a host left it"
         return left_at
 
@@ -290,6 +297,8 @@ def test_a_run_across_hosts_serves_every_actor_host(tmp_path: Path, model_dir: P
         last = run.stop_learner()
 
         assert run.metric_steps() == list(range(1, last + 1))  # every step trained, once
+        # the actor that left by hand left the weight group too: no later sync fails for want of it
+        assert not [r["step"] for r in run.rows() if r["step"] > left_after + 1 and r.get("sync/failed")]
         # a broadcast waits at most one timeout for the group to form and one for a transfer, the hung actor's too
         assert max(r["sync/seconds"] for r in run.rows() if "sync/seconds" in r) <= 2 * SYNC_TIMEOUT_S + 15
         figures = run.a(account_groups, run.plane, last, GROUPS)

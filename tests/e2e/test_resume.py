@@ -191,7 +191,9 @@ def test_a_two_rank_learner_killed_twice_resumes_and_every_group_is_trained_once
                         "--set", "eval.num_samples=1", "--checkpoint", "latest", "--json", "--samples", answers],
         )
         assert offline.wait(600) == 0, procs.log("offline")[-3000:]
-        figures = json.loads(next(x for x in procs.log("offline").splitlines() if x.startswith('{"model"')))
+        said = procs.log("offline").strip().splitlines()  # what a person sees: the figures, vLLM's lines in eval.log
+        assert len(said) == 1 and said[0].startswith('{"model"'), said[:20]
+        figures = json.loads(said[0])
         print("offline eval of the last checkpoint:", figures)
         last_checkpoint = run_dir / "checkpoints" / f"step-{STEPS}"
         assert figures["model"] == str(last_checkpoint / "hf")

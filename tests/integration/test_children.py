@@ -103,25 +103,28 @@ def _allowed(pid: int) -> str:
 
 
 QUIET_LAUNCHER = """
-import sys, time
+import sys
 from pathlib import Path
 from asyncrl.learner.children import Children
 
 children = Children(Path(sys.argv[1]))
-# A child whose own child ended before it did: adopted by the launcher, that one only waits to be reaped.
-quick = children.start("quick", [sys.executable, "-c", "import os, time\\nif os.fork() == 0:\\n    os._exit(0)\\n"
-    "time.sleep(1)"])
-quick.wait()
+child = children.start("child", [sys.executable, "-c", sys.argv[2]])
+child.wait()
 children.stop_all(timeout_s=5)
 print("stopped", flush=True)
 """
+ENDED = "import os, time\nif os.fork() == 0:\n    os._exit(0)\ntime.sleep(1)"
+"""A child whose own child ended before it did: adopted by the launcher, that one only waits to be reaped (an
+environments' process that saw its stdin close)."""
+ENDS_SOON = "import subprocess; subprocess.Popen(['sleep', '1.5'], start_new_session=True)"
+"""A child that leaves a process that ends by itself a moment later, as an actor's sweeper finishing its sweep (the
+launcher once killed it mid-sweep and reported it as left behind on every clean exit)."""
 
 
-def test_what_had_already_ended_is_reaped_without_a_warning(tmp_path: Path) -> None:
-    """A finished run's children often leave processes that already ended (an environments' process that saw its
-    stdin close): reaped, and not reported as left behind."""
+@pytest.mark.parametrize("child", [ENDED, ENDS_SOON], ids=["already-ended", "ends-soon"])
+def test_what_ends_by_itself_is_reaped_without_a_warning(tmp_path: Path, child: str) -> None:
     launcher = subprocess.run(
-        [sys.executable, "-c", QUIET_LAUNCHER, str(tmp_path)],
+        [sys.executable, "-c", QUIET_LAUNCHER, str(tmp_path), child],
         capture_output=True,
         text=True,
         timeout=60,

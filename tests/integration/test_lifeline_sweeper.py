@@ -45,3 +45,34 @@ def test_a_kill_9_of_the_actor_ends_every_process_that_carries_its_pid_and_only_
             process.wait()
         if running(engine):
             os.kill(engine, 9)
+
+
+CLEAN_ACTOR = """
+import subprocess, sys
+from asyncrl.actors.lifeline import engine_shut_down, export_actor_pid, start_sweeper
+export_actor_pid()
+start_sweeper()
+engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # still exiting, as it were
+print(engine.pid, flush=True)
+sys.stdin.readline()
+if sys.argv[1] == "clean":
+    engine_shut_down()
+"""
+
+
+def test_after_an_orderly_engine_shutdown_what_is_left_is_ended_without_an_error() -> None:
+    """An actor (or an offline eval) whose engine shut down in order, exiting while the engine's last process still
+    exits: the sweeper ends it and says nothing; the same exit without the shutdown is logged as the error it is."""
+    for how, says_error in (("clean", False), ("crash", True)):
+        actor = subprocess.Popen(
+            [sys.executable, "-c", CLEAN_ACTOR, how], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        engine = int(actor.stdout.readline())
+        try:
+            _, said = actor.communicate("\n", timeout=60)  # returns once the sweeper, which shares stderr, is done
+            wait_for(lambda e=engine: not running(e), "the left engine process to end", timeout_s=20)
+            assert ("the rollout actor is gone" in said) == says_error, (how, said)
+        finally:
+            if running(engine):
+                os.kill(engine, 9)

@@ -43,6 +43,7 @@ def populate(redis_client, run: str) -> ControlPlane:
         state="generating",
         version=5,
         tokens_per_s=2100,
+        pid=4242,
         metrics_url="http://h:9101/metrics",
     )
     plane.registry.beat(actor, 30)
@@ -66,8 +67,8 @@ def test_frame_before_the_learner_published_anything(redis_server, redis_client)
     assert "asyncrl run 'early'   policy version 5" in text
     assert re.search(r"prompts\s+4\s+in flight\s+0\s+replay\s+3 \(pending 1\)", text), text
     assert "learner  no step published yet" in text and "alerts   none active" in text
-    assert re.search(r"actor-0\s+actor\s+generating\s+5\s+2100\s+[\d.]+\s+h:9101", text), text
-    assert re.search(r"reward-0\s+reward\s+ready\s+0\s+0\s+[\d.]+\s+-", text), text
+    assert re.search(r"actor-0\s+actor\s+generating\s+5\s+2100\s+[\d.]+\s+4242\s+h:9101", text), text
+    assert re.search(r"reward-0\s+reward\s+ready\s+0\s+0\s+[\d.]+\s+-\s+-", text), text
 
 
 def test_frame_with_the_learner_summary_and_alerts(redis_client) -> None:
@@ -105,6 +106,20 @@ def test_unknown_run_and_targets(redis_server, redis_client) -> None:
     assert json.loads(done.stdout) == [
         {"targets": ["h:9101"], "labels": {"run": "sd", "process": "actor-0", "kind": "actor"}}
     ]
+
+
+def test_once_after_the_run_ended_says_so_in_one_line(tmp_path: Path) -> None:
+    """A finished run's Redis is gone: ``--once`` (and ``--targets``) say that in one line, no traceback."""
+    from asyncrl.common.plane.redis_server import EmbeddedRedis
+
+    EmbeddedRedis(tmp_path / "ended" / "redis").start().stop()  # as the run left it: its URL file, no server
+    for args in (("--once",), ("--targets",)):
+        command = [BIN / "rl-top", "--run", "ended", "--root", str(tmp_path), *args]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: run 'ended': its Redis does not answer"), lines
+        assert f"{tmp_path}/ended/metrics.jsonl" in lines[0] and "rl-launch redis CONFIG" in lines[0]
 
 
 def test_live_view_redraws_in_place_until_ctrl_c(redis_server, redis_client, tmp_path: Path) -> None:

@@ -11,8 +11,12 @@ Every overlay, and the variants a user makes by swapping a component in (``prome
   the reward worker's root-with-capabilities variant started here under exactly its capabilities;
 - the NetworkPolicies, evaluated on the pods of the build and on strangers, admit only the run's pods (and KEDA's
   operator) to Redis;
-- KEDA follows the run's actors-wanted list at its Redis; the HPA's series is one the learner exports; grace periods
-  cover the shutdowns they are sized for; the Dockerfile installs as ``bin/setup`` does.
+- KEDA follows the run's actors-wanted list at its Redis, and a learner whose actors scale from zero waits out their
+  cold start; the HPA's series is one the learner exports; grace periods cover the shutdowns they are sized for; the
+  Dockerfile installs as ``bin/setup`` does;
+- the learner's container, run here as its pod runs it (the real ``rl-learner`` on a refused config, a stand-in for
+  the other outcomes, alone and under torchrun), exits with the status the Job's ``podFailurePolicy`` reads, and
+  SIGTERM reaches every rank; docs/cluster.md's edits of ``k8s/`` build.
 """
 
 from __future__ import annotations
@@ -28,12 +32,14 @@ import sys
 import tempfile
 import time
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import yaml
 
 from asyncrl.common import deploy
+from asyncrl.common.cliutil import REFUSED_EXIT_CODE
 from asyncrl.common.config import RewardSection, load_config
 from asyncrl.common.plane.keys import RunKeys
 
@@ -59,6 +65,7 @@ SANDBOX_CAPS = ["SYS_ADMIN", "SETUID", "SETGID", "SETPCAP", "CHOWN", "FOWNER", "
 # the TriggerAuthentication, never from metadata.
 REDIS_SCALER_KEYS = {"address", "listName", "listLength", "activationListLength", "databaseIndex", "enableTLS"}
 ACTOR_STOP_S = 30 + 5 + 10  # actors/rollout.py _shutdown: send timeout + 5 s for finished groups, leave the group
+COLD_START_S = 1800  # the first actor of a run scaled from zero: a GPU node brought up, the image pulled, vLLM loaded
 
 
 # ------------------------------------------------------------------------------------------------- building
@@ -472,6 +479,31 @@ def test_the_fill_job_writes_the_models_volume_the_run_reads() -> None:
     assert set(settings) == {"model", "revision", "data_url"}
 
 
+def install_commands() -> list[str]:
+    """The commands of docs/cluster.md's Install block: continuation lines joined, comment lines dropped."""
+    docs = (ROOT / "docs" / "cluster.md").read_text()
+    block = docs.split("\n### Install\n", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    lines = (line.strip() for line in block.replace("\\\n", " ").splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def test_the_docs_install_edits_make_the_gpu_overlay_fill_its_volume(tmp_path: Path) -> None:
+    """The Install block's edits of k8s/ (its ``sed -i`` lines), run on a copy: the gpu overlay then holds the
+    fill-models Job with a model and a data URL set (no placeholder left), and its pods pull from a registry named."""
+    shutil.copytree(K8S, tmp_path / "k8s")
+    edits = [command for command in install_commands() if re.match(r"sed -i .* k8s/\S+\.yaml", command)]
+    assert len(edits) == 3, edits  # the registry, the component, its settings
+    for command in edits:
+        subprocess.run(["sh", "-c", command], cwd=tmp_path, check=True)
+    objects = kustomize(tmp_path / "k8s" / "overlays" / "gpu")
+    one(objects, "Job", "asyncrl-fill-models")
+    settings = generated(objects, "asyncrl-fill-models")["data"]
+    assert not [value for value in settings.values() if "REPLACE" in value], settings
+    assert re.fullmatch(r"[\w.-]+/[\w.-]+", settings["model"]) and settings["data_url"].startswith("https://")
+    images = {c["image"] for w in workloads(objects).values() for c in w["spec"]["template"]["spec"]["containers"]}
+    assert not [image for image in images if "REGISTRY" in image], images
+
+
 def test_the_code_sandbox_capabilities_start_the_namespaces_fence() -> None:
     """The reward worker of the code-sandbox component, started here as root with exactly its capabilities (as the
     container's bounding set), gets the sandbox's strongest fence and runs a program in it with none left."""
@@ -634,6 +666,21 @@ def test_keda_follows_the_actors_the_run_wants(overlay: str) -> None:
     assert scaled["spec"]["minReplicaCount"] == 0 < scaled["spec"]["maxReplicaCount"]  # a finished run wants none
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_learner_whose_actors_scale_from_zero_waits_out_their_cold_start(variant: str, tmp_path: Path) -> None:
+    """Where KEDA scales the actors from zero, the run config the build ships lets the learner wait
+    :data:`COLD_START_S` for its first actor before it exits 3 (learner.no_actors_s; the default, 300 s, is shorter
+    than an image pull on a GPU node just brought up)."""
+    objects = build(variant)
+    scaled = by_kind(objects, "ScaledObject")
+    (tmp_path / "run.toml").write_text(generated(objects, "asyncrl-config")["data"]["run.toml"])
+    no_actors_s = load_config(tmp_path / "run.toml").learner.no_actors_s
+    if any(s["spec"].get("minReplicaCount", 0) == 0 for s in scaled):
+        assert no_actors_s == 0 or no_actors_s >= COLD_START_S, f"{variant}: learner.no_actors_s = {no_actors_s}"
+    else:
+        assert variant == "gpu+prometheus-hpa"  # an HPA keeps at least one actor
+
+
 def test_the_list_keda_reads_is_as_long_as_the_actors_the_learner_wants(redis_server) -> None:
     """KEDA reads LLEN of RunKeys.actors_wanted; the learner writes it whole each time the number changes (the HPA
     alternative reads the same number as asyncrl_learner_actors_wanted)."""
@@ -708,33 +755,170 @@ def test_the_learner_is_a_job_that_cannot_loop_on_a_finished_run(overlay: str) -
     assert (spec["completions"], spec["parallelism"]) == (1, 1) and spec["backoffLimit"] >= 1
     assert spec["template"]["spec"]["restartPolicy"] == "Never" and spec["podReplacementPolicy"] == "Failed"
     fail, ignore = spec["podFailurePolicy"]["rules"]
-    assert fail["action"] == "FailJob" and fail["onExitCodes"]["values"] == [2]
+    assert fail["action"] == "FailJob" and fail["onExitCodes"]["values"] == [REFUSED_EXIT_CODE]
+    assert fail["onExitCodes"] == {"containerName": "learner", "operator": "In", "values": [REFUSED_EXIT_CODE]}
     assert ignore == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
     claim = one(objects, "PersistentVolumeClaim", "asyncrl-runs")
     assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
     assert mounted(job)[deploy.KUBE.root] == ("claim", "asyncrl-runs", None)
 
 
+@pytest.mark.parametrize("form", [deploy.learner, deploy.learner_job])
 @pytest.mark.parametrize(
     "folders", [[], ["step-3"], ["step-3.tmp"], ["step-3/manifest.json"], ["step-2/manifest.json", "step-5"]]
 )
-def test_the_learner_resumes_exactly_when_a_complete_checkpoint_exists(tmp_path: Path, folders: list[str]) -> None:
-    """The learner's wrapper adds --resume latest iff the checkpoint code finds a complete checkpoint in the folder
-    the learner writes them to."""
+def test_the_learner_resumes_exactly_when_a_complete_checkpoint_exists(
+    tmp_path: Path, folders: list[str], form: Callable[[deploy.Site], deploy.Process]
+) -> None:
+    """The learner's wrapper (on a host, and in a Job's pod) adds --resume latest iff the checkpoint code finds a
+    complete checkpoint in the folder the learner writes them to."""
     from asyncrl.learner.checkpoint_history import complete_checkpoints
 
     site = deploy.Site("r", "run.toml", "url", "host", root=str(tmp_path / "runs"))
-    argv = deploy.learner(site).argv
+    argv = form(site).argv
     checkpoints = load_config(None, [f"run.name={site.run}", f"run.root={site.root}"]).run_dir / "checkpoints"
     assert argv[4] == str(checkpoints)
     for entry in folders:
         (checkpoints / entry.split("/")[0]).mkdir(parents=True, exist_ok=True)
         if entry.endswith(".json"):
             (checkpoints / entry).write_text("{}")
-    done = subprocess.run([*argv[:5], "printf", "%s\\n", "train"], capture_output=True, text=True, check=True)
+    learner = next(i for i, word in enumerate(argv) if word in ("torchrun", "rl-learner"))
+    done = subprocess.run([*argv[:learner], "printf", "%s\\n", "train"], capture_output=True, text=True, check=True)
     resumes = done.stdout.split() == ["train", "--resume", "latest"]
     assert resumes == bool(complete_checkpoints(checkpoints)), done.stdout
     assert resumes or done.stdout.split() == ["train"]
+
+
+def kubelet_expanded(word: str, env: dict[str, str]) -> str:
+    """``word`` as the kubelet passes it to the container: ``$(NAME)`` of a variable defined before it replaced by
+    its value, ``$$`` by ``$``, any other ``$(...)`` left as it is (the scripts' own command substitutions)."""
+
+    def reference(match: re.Match) -> str:
+        return "$" if match.group(0) == "$$" else env.get(match.group(1), match.group(0))
+
+    return re.sub(r"\$\$|\$\(([^)]*)\)", reference, word)
+
+
+def start_learner_container(objects, tmp_path: Path, config: str, *, nproc: str | None = None) -> subprocess.Popen:
+    """The learner's container of a build, started here as its pod starts it: command and args as the kubelet expands
+    them with the pod's variables (the run name and ranks from the build's asyncrl-run ConfigMap, or ``nproc``), the
+    paths the pod mounts moved under ``tmp_path``, ``tmp_path/bin`` then the project's ``rl-learner`` and
+    ``torchrun`` on PATH. ``config`` is the run.toml. Its standard error goes to ``tmp_path/stderr``."""
+    spec, settings = container(workloads(objects)["learner"]), run_settings(objects)
+    inputs = {"POD_IP": "127.0.0.1", "POD_NAME": "asyncrl-learner-x", "ASYNCRL_RUN": settings["run"],
+              "ASYNCRL_NPROC": nproc or settings["nproc_per_node"]}  # fmt: skip
+    env: dict[str, str] = {}
+    for var in spec["env"]:
+        env[var["name"]] = inputs[var["name"]] if "valueFrom" in var else kubelet_expanded(var["value"], env)
+    site, runs = deploy.KUBE, tmp_path / "runs"
+    moved = {site.config: tmp_path / "run.toml", site.redis_url_file: tmp_path / "url", site.root: runs}
+    (tmp_path / "run.toml").write_text(config)
+    (tmp_path / "url").write_text("redis://127.0.0.1:1/0")
+    (tmp_path / "url").chmod(0o600)
+    runs.mkdir(exist_ok=True)
+    argv = []
+    for word in (*spec["command"], *spec["args"]):
+        word = kubelet_expanded(word, env)
+        for path, here in moved.items():
+            word = word.replace(path, str(here))
+        argv.append(word)
+    path = f"{tmp_path / 'bin'}:{Path(sys.executable).parent}:{os.environ['PATH']}"
+    with (tmp_path / "stderr").open("w") as stderr:
+        return subprocess.Popen(argv, env={**os.environ, **env, "PATH": path}, cwd=tmp_path, stderr=stderr,
+                                stdout=subprocess.DEVNULL)  # fmt: skip
+
+
+def fail_job_codes(objects) -> list[int]:
+    """The exit codes of the learner container on which its Job fails at once (podFailurePolicy's FailJob rule)."""
+    rules = workloads(objects)["learner"]["spec"]["podFailurePolicy"]["rules"]
+    (fail,) = [rule for rule in rules if rule["action"] == "FailJob"]
+    assert fail["onExitCodes"]["operator"] == "In" and fail["onExitCodes"]["containerName"] == "learner"
+    return fail["onExitCodes"]["values"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_a_refused_config_fails_the_learner_job_at_once(overlay: str, tmp_path: Path) -> None:
+    """The learner's container, run here with the real ``rl-learner`` and the overlay's ranks (cpu-demo: one, the
+    learner alone; gpu: two, under torchrun, whose own status would be 1) on a config with a typo, exits with the
+    refusal's own status, the one the Job's FailJob rule names: the Job fails at once instead of retrying a config
+    that every try refuses, up to backoffLimit times."""
+    objects = build(overlay)
+    proc = start_learner_container(objects, tmp_path, 'preset = "demo"\n[learner]\nstesp = 10\n')
+    code = proc.wait(timeout=120)
+    stderr = (tmp_path / "stderr").read_text()
+    assert code == REFUSED_EXIT_CODE and code in fail_job_codes(objects), (code, stderr)
+    assert "error: invalid config: learner.stesp: unknown field" in stderr, stderr  # the first rank to refuse it
+    under_torchrun = int(run_settings(objects)["nproc_per_node"]) > 1
+    assert ("torch/distributed/run.py" in stderr) == under_torchrun, stderr  # torchrun's own lines
+
+
+STUB_LEARNER = """\
+#!/bin/sh
+# rl-learner's stand-in. STUB_RANK0, STUB_OTHERS: "STATUS SECONDS", how long rank 0 (the other ranks) runs and its
+# exit status. STUB_RANK0=term: every rank waits for SIGTERM, takes a moment (the checkpoint), says so and exits with
+# the --sigterm-exit-code it was given.
+rank=${RANK:-0} sigterm=0 prev=
+for arg in "$@"; do [ "$prev" = --sigterm-exit-code ] && sigterm=$arg; prev=$arg; done
+if [ "$STUB_RANK0" = term ]; then
+  trap 'sleep 1; echo "stopped $rank" >> stopped; exit "$sigterm"' TERM
+  touch "started.$rank"
+  while :; do sleep 0.1; done
+fi
+if [ "$rank" = 0 ]; then set -- $STUB_RANK0; else set -- $STUB_OTHERS; fi
+sleep "$2"
+exit "$1"
+"""
+
+
+def stub_learner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rank0: str, others: str = "0 0") -> None:
+    """:data:`STUB_LEARNER` as ``rl-learner`` in ``tmp_path/bin`` (first on the container's PATH)."""
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "rl-learner").write_text(STUB_LEARNER)
+    (tmp_path / "bin" / "rl-learner").chmod(0o755)
+    monkeypatch.setenv("STUB_RANK0", rank0)
+    monkeypatch.setenv("STUB_OTHERS", others)
+
+
+@pytest.mark.parametrize(
+    ("nproc", "rank0", "others", "status"),
+    [
+        ("1", "3 0", "", 3),  # no actors left
+        ("1", "75 0", "", 75),  # Redis gone
+        ("2", "0 0", "0 0", 0),  # the run finished
+        ("2", "75 0", "1 3", 75),  # rank 0 failed first; torchrun then stopped the others
+        ("2", "0 30", "2 0", 2),  # another rank refused the config while rank 0 still loaded (then stopped: 143)
+        ("2", "0 0", "1 1", 1),  # another rank crashed after rank 0 had finished
+    ],
+)
+def test_the_learner_container_exits_with_the_learners_status(
+    nproc: str, rank0: str, others: str, status: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Alone or under torchrun (whose own status is 1 for any failed rank), the container exits with the learner's
+    status: under torchrun, that of the rank that failed first, not of the ones torchrun stopped after it."""
+    stub_learner(tmp_path, monkeypatch, rank0, others)
+    proc = start_learner_container(build("gpu"), tmp_path, 'preset = "demo"\n', nproc=nproc)
+    assert proc.wait(timeout=120) == status, (tmp_path / "stderr").read_text()
+
+
+@pytest.mark.parametrize("nproc", ["1", "2"])
+def test_sigterm_stops_every_learner_rank_and_the_container_exits_as_they_do(
+    nproc: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A drain: SIGTERM to the container's first process (pid 1 in the pod) reaches the learner, every rank of it
+    under torchrun; the container waits for them to finish (their checkpoint) and exits with their
+    --sigterm-exit-code, which the Job counts as a failure to retry, not as a refusal."""
+    stub_learner(tmp_path, monkeypatch, "term")
+    objects = build("gpu")
+    proc = start_learner_container(objects, tmp_path, 'preset = "demo"\n', nproc=nproc)
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("started.*"))) < int(nproc):
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=60)
+    assert code == deploy.KUBE.sigterm_exit_code and code not in fail_job_codes(objects)
+    stopped = sorted((tmp_path / "stopped").read_text().split("\n")[:-1])
+    assert stopped == [f"stopped {rank}" for rank in range(int(nproc))]
 
 
 # ------------------------------------------------------------------------------------------------- image
@@ -742,13 +926,15 @@ def test_the_learner_resumes_exactly_when_a_complete_checkpoint_exists(tmp_path:
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_pods_run_the_image_the_docs_build(overlay: str) -> None:
-    """The tag an overlay's own comment (and, for gpu, docs/cluster.md) tells the user to build and push is the image
-    every asyncrl container of the build runs."""
+    """The tag an overlay's own comment and docs/cluster.md tell the user to build (and push, or for cpu-demo load into
+    a kind cluster) is the image every asyncrl container of the build runs."""
     text = (K8S / "overlays" / overlay / "kustomization.yaml").read_text()
     (tag,) = set(re.findall(r"docker build -f docker/Dockerfile --build-arg VARIANT=\w+ -t (\S+) \.", text))
-    if overlay == "gpu":
-        docs = (ROOT / "docs" / "cluster.md").read_text()
-        assert set(re.findall(r"--build-arg VARIANT=gpu -t (\S+) \.", docs)) == {tag}
+    docs = (ROOT / "docs" / "cluster.md").read_text()
+    variant = {"gpu": "gpu", "cpu-demo": "cpu"}[overlay]
+    assert set(re.findall(rf"--build-arg VARIANT={variant} -t (\S+) \.", docs)) == {tag}
+    if overlay == "cpu-demo":  # a local kind cluster: the image loaded into its nodes
+        assert set(re.findall(r"^kind load docker-image (\S+)", docs, re.MULTILINE)) == {tag}
     for role, workload in workloads(build(overlay)).items():
         if role != "redis":
             for spec in workload["spec"]["template"]["spec"]["containers"]:

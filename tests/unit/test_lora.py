@@ -3,12 +3,15 @@ the actors' engine is asked for."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
 from asyncrl.actors.engine import VLLM_LORA_RANKS, adapter_settings, lora_engine_settings
 from asyncrl.common.config import ConfigError, load_config
-from asyncrl.learner.lora import adapter_tensors, merged_weights, saved_name
+from asyncrl.learner.lora import ADAPTER, adapter_tensors, merged_weights, saved_name
 
 
 def test_lora_is_off_by_default_and_its_fields_are_checked() -> None:
@@ -58,3 +61,28 @@ def test_the_engine_gets_one_adapter_slot_of_the_smallest_rank_vllm_offers(rank:
     assert served in VLLM_LORA_RANKS
     assert adapter_settings(config) == {"r": rank, "lora_alpha": 32.0, "target_modules": "all-linear", "bias": "none"}
     assert lora_engine_settings(load_config(None, [])) == {}
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_the_exported_adapter_names_a_local_base_model_by_its_absolute_path(
+    local: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """adapter_config.json's base_model_name_or_path: model.path made absolute when it is a local folder (PEFT loads
+    a relative one only from the run's working directory), a hub name as it is; the policy's own settings unchanged."""
+    from peft import LoraConfig
+
+    from asyncrl.learner.checkpoint import export_adapter
+
+    monkeypatch.chdir(tmp_path)
+    if local:
+        (tmp_path / "models" / "tiny").mkdir(parents=True)
+    given = "models/tiny" if local else "Qwen/Qwen2.5-0.5B-Instruct"
+    module = torch.nn.Module()
+    module.peft_config = {ADAPTER: LoraConfig(r=4, target_modules=["q_proj"], base_model_name_or_path=given)}
+    export_adapter(module, {"a.lora_A.weight": torch.zeros(4, 2)}, tmp_path / "adapter")
+    written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    if local:
+        assert Path(written).is_absolute() and Path(written).resolve() == (tmp_path / "models" / "tiny").resolve()
+    else:
+        assert written == given
+    assert module.peft_config[ADAPTER].base_model_name_or_path == given

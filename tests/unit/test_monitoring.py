@@ -153,7 +153,7 @@ def test_render_before_the_learner_published_anything() -> None:
     assert "learner  no step published yet" in text
     assert "alerts   none active" in text
     assert "prompts     7" in text and "in flight    12" in text and "(pending 2)" in text
-    assert re.search(r"actor-0\s+actor\s+generating\s+4\s+1500\s+[\d.]+\s+h1:9100", text)
+    assert re.search(r"actor-0\s+actor\s+generating\s+4\s+1500\s+[\d.]+\s+-\s+h1:9100", text)
 
 
 def test_render_the_learner_summary_and_alerts() -> None:

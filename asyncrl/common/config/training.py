@@ -25,7 +25,8 @@ class RunSection(Section):
 
 class ModelSection(Section):
     path: str = "runs/models/tiny-arith"
-    """Hugging Face checkpoint folder (local; nothing is fetched from a hub)."""
+    """Hugging Face checkpoint folder (local; nothing is fetched from a hub). A relative path is from the working
+    directory of each process that reads it (the learner's, each actor's), not from the config file's folder."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Precision of the policy weights on actors and learner."""
     max_model_len: Int = Field(default=512, ge=16, le=MAX_TOKENS)
@@ -153,7 +154,8 @@ class TaskSection(Section):
     name: str = "arithmetic"
     """Prompt source: a built-in task (``arithmetic``, ``reverse``, ``copy``, ``count``, ``countdown``) or ``file``."""
     path: str = ""
-    """Data file when ``name = "file"``: JSONL, Parquet, or a folder written by ``datasets``' ``save_to_disk``."""
+    """Data file when ``name = "file"``: JSONL, Parquet, or a folder written by ``datasets``' ``save_to_disk``. A
+    relative path is from the learner's working directory, not from the config file's folder."""
     options: dict[str, Any] = Field(default_factory=dict)
     """Task settings, e.g. digit counts."""
     prompt_key: str = Field(default="prompt", min_length=1)

@@ -208,14 +208,16 @@ def _alert_lines(alerts: list[dict[str, Any]], now: float) -> list[str]:
 
 
 def _process_lines(snap: dict[str, Any], now: float) -> list[str]:
-    lines = [f"{'process':<28} {'kind':<7} {'state':<15} {'version':>7} {'tokens/s':>10} {'age s':>6}  metrics"]
+    lines = [
+        f"{'process':<28} {'kind':<7} {'state':<15} {'version':>7} {'tokens/s':>10} {'age s':>6} {'pid':>8}  metrics"
+    ]
     endpoints = snap.get("endpoints", {})
     for hb in sorted(snap["processes"], key=lambda h: (h.kind, h.process_id)):
         e = endpoints.get(hb.process_id)
         address = f"{e['host']}:{e['port']}" if e else "-"
         lines.append(
             f"{hb.process_id[:28]:<28} {hb.kind:<7} {hb.state[:15]:<15} {hb.version:>7} "
-            f"{hb.tokens_per_s:>10.0f} {now - hb.sent_at:>6.1f}  {address}"
+            f"{hb.tokens_per_s:>10.0f} {now - hb.sent_at:>6.1f} {hb.pid or '-':>8}  {address}"
         )
     if not snap["processes"]:
         lines.append("(no actors or reward workers registered)")
@@ -271,15 +273,37 @@ def main_command(
     from asyncrl.common.plane.control import ControlPlane
     from asyncrl.common.plane.keys import connect
 
+    url = redis_url(redis, run, root, url_file=redis_file)
     # A monitor shows an outage within seconds (and the run again when Redis is back) instead of waiting it out.
-    plane = ControlPlane(connect(redis_url(redis, run, root, url_file=redis_file), outage_s=2.0), run)
-    if as_targets:
-        print(json.dumps(targets(plane.registry.metrics_endpoints(), run), indent=2))
-        return
-    if once:
-        print(render(snapshot(plane)))
+    plane = ControlPlane(connect(url, outage_s=2.0), run)
+    if as_targets or once:
+        _print_once(plane, url, root, as_targets)
         return
     _watch(plane, interval)
+
+
+def _print_once(plane, url: str, root: str, as_targets: bool) -> None:
+    """One frame (or the targets); a Redis that does not answer, in one line saying why that is usual (asked once,
+    with no retry: the run's processes wait out an outage, a look at a run need not)."""
+    import redis
+    import redis.exceptions
+
+    from asyncrl.common.cliutil import fail
+
+    run = plane.keys.run
+    try:
+        redis.Redis.from_url(url, socket_connect_timeout=2).ping()
+        if as_targets:
+            text = json.dumps(targets(plane.registry.metrics_endpoints(), run), indent=2)
+        else:
+            text = render(snapshot(plane))
+    except redis.exceptions.RedisError as exc:
+        fail(
+            f"run {run!r}: its Redis does not answer ({exc}); a run's Redis stops when the run ends — its figures "
+            f"stay in {root}/{run}/metrics.jsonl, and `rl-launch redis CONFIG` serves the finished run again",
+            code=1,
+        )
+    print(text)
 
 
 def _watch(plane, interval: float) -> None:

@@ -1,0 +1,49 @@
+"""``rl-launch run`` never starts a rollout actor again: once every actor it started has exited, the run stops at once
+(it once waited ``learner.no_actors_s``, 300 s, with nothing on screen) — unless the run finished (its actors exit
+then) or an actor started by hand still serves it. Real child processes and the run's real Redis."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.wire.messages import Heartbeat
+from asyncrl.learner.children import ActorsGone, Children
+
+pytestmark = pytest.mark.integration
+
+
+def _children(tmp_path: Path, lives: list[bool]) -> Children:
+    children = Children(tmp_path / "logs")
+    for i, lasts in enumerate(lives):
+        code = "import time; time.sleep(60)" if lasts else "pass"
+        children.start(f"actor-{i}", [sys.executable, "-c", code])
+    for i, lasts in enumerate(lives):
+        if not lasts:
+            children.procs[f"actor-{i}"].wait(30)
+    return children
+
+
+def test_the_run_has_no_actor_once_every_launched_one_exited(tmp_path: Path, redis_server, redis_client) -> None:
+    children = _children(tmp_path, [False, True])
+    try:
+        gone = ActorsGone(children, 2, redis_server.url, "run")
+        assert not gone.all_gone()  # actor-1 lives
+    finally:
+        children.stop_all(timeout_s=5)
+    assert gone.all_gone()
+    plane = ControlPlane(redis_client, "run")
+    plane.registry.beat(Heartbeat(process_id="actor-9", kind="actor", state="ready"), ttl_s=30)
+    assert not gone.all_gone()  # one started by hand serves the run
+    plane.registry.leave("actor-9")
+    assert gone.all_gone()
+    plane.run.mark_finished(4)
+    assert not gone.all_gone()  # a finished run's actors exit by themselves
+
+
+def test_a_run_launched_with_no_actor_never_stops_for_that(tmp_path: Path, redis_server) -> None:
+    children = _children(tmp_path, [])
+    assert not ActorsGone(children, 0, redis_server.url, "run").all_gone()
