@@ -47,7 +47,9 @@ def reward_worker(redis_server, redis_client, tmp_path: Path, run: str) -> Itera
     log = tmp_path / f"{run}.log"
     proc = start(redis_server.url, run, "rw-1", log)
     try:
-        beat = wait_for(lambda: heartbeat(redis_client, run, "rw-1", state="ready"), proc, log, "a ready heartbeat")
+        # beside the serial chain a worker starts niced on two busy cores: its imports alone took over 60 s once
+        ready = lambda: heartbeat(redis_client, run, "rw-1", state="ready")  # noqa: E731
+        beat = wait_for(ready, proc, log, "a ready heartbeat", timeout_s=START_TIMEOUT_S)
         assert beat.kind == "reward" and beat.pid == proc.pid and beat.endpoint.startswith("tcp://127.0.0.1:")
         yield proc, beat.endpoint
     finally:
@@ -60,6 +62,10 @@ def heartbeat(redis_client, run: str, worker_id: str, state: str | None = None) 
     live, _lost = ControlPlane(redis_client, run).registry.processes()
     found = [b for b in live if b.process_id == worker_id and (state is None or b.state == state)]
     return found[0] if found else None
+
+
+START_TIMEOUT_S = 180
+"""How long a worker may take to say it is ready: a wait for it, never a claim about its speed."""
 
 
 def wait_for(probe, proc: subprocess.Popen, log: Path, what: str, timeout_s: float = 60):
