@@ -67,6 +67,7 @@ SHARED_CORES = {
     # short command-line runs that exit before any engine, model or sandbox starts; a wheel built and installed
     "test_wheel.py", "test_check_data.py", "test_children.py", "test_cli.py", "test_preflight_cli.py",
     "test_run_file_modes.py", "test_task_file_refused.py", "test_top.py", "test_config_bounds.py", "test_k8s.py",
+    "test_plugin_names.py",
     # reward workers whose time limits only ever cut calls that hang for a minute, or serve environments
     "test_reward_worker.py", "test_environment_workers.py", "test_garbage_flood.py",
     # the experiment trackers' own packages writing to disk (W&B's service process included)

@@ -80,8 +80,8 @@ def evaluate(config: RunConfig, model: str | Path, samples: Path | None = None) 
 def write_samples(path: Path, scored: list[ScoredGroup]) -> None:
     """One JSON object per response, in the eval set's order: what the model answered to what, and its reward::
 
-        {"group_id": "eval-0003-offline", "index": 0, "prompt": "3+4=", "answer": "7", "response": "7",
-         "reward": 1.0, "finish_reason": "stop", "prompt_ids": [...], "response_ids": [...]}
+    {"group_id": "eval-0003-offline", "index": 0, "prompt": "3+4=", "answer": "7", "response": "7",
+     "reward": 1.0, "finish_reason": "stop", "prompt_ids": [...], "response_ids": [...]}
     """
     with path.open("w") as out:
         for group in scored:

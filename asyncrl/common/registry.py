@@ -7,13 +7,23 @@ user can plug in their own without touching this code. What an import path names
 registry's :class:`Contract` (the call asyncrl will make) when it is resolved, so a config that names
 ``os:system`` as a reward function is refused when it is checked, not called on every group. Tests use
 ``snapshot()`` to register temporary entries and restore the real registry afterwards, never clearing it.
+
+An installed package adds names through Python entry points: a registry made with ``group="environments"`` also
+knows each entry point of the group ``asyncrl.environments`` that any installed distribution declares
+(``[project.entry-points."asyncrl.environments"] guess = "my_pkg.envs:Guess"``), imported on first use like a
+built-in's path. So a registered name means the same in every process of a run — the learner that checks the config,
+the actors and reward workers that use it — without importing the user's module anywhere first. A plug-in cannot take
+a name asyncrl already has: the built-in wins, and :meth:`Registry.get` of an unknown name lists the plug-ins' names
+too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
+import importlib.metadata
 import inspect
 import threading
 from collections.abc import Callable, Iterator
@@ -68,9 +78,11 @@ class Contract:
 class Registry(Generic[T]):
     """Named objects of one kind, e.g. ``Registry[Verifier]("verifier", Contract("f(response, answer)", args=2))``."""
 
-    def __init__(self, kind: str, contract: Contract | None = None) -> None:
+    def __init__(self, kind: str, contract: Contract | None = None, group: str | None = None) -> None:
         self.kind = kind
         self.contract = contract
+        self.group = f"{ENTRY_POINT_PREFIX}{group}" if group else None
+        """The entry-point group whose names this registry also knows (module docstring)."""
         self._entries: dict[str, T | _Deferred] = {}  # a _Deferred: registered by path (register_path)
 
     def register(self, name: str) -> Callable[[T], T]:
@@ -99,10 +111,9 @@ class Registry(Generic[T]):
         try:
             if ":" in name:
                 return _import(name, self.kind, self.contract)
-            try:
-                entry = self._entries[name]
-            except KeyError:
-                raise ValueError(f"unknown {self.kind} {name!r}; registered: {', '.join(self.names())}") from None
+            entry = self._entries[name] if name in self._entries else self._plugins().get(name)
+            if entry is None:
+                raise ValueError(f"unknown {self.kind} {name!r}; registered: {', '.join(self.names())}")
             if isinstance(entry, _Deferred):
                 return _import(entry.path, self.kind, self.contract)
             return cast(T, entry)  # registered as a T (a type checker cannot rule out a T that is a _Deferred)
@@ -114,10 +125,18 @@ class Registry(Generic[T]):
             raise
 
     def names(self) -> list[str]:
-        return sorted(self._entries)
+        return sorted(self._entries.keys() | self._plugins().keys())
 
     def __contains__(self, name: str) -> bool:
-        return name in self._entries
+        return name in self._entries or name in self._plugins()
+
+    def _plugins(self) -> dict[str, _Deferred]:
+        """The names installed packages give this registry's entry-point group (none where it has no group), each
+        by its import path; a name asyncrl itself registered is left out (the built-in wins)."""
+        if self.group is None:
+            return {}
+        declared = installed_entry_points().get(self.group, {})
+        return {name: _Deferred(path) for name, path in declared.items() if name not in self._entries}
 
     @contextlib.contextmanager
     def snapshot(self) -> Iterator[Registry[T]]:
@@ -127,6 +146,23 @@ class Registry(Generic[T]):
             yield self
         finally:
             self._entries = saved
+
+
+ENTRY_POINT_PREFIX = "asyncrl."
+"""A registry's entry-point group is this prefix and its ``group`` (``asyncrl.environments``)."""
+
+
+@functools.cache
+def installed_entry_points() -> dict[str, dict[str, str]]:
+    """Every ``asyncrl.*`` entry point of the installed distributions, by group: {group: {name: import path}}. Read
+    once per process, when a registry is first asked for a name it does not hold (reading every distribution's
+    metadata costs a tenth of a second, which a lookup of a built-in name never pays)."""
+    found: dict[str, dict[str, str]] = {}
+    for distribution in importlib.metadata.distributions():
+        for entry in distribution.entry_points:
+            if entry.group.startswith(ENTRY_POINT_PREFIX) and entry.attr:  # an object in a module, not a module
+                found.setdefault(entry.group, {}).setdefault(entry.name, f"{entry.module}:{entry.attr}")
+    return found
 
 
 class _Unfulfilled(ValueError):

@@ -18,6 +18,7 @@ from asyncrl.common.observability.logs import get_logger
 
 log = get_logger("health")
 
+
 @dataclass(frozen=True)
 class Transition:
     """An alert that changed state; the webhook's JSON body (:meth:`payload`)."""

@@ -157,5 +157,5 @@ def check_adapters(config: RunConfig) -> None:
         why = f"{head!r} is the output head, which takes no adapter" if head in unknown else "no such linear layer"
         raise ValueError(
             f"lora.target_modules: {', '.join(map(repr, unknown))} in {config.model.path}: {why}; the model's "
-            f"linear layers are {', '.join(sorted(linear))} (or set \"all-linear\")"
+            f'linear layers are {", ".join(sorted(linear))} (or set "all-linear")'
         )

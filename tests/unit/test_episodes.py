@@ -277,14 +277,13 @@ def test_the_environment_in_the_docs_runs_as_written() -> None:
     text = (Path(__file__).resolve().parents[2] / "docs" / "environments.md").read_text()
     source = text.split("```python\n", 1)[1].split("```", 1)[0]
     assert len(source.strip().splitlines()) <= 30
-    with ENVIRONMENTS.snapshot():
-        namespace: dict = {}
-        exec(compile(source, "docs/environments.md", "exec"), namespace)
-        guess = ENVIRONMENTS.get("guess")(EpisodeRow(prompt="", answer="7"), {})
-        assert guess.step("I say 3").observation == [{"role": "user", "content": "3 is too low."}]
-        assert guess.step("no idea").observation[0]["content"] == "Answer with a number."
-        assert guess.step("7").done and guess.score() == 1.0
-    assert "guess" not in ENVIRONMENTS
+    namespace: dict = {}
+    exec(compile(source, "docs/environments.md", "exec"), namespace)
+    guess = namespace["Guess"](EpisodeRow(prompt="", answer="7"), {})
+    assert guess.step("I say 3").observation == [{"role": "user", "content": "3 is too low."}]
+    assert guess.step("no idea").observation[0]["content"] == "Answer with a number."
+    assert guess.step("7").done and guess.score() == 1.0
+    assert ENVIRONMENTS.contract is not None and ENVIRONMENTS.contract.problem(namespace["Guess"]) is None
 
 
 TOOL_TEMPLATE = (

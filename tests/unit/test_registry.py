@@ -155,3 +155,34 @@ def test_every_built_in_entry_fulfils_its_registry_s_contract() -> None:
             assert registry.contract.problem(entry) is None, (registry.kind, name)
             checked += 1
     assert checked > 30
+
+
+def test_an_installed_packages_entry_points_add_names_and_never_replace_asyncrls(tmp_path, monkeypatch) -> None:
+    """A package declaring ``asyncrl.environments`` / ``asyncrl.rewards`` entry points: its names resolve to its
+    objects, an unknown name lists them, and its claim on a built-in name (``python``) loses to the built-in."""
+    from asyncrl.common import registry
+    from asyncrl.common.environments.protocol import ENVIRONMENTS
+    from asyncrl.common.environments.python_tool import PythonTool
+    from asyncrl.common.rewards.functions import REWARDS
+    from asyncrl.environments import EpisodeRow
+    from tests.helpers.plugin_dist import installed_plugin
+
+    monkeypatch.syspath_prepend(str(installed_plugin(tmp_path / "site")))
+    registry.installed_entry_points.cache_clear()
+    monkeypatch.setattr(registry, "installed_entry_points", registry.installed_entry_points)  # cleared again after
+    try:
+        lookup = ENVIRONMENTS.get("kv_lookup", "environment.name")
+        env = lookup(EpisodeRow(prompt="k", answer="", extra={"table": {"k": "v"}}), {})
+        env.step("v")
+        assert env.score() == 1.0 and "kv_lookup" in ENVIRONMENTS and "kv_lookup" in ENVIRONMENTS.names()
+        assert ENVIRONMENTS.get("python") is PythonTool  # the built-in wins
+        assert REWARDS.get("exact_ok").__module__ == "kv_envs"
+        with pytest.raises(ValueError, match=r"unknown reward function 'nope'; registered: .*exact_ok"):
+            REWARDS.get("nope")
+    finally:
+        registry.installed_entry_points.cache_clear()
+
+
+def test_a_registry_without_a_group_reads_no_entry_points() -> None:
+    reg: Registry = Registry("thing")
+    assert reg.group is None and reg.names() == []

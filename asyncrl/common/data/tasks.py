@@ -159,7 +159,7 @@ def prompt_group(
 
 # --------------------------------------------------------------------------- registry
 
-TASKS: Registry[type[Task]] = Registry("task")
+TASKS: Registry[type[Task]] = Registry("task", group="tasks")
 """Task classes by name (the config's ``task.name``)."""
 task_names = TASKS.names
 

@@ -98,7 +98,9 @@ class Environment(Protocol):
 
 EnvironmentFactory = Callable[[EpisodeRow, dict[str, Any]], Environment]
 ENVIRONMENTS: Registry[EnvironmentFactory] = Registry(
-    "environment", Contract("a class Env(row, options) with step(action) and score()", 2, methods=("step", "score"))
+    "environment",
+    Contract("a class Env(row, options) with step(action) and score()", 2, methods=("step", "score")),
+    group="environments",
 )
 """Environments by the name ``environment.name`` gives (or an import path ``package.module:Class``)."""
 register_environment = ENVIRONMENTS.register

@@ -68,7 +68,7 @@ class RewardError(RuntimeError):
 # --------------------------------------------------------------------------- registry
 
 REWARDS: Registry[RewardFn] = Registry(
-    "reward function", Contract("f(group, options) -> one score per response", args=2)
+    "reward function", Contract("f(group, options) -> one score per response", args=2), group="rewards"
 )
 """Reward functions by name; a config may also name one by import path ``package.module:function``."""
 register_reward = REWARDS.register

@@ -33,7 +33,6 @@ JUDGE_MEMORY_BYTES = 2 * 2**30
 """The child's address space beyond what it holds once started (``RLIMIT_AS``): ``10^{10^{10}}`` fails fast."""
 
 
-
 class _Overtime(BaseException):
     """The judge's timer went off: a ``BaseException``, so no ``except Exception`` in math-verify or sympy hides it."""
 

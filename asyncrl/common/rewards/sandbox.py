@@ -101,11 +101,19 @@ def _detect() -> Isolation:
 
 
 def _log_isolation(fence: Isolation) -> None:
-    fields = {"fence": fence.fence, "namespaces": ",".join(fence.namespaces) or "none", "user": fence.user,
-              "processes": fence.processes}
+    fields = {
+        "fence": fence.fence,
+        "namespaces": ",".join(fence.namespaces) or "none",
+        "user": fence.user,
+        "processes": fence.processes,
+    }
     if not fence.refused:
         log.info("sandbox isolation", **fields)
         return
-    log.warning("sandbox runs behind a weaker fence", **fields, refused=fence.refused,
-                action="let the reward worker create namespaces (root with CAP_SYS_ADMIN, or user namespaces "
-                "enabled: sysctl user.max_user_namespaces), or keep secrets and services out of its reach")
+    log.warning(
+        "sandbox runs behind a weaker fence",
+        **fields,
+        refused=fence.refused,
+        action="let the reward worker create namespaces (root with CAP_SYS_ADMIN, or user namespaces "
+        "enabled: sysctl user.max_user_namespaces), or keep secrets and services out of its reach",
+    )

@@ -96,13 +96,20 @@ def candidates() -> list[Isolation]:
     unshare = (tool("unshare"), *_NAMESPACES, "--")
     per_run, own_budget = f"a per-run uid ({UID_BASE} and up), no capabilities", f"RLIMIT_NPROC {MAX_PROCESSES}"
     user_namespaces = Isolation(
-        "user-namespaces", ("user", *_NAMESPACE_NAMES), "the worker's uid, root in its user namespace, no capabilities",
+        "user-namespaces",
+        ("user", *_NAMESPACE_NAMES),
+        "the worker's uid, root in its user namespace, no capabilities",
         "not limited: RLIMIT_NPROC never binds the host's root" if root else f"{own_budget} in its user namespace",
-        (*base, unshare[0], "--user", "--map-root-user", *unshare[1:]), per_run_uid=False,
+        (*base, unshare[0], "--user", "--map-root-user", *unshare[1:]),
+        per_run_uid=False,
     )
     worker_uid = Isolation(
-        "rlimits", (), "the worker's uid" + (" (root)" if root else ""),
-        "not limited: RLIMIT_NPROC would count the worker's own processes", base, per_run_uid=False,
+        "rlimits",
+        (),
+        "the worker's uid" + (" (root)" if root else ""),
+        "not limited: RLIMIT_NPROC would count the worker's own processes",
+        base,
+        per_run_uid=False,
     )
     if not root:
         return [user_namespaces, worker_uid]
@@ -138,12 +145,19 @@ def host_candidates(network: bool) -> list[Isolation]:
     base = (tool("setpriv"), "--pdeathsig", "KILL", "--")
     own = "its own PID namespace (it is the init)"
     user_namespaces = Isolation(
-        "user-namespaces", ("user", *names), "the actor's uid, root in its user namespace, no capabilities", own,
-        (*base, unshare[0], "--user", "--map-root-user", *unshare[1:], "--"), per_run_uid=False,
+        "user-namespaces",
+        ("user", *names),
+        "the actor's uid, root in its user namespace, no capabilities",
+        own,
+        (*base, unshare[0], "--user", "--map-root-user", *unshare[1:], "--"),
+        per_run_uid=False,
     )
     none = Isolation("none", (), "the actor's uid" + (" (root)" if root else ""), "the actor's", (), per_run_uid=False)
     if not root:
         return [user_namespaces, none]
     per_host = f"a per-host uid ({HOST_UID_BASE} and up), no capabilities"
-    return [Isolation("namespaces", names, per_host, own, (*base, *unshare, "--"), per_run_uid=True),
-            user_namespaces, none]
+    return [
+        Isolation("namespaces", names, per_host, own, (*base, *unshare, "--"), per_run_uid=True),
+        user_namespaces,
+        none,
+    ]

@@ -41,8 +41,12 @@ HARNESS = Path(__file__).resolve().with_name("sandbox_harness.py")  # compiled h
 _TAIL_BYTES = 2000
 _POLL_S = 0.01
 _DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
-_DEVICE_LINKS = (("/dev/fd", "/proc/self/fd"), ("/dev/stdin", "/proc/self/fd/0"),
-                 ("/dev/stdout", "/proc/self/fd/1"), ("/dev/stderr", "/proc/self/fd/2"))
+_DEVICE_LINKS = (
+    ("/dev/fd", "/proc/self/fd"),
+    ("/dev/stdin", "/proc/self/fd/0"),
+    ("/dev/stdout", "/proc/self/fd/1"),
+    ("/dev/stderr", "/proc/self/fd/2"),
+)
 _SYSTEM_FILES = ("/etc/ld.so.cache", "/etc/localtime")
 _RUN_COUNTER = itertools.count()
 
@@ -145,8 +149,9 @@ def _run(fence: Isolation, folder: Path, limits: Limits) -> _Outcome:
     return dataclasses.replace(_outcome(fence, report, timed_out, stderr), stdout=stdout)
 
 
-def _launch(launcher: tuple[str, ...], config: dict[str, object], report_fd: int, outputs: tuple[int, int],
-            wall_s: float) -> bool:
+def _launch(
+    launcher: tuple[str, ...], config: dict[str, object], report_fd: int, outputs: tuple[int, int], wall_s: float
+) -> bool:
     """Start stage 2 behind ``launcher``, wait up to ``wall_s``, kill its process group, reap; True when it timed out.
 
     No ``preexec_fn``: everything between fork and exec happens in ``setpriv`` and stage 2, never in this
@@ -258,9 +263,25 @@ def _sweep(uid: int) -> None:
     """``rlimits`` fence, root worker: kill every process of the run's uid, strays that left the process group too
     (``kill(-1)`` as that uid reaches exactly its processes, the caller aside)."""
     subprocess.run(
-        [tool("setpriv"), "--reuid", str(uid), "--regid", str(uid), "--clear-groups", "--",
-         sys.executable, "-I", "-S", "-c", "import os, contextlib\nwith contextlib.suppress(OSError): os.kill(-1, 9)"],
-        env={}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30,
+        [
+            tool("setpriv"),
+            "--reuid",
+            str(uid),
+            "--regid",
+            str(uid),
+            "--clear-groups",
+            "--",
+            sys.executable,
+            "-I",
+            "-S",
+            "-c",
+            "import os, contextlib\nwith contextlib.suppress(OSError): os.kill(-1, 9)",
+        ],
+        env={},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        timeout=30,
         check=False,
     )
 
@@ -268,8 +289,9 @@ def _sweep(uid: int) -> None:
 # --------------------------------------------------------------------------- stage 2's configuration
 
 
-def _stage2_config(folder: Path, rlimits: list[tuple[int, int, int]], uid: int | None, private_root: bool,
-                   report_fd: int) -> dict[str, object]:
+def _stage2_config(
+    folder: Path, rlimits: list[tuple[int, int, int]], uid: int | None, private_root: bool, report_fd: int
+) -> dict[str, object]:
     """Everything stage 2 needs, marshalled onto its command line (the same interpreter reads it; ``json`` would
     import ``re``, a few milliseconds of every run)."""
     read_only, links = _visible_paths()

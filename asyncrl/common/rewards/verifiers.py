@@ -63,7 +63,7 @@ MAX_RESPONSE_CHARS = 200
 
 
 VERIFIERS: Registry[Verifier] = Registry(
-    "verifier", Contract("f(response, answer, *, option=default) -> score", args=2)
+    "verifier", Contract("f(response, answer, *, option=default) -> score", args=2), group="verifiers"
 )
 """Rule verifiers by task name."""
 register_verifier = VERIFIERS.register

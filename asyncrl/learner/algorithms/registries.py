@@ -48,19 +48,25 @@ from asyncrl.learner.algorithms.types import (
 F = TypeVar("F", bound=Callable[..., Any])
 
 ADVANTAGES: Registry[AdvantageFn] = Registry(
-    "advantage estimator", Contract("f(inp: AdvantageInput, settings) -> AdvantageOutput", 1, ("settings",))
+    "advantage estimator",
+    Contract("f(inp: AdvantageInput, settings) -> AdvantageOutput", 1, ("settings",)),
+    group="advantages",
 )
 """``fn(inp: AdvantageInput, settings) -> AdvantageOutput`` by name."""
 LOSSES: Registry[LossFn] = Registry(
-    "policy loss", Contract("f(inp: LossInput, settings) -> LossOutput", 1, ("settings",))
+    "policy loss", Contract("f(inp: LossInput, settings) -> LossOutput", 1, ("settings",)), group="losses"
 )
 """``fn(inp: LossInput, settings) -> LossOutput`` by name."""
 AGGREGATIONS: Registry[AggregationFn] = Registry(
-    "loss aggregation", Contract("f(per_token_loss, response_mask, counts, settings) -> scalar", 3, ("settings",))
+    "loss aggregation",
+    Contract("f(per_token_loss, response_mask, counts, settings) -> scalar", 3, ("settings",)),
+    group="aggregations",
 )
 """``fn(per_token_loss [B, T], response_mask [B, T], counts: GlobalCounts, settings) -> scalar`` by name."""
 KL_ESTIMATORS: Registry[KLEstimatorFn] = Registry(
-    "KL estimator", Contract("f(logprobs, ref_logprobs, settings) -> per-token KL", 2, ("settings",))
+    "KL estimator",
+    Contract("f(logprobs, ref_logprobs, settings) -> per-token KL", 2, ("settings",)),
+    group="kl_estimators",
 )
 """``fn(logprobs [B, T], ref_logprobs [B, T], settings) -> [B, T]`` by name."""
 
