@@ -116,16 +116,17 @@ def check_data(
     strict: Annotated[bool, typer.Option("--strict", help="Exit 1 on warnings too.")] = False,
 ) -> None:
     """Check the run's data file (task.path), and its eval file (eval.path) when it evaluates one, under model.path's
-    tokenizer and chat template, before spending GPU hours: rows read and refused (every one, with its row and the
+    tokenizer and chat template, before spending GPU hours; a generated task (a built-in, a gym, a game) is checked
+    on 256 of its prompts drawn with run.seed. Reported: rows read and refused (every one, with its row and the
     run's reason), prompt and answer token lengths, prompts too long to serve, duplicate prompts, empty answers,
-    characters the tokenizer cannot encode, and whether the run's verifier gives each reference answer, as the
-    response, 1.0. Exit 1 when the run would refuse the file (a refused row; a prompt too long with task.overlong =
-    "refuse"; no row to serve) or a reward worker would fail every group of a row (the verifier raises on its
-    reference answer). Warnings exit 0, since the run trains on such a file as it is and a verifier need not accept
-    its own reference as a response (a LaTeX answer a response must box): duplicates, empty answers, rows
-    task.overlong = "skip" leaves out, answers longer than rollout.max_new_tokens, reference answers scoring below
-    1.0; --strict fails on them too. Exit 2: a config error (also: not a file task, no such file, no tokenizer at
-    model.path)."""
+    characters the tokenizer cannot encode, first observations of a multi-turn run that leave no room for a second
+    turn, and whether the run's verifier gives each reference answer, as the response, 1.0. Exit 1 when the run
+    would refuse the file (a refused row; a prompt too long with task.overlong = "refuse"; no row to serve) or a
+    reward worker would fail every group of a row (the verifier raises on its reference answer). Warnings exit 0,
+    since the run trains on such a file as it is and a verifier need not accept its own reference as a response (a
+    LaTeX answer a response must box): duplicates, empty answers, rows task.overlong = "skip" leaves out, answers
+    longer than rollout.max_new_tokens, reference answers scoring below 1.0; --strict fails on them too. Exit 2: a
+    config error (also: a task that cannot be made, no such file, no tokenizer at model.path)."""
     from asyncrl.common.cliutil import fail, load
     from asyncrl.learner import data_check, data_report
     from asyncrl.learner.preflight import check_config

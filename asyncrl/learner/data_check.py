@@ -49,6 +49,9 @@ if TYPE_CHECKING:
     from asyncrl.common.config import RunConfig
     from asyncrl.common.data.prompts import Prompter
 
+SECOND_TURN_TOKENS = 16
+"""The least a second model turn needs after the first: the environment's answer in the chat template's markers
+and a few tokens of reply."""
 MAX_LISTED = 10
 """Rows named per finding in the text report (``--json`` lists all)."""
 
@@ -63,7 +66,8 @@ NOT_A_RESPONSE = {
 
 
 class DataCheckError(ValueError):
-    """A run whose data cannot be checked as configured (exit 2): not a file task, no such file, no tokenizer."""
+    """A run whose data cannot be checked as configured (exit 2): a task that cannot be made, no such file, no
+    tokenizer."""
 
 
 @dataclass
@@ -123,6 +127,11 @@ class Report:
     empty_answers: list[str] = field(default_factory=list)
     unknown: dict[str, list[str]] = field(default_factory=dict)
     """Each character the tokenizer can only map to its unknown token, and the rows holding it."""
+    episode_tokens: int | None = None
+    """A multi-turn run's tokens after the prompt per episode (``environment.max_episode_tokens``; 0: up to
+    ``model.max_model_len``); None for one turn."""
+    no_second_turn: list[tuple[str, int]] = field(default_factory=list)
+    """``(row, prompt tokens)`` of each first observation that leaves no room for a second model turn."""
 
     def refuse(self, where: str, reason: str) -> None:
         self.refused.append((row_number(where), where, reason.removeprefix(f"{where}: ")))
@@ -131,6 +140,13 @@ class Report:
     def refused_rows(self) -> int:
         """Rows refused (not counting a refusal of the whole file)."""
         return sum(number > 0 for number, _, _ in self.refused)
+
+    def leaves_a_second_turn(self, prompt_tokens: int) -> bool:
+        """Whether after this prompt and a first model turn of ``max_new_tokens`` an episode still has room for an
+        observation and a second model turn (:data:`SECOND_TURN_TOKENS`)."""
+        room = self.max_model_len - prompt_tokens
+        room = min(room, self.episode_tokens) if self.episode_tokens else room
+        return room >= self.max_new_tokens + SECOND_TURN_TOKENS
 
     @property
     def limit_tokens(self) -> int:
@@ -155,13 +171,8 @@ def check_run_data(config: RunConfig) -> Report:
     from asyncrl.common.data.prompts import Prompter, PromptError
     from asyncrl.learner.dispatcher import task_options
 
-    if config.task.name != "file":
-        raise DataCheckError(
-            f'check-data checks a data file (task.name = "file", task.path); task {config.task.name!r} generates its '
-            "prompts"
-        )
-    path = Path(task_options(config.task)["path"])
-    if not path.exists():
+    generated = config.task.name != "file"
+    if not generated and not (path := Path(task_options(config.task)["path"])).exists():
         raise DataCheckError(f"{path}: no such file (task.path)")
     tokenizer = _tokenizer(config.model.path)
     try:
@@ -172,6 +183,8 @@ def check_run_data(config: RunConfig) -> Report:
     def answer_tokens(text: str) -> int:
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    if generated:
+        return check_generated(config, prompter, answer_tokens, run_verifiers(config))
     return check_file(config, prompter, answer_tokens, run_verifiers(config))
 
 
@@ -235,6 +248,7 @@ def check_file(
         max_model_len=config.model.max_model_len,
         max_new_tokens=config.rollout.max_new_tokens,
         checks=[SelfCheck(name, verify) for name, verify in verifiers],
+        episode_tokens=episode_tokens(config),
     )
     rows, unreadable = file_rows(Path(options["path"]), options["split"])
     lines = sum(where != "file" for where, _ in unreadable)
@@ -254,6 +268,54 @@ def check_file(
     report.duplicates = [group for group in texts.values() if len(group) > 1]
     report.refused.sort()
     return report
+
+
+GENERATED_ROWS = 256
+"""Prompts a generated task's check draws (with ``run.seed``): what the run's first steps will serve."""
+
+
+def check_generated(
+    config: RunConfig,
+    prompter: Prompter,
+    answer_tokens: Callable[[str], int],
+    verifiers: Iterable[tuple[str, Callable[[str, str], float]]],
+    rows: int = GENERATED_ROWS,
+) -> Report:
+    """A generated task (a built-in, a gym, a game) checked as a data file is: ``rows`` of its prompts, drawn with the
+    run's seed, through the same checks (characters the tokenizer cannot encode — a game's ``♥`` that would reach the
+    model as the unknown token —, lengths, answers, the verifiers). Prompts that repeat are not reported: a generated
+    task repeats by design."""
+    import random
+
+    from asyncrl.common.data.tasks import get_task, task_label
+    from asyncrl.learner.dispatcher import task_options
+
+    try:
+        task = get_task(config.task.name, **task_options(config.task)).fresh()
+    except (ValueError, ImportError) as exc:
+        raise DataCheckError(f"task {config.task.name!r} cannot be made: {exc}") from None
+    report = Report(
+        file=f"task {task_label(config.task)!r}: {rows} prompts drawn with run.seed = {config.run.seed}",
+        model=config.model.path,
+        chat=prompter.chat,
+        overlong=config.task.overlong,
+        max_model_len=config.model.max_model_len,
+        max_new_tokens=config.rollout.max_new_tokens,
+        checks=[SelfCheck(name, verify) for name, verify in verifiers],
+        read=rows,
+        checked=rows,
+        episode_tokens=episode_tokens(config),
+    )
+    rng = random.Random(config.run.seed)
+    for i in range(rows):
+        _check_example(report, prompter, answer_tokens, f"row {i + 1}", task.sample(rng), {})
+    report.refused.sort()
+    return report
+
+
+def episode_tokens(config: RunConfig) -> int | None:
+    """:attr:`Report.episode_tokens` of the run."""
+    return config.environment.max_episode_tokens if config.rollout.workflow == "multi_turn" else None
 
 
 def _check_example(
@@ -284,6 +346,8 @@ def _check_example(
     report.prompt_tokens.append(n)
     if n > report.limit_tokens:
         report.too_long.append((where, n))
+    elif report.episode_tokens is not None and not report.leaves_a_second_turn(n):
+        report.no_second_turn.append((where, n))
 
 
 def _note_unknown(report: Report, prompter: Prompter, where: str, example: TaskExample) -> None:

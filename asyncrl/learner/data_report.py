@@ -37,6 +37,8 @@ def warnings(report: Report) -> list[str]:
         out.append(f"{_rows(len(report.empty_answers))} with an empty answer")
     if report.long_answers:
         out.append(f"{_rows(len(report.long_answers))} with an answer longer than rollout.max_new_tokens")
+    if report.no_second_turn:
+        out.append(f"{_rows(len(report.no_second_turn))} whose first observation leaves no room for a second turn")
     for check in report.checks:
         if check.below:
             out.append(f"verifier {check.verifier!r} scores {len(check.below)} reference answer(s) below 1.0")
@@ -85,6 +87,7 @@ def as_json(report: Report, strict: bool = False) -> dict[str, Any]:
         "overlong": report.overlong,
         "too_long": [{"row": where, "tokens": n} for where, n in report.too_long],
         "long_answers": [{"row": where, "tokens": n} for where, n in report.long_answers],
+        "no_second_turn": [{"row": where, "tokens": n} for where, n in report.no_second_turn],
         "duplicates": [
             {"rows": [where for where, _ in group], "same_answer": len({a for _, a in group}) == 1}
             for group in report.duplicates
@@ -146,6 +149,11 @@ def _finding_lines(report: Report) -> list[str]:
     findings = [
         (f"too long to serve (task.overlong = {report.overlong!r}: {action})", _named(report.too_long, "tokens")),
         ("answers longer than rollout.max_new_tokens", _named(report.long_answers, "tokens")),
+        (
+            "no room for a second turn after a first one of rollout.max_new_tokens (model.max_model_len, "
+            "environment.max_episode_tokens): the episode ends after the model's first turn",
+            _named(report.no_second_turn, "tokens"),
+        ),
         ("duplicate prompts", [_duplicate(group) for group in report.duplicates]),
         ("empty answers", report.empty_answers),
         *(

@@ -219,7 +219,7 @@ def test_exit_status(tmp_path: Path, tiny_model_dir: Path) -> None:
         (settings(tmp_path / "no-model", clean), "cannot load its tokenizer"),
         (settings(tiny_model_dir, clean, verifier="nope"), "unknown verifier 'nope'"),
         (settings(tiny_model_dir, clean, "task.chat=true"), "no chat template"),
-        (["--set", "task.name=arithmetic"], "check-data checks a data file"),
+        (["--set", f"model.path={tiny_model_dir}", "--set", "task.options={max_digits=99}"], "max_digits"),
     ]:
         code, _, err = check(*args)
         assert code == 2 and said in err, (args, err)
@@ -290,3 +290,36 @@ def test_the_self_check_binds_the_runs_verifier_with_its_options(tmp_path: Path,
     config = verifier_config(data, tiny_model_dir, "code_tests")
     (code,) = check_file(config, prompter, len, run_verifiers(config)).checks
     assert code.checked == 0 and "sandbox" in code.note
+
+
+def test_a_generated_task_is_checked_on_its_drawn_prompts(tmp_path: Path, tiny_model_dir: Path, chat_model_dir) -> None:
+    """A task that generates its prompts (here a game that deals cards as ``♥``) is checked as a file is, on 256 of
+    its prompts drawn with run.seed: a character the tokenizer can only map to its unknown token fails it, as it does
+    a file's row. And a multi-turn run whose first observation plus a first turn of rollout.max_new_tokens fills
+    model.max_model_len is warned about: its episodes could never reach a second turn."""
+    import random
+
+    from asyncrl.common.data.tasks import TASKS, Task, TaskExample, register_task
+    from asyncrl.common.rewards.verifiers import VERIFIERS, get_verifier, register_verifier
+
+    with TASKS.snapshot(), VERIFIERS.snapshot():
+        register_verifier("hearts")(get_verifier("arithmetic"))
+
+        @register_task("hearts")
+        class Hearts(Task):
+            def sample(self, rng: random.Random) -> TaskExample:
+                n = rng.randint(1, 9)
+                return TaskExample(prompt=f"{'♥' * (n % 2)}{n}+1=", answer=str(n + 1))
+
+        code, out, _ = check("--set", f"model.path={tiny_model_dir}", "--set", "task.name=hearts")
+        assert code == 1, out
+        assert "check-data: task 'hearts': 256 prompts drawn with run.seed = 0" in out
+        assert "unknown to the tokenizer: '♥' (U+2665)" in out and "duplicate prompts" not in out
+
+        long_turns = ["rollout.workflow=multi_turn", "environment.name=calculator", "model.max_model_len=64"]
+        sets = [f"model.path={chat_model_dir}", "task.name=hearts", *long_turns]
+        code, out, _ = check(*(a for x in [*sets, "rollout.max_new_tokens=40"] for a in ("--set", x)))
+        assert code == 0 and "no room for a second turn" in out and out.endswith("exit 0: 1 warning(s)\n"), out
+        code, out, _ = check(*(a for x in [*sets, "rollout.max_new_tokens=8"] for a in ("--set", x)))
+        assert code == 0 and "no room for a second turn" not in out, out
+
