@@ -39,8 +39,8 @@ from asyncrl.actors.remote_environments import RemoteEnvironments
 from asyncrl.actors.reward_peers import PeerDiscovery, RewardPeers
 from asyncrl.actors.weights_follower import WeightsFollower
 from asyncrl.actors.workflows import WorkflowContext, check_workflow
-from asyncrl.common.cliutil import REFUSED_EXIT_CODE
 from asyncrl.common.config import RunConfig
+from asyncrl.common.exit_codes import ExitCode
 from asyncrl.common.observability.audit import Audit
 from asyncrl.common.observability.logs import get_logger
 from asyncrl.common.observability.metrics import (
@@ -402,7 +402,7 @@ def run_actor(config: RunConfig, redis_url: str, actor_id: str | None = None) ->
     except EngineRefused as exc:  # a setting no restart will change: exit 2, as a refused config
         log.error("actor refused the run's settings", actor=actor.actor_id, problem=str(exc))
         print(f"error: {exc}", file=sys.stderr)
-        return REFUSED_EXIT_CODE
+        return ExitCode.REFUSED
     except Exception as exc:
         if (outage := outage_in(exc)) is None:
             raise

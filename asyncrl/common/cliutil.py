@@ -11,14 +11,11 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
+from asyncrl.common.exit_codes import ExitCode
 from asyncrl.common.observability.logs import configure
 
-REFUSED_EXIT_CODE = 2
-"""Exit status of a process that refused a setting before it started its work: :func:`fail`'s, and an actor's whose
-engine cannot generate (``actors/rollout.py``); ``rl-launch`` stops a run every actor refused."""
 
-
-def fail(message: str, code: int = REFUSED_EXIT_CODE) -> NoReturn:
+def fail(message: str, code: int = ExitCode.REFUSED) -> NoReturn:
     """Print a one-paragraph error for a person (no traceback) and exit."""
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(code)

@@ -76,7 +76,7 @@ exit "$code"
 """``sh -c`` script of the learner's container (:func:`learner_job`): ``--resume latest`` as :data:`LEARNER_RESUME`
 adds it, and the container's exit status is the learner's — under torchrun, whose own is 1 for any failed rank, the
 status of the rank that failed first (the others are then stopped by torchrun's SIGTERM) — so that the Job's
-``podFailurePolicy`` tells a refused config (2, ``cliutil.REFUSED_EXIT_CODE``) from what another pod may mend (3: no
+``podFailurePolicy`` tells a refused config (2, ``ExitCode.REFUSED``) from what another pod may mend (3: no
 actors left, 75: Redis gone, 143: SIGTERM, 1: a crash). Not ``exec``: the shell stays as the container's pid 1,
 passes SIGTERM on and waits (pid 1 ignores a signal it has no handler for)."""
 

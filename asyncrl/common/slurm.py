@@ -27,9 +27,6 @@ from asyncrl.common.config.slurm import SlurmSection
 
 TIME_LIMIT_SIGNAL = "USR1"
 """What Slurm sends the batch step ``stop_before_end_s`` before the time limit (SIGTERM is ``scancel``'s)."""
-STOPPED_EARLY_EXIT_CODE = 143
-"""The learner's exit status when a signal stopped it before the run finished (``--sigterm-exit-code``): the job
-requeues only such a learner, never a finished run."""
 
 
 @dataclass(frozen=True)

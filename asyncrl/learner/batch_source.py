@@ -65,10 +65,6 @@ class StepInterrupted(Exception):
     """SIGTERM arrived while the learner waited for a batch: the entries read so far stay pending for the next run."""
 
 
-NO_ACTORS_EXIT_CODE = 3
-"""``rl-learner train``'s exit status after :class:`NoActorsLeft` (a checkpoint was saved)."""
-
-
 class NoActorsLeft(StepInterrupted):
     """No rollout actor, or no reward worker, alive for ``learner.no_actors_s``: nobody can make a batch, so the
     learner saves a checkpoint and stops instead of waiting out ``wait_for_batch_s``."""

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from asyncrl.common.cliutil import RedisFileOpt, RedisOpt, listed_briefly
+from asyncrl.common.exit_codes import ExitCode
 from asyncrl.learner.actor_commands import check_engine_serving, rl_actor_check, rl_actor_command
 
 if TYPE_CHECKING:
@@ -311,7 +312,7 @@ def train(
     With data.source = "preferences": offline DPO on the file data.path (no Redis, no actors)."""
     from asyncrl.common.cliutil import fail, given_redis_url, load
     from asyncrl.common.plane.redis_server import EmbeddedRedis
-    from asyncrl.learner.batch_source import NO_ACTORS_EXIT_CODE, NoActorsLeft
+    from asyncrl.learner.batch_source import NoActorsLeft
     from asyncrl.learner.preflight import check_config
     from asyncrl.learner.resuming import says_finished, started_refusal, verified_checkpoint
 
@@ -354,7 +355,7 @@ def train(
             raise typer.Exit(sigterm_exit_code)
     except NoActorsLeft as exc:
         typer.echo(f"learner stopped: {exc}", err=True)
-        raise typer.Exit(NO_ACTORS_EXIT_CODE) from None
+        raise typer.Exit(ExitCode.NO_WORKERS) from None
     except Exception as exc:
         from asyncrl.common.plane.outage import exit_for_outage, outage_in
         from asyncrl.learner import ranks

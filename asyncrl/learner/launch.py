@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from asyncrl.common.cliutil import REFUSED_EXIT_CODE, listed_briefly
+from asyncrl.common.cliutil import listed_briefly
+from asyncrl.common.exit_codes import ExitCode
 
 if TYPE_CHECKING:
     from asyncrl.common.config import RunConfig
@@ -180,7 +181,7 @@ def run(
             code = _run_children(children, resolved, server, config, overrides, (actors, rewards, pins), learner_args)
         finally:
             children.stop_all()
-    if code == INTERRUPTED_EXIT_CODE:
+    if code == ExitCode.INTERRUPTED:
         from asyncrl.learner.resuming import how_to_go_on
 
         typer.echo(how_to_go_on(resolved, config, set_), err=True)
@@ -296,7 +297,6 @@ def _follow(
     started here has exited and no other actor serves the run."""
     import sys
 
-    from asyncrl.learner.batch_source import NO_ACTORS_EXIT_CODE
     from asyncrl.learner.children import ActorsGone, Progress, tail_metrics, why_it_failed
 
     metrics = resolved.run_dir / "metrics.jsonl"
@@ -316,7 +316,7 @@ def _follow(
                 "fix the setting each names, then run again",
                 err=True,
             )
-            return REFUSED_EXIT_CODE
+            return ExitCode.REFUSED
         if gone is not None and gone.all_gone():
             progress.end()
             typer.echo(
@@ -325,20 +325,20 @@ def _follow(
                 "with --resume latest",
                 err=True,
             )
-            return NO_ACTORS_EXIT_CODE
+            return ExitCode.NO_WORKERS
         if (last := tail_metrics(metrics)) is not None:
             progress.show(last)
     progress.end()
     if learner.poll() is None:
-        return INTERRUPTED_EXIT_CODE
-    if learner.returncode == OUTAGE_EXIT_CODE:
+        return ExitCode.INTERRUPTED
+    if learner.returncode == ExitCode.REDIS_OUTAGE:
         typer.echo(
             "learner stopped: Redis was unreachable for longer than transport.redis_outage_s "
             f"({resolved.transport.redis_outage_s:g}s); run again with --resume latest once Redis can start; "
             f"see {resolved.run_dir / 'logs' / 'learner.log'}",
             err=True,
         )
-    elif learner.returncode == NO_ACTORS_EXIT_CODE:  # the learner's own line names the kind that is gone
+    elif learner.returncode == ExitCode.NO_WORKERS:  # the learner's own line names the kind that is gone
         said = children.log_path("learner").read_text(errors="replace").splitlines()
         line = next((x for x in reversed(said) if x.startswith("learner stopped:")), "learner stopped: no workers")
         typer.echo(f"{line} (why each one ended is above)", err=True)
@@ -348,16 +348,12 @@ def _follow(
 
 
 def refused_by_every_actor(children, actors: int) -> bool:
-    """Every rollout actor this launcher started exited with :data:`REFUSED_EXIT_CODE`: each refused the run's
+    """Every rollout actor this launcher started exited with :data:`ExitCode.REFUSED`: each refused the run's
     settings before its engine started (``rl-actor``'s checks), so none will ever generate."""
     codes = [children.procs[f"actor-{i}"].poll() for i in range(actors)]
-    return bool(codes) and all(code == REFUSED_EXIT_CODE for code in codes)
+    return bool(codes) and all(code == ExitCode.REFUSED for code in codes)
 
 
-INTERRUPTED_EXIT_CODE = 130
-"""``rl-launch run``'s exit status after Ctrl-C (or SIGTERM), as a shell reports an interrupted command."""
-OUTAGE_EXIT_CODE = 75
-"""A child's exit status when Redis stayed down past ``transport.redis_outage_s`` (``common/plane/outage.py``)."""
 
 
 def _serve(server: EmbeddedRedis, resolved: RunConfig) -> int:

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from asyncrl.common.config import RunConfig
+from asyncrl.common.exit_codes import ExitCode
 from asyncrl.common.observability.logs import get_logger
-from asyncrl.common.slurm import STOPPED_EARLY_EXIT_CODE, actor_nodes, actor_step, actors_per_node
+from asyncrl.common.slurm import actor_nodes, actor_step, actors_per_node
 from asyncrl.common.transport.net import ADVERTISE_HOST_ENV
 
 log = get_logger("slurm")
@@ -100,8 +101,6 @@ def resume_args(resolved: RunConfig) -> list[str]:
     return ["--resume", "latest"]
 
 
-NOT_SHARED_EXIT_CODE = 2
-"""The job's exit status when an actor node cannot read the run folder (a refused setting, as the CLIs' 2)."""
 
 
 def unshared_nodes(nodes: list[str], url_file: Path) -> list[str]:
@@ -149,9 +148,9 @@ def run_job(config: Path | None, overrides: list[str], run_redis, run_children) 
                 nodes=",".join(missing),
                 action="put run.root (and the folder you submit from) on the cluster's shared filesystem",
             )
-            return NOT_SHARED_EXIT_CODE
+            return ExitCode.REFUSED
         placement = SrunActors(resolved, nodes, learner_prefix(resolved.slurm.learner_ranks))
-        learner_args = [*resume_args(resolved), "--sigterm-exit-code", str(STOPPED_EARLY_EXIT_CODE)]
+        learner_args = [*resume_args(resolved), "--sigterm-exit-code", str(ExitCode.STOPPED_EARLY)]
         children = Children(resolved.run_dir / "logs")
         counts = (0, resolved.slurm.rewards, {})
         try:
@@ -163,6 +162,6 @@ def run_job(config: Path | None, overrides: list[str], run_redis, run_children) 
             # can still take the sync; then the others.
             children.stop_all(resolved.weight_sync.timeout_s + 120, first=("learner",))
         learner_code = children.procs["learner"].returncode
-    if signals.time_limit and learner_code == STOPPED_EARLY_EXIT_CODE and resolved.slurm.requeue:
+    if signals.time_limit and learner_code == ExitCode.STOPPED_EARLY and resolved.slurm.requeue:
         requeue(os.environ.get("SLURM_JOB_ID", ""))
     return learner_code if code == 130 else code

@@ -15,9 +15,8 @@ from pathlib import Path
 import typer
 
 from asyncrl.common.config import RunConfig
+from asyncrl.common.exit_codes import ExitCode
 from asyncrl.common.slurm import JobFiles, added_actors_script, batch_script
-
-SUBMIT_FAILED_EXIT_CODE = 1
 
 
 def job_files(config: Path | None, overrides: list[str], resolved: RunConfig) -> JobFiles:
@@ -102,7 +101,7 @@ def submit(
     done = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
     if done.returncode:
         typer.echo(f"sbatch refused the job: {done.stderr.strip() or done.stdout.strip()}", err=True)
-        return SUBMIT_FAILED_EXIT_CODE
+        return ExitCode.FAILED
     job_id = done.stdout.strip().split(";")[0]
     typer.echo(
         f"submitted job {job_id} {'of actors ' if add_actors else ''}for run {resolved.run.name!r} ({path}); "

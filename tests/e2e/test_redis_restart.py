@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from asyncrl.common.deploy import ALIVE_ENV
+from asyncrl.common.exit_codes import ExitCode
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.keys import connect
-from asyncrl.common.plane.outage import OUTAGE_EXIT_CODE
 from tests.helpers.accounting import account_groups
 from tests.helpers.stack import BIN, ONE_PROCESS_ENGINE, ROOT, Processes, _steps, _wait
 
@@ -114,7 +114,7 @@ def stop_past_the_limit(run: Run) -> dict:
     killed = kill_redis(run)
     stopped = {}
     for name in PROCESSES:
-        assert run.procs.procs[name].wait(180) == OUTAGE_EXIT_CODE, run.procs.log(name)[-3000:]
+        assert run.procs.procs[name].wait(180) == ExitCode.REDIS_OUTAGE, run.procs.log(name)[-3000:]
         stopped[name] = round(time.monotonic() - killed, 1)
         text = run.procs.log(name)
         assert "Redis unreachable for longer than transport.redis_outage_s; stopping" in text, text[-3000:]

@@ -20,16 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.common.exit_codes import ExitCode
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.keys import RunKeys, connect
-from asyncrl.common.plane.outage import (
-    OUTAGE_EXIT_CODE,
-    OutageClock,
-    RedisUnavailable,
-    exit_for_outage,
-    outage_clock,
-    settling,
-)
+from asyncrl.common.plane.outage import OutageClock, RedisUnavailable, exit_for_outage, outage_clock, settling
 from asyncrl.common.plane.prompt_ledger import add_counts
 from asyncrl.common.plane.redis_server import EmbeddedRedis, EmbeddedRedisError, is_redis_server
 from asyncrl.common.plane.replay import ReplayReader
@@ -213,7 +207,8 @@ def test_past_the_limit_a_client_raises_a_clear_error_and_recovers_later(tmp_pat
         with pytest.raises(RedisUnavailable):  # already past the limit: at once, one attempt and no retry
             client.get("k")
         assert len(seen) == tried + 1
-        assert exit_for_outage(RedisUnavailable("127.0.0.1:1/0", 2.5, 2, "refused"), "test") == OUTAGE_EXIT_CODE == 75
+        outage = RedisUnavailable("127.0.0.1:1/0", 2.5, 2, "refused")
+        assert exit_for_outage(outage, "test") == ExitCode.REDIS_OUTAGE == 75
         server.process.wait()
         server.restart()
         assert client.get("k") == b"v"  # the first success ends the outage

@@ -39,8 +39,8 @@ import pytest
 import yaml
 
 from asyncrl.common import deploy
-from asyncrl.common.cliutil import REFUSED_EXIT_CODE
 from asyncrl.common.config import RewardSection, load_config
+from asyncrl.common.exit_codes import ExitCode
 from asyncrl.common.plane.keys import RunKeys
 
 pytestmark = pytest.mark.integration  # kubectl kustomize and a redis-server run as processes
@@ -755,8 +755,8 @@ def test_the_learner_is_a_job_that_cannot_loop_on_a_finished_run(overlay: str) -
     assert (spec["completions"], spec["parallelism"]) == (1, 1) and spec["backoffLimit"] >= 1
     assert spec["template"]["spec"]["restartPolicy"] == "Never" and spec["podReplacementPolicy"] == "Failed"
     fail, ignore = spec["podFailurePolicy"]["rules"]
-    assert fail["action"] == "FailJob" and fail["onExitCodes"]["values"] == [REFUSED_EXIT_CODE]
-    assert fail["onExitCodes"] == {"containerName": "learner", "operator": "In", "values": [REFUSED_EXIT_CODE]}
+    assert fail["action"] == "FailJob" and fail["onExitCodes"]["values"] == [ExitCode.REFUSED]
+    assert fail["onExitCodes"] == {"containerName": "learner", "operator": "In", "values": [ExitCode.REFUSED]}
     assert ignore == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
     claim = one(objects, "PersistentVolumeClaim", "asyncrl-runs")
     assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
@@ -846,7 +846,7 @@ def test_a_refused_config_fails_the_learner_job_at_once(overlay: str, tmp_path: 
     proc = start_learner_container(objects, tmp_path, 'preset = "demo"\n[learner]\nstesp = 10\n')
     code = proc.wait(timeout=120)
     stderr = (tmp_path / "stderr").read_text()
-    assert code == REFUSED_EXIT_CODE and code in fail_job_codes(objects), (code, stderr)
+    assert code == ExitCode.REFUSED and code in fail_job_codes(objects), (code, stderr)
     assert "error: invalid config: learner.stesp: unknown field" in stderr, stderr  # the first rank to refuse it
     under_torchrun = int(run_settings(objects)["nproc_per_node"]) > 1
     assert ("torch/distributed/run.py" in stderr) == under_torchrun, stderr  # torchrun's own lines

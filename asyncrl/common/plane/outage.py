@@ -1,5 +1,5 @@
 """Living through a Redis restart: every client waits for Redis, with back-off, for ``transport.redis_outage_s``; past
-that the process exits with :data:`OUTAGE_EXIT_CODE` and says what to do.
+that the process exits with :data:`ExitCode.REDIS_OUTAGE` and says what to do.
 
 A ``redis-server`` killed (even ``kill -9``) and started again on its AOF with the same port and password has every
 key, stream entry and consumer-group pending list it had logged, and the embedded one (``common/plane/redis_server.py``)
@@ -54,13 +54,12 @@ from redis.backoff import EqualJitterBackoff
 from redis.exceptions import AuthenticationError
 from redis.retry import Retry
 
+from asyncrl.common.exit_codes import ExitCode
 from asyncrl.common.observability.logs import get_logger
 
 log = get_logger("redis")
 T = TypeVar("T")
 
-OUTAGE_EXIT_CODE = 75
-"""Exit status of a process that gave up waiting for Redis (``EX_TEMPFAIL`` of sysexits.h: try again later)."""
 WHAT_TO_DO = (
     "restart Redis on its AOF with the same port and password (`rl-launch redis CONFIG` on the run folder does: "
     "it reuses runs/<name>/redis/url), then resume the run: `rl-learner train CONFIG --resume latest` (or "
@@ -258,7 +257,7 @@ def exit_for_outage(outage: RedisUnavailable, process: str) -> int:
         redis=outage.address,
         down_s=round(outage.down_s, 1),
         limit_s=outage.limit_s,
-        exit_code=OUTAGE_EXIT_CODE,
+        exit_code=ExitCode.REDIS_OUTAGE,
         action=WHAT_TO_DO,
     )
-    return OUTAGE_EXIT_CODE
+    return ExitCode.REDIS_OUTAGE
