@@ -65,7 +65,7 @@ def heartbeat(redis_client, run: str, worker_id: str, state: str | None = None) 
 
 
 START_TIMEOUT_S = 180
-"""How long a worker may take to say it is ready: a wait for it, never a claim about its speed."""
+"""How long a worker may take to say it is ready, or to exit: a wait for it, never a claim about its speed."""
 
 
 def wait_for(probe, proc: subprocess.Popen, log: Path, what: str, timeout_s: float = 60):
@@ -84,6 +84,7 @@ def read_replay(redis_client, run: str, count: int, timeout_s: float = 30) -> li
 
 
 def stop(proc: subprocess.Popen, log: Path) -> None:
-    """SIGTERM, then the exit status must be 0 within a few seconds."""
+    """SIGTERM, then the exit status must be 0 (waited for up to :data:`START_TIMEOUT_S`: a worker niced beside the
+    serial chain once took over 20 s to exit; how fast it leaves is not what the callers check)."""
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(20) == 0, log.read_text()
+    assert proc.wait(START_TIMEOUT_S) == 0, log.read_text()

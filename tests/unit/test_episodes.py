@@ -203,8 +203,12 @@ def test_a_template_that_rewrites_earlier_turns_is_refused() -> None:
     )
     encoder = TurnEncoder(tokenizer, turn_end_id(tokenizer))
     assert encoder.text([{"role": "tool", "content": "1"}]).startswith("\n<|im_start|>tool")  # no reasoning: fine
+    with pytest.raises(TemplateError, match=r"drops the model's past reasoning \(<think>…</think>\) once a later"):
+        TurnEncoder.for_tokenizer(tokenizer)  # the probe with reasoning finds it
     with pytest.raises(TemplateError, match="rewrites earlier turns"):
         TurnEncoder.for_tokenizer(_with_probe_reasoning(tokenizer))
+    for name in ("qwen2", "llama"):  # templates that keep each turn as written pass both probes
+        TurnEncoder.for_tokenizer(build_bpe_tokenizer(name))
 
 
 def _with_probe_reasoning(tokenizer):

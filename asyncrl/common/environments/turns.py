@@ -11,7 +11,9 @@ are the maximal runs of equal mask values (:func:`segments`), alternating model 
 second rendering adds after the assistant's end of turn. That is correct exactly when the template extends a
 conversation by appending (ChatML, Llama 3, Mistral do). A template that rewrites earlier turns — a thinking model's
 template that drops the ``<think>`` blocks of past assistant turns — does not, and is refused when the encoder is
-made (:class:`TemplateError`) rather than training on a conversation the model would never see rendered that way.
+made (:class:`TemplateError`) rather than training on a conversation the model would never see rendered that way. The
+encoder probes twice: a plain assistant turn, and one that holds reasoning (a thinking model's template leaves the
+first alone and rewrites only the second).
 
 Both the actor (which builds the episode) and the reward worker (which replays the environment on the model's turns
 to score it) use this module, so both read a model turn as the same text: :func:`turn_text`.
@@ -36,6 +38,8 @@ never trained (``actors/faults.py``)."""
 
 Message = dict[str, str]
 _PROBE = "asyncrl-episode-probe"
+_THINKING = "<think>\nasyncrl-reasoning-probe\n</think>\n\n"
+"""A model turn's reasoning as thinking models write it before their answer."""
 
 
 class TemplateError(ValueError):
@@ -62,7 +66,26 @@ class TurnEncoder:
             )
         encoder = cls(tokenizer, turn_end_id(tokenizer))
         encoder.ids([{"role": "user", "content": "probe"}])  # refuses a template that rewrites earlier turns
+        encoder.check_past_reasoning_kept()
         return encoder
+
+    def check_past_reasoning_kept(self) -> None:
+        """:class:`TemplateError` when the template renders an assistant turn that holds reasoning
+        (``<think>…</think>``) one way while it is the last turn and another once a later turn follows — as thinking
+        models' templates do (Qwen3's drops the reasoning of every assistant turn before the last user turn). Kept as
+        appended tokens, every later turn of an episode would be trained on the reasoning the served model never sees
+        again (the plain probe, without reasoning, passes such a template)."""
+        base = [{"role": "user", "content": "1"}, {"role": "assistant", "content": _THINKING + _PROBE}]
+        before = self._render(base, generation_prompt=False)
+        after = self._render([*base, {"role": "user", "content": "2"}], generation_prompt=True)
+        if not after.startswith(before):
+            raise TemplateError(
+                "the chat template drops the model's past reasoning (<think>…</think>) once a later turn follows (a "
+                "thinking model's template, such as Qwen3's, does): kept as appended tokens, each later turn of an "
+                "episode would be trained on reasoning the model is never served with; give model.path a chat "
+                "template that renders past assistant turns as they were written (Qwen3's without its branch that "
+                "strips reasoning before the last user turn)"
+            )
 
     @property
     def turn_end(self) -> str:
