@@ -173,13 +173,16 @@ class ActorsGone:
     def __init__(self, children, actors: int, redis_url: str, run: str) -> None:
         self.children, self.names = children, [f"actor-{i}" for i in range(actors)]
         self.redis_url, self.run = redis_url, run
+        self._plane: ControlPlane | None = None
 
     def all_gone(self) -> bool:
         procs = self.children.procs
         if not self.names or any(procs[name].poll() is None for name in self.names):
             return False
+        if self._plane is None:  # asked every second from the launcher's loop, which also restarts a dead Redis:
+            self._plane = ControlPlane(connect(self.redis_url, outage_s=2.0), self.run)  # never wait long on it
+        plane = self._plane
         try:
-            plane = ControlPlane(connect(self.redis_url), self.run)
             if plane.run.finished() is not None:
                 return False
             live, _ = plane.registry.processes()
