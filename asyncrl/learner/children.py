@@ -170,14 +170,14 @@ class ActorsGone:
     exited, the run did not finish (its actors exit when it does), and no actor started elsewhere (``rl-actor`` by
     hand) still heartbeats. Redis is only asked once the launched actors are all gone."""
 
-    def __init__(self, children, actors: int, redis_url: str, run: str) -> None:
-        self.children, self.names = children, [f"actor-{i}" for i in range(actors)]
+    def __init__(self, procs: dict[str, subprocess.Popen], actors: int, redis_url: str, run: str) -> None:
+        self.procs, self.names = procs, [f"actor-{i}" for i in range(actors)]
+        """The launcher's children by name (:attr:`Children.procs`), the actors among them ``actor-<i>``."""
         self.redis_url, self.run = redis_url, run
         self._plane: ControlPlane | None = None
 
     def all_gone(self) -> bool:
-        procs = self.children.procs
-        if not self.names or any(procs[name].poll() is None for name in self.names):
+        if not self.names or any(self.procs[name].poll() is None for name in self.names):
             return False
         if self._plane is None:  # asked every second from the launcher's loop, which also restarts a dead Redis:
             self._plane = ControlPlane(connect(self.redis_url, outage_s=2.0), self.run)  # never wait long on it

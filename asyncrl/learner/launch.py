@@ -301,7 +301,7 @@ def _follow(
 
     metrics = resolved.run_dir / "metrics.jsonl"
     progress, told = Progress(resolved.learner.steps, sys.stderr), set()
-    gone = None if restarts_actors else ActorsGone(children, actors, server.url, resolved.run.name)
+    gone = None if restarts_actors else ActorsGone(children.procs, actors, server.url, resolved.run.name)
     while not stop.wait(1.0) and learner.poll() is None:
         if (restarted := server.keep_up()) is not None:
             children.keep(restarted)  # ours, not a stray a child left behind

@@ -4,6 +4,7 @@ then) or an actor started by hand still serves it. Real child processes and the 
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -11,29 +12,32 @@ import pytest
 
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.wire.messages import Heartbeat
-from asyncrl.learner.children import ActorsGone, Children
+from asyncrl.learner.children import ActorsGone
 
 pytestmark = pytest.mark.integration
 
 
-def _children(tmp_path: Path, lives: list[bool]) -> Children:
-    children = Children(tmp_path / "logs")
+def _actors(lives: list[bool]) -> dict[str, subprocess.Popen]:
+    """Child processes named as the launcher names its actors: one that lasts for each True, one that has exited for
+    each False (the launcher's own children, without making this process a subreaper as ``Children`` does)."""
+    procs = {}
     for i, lasts in enumerate(lives):
         code = "import time; time.sleep(60)" if lasts else "pass"
-        children.start(f"actor-{i}", [sys.executable, "-c", code])
-    for i, lasts in enumerate(lives):
+        procs[f"actor-{i}"] = subprocess.Popen([sys.executable, "-c", code])
+    for proc, lasts in zip(procs.values(), lives, strict=True):
         if not lasts:
-            children.procs[f"actor-{i}"].wait(30)
-    return children
+            proc.wait(30)
+    return procs
 
 
 def test_the_run_has_no_actor_once_every_launched_one_exited(tmp_path: Path, redis_server, redis_client) -> None:
-    children = _children(tmp_path, [False, True])
+    procs = _actors([False, True])
     try:
-        gone = ActorsGone(children, 2, redis_server.url, "run")
+        gone = ActorsGone(procs, 2, redis_server.url, "run")
         assert not gone.all_gone()  # actor-1 lives
     finally:
-        children.stop_all(timeout_s=5)
+        procs["actor-1"].kill()
+        procs["actor-1"].wait()
     assert gone.all_gone()
     plane = ControlPlane(redis_client, "run")
     plane.registry.beat(Heartbeat(process_id="actor-9", kind="actor", state="ready"), ttl_s=30)
@@ -45,5 +49,4 @@ def test_the_run_has_no_actor_once_every_launched_one_exited(tmp_path: Path, red
 
 
 def test_a_run_launched_with_no_actor_never_stops_for_that(tmp_path: Path, redis_server) -> None:
-    children = _children(tmp_path, [])
-    assert not ActorsGone(children, 0, redis_server.url, "run").all_gone()
+    assert not ActorsGone(_actors([]), 0, redis_server.url, "run").all_gone()
