@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -30,7 +29,7 @@ def _actors(lives: list[bool]) -> dict[str, subprocess.Popen]:
     return procs
 
 
-def test_the_run_has_no_actor_once_every_launched_one_exited(tmp_path: Path, redis_server, redis_client) -> None:
+def test_the_run_has_no_actor_once_every_launched_one_exited(redis_server, redis_client) -> None:
     procs = _actors([False, True])
     try:
         gone = ActorsGone(procs, 2, redis_server.url, "run")
@@ -48,5 +47,5 @@ def test_the_run_has_no_actor_once_every_launched_one_exited(tmp_path: Path, red
     assert not gone.all_gone()  # a finished run's actors exit by themselves
 
 
-def test_a_run_launched_with_no_actor_never_stops_for_that(tmp_path: Path, redis_server) -> None:
+def test_a_run_launched_with_no_actor_never_stops_for_that(redis_server) -> None:
     assert not ActorsGone(_actors([]), 0, redis_server.url, "run").all_gone()
