@@ -265,8 +265,11 @@ class Broadcaster:
             try:
                 figures.update(self._send(flats))
             except WeightSyncError as exc:
-                self._evict_absent(exc)
+                evicted = self._evict_absent(exc)
                 figures["failed"] = 1.0
+                if self.audit is not None:  # the trail says what metrics.jsonl may never get to (a stop right after)
+                    self.audit.record("weights.failed", version=manifest.version, epoch=manifest.group_epoch,
+                                      evicted=evicted)  # fmt: skip
                 # at once, not at the next step's publish: actors waiting for this version sample with what they hold
                 self.plane.run.set_sending(self.plane.run.version())
         figures["seconds"] = time.perf_counter() - start
@@ -301,7 +304,9 @@ class Broadcaster:
         figures["bytes"] = float(self.group.send_packed(flats))
         return figures
 
-    def _evict_absent(self, exc: WeightSyncError) -> None:
+    def _evict_absent(self, exc: WeightSyncError) -> list[str]:
+        """Evict the members that did not come to the failed transfer (for the next ``EVICT_SYNCS`` syncs), abandon its
+        formation, and return them."""
         formation = self.manifest  # the last published: the formation that failed
         assert formation is not None  # _transfer published it before it sent
         absent = sorted({formation.owner_of(r) for r in absent_ranks(self.store, self.epoch, formation.world_size)})
@@ -319,6 +324,7 @@ class Broadcaster:
         )
         self.group = None
         self.members, self.member_ranks = [], []
+        return absent
 
 
 def _previous_manifest(plane: ControlPlane) -> WeightManifest | None:

@@ -352,6 +352,7 @@ def _versions_served(run: Cluster, left: dict[str, float]) -> dict[str, list[int
     None while one is missing (an actor records a load after the learner's last step)."""
     events = run.events()
     failed = {int(r["sync/version"]) for r in run.rows() if r.get("sync/failed") and "sync/version" in r}
+    failed |= {int(e["version"]) for e in events if e["event"] == "weights.failed"}  # a stop may beat its row
     assert not [e for e in events if e["event"] == "weights.refused"]
     published: dict[str, set[int]] = {}
     loaded: dict[str, set[int]] = {}

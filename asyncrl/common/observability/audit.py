@@ -80,6 +80,8 @@ EVENTS = {
     "process.left": "a process said goodbye (removed its heartbeat)",
     "process.lost": "the learner found a process's heartbeat expired (it died without leaving)",
     "weights.published": "the learner sent a policy version: its digest and the members of the weight group",
+    "weights.failed": "a policy version's transfer failed: it was not published as the actors' version; the actors "
+    "it evicted",
     "weights.loaded": "an actor loaded a policy version: its digest",
     "weights.refused": "an actor refused a policy version (its digest did not match)",
     "checkpoint.written": "a checkpoint folder is complete: step, reason, files, bytes, manifest sha256",
