@@ -161,17 +161,24 @@ def _processes_of(run_dir: Path) -> list[str]:
 
 
 def _not_loaded(events: list[dict], failed: set[int], stopped: dict[str, float]) -> dict[str, set[int]]:
-    """Per actor, the versions published to it whose transfer went through (not in ``failed``) that it did not load;
-    an actor told to stop (``stopped``: when) may miss those published after."""
+    """Per actor, the versions published to it whose transfer went through (not in ``failed``) that it did not load.
+    An actor told to stop (``stopped``: when) may miss those published after that, and those published after its last
+    load: one killed between receiving a version and loading it (its step's SIGKILL lands within milliseconds)."""
     published: dict[str, set[int]] = collections.defaultdict(set)
     loaded: dict[str, set[int]] = collections.defaultdict(set)
+    last_load: dict[str, float] = {}  # a stopped actor's last load before it was told (its id may serve again later)
+    for e in events:
+        if e["event"] == "weights.loaded":
+            actor = e["who"]["process"]
+            loaded[actor].add(int(e["version"]))
+            if e["unix"] <= stopped.get(actor, 0.0):
+                last_load[actor] = e["unix"]
     for e in events:
         if e["event"] == "weights.published":
             for member in e["members"]:
-                if e["unix"] < stopped.get(member, float("inf")):
+                excused = member in stopped and e["unix"] > min(stopped[member], last_load.get(member, 0.0))
+                if not excused:
                     published[member].add(int(e["version"]))
-        elif e["event"] == "weights.loaded":
-            loaded[e["who"]["process"]].add(int(e["version"]))
     return {actor: versions - failed - loaded[actor] for actor, versions in published.items()}
 
 
