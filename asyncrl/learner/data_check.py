@@ -240,16 +240,7 @@ def check_file(
     from asyncrl.learner.dispatcher import task_options
 
     options = task_options(config.task)
-    report = Report(
-        file=str(options["path"]),
-        model=config.model.path,
-        chat=prompter.chat,
-        overlong=config.task.overlong,
-        max_model_len=config.model.max_model_len,
-        max_new_tokens=config.rollout.max_new_tokens,
-        checks=[SelfCheck(name, verify) for name, verify in verifiers],
-        episode_tokens=episode_tokens(config),
-    )
+    report = _report(config, prompter, verifiers, str(options["path"]))
     rows, unreadable = file_rows(Path(options["path"]), options["split"])
     lines = sum(where != "file" for where, _ in unreadable)
     report.read = len(rows) + lines
@@ -294,23 +285,30 @@ def check_generated(
         task = get_task(config.task.name, **task_options(config.task)).fresh()
     except (ValueError, ImportError) as exc:
         raise DataCheckError(f"task {config.task.name!r} cannot be made: {exc}") from None
-    report = Report(
-        file=f"task {task_label(config.task)!r}: {rows} prompts drawn with run.seed = {config.run.seed}",
+    drawn = f"task {task_label(config.task)!r}: {rows} prompts drawn with run.seed = {config.run.seed}"
+    report = _report(config, prompter, verifiers, drawn)
+    report.read = report.checked = rows
+    rng = random.Random(config.run.seed)
+    for i in range(rows):
+        _check_example(report, prompter, answer_tokens, f"row {i + 1}", task.sample(rng), {})
+    report.refused.sort()
+    return report
+
+
+def _report(
+    config: RunConfig, prompter: Prompter, verifiers: Iterable[tuple[str, Callable[[str, str], float]]], file: str
+) -> Report:
+    """An empty report of the run's data source ``file`` under the run's limits and verifiers."""
+    return Report(
+        file=file,
         model=config.model.path,
         chat=prompter.chat,
         overlong=config.task.overlong,
         max_model_len=config.model.max_model_len,
         max_new_tokens=config.rollout.max_new_tokens,
         checks=[SelfCheck(name, verify) for name, verify in verifiers],
-        read=rows,
-        checked=rows,
         episode_tokens=episode_tokens(config),
     )
-    rng = random.Random(config.run.seed)
-    for i in range(rows):
-        _check_example(report, prompter, answer_tokens, f"row {i + 1}", task.sample(rng), {})
-    report.refused.sort()
-    return report
 
 
 def episode_tokens(config: RunConfig) -> int | None:
