@@ -46,11 +46,13 @@ def resolve(
     actors."""
     from asyncrl.common.cliutil import given_redis_url, load
     from asyncrl.common.config import bind_refusal, write_resolved
-    from asyncrl.learner.preflight import check_config
+    from asyncrl.learner.preflight import check_config, missing_model_folder
 
     resolved = load(config, set_, check=check_config)
     if (refusal := bind_refusal(resolved)) is not None:  # only a warning: a worker's host may name its own keys
         typer.echo(f"warning: {refusal} (a worker whose host names its keys in $ASYNCRL_CURVE_* binds it)", err=True)
+    if (missing := missing_model_folder(resolved.model.path)) is not None:  # the learner's host may hold it
+        typer.echo(f"warning: {missing}", err=True)
     if resolved.data.source == "rollouts" and Path(resolved.model.path).is_dir():  # what the checks read; DPO: none
         check_engine_serving(config, set_)
     print(resolved.to_json())
@@ -313,10 +315,12 @@ def train(
     from asyncrl.common.cliutil import fail, given_redis_url, load
     from asyncrl.common.plane.redis_server import EmbeddedRedis
     from asyncrl.learner.batch_source import NoActorsLeft
-    from asyncrl.learner.preflight import check_config
+    from asyncrl.learner.preflight import check_config, missing_model_folder
     from asyncrl.learner.resuming import says_finished, started_refusal, verified_checkpoint
 
     resolved = load(config, set_, check=check_config)
+    if (missing := missing_model_folder(resolved.model.path)) is not None:
+        fail(missing)
     if resolved.data.source == "preferences":
         if resume:
             fail("--resume is for runs that train from rollouts; offline DPO (data.source = 'preferences') has none")

@@ -64,7 +64,7 @@ def _run_redis(
     from asyncrl.common.plane.keys import connect
     from asyncrl.common.plane.redis_server import EmbeddedRedis, EmbeddedRedisError
     from asyncrl.common.private import private_dir
-    from asyncrl.learner.preflight import check_config
+    from asyncrl.learner.preflight import check_config, missing_model_folder
 
     overrides = list(overrides or [])
     if curve:
@@ -74,6 +74,8 @@ def _run_redis(
         before_start(resolved)
     if binds_here and (refusal := bind_refusal(resolved)) is not None:  # not once the learner has started
         fail(f"invalid config: {refusal}")
+    if check_model and (missing := missing_model_folder(resolved.model.path)) is not None:
+        fail(missing)
     if check_model and Path(resolved.model.path).is_dir():  # a hub name is the engine's to fetch and check
         from asyncrl.learner.model_check import check_model_folder
 

@@ -45,6 +45,20 @@ def model_context(config_json: dict) -> tuple[int, str] | None:
     return length, key
 
 
+def missing_model_folder(path: str) -> str | None:
+    """The refusal of a ``model.path`` that names no folder on this host and cannot be a Hugging Face repo id
+    (``name`` or ``namespace/name``: at most one slash, no leading ``/``, ``.`` or ``~``), which the engine and the
+    learner would otherwise try to fetch minutes into the run; None for a folder here or a repo id."""
+    if Path(path).is_dir():
+        return None
+    if not (path.startswith(("/", ".", "~")) or path.count("/") > 1):
+        return None  # a repo id: the model loaders fetch it (or say why they cannot)
+    return (
+        f"model.path: {path} is not a folder on this host (nor a Hugging Face repo id, which is namespace/name); "
+        "point model.path at the model's folder, or make a tiny one there with rl-learner init-model CONFIG"
+    )
+
+
 def check_model_context(config: RunConfig) -> int | None:
     """``model.max_model_len`` within the context of the model folder; raises ``ValueError`` naming the setting and
     the fix. Returns the context (None where unknown): a path that is not a local folder with a ``config.json`` is

@@ -25,6 +25,17 @@ def test_rl_launch_refuses_a_max_model_len_beyond_the_models_context_before_star
     assert not (tmp_path / "runs" / "long" / "redis").exists()  # no server was started
 
 
+def test_rl_launch_refuses_a_model_path_that_is_no_folder_before_starting_anything(tmp_path: Path) -> None:
+    sets = [f"run.root={tmp_path / 'runs'}", "run.name=nowhere", "model.path=runs/models/not-made-yet"]
+    command = [BIN / "rl-launch", "run", ROOT / "configs/demo.toml", *(a for s in sets for a in ("--set", s))]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "model.path: runs/models/not-made-yet is not a folder" in lines[0], lines
+    assert "rl-learner init-model CONFIG" in lines[0]
+    assert not (tmp_path / "runs" / "nowhere").exists()  # nothing was written or started
+
+
 def test_an_actor_refuses_a_head_size_vllm_cpu_cannot_run_before_its_engine_starts(
     tmp_path: Path, redis_server, redis_client
 ) -> None:

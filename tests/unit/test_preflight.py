@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.common.config import load_config
-from asyncrl.learner.preflight import check_model_context, model_context
+from asyncrl.learner.preflight import check_model_context, missing_model_folder, model_context
 
 
 def folder_with(tmp_path: Path, config_json: dict) -> Path:
@@ -43,3 +43,16 @@ def test_a_path_without_a_readable_config_is_left_to_the_engine(tmp_path: Path) 
     check_model_context(load_config(None, ["model.path=org/model-on-a-hub", "model.max_model_len=4096"]))
     (tmp_path / "config.json").write_text("{not json")
     check_model_context(load_config(None, [f"model.path={tmp_path}", "model.max_model_len=4096"]))
+
+
+@pytest.mark.parametrize("path", ["runs/models/tiny-arith", "/no/such/model", "./model", "../model", "~/model"])
+def test_a_local_path_that_names_no_folder_is_refused_naming_init_model(path: str) -> None:
+    refusal = missing_model_folder(path)
+    assert refusal is not None and refusal.startswith(f"model.path: {path} is not a folder")
+    assert "rl-learner init-model CONFIG" in refusal
+
+
+@pytest.mark.parametrize("path", ["gpt2", "Qwen/Qwen2.5-0.5B-Instruct"])
+def test_a_repo_id_or_a_folder_is_left_to_the_loaders(path: str, tmp_path: Path) -> None:
+    assert missing_model_folder(path) is None
+    assert missing_model_folder(str(tmp_path)) is None
