@@ -167,6 +167,26 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         prefetch.stop(build)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.stash[_CPU_AT_START] = _cpu_seconds()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """The teardown report carries the test's CPU seconds (:func:`_cpu_seconds`), for the summary's costliest modules."""
+    outcome = yield
+    if call.when == "teardown" and _CPU_AT_START in item.stash:
+        outcome.get_result().user_properties.append(("cpu_s", _cpu_seconds() - item.stash[_CPU_AT_START]))
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process and of every child process it has waited for, with theirs: what a
+    test spent, counted when its processes end (a module's shared servers are counted with its last test)."""
+    own, children = os.times()[:2], os.times()[2:4]
+    return sum(own) + sum(children)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     """The run's own cost: the start-ups it paid and its slowest tests (set-up, call and teardown together)."""
     counter = config.stash.get(_COUNTER, None)
@@ -177,11 +197,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     for line in counter.report(config.stash[_STARTED]):
         terminalreporter.write_line(line)
     spent: dict[str, float] = {}
+    cpu: dict[str, float] = {}
     spans: list[tuple[str, float, float]] = []
     for reports in terminalreporter.stats.values():
         for report in reports:
             if isinstance(report, pytest.TestReport):
                 spent[report.nodeid] = spent.get(report.nodeid, 0.0) + report.duration
+                module = report.nodeid.split("::", 1)[0]
+                cpu[module] = cpu.get(module, 0.0) + dict(report.user_properties).get("cpu_s", 0.0)
                 if runs_serially(report.nodeid):  # only the serial chain starts engines: the others ran beside it
                     spans.append((report.nodeid, report.start, report.stop))
     engines = counter.by_module("vLLM engines", spans)
@@ -190,9 +213,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         terminalreporter.write_line(f"vLLM engines by module: {paid}")
     for nodeid, seconds in sorted(spent.items(), key=lambda kv: -kv[1])[:SLOWEST]:
         terminalreporter.write_line(f"{seconds:8.1f}s  {nodeid}")
+    terminalreporter.write_line(f"CPU seconds of the tests' processes: {sum(cpu.values()):.0f}; the costliest modules:")
+    for module, seconds in sorted(cpu.items(), key=lambda kv: -kv[1])[:SLOWEST]:
+        chain = "chain " if runs_serially_in(Path(module)) else "beside"
+        terminalreporter.write_line(f"{seconds:8.1f} CPU s  {chain}  {module}")
 
 
 _COUNTER = pytest.StashKey[StartupCounter]()
+_CPU_AT_START = pytest.StashKey[float]()
 _STARTED = pytest.StashKey[float]()
 _BUILDS = pytest.StashKey[dict]()
 
