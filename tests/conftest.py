@@ -174,7 +174,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
-    """The teardown report carries the test's CPU seconds (:func:`_cpu_seconds`), for the summary's costliest modules."""
+    """The teardown report carries the test's CPU seconds (:func:`_cpu_seconds`): the summary's costliest modules."""
     outcome = yield
     if call.when == "teardown" and _CPU_AT_START in item.stash:
         outcome.get_result().user_properties.append(("cpu_s", _cpu_seconds() - item.stash[_CPU_AT_START]))
