@@ -53,6 +53,7 @@ from asyncrl.common.environments.protocol import (
 )
 from asyncrl.common.observability.logs import get_logger
 from asyncrl.common.observability.metrics import ACTOR_ENVIRONMENT_MOVES
+from asyncrl.common.wire.attestation import AttestedStep, EpisodeAttestation
 
 log = get_logger("environment_host")
 MAX_STUCK = 8
@@ -233,29 +234,49 @@ class HostedEnvironment:
     (:class:`~asyncrl.common.environments.protocol.EnvironmentLost`), it is made again from the same row on another
     worker, its steps are replayed there, and the request is sent again, up to :data:`MAX_MOVES` times. Environments are
     deterministic given their row and seed (the reward worker's replay relies on it as well); one whose replayed steps
-    differ from the first ones fails its episode."""
+    differ from the first ones fails its episode.
+
+    An environment that cannot be replayed is one whose worker signs its answers (its ``make`` answer names the
+    signer): it keeps each signed answer (:attr:`attestation`, which the episode carries to be scored) and never moves,
+    since no other worker could vouch for the steps it took; losing its worker fails the episode at once."""
 
     _keys = itertools.count(1)
 
-    def __init__(self, host: Any, key: str, fields: dict[str, Any]) -> None:
+    def __init__(self, host: Any, key: str, fields: dict[str, Any], made: dict[str, Any] | None = None) -> None:
         self.host, self.key = host, key
         self._make_fields = fields
         self._steps: list[tuple[str, dict[str, Any]]] = []  # (action, what the step answered)
+        made = made or {}
+        signer, episode = str(made.get("signer", "")), str(made.get("episode", ""))
+        self.attestation = EpisodeAttestation(signer, episode) if signer else None
+        """What the worker signed so far; None for an environment whose worker signs nothing (a replayable one)."""
 
     @classmethod
-    async def open(cls, host: Any, row: EpisodeRow) -> HostedEnvironment:
+    async def open(cls, host: Any, row: EpisodeRow, identity: dict[str, Any] | None = None) -> HostedEnvironment:
+        """The environment of ``row`` made in ``host``; ``identity`` (``group_id``, ``index``) says which episode it is
+        for, which a worker signs with what an environment that cannot be replayed says."""
         key = f"e{next(cls._keys)}"
         fields = {"name": host.section.name, "options": host.section.options, "row": dataclasses.asdict(row)}
-        await host.call_async("make", episode=key, **fields)
-        return cls(host, key, fields)
+        if identity is not None:
+            fields["identity"] = identity
+        made = await host.call_async("make", episode=key, **fields)
+        return cls(host, key, fields, made)
 
     async def step(self, action: str) -> Step:
-        answer = _step_fields(await self._call("step", action=action))
+        answered = await self._call("step", action=action)
+        answer = _step_fields(answered)
         self._steps.append((action, answer))
+        if self.attestation is not None:
+            signed = AttestedStep(answer["observation"], answer["reward"], answer["done"], _signature(answered))
+            self.attestation = dataclasses.replace(self.attestation, steps=(*self.attestation.steps, signed))
         return Step(**answer)
 
     async def score(self) -> float:
-        return float((await self._call("score"))["score"])
+        answered = await self._call("score")
+        score = float(answered["score"])
+        if self.attestation is not None:
+            self.attestation = dataclasses.replace(self.attestation, score=score, score_signature=_signature(answered))
+        return score
 
     def close(self) -> None:
         """Forget the environment in the child (nothing waits for the answer)."""
@@ -266,6 +287,10 @@ class HostedEnvironment:
             try:
                 return await self.host.call_async(op, episode=self.key, **fields)
             except EnvironmentLost as exc:
+                if self.attestation is not None:
+                    raise EnvironmentFailed(
+                        f"{exc}; this environment cannot be replayed, so its episode cannot move to another worker"
+                    ) from exc
                 if moves >= MAX_MOVES:
                     raise
                 log.warning("environment lost with its worker; making it again elsewhere", episode=self.key, error=exc)
@@ -288,6 +313,14 @@ class HostedEnvironment:
 
 MAX_MOVES = 2
 """Times an episode's environment may move to another worker before the episode ends as an environment error."""
+
+
+def _signature(answer: dict[str, Any]) -> str:
+    """The signature a worker put on ``answer``; :class:`EnvironmentFailed` when it put none."""
+    signature = answer.get("signature")
+    if not isinstance(signature, str):
+        raise EnvironmentFailed("the reward worker signed this environment's make but not this answer")
+    return signature
 
 
 def _step_fields(answer: dict[str, Any]) -> dict[str, Any]:

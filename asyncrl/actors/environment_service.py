@@ -7,10 +7,16 @@ sealed with the run secret, CURVE like its PULL socket) next to its PULL socket 
 (:class:`~asyncrl.actors.environment_host.EnvironmentHost`), so one that crashes, hangs or eats memory ends only its own
 episode, and neither the worker nor any actor's engine.
 
-Requests: ``make`` (a dataset row), ``step`` (the model's turn), ``score``, ``close``. Which environment is made, and
-with which options, is the worker's own config (``environment.name``, ``environment.options``), never the request's.
-Episodes are kept per client, so two actors' episode keys never meet. An episode nobody has touched for
-:data:`IDLE_S` (its actor died or left without closing it) is forgotten.
+Requests: ``make`` (a dataset row, and which episode of which group it is for), ``step`` (the model's turn),
+``score``, ``close``. Which environment is made, and with which options, is the worker's own config
+(``environment.name``, ``environment.options``), never the request's. Episodes are kept per client, so two actors'
+episode keys never meet. An episode nobody has touched for :data:`IDLE_S` (its actor died or left without closing it)
+is forgotten.
+
+An environment that cannot be replayed (``replayable = False``) is served with a notary
+(``actors/environment_notary.py``): its ``make`` must name the episode (``identity``: group id and index), and its
+``step`` and ``score`` answers carry the worker's signature (``common/wire/attestation.py``), which the reward worker
+that scores the episode checks instead of replaying it.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from asyncrl.actors.environment_host import EnvironmentHost
+from asyncrl.actors.environment_notary import Notary
 from asyncrl.common.config import EnvironmentSection, RunConfig
 from asyncrl.common.environments.protocol import EnvironmentFailed, EpisodeRow
 from asyncrl.common.observability.logs import get_logger
@@ -37,7 +44,7 @@ OPS = ("make", "step", "score", "close")
 IDLE_S = 900.0
 """An episode not stepped for this long is forgotten: its actor is gone (an actor's own episode deadline,
 ``environment.episode_timeout_s``, ends live ones long before)."""
-MAX_KEY_CHARS, MAX_ACTION_CHARS = 128, 1_000_000
+MAX_KEY_CHARS, MAX_ACTION_CHARS, MAX_SAMPLES = 128, 1_000_000, 4096
 
 
 def serves_environments(config: RunConfig) -> bool:
@@ -65,7 +72,7 @@ def request_fields(request: dict[str, Any]) -> dict[str, Any]:
             EpisodeRow(**row)
         except TypeError:  # a field missing or unknown, or a key that is not a string
             raise BadRequest(needs) from None
-        return {"row": row}
+        return {"row": row, **episode_identity(request)}
     if op == "step":
         action = request.get("action")
         if not isinstance(action, str) or len(action) > MAX_ACTION_CHARS:
@@ -74,11 +81,37 @@ def request_fields(request: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
+def episode_identity(request: dict[str, Any]) -> dict[str, Any]:
+    """A ``make`` request's ``identity`` field (the episode's ``group_id`` and ``index``), checked; ``{}`` when it has
+    none (an actor from before it, where the environment is replayable)."""
+    if "identity" not in request:
+        return {}
+    identity = request["identity"]
+    if not (
+        isinstance(identity, dict)
+        and set(identity) == {"group_id", "index"}
+        and isinstance(identity["group_id"], str)
+        and 0 < len(identity["group_id"]) <= MAX_KEY_CHARS
+        and type(identity["index"]) is int
+        and 0 <= identity["index"] < MAX_SAMPLES
+    ):
+        raise BadRequest(f"make's identity must be a group_id of 1-{MAX_KEY_CHARS} characters and an index")
+    return {"identity": identity}
+
+
 class EnvironmentService:
     """Serves environment requests on a ROUTER socket from a thread of its own (module docstring)."""
 
-    def __init__(self, section: EnvironmentSection, seal: Seal | None, host: EnvironmentHost | None = None) -> None:
+    def __init__(
+        self,
+        section: EnvironmentSection,
+        seal: Seal | None,
+        host: EnvironmentHost | None = None,
+        notary: Notary | None = None,
+    ) -> None:
         self.section = section
+        self.notary = notary
+        """Signs every answer when the environment cannot be replayed; None when it can."""
         refused = ENVIRONMENT_REQUESTS.labels("unsealed", "refused").inc
         self.socket = ReplySocket("environments", seal, on_refused=refused)
         self.host = host or EnvironmentHost(section)
@@ -129,6 +162,11 @@ class EnvironmentService:
     def _dispatch(self, client: bytes, request: dict[str, Any]) -> None:
         try:
             fields = request_fields(request)
+            if request["op"] == "make" and self.notary is not None and "identity" not in fields:
+                raise BadRequest(
+                    "make needs the episode's identity (group_id and index): this environment cannot be replayed, "
+                    "so what it says is signed for one episode"
+                )
         except BadRequest as exc:
             ENVIRONMENT_REQUESTS.labels("invalid", "refused").inc()
             self._replies.put((client, {"id": request["id"], "error": f"refused: {exc}"}))
@@ -136,8 +174,7 @@ class EnvironmentService:
         op: str = request["op"]  # one of OPS: request_fields checked it
         key = f"{client.hex()}/{request['episode']}"
         if op == "close":
-            self._last_used.pop(key, None)
-            self.host.forget("close", episode=key)
+            self._forget(key)
             ENVIRONMENT_REQUESTS.labels(op, "ok").inc()
             return
         self._last_used[key] = time.monotonic()
@@ -151,10 +188,13 @@ class EnvironmentService:
         return done
 
     async def _answer(self, op: str, key: str, fields: dict[str, Any]) -> dict[str, Any]:
+        identity = fields.pop("identity", None)  # the notary's, never the environment process's
         if op == "make":  # the worker's own environment and options, whatever the request says
             fields = {"name": self.section.name, "options": self.section.options, **fields}
         try:
             answer = await self.host.call_async(op, episode=key, **fields)
+            if self.notary is not None:
+                answer = self._notarized(op, key, fields, answer, identity)
         except EnvironmentFailed as exc:
             ENVIRONMENT_REQUESTS.labels(op, "failed").inc()
             return {"error": str(exc)}
@@ -164,8 +204,26 @@ class EnvironmentService:
         ENVIRONMENT_REQUESTS.labels(op, "ok").inc()
         return answer
 
+    def _notarized(
+        self, op: str, key: str, fields: dict[str, Any], answer: dict[str, Any], identity: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        """``answer`` with what the notary adds: its key and the environment's id (``make``), a signature (``step``,
+        ``score``)."""
+        assert self.notary is not None
+        if op == "make":
+            assert identity is not None  # _dispatch refused a make without one
+            return {**answer, **self.notary.made(key, identity)}
+        if op == "step":
+            return self.notary.stepped(key, fields["action"], answer)
+        return self.notary.scored(key, answer)
+
+    def _forget(self, key: str) -> None:
+        self._last_used.pop(key, None)
+        if self.notary is not None:
+            self.notary.forget(key)
+        self.host.forget("close", episode=key)
+
     def _forget_idle(self, now: float) -> None:
         for key in [k for k, used in self._last_used.items() if now - used > IDLE_S]:
-            del self._last_used[key]
-            self.host.forget("close", episode=key)
+            self._forget(key)
             log.info("forgot an environment nobody stepped", episode=key, idle_s=IDLE_S)

@@ -24,6 +24,7 @@ from asyncrl.common.config import RunConfig
 from asyncrl.common.data.evaluation import eval_examples, eval_groups, round_figures
 from asyncrl.common.data.prompts import Prompter
 from asyncrl.common.data.tasks import task_label
+from asyncrl.common.environments.protocol import is_replayable
 from asyncrl.common.observability.logs import get_logger
 from asyncrl.common.rewards.functions import bind_functions, combine, episode_options
 from asyncrl.common.wire.messages import PromptGroup, RolloutGroup, ScoredGroup
@@ -50,6 +51,7 @@ def evaluate(config: RunConfig, model: str | Path, samples: Path | None = None) 
 
     from asyncrl.actors.engine import RolloutEngine
 
+    check_scored_offline(config)
     folder = model_folder(model)
     # a LoRA run's checkpoint exports its adapters merged (hf/): the folder is the whole policy
     model_section = config.model.model_copy(update={"path": str(folder)})
@@ -75,6 +77,17 @@ def evaluate(config: RunConfig, model: str | Path, samples: Path | None = None) 
     for stamp in ("eval/policy_min", "eval/policy_max"):  # every token is stamped 0 here: the folder is the policy
         figures.pop(stamp, None)
     return {"model": str(folder), **figures}
+
+
+def check_scored_offline(config: RunConfig) -> None:
+    """``ValueError`` for a run whose episodes only its reward workers can score: an environment that cannot be
+    replayed is scored from what they signed, and this command runs none."""
+    name = config.environment.name
+    if config.rollout.workflow == "multi_turn" and not is_replayable(name):
+        raise ValueError(
+            f"environment.name = {name!r} cannot be replayed (replayable = False): its episodes are scored from what "
+            "the run's reward workers signed, and rl-actor eval runs none; evaluate it in the run (eval.every)"
+        )
 
 
 def write_samples(path: Path, scored: list[ScoredGroup]) -> None:

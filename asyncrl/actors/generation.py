@@ -41,6 +41,9 @@ class Response:
     trained: list[int] = field(default_factory=list)
     """Per token, 1 = sampled by the model (trained), 0 = written into the episode by an environment or a tool (not
     trained); empty = every token was sampled."""
+    attestation: str = ""
+    """An episode's: what the reward worker that ran its environment signed (``RolloutGroup.attestations``); ``""``
+    for none."""
 
 
 class Generator(Protocol):
@@ -103,6 +106,7 @@ def rollout_group(
     loss_mask = np.zeros(0, np.int32)  # every token trained
     if any(r.trained for r in responses):
         loss_mask = np.array([x for r in responses for x in r.trained or [1] * len(r.token_ids)], np.int32)
+    attestations = [r.attestation for r in responses] if any(r.attestation for r in responses) else []
     return RolloutGroup(
         group_id=group.group_id,
         task=group.task,
@@ -121,4 +125,5 @@ def rollout_group(
         extra=group.extra,
         purpose=group.purpose,
         loss_mask=loss_mask,
+        attestations=attestations,
     )

@@ -8,7 +8,8 @@ later request of that episode goes to the same worker. The actor tells it which 
 or whose connection dropped (a worker that dies drops it at once) fails with
 :class:`~asyncrl.common.environments.protocol.EnvironmentLost`, and
 :class:`~asyncrl.actors.environment_host.HostedEnvironment` then makes the environment again on another worker and
-replays the episode's steps there. Every request has ``environment.step_timeout_s``.
+replays the episode's steps there (or, for an environment that cannot be replayed, fails the episode). Every request
+has ``environment.step_timeout_s``.
 
 One thread owns the sockets (ZeroMQ sockets are not thread-safe): it sends what the episodes queue, polls for
 replies, and hands each to the future its request waits on.
@@ -205,7 +206,7 @@ def _settle(future: Future, outcome: Any) -> None:
 
 
 def _wire_fields(op: str, fields: dict[str, Any]) -> dict[str, Any]:
-    """What a request carries: the episode key, and the row (``make``) or the turn (``step``). Never the
-    environment's name or options: the worker makes what its own config names."""
-    keep = {"make": ("row",), "step": ("action",)}.get(op, ())
-    return {"episode": fields["episode"], **{k: fields[k] for k in keep}}
+    """What a request carries: the episode key, and the row and which episode of which group it is for (``make``)
+    or the turn (``step``). Never the environment's name or options: the worker makes what its own config names."""
+    keep = {"make": ("row", "identity"), "step": ("action",)}.get(op, ())
+    return {"episode": fields["episode"], **{k: fields[k] for k in keep if k in fields}}

@@ -25,7 +25,10 @@ says where the PULL socket is bound (``endpoint``) and the worker's state, which
 
 Environments: with ``environment.isolation = "workers"`` in a multi-turn run the worker also serves the episodes'
 environments to every actor (``actors/environment_service.py``), on a port of its own that its heartbeat advertises
-(``environment_endpoint``).
+(``environment_endpoint``), with the public key of the Ed25519 key pair it made at start
+(``environment_signing_key``; the private key never leaves this process). It signs what an environment that cannot be
+replayed says, and scores such an environment's episodes by checking the signatures, made with a key some reward
+worker of the run advertised since this one started (``common/wire/attestation.py``), instead of replaying them.
 
 A finished run (its learner took the last step) stops the worker as SIGTERM does, within a few seconds.
 
@@ -37,6 +40,7 @@ in hand and exits 1: only a new process frees those threads.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import signal
@@ -46,11 +50,13 @@ from pathlib import Path
 
 import numpy as np
 
+from asyncrl.actors.environment_notary import Notary
 from asyncrl.actors.environment_service import EnvironmentService, serves_environments
 from asyncrl.actors.episodes import EpisodeMismatch, environment_host, replay_time_limit
 from asyncrl.actors.timed_calls import CallTimedOut, TimedCalls, WorkerStalled
 from asyncrl.common.config import RewardFunction, RunConfig
 from asyncrl.common.data.tasks import task_label
+from asyncrl.common.environments.protocol import is_replayable
 from asyncrl.common.observability.audit import Audit
 from asyncrl.common.observability.logs import get_logger, worth_logging
 from asyncrl.common.observability.metrics import (
@@ -75,6 +81,7 @@ from asyncrl.common.rewards.response_text import ResponseTexts
 from asyncrl.common.transport.channel import PullChannel
 from asyncrl.common.transport.curve import CurveServer
 from asyncrl.common.transport.net import advertise_host, advertised_endpoint
+from asyncrl.common.wire.attestation import KnownSigners, Signer
 from asyncrl.common.wire.messages import (
     Heartbeat,
     Limits,
@@ -104,12 +111,17 @@ class RewardWorker:
 
     def __init__(self, config: RunConfig, redis_url: str, worker_id: str) -> None:
         self.task = task_label(config.task)
-        # Resolved now, from the config: an unknown function or verifier fails here, not on every group.
-        self.functions = bind_functions(config.reward.functions, self.task, episode_options(config))
         self.config = config
         self.worker_id = worker_id
         self.client = connect(redis_url, config.transport.redis_outage_s)
         self.plane = ControlPlane(self.client, config.run.name)
+        # Made here, kept here: only its public key is ever shown (the heartbeat's environment_signing_key).
+        self.signer = Signer() if serves_environments(config) else None
+        self.signers = KnownSigners(self._advertised_signing_keys, [self.signer.public_hex] if self.signer else [])
+        self._signers_read = 0.0
+        # Resolved now, from the config: an unknown function or verifier fails here, not on every group.
+        episodes = {**episode_options(config), "signers": self.signers}
+        self.functions = bind_functions(config.reward.functions, self.task, episodes)
         self.audit = Audit(self.client, config.run.name, worker_id, "reward")
         self.replay = ReplayWriter(self.client, self.plane.keys, maxlen=config.transport.replay_maxlen)
         limits = Limits(max_bytes=int(config.transport.max_message_mb * 2**20))
@@ -202,6 +214,7 @@ class RewardWorker:
                 if group is None:  # nothing more waiting: write what we have now rather than wait for a batch
                     self._flush(pending)
                     self._stop_if_finished()
+                    self._read_signers()
                     continue
                 scored = self._score(group)
                 if scored is not None:
@@ -220,6 +233,19 @@ class RewardWorker:
         if (step := self.plane.run.finished()) is not None:
             log.info("run finished; the reward worker stops", run=self.config.run.name, step=step)
             self._stop.set()
+
+    def _read_signers(self) -> None:
+        """Learn the signing keys the run's reward workers advertise now, every few seconds while idle: one that
+        serves an episode and leaves before the episode is scored is known (a key is also read when first seen)."""
+        now = time.monotonic()
+        if self.signer is None or now - self._signers_read < FINISHED_CHECK_S:
+            return
+        self._signers_read = now
+        self.signers.refresh()
+
+    def _advertised_signing_keys(self) -> list[str]:
+        live, _ = self.plane.registry.processes()
+        return [beat.environment_signing_key for beat in live if beat.kind == "reward"]
 
     def _flush(self, pending: list[ScoredGroup]) -> None:
         self.malformed.flush()
@@ -249,6 +275,8 @@ class RewardWorker:
             return None
         REWARD_SCORING_SECONDS.observe(time.perf_counter() - started)
         rewards_array = np.asarray(rewards, dtype=np.float32)
+        if group.attestations:  # checked: the learner trusts this worker's scores, and needs none of their bytes
+            group = dataclasses.replace(group, attestations=[])
         return ScoredGroup(
             rollout=group, rewards=rewards_array, details=details, scorer_id=self.worker_id, turn_rewards=turn_rewards
         )
@@ -372,6 +400,7 @@ class RewardWorker:
             endpoint=self.endpoint,
             curve_public_key=self.channel.curve_public_key,
             environment_endpoint="" if self.environments is None else advertised_endpoint(self.environments.endpoint),
+            environment_signing_key="" if self.environments is None or self.signer is None else self.signer.public_hex,
         )
 
     def _serve_environments(self, pull_endpoint: str) -> None:
@@ -379,7 +408,9 @@ class RewardWorker:
         with the same CURVE keys; they live in this worker's environment process, as its replays' do."""
         section = self.config.environment
         seal = run_seal(self.client, self.plane.keys, "environments")
-        self.environments = EnvironmentService(section, seal, environment_host(section))
+        assert self.signer is not None  # made for a worker that serves environments
+        notary = None if is_replayable(section.name) else Notary(self.signer, self.config.run.name)
+        self.environments = EnvironmentService(section, seal, environment_host(section), notary)
         self.environments.socket.on_refused_handshake = functools.partial(self._handshake_refused, "environments")
         self.environments.start(pull_endpoint.rsplit(":", 1)[0] + ":0", self._curve())
 

@@ -120,14 +120,22 @@ def check_eval_options(config: RunConfig) -> None:
 
 
 def check_episodes(config: RunConfig) -> None:
-    """A ``multi_turn`` run's environment resolves, and the model's chat template can carry its episodes as appended
-    tokens (:class:`asyncrl.common.environments.turns.TurnEncoder`); ``ValueError`` naming the setting otherwise."""
+    """A ``multi_turn`` run's environment resolves, one that cannot be replayed runs on the reward workers, and the
+    model's chat template can carry its episodes as appended tokens
+    (:class:`asyncrl.common.environments.turns.TurnEncoder`); ``ValueError`` naming the setting otherwise."""
     if config.rollout.workflow != "multi_turn":
         return
-    from asyncrl.common.environments.protocol import ENVIRONMENTS
+    from asyncrl.common.environments.protocol import ENVIRONMENTS, is_replayable
     from asyncrl.common.environments.turns import TemplateError, episode_tools
 
-    ENVIRONMENTS.get(config.environment.name, "environment.name")
+    section = config.environment
+    ENVIRONMENTS.get(section.name, "environment.name")
+    if section.isolation != "workers" and not is_replayable(section.name):
+        # Only a reward worker's signature vouches for what such an environment said: no replay can check it.
+        raise ValueError(
+            f"environment.isolation = {section.isolation!r}: environment {section.name!r} cannot be replayed "
+            "(replayable = False), so only the run's reward workers may run it; set environment.isolation = 'workers'"
+        )
     if not (Path(config.model.path) / "tokenizer_config.json").exists():
         return  # no model folder yet (init-model makes it): the actors check the template when they load it
 

@@ -43,12 +43,14 @@ class ScriptedEngine:
         return [Response(ids, [-0.5] * len(ids), [version] * len(ids), text, "stop" if ended else "length")]
 
 
-def prompt_group(tools: EpisodeTools, answer: str = "42", k: int = 1, question: str = "") -> PromptGroup:
+def prompt_group(
+    tools: EpisodeTools, answer: str = "42", k: int = 1, question: str = "", group_id: str = "g-1"
+) -> PromptGroup:
     messages = [{"role": "user", "content": question}] if question else QUESTION
     text = tools.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = tools.tokenizer(text, add_special_tokens=False)["input_ids"]
     return PromptGroup(
-        group_id="g-1", task="file", prompt=text, prompt_ids=np.array(ids, np.int32), answer=answer, num_samples=k
+        group_id=group_id, task="file", prompt=text, prompt_ids=np.array(ids, np.int32), answer=answer, num_samples=k
     )
 
 
@@ -62,11 +64,17 @@ def context(*overrides: str) -> WorkflowContext:
 
 
 def episode(
-    tools: EpisodeTools, turns: Sequence[str], *overrides: str, cut: bool = False, answer: str = "42", question=""
+    tools: EpisodeTools,
+    turns: Sequence[str],
+    *overrides: str,
+    cut: bool = False,
+    answer: str = "42",
+    question="",
+    group_id: str = "g-1",
 ):
     """(rollout group of one episode, the engine, the workflow context)."""
     engine, turn = ScriptedEngine(tools, turns, cut), context(*overrides)
-    group = prompt_group(tools, answer, question=question)
+    group = prompt_group(tools, answer, question=question, group_id=group_id)
     sampling = sampling_for(group, turn)
     response = asyncio.run(run_episode(engine, group, 0, sampling, turn, tools))
     return rollout_group(group, [response], turn), engine, turn

@@ -4,33 +4,49 @@ engine, and :class:`~asyncrl.actors.remote_environments.RemoteEnvironments` poin
 advertise). An episode whose worker is killed with -9 moves to the other, its steps replayed there; with no worker
 left, the next one fails within its time limit and says what to do. The worker makes the environment its own config
 names, never one a request names, and answers nobody without the run's credential
-(refused at the CURVE handshake: nothing such a peer sends is read)."""
+(refused at the CURVE handshake: nothing such a peer sends is read).
+
+An environment that cannot be replayed (``tests/helpers/unreplayable.py``: every answer from the operating system's
+random source) runs on a worker of a run of its own, which signs each answer; the same worker scores its episodes
+from those signatures: an honest episode with exactly the rewards it signed, while one with an observation token
+changed, one signed by a key no reward worker advertised, or one carrying another episode's signatures is
+dead-lettered with the reason; such an episode never moves when its worker dies."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
+from asyncrl.actors.environment_host import HostedEnvironment
 from asyncrl.actors.episodes import open_environment, use_remote_environments
 from asyncrl.actors.remote_environments import RemoteEnvironments
 from asyncrl.common.config import load_config
 from asyncrl.common.environments.protocol import EnvironmentFailed, EpisodeRow
-from asyncrl.common.environments.turns import segments
+from asyncrl.common.environments.turns import segments, turn_text
 from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.keys import RunKeys
 from asyncrl.common.tiny_models.chat import build_bpe_tokenizer
+from asyncrl.common.transport.channel import PushChannel
 from asyncrl.common.transport.rpc import RequestSocket
+from asyncrl.common.wire.attestation import EpisodeAttestation, EpisodeIdentity, Signer, score_message, step_message
+from asyncrl.common.wire.messages import Heartbeat, RolloutGroup
 from asyncrl.common.wire.seal import run_seal
 from tests.helpers.flood import flood
-from tests.helpers.reward_stack import heartbeat, publish, start, wait_for
+from tests.helpers.reward_stack import heartbeat, publish, read_replay, start, wait_for
+from tests.helpers.rollouts import issue
 from tests.helpers.scrape import metric
 from tests.helpers.scripted_episodes import CALL, episode, replay, tools_for
+from tests.helpers.unreplayable import ENOUGH
 from tests.helpers.waits import wait_for as wait_until
 
 pytestmark = pytest.mark.integration
@@ -173,3 +189,131 @@ def wait_for_replies(socket: RequestSocket, count: int, timeout_s: float = 20) -
         replies += socket.recv_ready()
         time.sleep(0.01)
     return sorted(replies, key=lambda r: r["id"])
+
+
+# --------------------------------------------------------------------------- an environment that cannot be replayed
+
+SEALED = "sealed"
+UNREPLAYABLE = (
+    "rollout.workflow=multi_turn",
+    "environment.name=tests.helpers.unreplayable:Dice",
+    "environment.isolation=workers",
+    "environment.step_timeout_s=5",
+    'reward.functions=[{name = "environment"}]',
+)
+ROLLS = ["roll", "roll", ENOUGH]
+"""Two rolls, each answered with a random die, then the end: three signed steps and a signed score."""
+
+
+@pytest.fixture
+def sealed(redis_server, redis_client, tmp_path: Path) -> Iterator[tuple[subprocess.Popen, Heartbeat, Path]]:
+    """One reward worker of a run whose environment cannot be replayed, ready: its process, heartbeat and log."""
+    model = tmp_path / "tokenizer"
+    build_bpe_tokenizer("qwen2").save_pretrained(model)
+    publish(redis_client, SEALED, *UNREPLAYABLE, f"model.path={model}", "task.name=file")  # the episodes' task
+    log = tmp_path / "sealed.log"
+    proc = start(redis_server.url, SEALED, "rw-s", log)
+    try:
+        probe = lambda: heartbeat(redis_client, SEALED, "rw-s", state="ready")  # noqa: E731
+        beat = wait_for(probe, proc, log, "a ready heartbeat")
+        assert beat is not None
+        yield proc, beat, log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_an_environment_that_cannot_be_replayed_is_scored_from_what_its_worker_signed(redis_client, sealed) -> None:
+    proc, beat, log = sealed
+    section = load_config(None, list(UNREPLAYABLE)).environment
+    plane = ControlPlane(redis_client, SEALED)
+    client = RemoteEnvironments(section, run_seal(plane.client, plane.keys, "environments"))
+    client.set_servers({beat.environment_endpoint: None})
+    use_remote_environments(client)
+    try:
+        honest, forged, foreign, moved = (
+            episode(TOOLS, ROLLS, *UNREPLAYABLE, group_id=f"{SEALED}-{name}")[0]
+            for name in ("honest", "forged", "foreign", "moved")
+        )
+        signed = EpisodeAttestation.from_json(honest.attestations[0])
+        assert signed.signer == beat.environment_signing_key and len(signed.steps) == 3 and signed.score is not None
+        observations = TOOLS.tokenizer.decode(honest.response(0)[0][~honest.trained(0)])
+        assert observations.count("The die shows") == 2  # what the worker's environment said, in the episode
+        (_, _, _), (start_, _, _), *_ = segments(forged.trained(0))
+        changed = forged.token_ids.copy()
+        changed[start_ + 2] += 1  # one token of the first observation
+        forged = dataclasses.replace(forged, token_ids=changed)
+        foreign = resigned(foreign, Signer())  # every signature good, by a key no reward worker advertised
+        moved = dataclasses.replace(moved, attestations=honest.attestations)  # the worker's, for another episode
+        entries, dead = score_on_worker(redis_client, beat, proc, log, honest, forged, foreign, moved)
+        lost = asyncio.run(lose_the_worker(section, proc))
+    finally:
+        use_remote_environments(None)
+        client.close()
+    [scored] = [entry.group for entry in entries]
+    expected = [step.reward for step in signed.steps]
+    expected[-1] += signed.score  # the score is the last turn's, as a replay's would be
+    assert scored.rollout.group_id == f"{SEALED}-honest" and scored.rollout.attestations == []  # checked, dropped
+    assert np.allclose(scored.turn_rewards, np.array(expected, np.float32))
+    assert np.isclose(scored.rewards[0], sum(expected))
+    assert len(dead) == 3 and {fields[b"source"] for _, fields in dead} == {b"reward"}  # refused: dead-lettered at once
+    refused = " | ".join(fields[b"reason"].decode() for _, fields in dead)
+    assert "refused: episode 0: an environment turn differs from the environment's observation" in refused, refused
+    assert "refused: episode 0 is signed by a key that no reward worker of this run advertised" in refused, refused
+    assert "refused: episode 0: the signature of turn 1 does not verify for this run, episode" in refused, refused
+    assert "cannot be replayed, so its episode cannot move" in lost[0] and lost[1] < section.step_timeout_s, lost
+    assert lost[2] == 0  # never moved: no other worker could vouch for the steps it took
+
+
+def resigned(group: RolloutGroup, signer: Signer) -> RolloutGroup:
+    """``group`` with its one episode's attestation signed again, well, by ``signer``."""
+    record = EpisodeAttestation.from_json(group.attestations[0])
+    identity = EpisodeIdentity(SEALED, group.group_id, 0, record.episode)
+    ids, trained = group.response(0)[0], group.trained(0)
+    actions = [turn_text(TOOLS.tokenizer, ids[start:end].tolist()) for start, end, model in segments(trained) if model]
+    steps = tuple(
+        dataclasses.replace(
+            step, signature=signer.sign(step_message(identity, turn, action, step.observation, step.reward, step.done))
+        )
+        for turn, (action, step) in enumerate(zip(actions, record.steps, strict=True), 1)
+    )
+    assert record.score is not None
+    score_signature = signer.sign(score_message(identity, len(steps), record.score))
+    forged = dataclasses.replace(record, signer=signer.public_hex, steps=steps, score_signature=score_signature)
+    return dataclasses.replace(group, attestations=[forged.to_json()])
+
+
+def score_on_worker(redis_client, beat: Heartbeat, proc, log: Path, *groups: RolloutGroup) -> tuple[list, list]:
+    """Issue ``groups`` as the learner would, push them to the worker as an actor does; what it wrote to the replay
+    stream (the first group's) and its dead letters (the others'), once every group is in one or the other."""
+    issue(ControlPlane(redis_client, SEALED), *groups)
+    push = PushChannel("rollouts", send_timeout_s=10, seal=run_seal(redis_client, RunKeys(SEALED), "rollouts"))
+    push.connect(beat.endpoint)
+    try:
+        for group in groups:
+            push.send(group)
+        entries = read_replay(redis_client, SEALED, 1, timeout_s=120)
+
+        def refused() -> list | None:
+            letters = redis_client.xrange(RunKeys(SEALED).dead)
+            return letters if len(letters) >= len(groups) - 1 else None
+
+        dead = wait_for(refused, proc, log, "a dead letter for each forged group", timeout_s=120)
+        assert dead is not None
+    finally:
+        push.close()
+    return entries, dead
+
+
+async def lose_the_worker(section, proc: subprocess.Popen) -> tuple[str, float, float]:
+    """An episode stepped once, then its worker killed -9: (why the next step failed, how long it took, the moves)."""
+    moved_before = moves()
+    env = await open_environment(section, EpisodeRow(prompt="", answer="", seed=1), {"group_id": "lost", "index": 0})
+    assert isinstance(env, HostedEnvironment)  # on the worker
+    await env.step("roll")
+    os.kill(proc.pid, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(EnvironmentFailed) as failed:
+        await env.step("roll")
+    return str(failed.value), time.monotonic() - started, moves() - moved_before

@@ -15,12 +15,17 @@ ROW = {"prompt": "What is 6*7?", "answer": "42", "extra": {}, "seed": 7}
 def test_a_make_request_carries_the_row_and_never_the_environment() -> None:
     fields = {"episode": "e1", "name": "os:system", "options": {"how": "rm"}, "row": ROW}
     assert _wire_fields("make", fields) == {"episode": "e1", "row": ROW}
+    identity = {"group_id": "g-1", "index": 3}  # which episode it is for: what a worker signs its answers for
+    assert _wire_fields("make", {**fields, "identity": identity}) == {"episode": "e1", "row": ROW, "identity": identity}
     assert _wire_fields("step", {"episode": "e1", "action": "hi"}) == {"episode": "e1", "action": "hi"}
     assert _wire_fields("score", {"episode": "e1"}) == {"episode": "e1"}
 
 
 def test_a_worker_takes_only_the_fields_it_needs() -> None:
     assert request_fields({"id": 1, "op": "make", "episode": "e1", "row": ROW, "name": "os:system"}) == {"row": ROW}
+    identity = {"group_id": "g-1", "index": 0}
+    made = request_fields({"id": 1, "op": "make", "episode": "e1", "row": ROW, "identity": identity})
+    assert made == {"row": ROW, "identity": identity}
     assert request_fields({"id": 2, "op": "step", "episode": "e1", "action": "x"}) == {"action": "x"}
     assert request_fields({"id": 3, "op": "score", "episode": "e1"}) == {}
 
@@ -35,6 +40,11 @@ def test_a_worker_takes_only_the_fields_it_needs() -> None:
         ({"op": "make", "episode": "e1", "row": "x"}, "make needs a row"),
         ({"op": "step", "episode": "e1", "action": 3}, "step needs an action"),
         ({"op": "step", "episode": "e1", "action": "x" * 1_000_001}, "step needs an action"),
+        ({"op": "make", "episode": "e1", "row": ROW, "identity": {"group_id": "g", "index": -1}}, "identity must"),
+        ({"op": "make", "episode": "e1", "row": ROW, "identity": {"group_id": "g", "index": True}}, "identity must"),
+        ({"op": "make", "episode": "e1", "row": ROW, "identity": {"group_id": "", "index": 0}}, "identity must"),
+        ({"op": "make", "episode": "e1", "row": ROW, "identity": {"group_id": "g"}}, "identity must"),
+        ({"op": "make", "episode": "e1", "row": ROW, "identity": "g/0"}, "identity must"),
     ],
 )
 def test_a_malformed_request_is_refused_naming_what_is_wrong(request_: dict, names: str) -> None:

@@ -376,7 +376,7 @@ class EnvironmentSection(Section):
     episode_timeout_s: float = Field(default=0.0, ge=0, le=WEEK_S)
     """Time limit of one episode, checked before each model turn (0 = none); an episode past it ends there."""
     isolation: Literal["process", "workers", "thread"] = "process"
-    """Where environments run: ``process`` = a child process of the actor (and of the reward worker that replays them), so one that crashes, hangs or eats memory never takes an engine down; ``workers`` = on the run's reward workers, which serve them to every actor (an episode whose worker is lost moves to another, its steps replayed); ``thread`` = in the process itself (a synchronous step in a thread)."""  # noqa: E501
+    """Where environments run: ``process`` = a child process of the actor (and of the reward worker that replays them), so one that crashes, hangs or eats memory never takes an engine down; ``workers`` = on the run's reward workers, which serve them to every actor (an episode whose worker is lost moves to another, its steps replayed) and sign what they say: the only place for an environment that cannot be replayed (``replayable = False``); ``thread`` = in the process itself (a synchronous step in a thread)."""  # noqa: E501
     max_memory_mb: Int = Field(default=4096, ge=64, le=2**24)
     """Address space of the environments' process (``isolation = "process"``); past it a step fails with MemoryError and ends its episode."""  # noqa: E501
     fence: Literal["auto", "offline", "none"] = "auto"

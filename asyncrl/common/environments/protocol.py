@@ -23,6 +23,18 @@ never selects one. The reward worker scores an episode by replaying the model's 
 made from the same row and seed (``actors/episodes.py``), so an environment must give the same observations for
 the same row, seed and turns — and an actor cannot write observations the environment did not.
 
+An environment that cannot give the same observations again (a clock, an unseeded random source, a web tool, a judge
+model) says so with a class attribute, ``replayable = False`` (absent: True; :func:`is_replayable`). Such a run needs
+``environment.isolation = "workers"``: its environments run on the run's reward workers, which sign each step's
+answer and the score with a key that never leaves them, and the reward worker that scores an episode checks those
+signatures against the episode's tokens instead of replaying it (``common/wire/attestation.py``)::
+
+    class Weather:
+        replayable = False          # what it says depends on when it is asked
+
+An episode of such an environment cannot move to another worker when its own is lost: it ends as an environment
+error, and its group is generated again.
+
 Built-in: ``calculator`` — arithmetic with a ``calc`` tool (:class:`Calculator`); ``python`` — the same questions with a
 ``python`` tool whose code runs in the sandbox (``common/environments/python_tool.py``); adapters
 (``common/environments/gyms.py``): ``skyrl_gym`` and ``textarena``.
@@ -109,6 +121,12 @@ ENVIRONMENTS.register_path("skyrl_gym", "asyncrl.common.environments.gyms:SkyRLG
 ENVIRONMENTS.register_path("textarena", "asyncrl.common.environments.gyms:TextArenaGame")
 # Runs the model's code in the sandbox of the process that hosts the episode.
 ENVIRONMENTS.register_path("python", "asyncrl.common.environments.python_tool:PythonTool")
+
+
+def is_replayable(name: str) -> bool:
+    """Whether environment ``name`` gives the same observations for the same row, seed and turns: its class's
+    ``replayable`` attribute, True when it has none (module docstring)."""
+    return bool(getattr(ENVIRONMENTS.get(name), "replayable", True))
 
 
 def make_environment(name: str, options: dict[str, Any], row: EpisodeRow) -> Environment:

@@ -194,8 +194,9 @@ def bind_functions(
 
 
 def episode_options(config: RunConfig) -> dict[str, Any]:
-    """The options :func:`bind_functions` gives an ``environment`` function: what the run's episodes ran in."""
-    return {"environment": config.environment.model_dump(), "model": config.model.path}
+    """The options :func:`bind_functions` gives an ``environment`` function: what the run's episodes ran in, and the
+    run whose reward workers sign what an environment that cannot be replayed said."""
+    return {"environment": config.environment.model_dump(), "model": config.model.path, "run": config.run.name}
 
 
 def check_names(functions: Sequence[RewardFunction]) -> None:

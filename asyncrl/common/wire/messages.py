@@ -133,6 +133,10 @@ class RolloutGroup:
     """Per token (packed like ``token_ids``): 1 = trained, 0 = not — a token the model did not sample, such as an
     environment's or a tool's reply inside a multi-turn episode: no gradient, no KL, no entropy. Empty = every
     token is trained (a single-turn rollout)."""
+    attestations: list[str] = field(default_factory=list)
+    """Per response, what the reward workers that ran its episode's environment signed, as JSON
+    (``common/wire/attestation.py: EpisodeAttestation``; ``""`` for none): an environment that cannot be replayed is
+    scored from these. Empty = none at all."""
 
     @property
     def num_samples(self) -> int:
@@ -167,6 +171,8 @@ class RolloutGroup:
         for name in ("texts", "finish_reasons"):
             if len(getattr(self, name)) != k:
                 raise WireError(name, f"has {len(getattr(self, name))} entries for {k} responses")
+        if len(self.attestations) not in (0, k):
+            raise WireError("attestations", f"has {len(self.attestations)} entries for {k} responses (or 0: none)")
         _check_vocab("prompt_ids", self.prompt_ids, limits)
         _check_vocab("token_ids", self.token_ids, limits)
         _check_range("issued_version", self.issued_version, 0, None)
@@ -325,6 +331,9 @@ class Heartbeat:
     """An actor's: the weight-group ranks it takes (its vLLM engine's workers: ``rollout.tensor_parallel_size``)."""
     environment_endpoint: str = ""
     """A reward worker's: where it serves environments to actors (``environment.isolation = "workers"``)."""
+    environment_signing_key: str = ""
+    """A reward worker's that serves environments: the Ed25519 public key (raw 32 bytes, hex) it signs what they say
+    with (``common/wire/attestation.py``)."""
 
     def validate(self, limits: Limits) -> None:
         if self.kind not in PROCESS_KINDS:
@@ -332,6 +341,7 @@ class Heartbeat:
         _check_range("tokens_per_s", self.tokens_per_s, 0, None)
         _check_range("weight_ranks", self.weight_ranks, 1, 64)
         _check_digest("weights_digest", self.weights_digest)
+        _check_hex("environment_signing_key", self.environment_signing_key, 64)
 
 
 def extra_fields(extra: str) -> dict[str, Any]:
@@ -355,8 +365,13 @@ def _check_purpose(value: str) -> None:
 
 
 def _check_digest(name: str, value: str) -> None:
-    if value and (len(value) != 16 or any(c not in "0123456789abcdef" for c in value)):
-        raise WireError(name, f"expected 16 lowercase hex digits, got {value[:40]!r}")
+    _check_hex(name, value, 16)
+
+
+def _check_hex(name: str, value: str, digits: int) -> None:
+    """``value`` is empty or ``digits`` lowercase hex digits."""
+    if value and (len(value) != digits or any(c not in "0123456789abcdef" for c in value)):
+        raise WireError(name, f"expected {digits} lowercase hex digits, got {value[:40]!r}")
 
 
 def _check_range(name: str, value: float, low: float | None, high: float | None) -> None:
