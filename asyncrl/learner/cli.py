@@ -319,11 +319,11 @@ def train(
     from asyncrl.learner.resuming import says_finished, started_refusal, verified_checkpoint
 
     resolved = load(config, set_, check=check_config)
-    if (missing := missing_model_folder(resolved.model.path)) is not None:
-        fail(missing)
     if resolved.data.source == "preferences":
         if resume:
             fail("--resume is for runs that train from rollouts; offline DPO (data.source = 'preferences') has none")
+        if (missing := missing_model_folder(resolved.model.path)) is not None:
+            fail(missing)
         _train_offline(resolved)
         return
     if resume and says_finished(resolved, resume, given_redis_url(redis, redis_file)):  # every rank: none starts
@@ -332,6 +332,8 @@ def train(
         fail(refusal)
     leader = os.environ.get("RANK", "0") == "0"  # rank 0 verifies the checkpoint and hands it on
     checkpoint = verified_checkpoint(resolved, resume) if resume and leader else None
+    if (missing := missing_model_folder(resolved.model.path)) is not None:  # what to resume or refuse comes first
+        fail(missing)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: rank 0 leads, the others follow
         from asyncrl.learner import ranks
         from asyncrl.learner.follower import follow

@@ -192,7 +192,8 @@ def run(
 
 def _nothing_to_do(resolved: RunConfig, resume: str | None) -> None:
     """Before anything starts: a run folder that holds a checkpoint is refused without ``--resume`` (one line saying
-    what to pass); with it, a run already at ``learner.steps`` says it finished and exits 0."""
+    what to pass); with it, a run already at ``learner.steps`` says it finished and exits 0, and one without the
+    checkpoint it names is refused."""
     from asyncrl.common.cliutil import fail
     from asyncrl.learner.resuming import finished_at, finished_line, started_refusal
 
@@ -202,6 +203,8 @@ def _nothing_to_do(resolved: RunConfig, resume: str | None) -> None:
     elif (step := finished_at(resolved, resume)) is not None:
         typer.echo(finished_line(resolved, step), err=True)
         raise typer.Exit(0)
+    else:
+        _checkpoint_folder(resolved, resume)
 
 
 @app.command()
