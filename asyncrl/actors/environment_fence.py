@@ -271,7 +271,7 @@ def enter(fence_plan: FencePlan) -> None:
         options = f"size={fence_plan['size_mb']}m,mode={mode}{owner}"
         stage2.mount("tmpfs", folder, stage2.MS_NOSUID | stage2.MS_NODEV, "tmpfs", options)
     for path, fd in sources.items():
-        os.makedirs(path, exist_ok=True)
+        _mount_point(path)
         stage2.mount(f"/proc/self/fd/{fd}", path, stage2.MS_BIND | stage2.MS_REC)
         _read_only(path)
         os.close(fd)
@@ -280,6 +280,17 @@ def enter(fence_plan: FencePlan) -> None:
     if uid is None:
         stage2.drop_capabilities()
     os.environ.pop(PLAN_VARIABLE, None)
+
+
+def _mount_point(path: str) -> None:
+    """``path`` and the folders above it made in a scratch tmpfs, each enterable by every uid (0755): the process
+    served runs with umask 077 (every asyncrl command does, ``common/private.py``), under which they would be 0700 and
+    hide what is bound back below them (the interpreter's own library under ``/root``, say) from the host's uid."""
+    previous = os.umask(0o022)
+    try:
+        os.makedirs(path, exist_ok=True)
+    finally:
+        os.umask(previous)
 
 
 class _MountAttr(ctypes.Structure):

@@ -57,6 +57,18 @@ def test_an_environment_that_misbehaves_in_its_process_ends_only_its_episode(how
         assert host.restarts >= 1
 
 
+def test_an_environment_imports_what_asyncrl_never_loaded_under_the_umask_of_every_command() -> None:
+    """Every asyncrl command runs with umask 077 (common/private.py); behind the fence, the folders on the way to the
+    interpreter's own library (under ``/root`` on this machine) stay enterable by the host's uid all the same."""
+    previous = os.umask(0o077)
+    try:
+        rollout, _, turn = episode(TOOLS, ["first"], *HOSTED, "environment.name=tests.helpers.stdlib_environment:Hues")
+    finally:
+        os.umask(previous)
+    assert rollout.finish_reasons[0] != "environment_error", rollout.finish_reasons
+    assert replay(TOOLS, rollout, turn) == 1.0
+
+
 def test_what_an_environment_prints_never_reaches_the_answers() -> None:
     """Lines written straight to descriptor 1 (as a C library or a subprocess would), some of them valid JSON."""
     rollout, _, turn = episode(TOOLS, ["first", "second", "third"], *hosted("prints"), "environment.max_turns=3")
