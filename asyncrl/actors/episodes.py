@@ -239,7 +239,7 @@ async def multi_turn(engine: Generator, group: PromptGroup, turn: WorkflowContex
     """K episodes of the group's row in ``[environment]``, run at once; one response each."""
     started = time.perf_counter()
     sampling = sampling_for(group, turn, engine.stop_ids)
-    tools = episode_tools(turn.model_path)
+    tools = episode_tools(turn.model_path, turn.environment.past_reasoning)
     episodes = [run_episode(engine, group, i, sampling, turn, tools) for i in range(group.num_samples)]
     responses = list(await asyncio.gather(*episodes))
     return rollout_group(group, responses, turn, {"generate": time.perf_counter() - started})
@@ -509,7 +509,7 @@ def environment_reward(group: RolloutGroup, options: dict[str, Any]) -> list[tup
         raise ValueError("environment needs options.environment and options.model (bind_functions sets them)")
     section = EnvironmentSection.model_validate(options["environment"])
     signers = _signers(section, options)
-    tools = episode_tools(str(options["model"]))
+    tools = episode_tools(str(options["model"]), section.past_reasoning)
     score = functools.partial(replay_turns, tools, section)
     if signers is not None:
         score = functools.partial(attested_turns, tools, section, run=str(options.get("run", "")), signers=signers)

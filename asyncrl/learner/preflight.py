@@ -140,7 +140,7 @@ def check_episodes(config: RunConfig) -> None:
         return  # no model folder yet (init-model makes it): the actors check the template when they load it
 
     try:
-        episode_tools(config.model.path)
+        episode_tools(config.model.path, section.past_reasoning)
     except TemplateError as exc:
         raise ValueError(f"model.path: {exc}") from None
 

@@ -190,25 +190,44 @@ def test_a_multi_turn_run_needs_an_environment_that_exists() -> None:
     assert replay_time_limit(EnvironmentSection(max_turns=3, step_timeout_s=2.5)) == 10.0
 
 
+THINKING_TEMPLATE = (
+    "{%- for m in messages %}{%- set c = m['content'] %}"
+    "{%- if m['role'] == 'assistant' and not loop.last %}{%- set c = c.split('</think>')[-1] %}{%- endif %}"
+    "{{- '<|im_start|>' + m['role'] + '\\n' + c + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+"""As thinking models' templates do: an earlier assistant turn loses its reasoning once another turn follows."""
+
+
 def test_a_template_that_rewrites_earlier_turns_is_refused() -> None:
     tokenizer = build_bpe_tokenizer("qwen2")
     with pytest.raises(TemplateError, match="has none"):
         TurnEncoder.for_tokenizer(type("Plain", (), {"chat_template": None})())
-    # As thinking models' templates do: an earlier assistant turn loses its reasoning once another turn follows.
-    tokenizer.chat_template = (
-        "{%- for m in messages %}{%- set c = m['content'] %}"
-        "{%- if m['role'] == 'assistant' and not loop.last %}{%- set c = c.split('</think>')[-1] %}{%- endif %}"
-        "{{- '<|im_start|>' + m['role'] + '\\n' + c + '<|im_end|>\\n' }}{%- endfor %}"
-        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-    )
+    tokenizer.chat_template = THINKING_TEMPLATE
     encoder = TurnEncoder(tokenizer, turn_end_id(tokenizer))
     assert encoder.text([{"role": "tool", "content": "1"}]).startswith("\n<|im_start|>tool")  # no reasoning: fine
     with pytest.raises(TemplateError, match=r"drops the model's past reasoning \(<think>…</think>\) once a later"):
         TurnEncoder.for_tokenizer(tokenizer)  # the probe with reasoning finds it
+    with pytest.raises(TemplateError, match=r"or set environment\.past_reasoning = 'keep'"):
+        TurnEncoder.for_tokenizer(tokenizer, "refuse")
+    kept = TurnEncoder.for_tokenizer(tokenizer, "keep")  # asked for: one sequence, past reasoning as generated
+    assert kept.ids([{"role": "tool", "content": "1"}]) == encoder.ids([{"role": "tool", "content": "1"}])
     with pytest.raises(TemplateError, match="rewrites earlier turns"):
         TurnEncoder.for_tokenizer(_with_probe_reasoning(tokenizer))
+    with pytest.raises(TemplateError, match="rewrites earlier turns"):  # never run, whatever the option says
+        TurnEncoder.for_tokenizer(tokenizer, "keep")
     for name in ("qwen2", "llama"):  # templates that keep each turn as written pass both probes
         TurnEncoder.for_tokenizer(build_bpe_tokenizer(name))
+
+
+def test_resolve_refuses_a_thinking_template_unless_the_run_keeps_past_reasoning(tmp_path: Path) -> None:
+    tokenizer = build_bpe_tokenizer("qwen2")
+    tokenizer.chat_template = THINKING_TEMPLATE
+    tokenizer.save_pretrained(tmp_path)
+    run = ["rollout.workflow=multi_turn", "environment.name=calculator", f"model.path={tmp_path}"]
+    with pytest.raises(ValueError, match=r"^model\.path: the chat template drops the model's past reasoning"):
+        check_config(load_config(None, run))
+    check_config(load_config(None, [*run, "environment.past_reasoning=keep"]))
 
 
 def _with_probe_reasoning(tokenizer):

@@ -56,17 +56,18 @@ class TurnEncoder:
     steps."""
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: Any) -> TurnEncoder:
+    def for_tokenizer(cls, tokenizer: Any, past_reasoning: str = "refuse") -> TurnEncoder:
         """The encoder of ``tokenizer``, whose turns end at :func:`asyncrl.common.data.prompts.turn_end_id`.
         :class:`TemplateError` when the tokenizer has no chat template, or its template does not extend a conversation
-        by appending."""
+        by appending, or (``past_reasoning = "refuse"``, ``environment.past_reasoning``) it drops past reasoning."""
         if not getattr(tokenizer, "chat_template", None):
             raise TemplateError(
                 "rollout.workflow = 'multi_turn' needs a chat template: the tokenizer of model.path has none"
             )
         encoder = cls(tokenizer, turn_end_id(tokenizer))
         encoder.ids([{"role": "user", "content": "probe"}])  # refuses a template that rewrites earlier turns
-        encoder.check_past_reasoning_kept()
+        if past_reasoning == "refuse":
+            encoder.check_past_reasoning_kept()
         return encoder
 
     def check_past_reasoning_kept(self) -> None:
@@ -84,7 +85,8 @@ class TurnEncoder:
                 "thinking model's template, such as Qwen3's, does): kept as appended tokens, each later turn of an "
                 "episode would be trained on reasoning the model is never served with; give model.path a chat "
                 "template that renders past assistant turns as they were written (Qwen3's without its branch that "
-                "strips reasoning before the last user turn)"
+                "strips reasoning before the last user turn), or set environment.past_reasoning = 'keep' to train "
+                "each episode as one sequence with its past reasoning kept"
             )
 
     @property
@@ -143,8 +145,8 @@ class EpisodeTools:
     encoder: TurnEncoder
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: Any) -> EpisodeTools:
-        return cls(tokenizer, TurnEncoder.for_tokenizer(tokenizer))
+    def for_tokenizer(cls, tokenizer: Any, past_reasoning: str = "refuse") -> EpisodeTools:
+        return cls(tokenizer, TurnEncoder.for_tokenizer(tokenizer, past_reasoning))
 
     @property
     def end_id(self) -> int:
@@ -153,8 +155,9 @@ class EpisodeTools:
 
 
 @functools.lru_cache(maxsize=4)
-def episode_tools(model_path: str) -> EpisodeTools:
-    """The tools of ``model.path``'s tokenizer, loaded once per process and folder (nothing is fetched from a hub)."""
+def episode_tools(model_path: str, past_reasoning: str = "refuse") -> EpisodeTools:
+    """The tools of ``model.path``'s tokenizer, loaded once per process and folder (nothing is fetched from a hub),
+    for ``environment.past_reasoning``."""
     from transformers import AutoTokenizer
 
-    return EpisodeTools.for_tokenizer(AutoTokenizer.from_pretrained(model_path))
+    return EpisodeTools.for_tokenizer(AutoTokenizer.from_pretrained(model_path), past_reasoning)
