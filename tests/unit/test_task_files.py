@@ -267,10 +267,10 @@ def test_extra_is_appended_to_the_wire_format(tmp_path: Path) -> None:
     fields = [f.name for f in dataclasses.fields(PromptGroup)]
     old = msgpack.packb([version, tag, body[: fields.index("extra")]], use_bin_type=True)
     assert Decoder(PromptGroup).decode([old, *frames]).extra == ""
-    # appended after the fields a peer that predates it knows, before the fields appended after it (eval, loss mask)
+    # appended after the fields a peer that predates it knows, before those appended after it (eval, loss mask, ...)
     assert fields[fields.index("issued_at") + 1 :][:2] == ["extra", "purpose"]
     rollout_fields = [f.name for f in dataclasses.fields(RolloutGroup)]
-    assert rollout_fields[rollout_fields.index("timings") + 1 :] == ["extra", "purpose", "loss_mask"]
+    assert rollout_fields[rollout_fields.index("timings") + 1 :] == ["extra", "purpose", "loss_mask", "attestations"]
 
 
 def test_a_file_without_line_ends_is_refused_having_read_only_the_longest_line(tmp_path: Path) -> None:
