@@ -217,6 +217,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         terminalreporter.write_line(f"vLLM engines by module: {paid}")
     for nodeid, seconds in sorted(spent.items(), key=lambda kv: -kv[1])[:SLOWEST]:
         terminalreporter.write_line(f"{seconds:8.1f}s  {nodeid}")
+    chain = sum(seconds for nodeid, seconds in spent.items() if runs_serially(nodeid))
+    beside = sum(spent.values()) - chain
+    terminalreporter.write_line(f"tests' seconds: the serial chain {chain:.0f}, beside it {beside:.0f}")
     terminalreporter.write_line(f"CPU seconds of the tests' processes: {sum(cpu.values()):.0f}; the costliest modules:")
     for module, seconds in sorted(cpu.items(), key=lambda kv: -kv[1])[:SLOWEST]:
         chain = "chain " if runs_serially_in(Path(module)) else "beside"
