@@ -82,15 +82,13 @@ SHARED_CORES = {
     # accounting of chat models, a real shape's bf16 run, the model checks (each engine uses about half the two cores
     # the chain's runs leave, measured by the summary's CPU seconds)
     "test_chat_models.py", "test_real_shape.py", "test_check_model.py",
-    # the one end-to-end run of that kind: synchronous, four steps, its checks read numbers and the audit trail
-    "test_eval.py",
 }
 """Modules with integration tests that start no sandbox or timed fault (no deadline, TTL or time budget decides what
 they check) and at most one vLLM engine at a time: under ``-n 2`` they run beside the serial chain, like the unit tier.
-Everything else (those, and the other e2e runs) runs on one worker, one test after another, so no two of them ever
-compete for the two cores. Training beside the chain costs its runs a core's share, not their results: every process
-sleeps while it waits (``OMP_WAIT_POLICY=PASSIVE``, common/openmp.py), where spinning OpenMP threads once made a 0.4 s
-critic test take 14 s beside an e2e run."""
+Everything else (those, and the e2e runs) runs on one worker, one test after another, so no two of them ever compete for
+the two cores. Training beside the chain costs its runs a core's share, not their results: every process sleeps while it
+waits (``OMP_WAIT_POLICY=PASSIVE``, common/openmp.py), where spinning OpenMP threads once made a 0.4 s critic test take
+14 s beside an e2e run."""
 
 
 @functools.cache
