@@ -320,11 +320,7 @@ def train(
 
     resolved = load(config, set_, check=check_config)
     if resolved.data.source == "preferences":
-        if resume:
-            fail("--resume is for runs that train from rollouts; offline DPO (data.source = 'preferences') has none")
-        if (missing := missing_model_folder(resolved.model.path)) is not None:
-            fail(missing)
-        _train_offline(resolved)
+        _train_offline(resolved, resume)
         return
     if resume and says_finished(resolved, resume, given_redis_url(redis, redis_file)):  # every rank: none starts
         return
@@ -377,13 +373,19 @@ def train(
             server.stop()
 
 
-def _train_offline(resolved: RunConfig) -> None:
-    """Offline DPO on the preference file; a bad file or loss option exits with the reason, not a traceback."""
+def _train_offline(resolved: RunConfig, resume: str | None) -> None:
+    """Offline DPO on the preference file; ``--resume``, a model folder that is not there, a bad file or loss option
+    exits with the reason, not a traceback."""
     from asyncrl.common.cliutil import fail
     from asyncrl.common.config import ConfigError
     from asyncrl.learner.dpo import OfflineDPOTrainer
     from asyncrl.learner.preferences import PreferenceFileError
+    from asyncrl.learner.preflight import missing_model_folder
 
+    if resume:
+        fail("--resume is for runs that train from rollouts; offline DPO (data.source = 'preferences') has none")
+    if (missing := missing_model_folder(resolved.model.path)) is not None:
+        fail(missing)
     try:
         trainer = OfflineDPOTrainer(resolved)
     except (PreferenceFileError, ConfigError) as exc:
