@@ -147,6 +147,8 @@ class Dispatcher:
         self._secret = run_secret(plane.client, plane.keys)
         self._gone_since: dict[str, float] = {}
         """Holders this learner has found gone, and when it first did (:meth:`_sent_to_the_gone`)."""
+        self._started_at = time.time()
+        """Deadlines count from here at the earliest: while no learner ran, nothing read the replay stream."""
 
     # -- admission
     def capacity(self, version: int) -> int:
@@ -240,6 +242,10 @@ class Dispatcher:
         ``held``: ids of groups the learner already holds (admitted into the batch it is assembling, to be completed
         when that step settles). They are never judged: a group is trained, discarded or lost, never two of them.
 
+        A learner that starts gives every group a full deadline: time in which no learner ran does not count (a group
+        scored while the learner was down waits in the replay stream; judged from its issue time, a restart slower than
+        the deadline would re-issue every such group, and a second such restart count them lost, answers and all).
+
         A Redis restart re-issues nothing by itself: for a heartbeat TTL after Redis came back, holders whose
         heartbeat expired while it was down are not judged yet, and the time it was down does not count against
         the deadline (``common/plane/outage.py``).
@@ -258,7 +264,8 @@ class Dispatcher:
         for group_id, entry in newest_first:
             if group_id in held:
                 continue
-            paused_s = clock.down_between(entry.issued_at, now) if clock is not None else 0.0
+            since = max(entry.issued_at, self._started_at)
+            paused_s = since - entry.issued_at + (clock.down_between(since, now) if clock is not None else 0.0)
             reason = overdue_reason(entry, live, deadline_s, now, paused_s)
             if reason is None:
                 continue

@@ -94,5 +94,6 @@ def check_refusals(plane: ControlPlane, sent: list[tuple[str, str, RolloutGroup]
         if int(fields[b"size"]) > len(fields[b"payload"]):  # the oversized forgery: its start is kept, not all of it
             assert len(fields[b"payload"]) == DEAD_LETTER_EXCERPT and len(fields[b"digest"]) == 64
             continue
-        assert b"forger" in fields[b"payload"]  # the excerpt kept holds the header, which names the sender
+        # the excerpt kept holds the header, which names the sender: a real group here is one the run lost
+        assert b"forger" in fields[b"payload"], (source, reason, fields[b"payload"][:400])
     assert found == expected

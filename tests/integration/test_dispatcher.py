@@ -209,6 +209,20 @@ def test_a_group_overdue_twice_is_lost_and_replaced(redis_client) -> None:
     assert sorted(d.plane.prompts.ledger()) == [d.group_id(n) for n in range(4, 8)]
 
 
+def test_a_restarted_learner_does_not_count_the_time_no_learner_ran(redis_client, monkeypatch) -> None:
+    """Groups scored while the learner was down wait in the replay stream: a restart slower than the deadline must not
+    re-issue them, and two such restarts must not count them lost. Deadlines count from the learner's start."""
+    first = make_dispatcher(redis_client, make_config(max_staleness=0, groups_per_step=4))
+    assert first.release(0) == 4
+    issued = time.time()
+    monkeypatch.setattr(time, "time", lambda: issued + 100)  # this learner starts 100 s later (deadline 10 s)
+    second = make_dispatcher(redis_client, make_config(max_staleness=0, groups_per_step=4))
+    monkeypatch.undo()
+    assert second.reissue_overdue(deadline_s=10, now=issued + 105) == (0, 0)
+    assert second.reissue_overdue(deadline_s=10, now=issued + 111) == (4, 0)  # a full deadline after the start
+    assert second.reissue_overdue(deadline_s=10, now=issued + 122) == (0, 4)  # overdue twice while it ran: lost
+
+
 def test_a_reissued_group_completed_by_its_first_holder_is_a_known_duplicate(redis_client) -> None:
     d = make_dispatcher(redis_client, make_config(max_staleness=0, groups_per_step=2))
     duplicates_before = metric("asyncrl_dispatcher_duplicate_groups_total")
