@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from asyncrl.actors.episodes import multi_turn, replay_episode
+from asyncrl.actors.episode_scoring import replay_episode
+from asyncrl.actors.episodes import multi_turn
 from asyncrl.actors.generation import Response, WorkflowContext
 from asyncrl.common.environments.protocol import Calculator, EpisodeRow
 from asyncrl.common.environments.turns import EpisodeTools

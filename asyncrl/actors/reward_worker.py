@@ -52,7 +52,8 @@ import numpy as np
 
 from asyncrl.actors.environment_notary import Notary
 from asyncrl.actors.environment_service import EnvironmentService, serves_environments
-from asyncrl.actors.episodes import EpisodeMismatch, environment_host, replay_time_limit
+from asyncrl.actors.episode_scoring import EpisodeMismatch, replay_time_limit
+from asyncrl.actors.episodes import environment_host
 from asyncrl.actors.timed_calls import CallTimedOut, TimedCalls, WorkerStalled
 from asyncrl.common.config import RewardFunction, RunConfig
 from asyncrl.common.data.tasks import task_label

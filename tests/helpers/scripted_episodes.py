@@ -8,7 +8,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from asyncrl.actors.episodes import replay_episode, run_episode
+from asyncrl.actors.episode_scoring import replay_episode
+from asyncrl.actors.episodes import run_episode
 from asyncrl.actors.workflows import Response, Sampling, WorkflowContext, rollout_group, sampling_for
 from asyncrl.common.config import load_config
 from asyncrl.common.environments.turns import EpisodeTools

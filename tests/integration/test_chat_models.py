@@ -34,7 +34,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncrl.actors.episodes import close_environment_hosts, replay_episode
+from asyncrl.actors.episode_scoring import replay_episode
+from asyncrl.actors.episodes import close_environment_hosts
 from asyncrl.common.config import RunConfig
 from asyncrl.common.data.prompts import Prompter, model_vocab_size
 from asyncrl.common.data.tasks import TaskExample, get_task

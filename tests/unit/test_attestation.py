@@ -14,7 +14,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from asyncrl.actors.episodes import environment_reward
+from asyncrl.actors.episode_scoring import environment_reward
 from asyncrl.actors.evaluate import check_scored_offline
 from asyncrl.common.config import load_config
 from asyncrl.common.environments.protocol import is_replayable

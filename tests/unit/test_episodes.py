@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.actors.episodes import EpisodeMismatch, EpisodeTools, environment_reward, replay_time_limit
+from asyncrl.actors.episode_scoring import EpisodeMismatch, environment_reward, replay_time_limit
 from asyncrl.common.config import ConfigError, EnvironmentSection, RewardFunction, load_config
 from asyncrl.common.data.prompts import Prompter, turn_end_id
 from asyncrl.common.data.tasks import TaskExample
@@ -33,7 +33,7 @@ from asyncrl.common.environments.protocol import (
     run_tools,
 )
 from asyncrl.common.environments.tool_calls import parse_tool_calls
-from asyncrl.common.environments.turns import TemplateError, TurnEncoder, segments
+from asyncrl.common.environments.turns import EpisodeTools, TemplateError, TurnEncoder, segments
 from asyncrl.common.rewards.functions import bind_functions, episode_options
 from asyncrl.common.tiny_models.chat import ARCHITECTURES, CHATML_TEMPLATE, build_bpe_tokenizer
 from asyncrl.common.wire.messages import ScoredGroup

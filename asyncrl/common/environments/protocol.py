@@ -20,7 +20,7 @@ episode is done. :meth:`Environment.score` is the episode's reward once it ends:
 
 ``environment.name`` names a registered environment or an import path ``package.module:Class``; a name on the wire
 never selects one. The reward worker scores an episode by replaying the model's turns through a fresh environment
-made from the same row and seed (``actors/episodes.py``), so an environment must give the same observations for
+made from the same row and seed (``actors/episode_scoring.py``), so an environment must give the same observations for
 the same row, seed and turns — and an actor cannot write observations the environment did not.
 
 An environment that cannot give the same observations again (a clock, an unseeded random source, a web tool, a judge

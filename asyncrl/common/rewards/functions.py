@@ -21,7 +21,7 @@ Built-ins:
 ``overlong``       DAPO's soft overlong punishment (Yu et al. 2025, eq. 13)
 ``code_tests``     the response's program run against the answer's tests in the sandbox
 ``reward_model``   a Hugging Face sequence-classification model, scored in batches
-``environment``    a multi-turn episode replayed through ``[environment]`` (``actors/episodes.py``)
+``environment``    a multi-turn episode replayed through ``[environment]`` (``actors/episode_scoring.py``)
 =================  ===================================================================
 
 :func:`combine` sums the functions' scores with their config weights and keeps each raw score.
@@ -247,7 +247,7 @@ def task_verifier(options: dict[str, Any]) -> Verifier:
 
 # Scored by replaying each episode in the run's environment, which drives episodes as the actor does: that code is
 # the actors', so it is imported by name, on a reward worker, only when a run uses it.
-REWARDS.register_path("environment", "asyncrl.actors.episodes:environment_reward")
+REWARDS.register_path("environment", "asyncrl.actors.episode_scoring:environment_reward")
 
 
 @register_reward("task")

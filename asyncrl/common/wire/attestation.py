@@ -1,8 +1,9 @@
 """What an environment said, signed by the reward worker that ran it: how a run trains an environment that cannot be
 replayed (one whose class declares ``replayable = False``: a clock, a web tool, a judge model).
 
-A replayable environment's episode is checked by replaying it (``actors/episodes.py``). One that is not runs only on
-the run's reward workers (``environment.isolation = "workers"``), and each of them signs what its environments say.
+A replayable environment's episode is checked by replaying it (``actors/episode_scoring.py``). One that is not runs
+only on the run's reward workers (``environment.isolation = "workers"``), and each of them signs what its environments
+say.
 A worker makes an Ed25519 key pair when it starts (:class:`Signer`); the private key never leaves that process (not
 logged, not in Redis, not on disk), and its public key is advertised in the worker's heartbeat
 (``environment_signing_key``). Its answer to each ``step`` of such an environment carries a signature over the step,
