@@ -46,9 +46,11 @@ def resolve(
     actors."""
     from asyncrl.common.cliutil import given_redis_url, load
     from asyncrl.common.config import bind_refusal, write_resolved
-    from asyncrl.learner.preflight import check_config, missing_model_folder
+    from asyncrl.learner.preflight import check_config, missing_model_folder, slow_precision
 
     resolved = load(config, set_, check=check_config)
+    if (slow := slow_precision(resolved)) is not None:
+        typer.echo(f"warning: {slow}", err=True)
     if (refusal := bind_refusal(resolved)) is not None:  # only a warning: a worker's host may name its own keys
         typer.echo(f"warning: {refusal} (a worker whose host names its keys in $ASYNCRL_CURVE_* binds it)", err=True)
     if (missing := missing_model_folder(resolved.model.path)) is not None:  # the learner's host may hold it
@@ -315,7 +317,7 @@ def train(
     from asyncrl.common.cliutil import fail, given_redis_url, load
     from asyncrl.common.plane.redis_server import EmbeddedRedis
     from asyncrl.learner.batch_source import NoActorsLeft
-    from asyncrl.learner.preflight import check_config, missing_model_folder
+    from asyncrl.learner.preflight import check_config
     from asyncrl.learner.resuming import says_finished, started_refusal, verified_checkpoint
 
     resolved = load(config, set_, check=check_config)
@@ -328,8 +330,7 @@ def train(
         fail(refusal)
     leader = os.environ.get("RANK", "0") == "0"  # rank 0 verifies the checkpoint and hands it on
     checkpoint = verified_checkpoint(resolved, resume) if resume and leader else None
-    if (missing := missing_model_folder(resolved.model.path)) is not None:  # what to resume or refuse comes first
-        fail(missing)
+    _check_this_host(resolved)  # after what to resume or refuse was said
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: rank 0 leads, the others follow
         from asyncrl.learner import ranks
         from asyncrl.learner.follower import follow
@@ -371,6 +372,18 @@ def train(
     finally:
         if server is not None:
             server.stop()
+
+
+def _check_this_host(resolved: RunConfig) -> None:
+    """What the learner's host must have: the model folder (refused, exit 2, when it is missing), and instructions for
+    its training precision (a warning: a half precision the CPU cannot compute natively runs, only very slowly)."""
+    from asyncrl.common.cliutil import fail
+    from asyncrl.learner.preflight import missing_model_folder, slow_precision
+
+    if (missing := missing_model_folder(resolved.model.path)) is not None:
+        fail(missing)
+    if (slow := slow_precision(resolved)) is not None:
+        typer.echo(f"warning: {slow}", err=True)
 
 
 def _train_offline(resolved: RunConfig, resume: str | None) -> None:

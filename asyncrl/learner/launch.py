@@ -64,7 +64,7 @@ def _run_redis(
     from asyncrl.common.plane.keys import connect
     from asyncrl.common.plane.redis_server import EmbeddedRedis, EmbeddedRedisError
     from asyncrl.common.private import private_dir
-    from asyncrl.learner.preflight import check_config, missing_model_folder
+    from asyncrl.learner.preflight import check_config, missing_model_folder, slow_precision
 
     overrides = list(overrides or [])
     if curve:
@@ -76,6 +76,8 @@ def _run_redis(
         fail(f"invalid config: {refusal}")
     if check_model and (missing := missing_model_folder(resolved.model.path)) is not None:
         fail(missing)
+    if (slow := slow_precision(resolved)) is not None:
+        typer.echo(f"warning: {slow}", err=True)
     if check_model and Path(resolved.model.path).is_dir():  # a hub name is the engine's to fetch and check
         from asyncrl.learner.model_check import check_model_folder
 

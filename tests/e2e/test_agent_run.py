@@ -76,6 +76,7 @@ def agent(tmp_path_factory: pytest.TempPathFactory) -> AgentRun:
         steps_at_kill = len(step_rows(run_dir))
         os.kill(actor_pid(run_dir / "logs" / "actor-0.log"), signal.SIGKILL)
         wait_for(lambda: len(step_rows(run_dir)) > steps_at_kill, "a step after the kill", proc=proc, timeout_s=300)
+        mid_episode(run_dir, "actor-1", proc)  # a hang while no episode is in flight would fault none
         host_faults = hang_then_kill(run_dir, reward_worker_pid(run_dir), STEP_TIMEOUT_S, proc)
         exit_code = finish(proc, 900)
     finally:

@@ -1,11 +1,12 @@
 """The loop at the shape users train: Qwen2.5-0.5B's vocabulary (151,936 rows, tied, padded far beyond the
-tokenizer), widths, heads and chat template, two layers deep, in bf16 end to end (the actor samples in bf16, the
-learner trains with bf16 compute, the weights travel as bf16).
+tokenizer), widths, heads and chat template, two layers deep, in bf16 (the actor samples in bf16, the weights travel
+as bf16, the learner trains with bf16 compute on a CPU with bf16 instructions — AVX512-BF16 or AMX — and in float32 on
+one without, where PyTorch's bf16 kernels run tens of times slower and the commands warn about it).
 
 ``rl-learner init-model --shape`` writes the folder; ``rl-launch run`` trains two steps on it with one actor. A model
 with random weights samples almost every id from the 151k padded rows the tokenizer never wrote, so the ids on the
 wire, the chunked log-softmax and entropy over the large LM head and the bf16 weight broadcast all carry real load;
-the off-policy mismatch of bf16 sampling against bf16 training is measured on every step, never shown as 0.
+the off-policy mismatch of bf16 sampling against the learner's training is measured on every step, never shown as 0.
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ import pytest
 from asyncrl.common.data.prompts import model_vocab_size
 from asyncrl.common.tiny_models.chat import chat_examples
 from asyncrl.common.tiny_models.shapes import SHAPES
+from asyncrl.learner.preflight import HALF_PRECISION_FLAGS, cpu_flags
 from tests.helpers.runs import step_rows
 from tests.helpers.stack import BIN, ONE_PROCESS_ENGINE, ROOT, finish, launch
 
 pytestmark = pytest.mark.integration
 SHAPE, LAYERS, STEPS = "qwen2.5-0.5b", 2, 2
+LEARNER_PRECISION = "bfloat16" if cpu_flags() & set(HALF_PRECISION_FLAGS["bfloat16"]) else "float32"
+"""The learner's precision on this machine's CPU (``learner/preflight.py: slow_precision``)."""
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +65,7 @@ def test_a_bf16_run_at_the_real_vocabulary_trains_and_measures_its_mismatch(
     model, data = shaped
     overrides = [
         f"learner.steps={STEPS}", "learner.groups_per_step=4", "learner.micro_batch_size=8",
-        "model.dtype=bfloat16", "learner.precision=bfloat16", "model.max_model_len=128",
+        "model.dtype=bfloat16", f"learner.precision={LEARNER_PRECISION}", "model.max_model_len=128",
         "task.name=file", f"task.path={json.dumps(str(data))}", 'task.options={verifier="arithmetic"}',
         "rollout.num_samples=4", "rollout.max_new_tokens=8", "staleness.max_staleness=0", ONE_PROCESS_ENGINE,
         "monitoring.samples_every=1",
@@ -75,7 +79,7 @@ def test_a_bf16_run_at_the_real_vocabulary_trains_and_measures_its_mismatch(
         assert row["train/applied"] == 1.0
         # nearly uniform over 151,936 rows: the entropy of a random model is close to ln(V) = 11.9 nats
         assert 10.0 < row["train/loss/entropy"] <= math.log(151_936) + 1e-3, row
-        # bf16 sampling against bf16 training differ in their kernels: measured, and small
+        # bf16 sampling against the learner's bf16 (or float32) forward differ in their kernels: measured, and small
         assert 0.0 < row["train/offpolicy/mismatch_kl"] < 0.05, row
     samples = [json.loads(line) for line in (tmp_path / "shape" / "samples.jsonl").read_text().splitlines()]
     # a response of ids the tokenizer never wrote decodes to nothing: sampled, carried, scored and trained all the same

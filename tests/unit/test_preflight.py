@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 
 from asyncrl.common.config import load_config
-from asyncrl.learner.preflight import check_model_context, missing_model_folder, model_context
+from asyncrl.learner.preflight import (
+    HALF_PRECISION_FLAGS,
+    check_model_context,
+    cpu_flags,
+    missing_model_folder,
+    model_context,
+    slow_precision,
+)
 
 
 def folder_with(tmp_path: Path, config_json: dict) -> Path:
@@ -56,3 +63,26 @@ def test_a_local_path_that_names_no_folder_is_refused_naming_init_model(path: st
 def test_a_repo_id_or_a_folder_is_left_to_the_loaders(path: str, tmp_path: Path) -> None:
     assert missing_model_folder(path) is None
     assert missing_model_folder(str(tmp_path)) is None
+
+
+AVX2_ONLY = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma f16c\n" * 2
+SAPPHIRE_RAPIDS = "flags\t\t: avx2 avx512f avx512_bf16 amx_tile amx_bf16 avx512_fp16\n"
+
+
+def test_a_half_precision_the_cpu_cannot_compute_is_warned_about_naming_the_setting_and_the_fix() -> None:
+    bf16 = load_config(None, ["learner.precision=bfloat16"])
+    warning = slow_precision(bf16, AVX2_ONLY)
+    assert warning is not None and warning.startswith("learner.precision = 'bfloat16' on a CPU without bfloat16")
+    assert "avx512_bf16 or amx_bf16" in warning and "set learner.precision = 'float32'" in warning
+    assert slow_precision(bf16, SAPPHIRE_RAPIDS) is None
+    assert slow_precision(load_config(None, []), AVX2_ONLY) is None  # float32: nothing to say
+    reference = load_config(None, ["learner.reference_precision=float16"])
+    assert "learner.reference_precision = 'float16'" in (slow_precision(reference, AVX2_ONLY) or "")
+    assert slow_precision(bf16, "") is None  # no flags to read (not Linux): nothing claimed
+
+
+def test_the_flags_read_agree_with_what_torch_finds_on_this_machine() -> None:
+    import torch
+
+    native = bool(cpu_flags() & set(HALF_PRECISION_FLAGS["bfloat16"]))
+    assert native == (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()), cpu_flags()
