@@ -54,7 +54,8 @@ MORE_STEPS = 12
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
     if missing := missing_programs():
         pytest.fail(f"Slurm is not installed ({', '.join(missing)} missing): bin/setup installs slurm-wlm and munge")
-    made = SlurmCluster(tmp_path_factory.mktemp("slurm-cluster"), nodes=3)
+    local = {"node3": tmp_path_factory.mktemp("node3-local")}  # a folder node3 does not share with the others
+    made = SlurmCluster(tmp_path_factory.mktemp("slurm-cluster"), nodes=3, local=local)
     try:
         made.start()
         yield made
@@ -249,3 +250,21 @@ def test_a_run_submitted_to_slurm_survives_a_cancelled_step_and_a_requeue(
     assert job.steps_named() == {} and _processes_of(job.run_dir) == []
     with EmbeddedRedis(job.run_dir / "redis") as redis:  # the run's Redis again, on its AOF: the ledger
         account_groups(ControlPlane(connect(redis.url), RUN), final, GROUPS)
+
+
+def test_a_run_folder_a_node_does_not_share_fails_the_job_naming_it(cluster: SlurmCluster, model_dir: Path) -> None:
+    """``run.root`` in a folder node3 does not share (its own disk there): the job starts the run's Redis on node1,
+    finds the run folder missing on node3 with one ``srun``, says so in one line naming the node and the fix, and ends
+    FAILED with exit 2 before any learner, reward worker or actor starts; nothing of the run is left running."""
+    folder = cluster.local["node3"]
+    config = _config(model_dir, 2) + '\n[slurm]\nsbatch = ["--nodelist=node1,node3"]\n'
+    (folder / "run.toml").write_text(config)
+    job = Job(cluster, folder)
+    job.id, _ = job.submit("--nodes", "2")
+    assert wait_for(job.finished, "the job's end", timeout_s=300, poll_s=0.5) == "FAILED"
+    assert job.state()["ExitCode"] == "2:0", job.state()
+    logs = job.run_dir / "logs"
+    said = [line for line in (logs / f"slurm-{job.id}.out").read_text().splitlines() if "every node shares" in line]
+    assert len(said) == 1 and "nodes=node3" in said[0] and "on the cluster's shared filesystem" in said[0], said
+    assert not [log.name for log in logs.iterdir() if not log.name.startswith("slurm-")]  # no process was started
+    assert not _processes_of(job.run_dir)

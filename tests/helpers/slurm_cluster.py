@@ -36,10 +36,16 @@ def _program(name: str) -> str:
 
 
 class SlurmCluster:
-    """``nodes`` compute nodes (``node1``…) of ``cpus`` CPUs each and a controller (``slurmctl``), in ``root``."""
+    """``nodes`` compute nodes (``node1``…) of ``cpus`` CPUs each and a controller (``slurmctl``), in ``root``.
 
-    def __init__(self, root: Path, nodes: int = 3, cpus: int = 2, prefix: str | None = None) -> None:
+    ``local``: node name → a folder that node does not share: its ``slurmd`` and every job step on the node see an
+    empty tmpfs there (a node-local disk where the others see the shared filesystem)."""
+
+    def __init__(
+        self, root: Path, nodes: int = 3, cpus: int = 2, prefix: str | None = None, local: dict[str, Path] | None = None
+    ) -> None:
         self.root = root
+        self.local = local or {}
         self.addresses = {CONTROLLER: "slurmctl"} | {f"10.78.0.{n + 2}": f"node{n + 1}" for n in range(nodes)}
         self.nodes = [name for name in self.addresses.values() if name != "slurmctl"]
         self.cpus = cpus
@@ -62,7 +68,8 @@ class SlurmCluster:
         self._start("slurmctld", CONTROLLER, [_program("slurmctld"), "-D", "-i", "-f", str(self.conf)])
         for address, name in self.addresses.items():
             if name != "slurmctl":
-                self._start(f"slurmd-{name}", address, [_program("slurmd"), "-D", "-f", str(self.conf)])
+                self._start(f"slurmd-{name}", address, [*self._node_local(name), _program("slurmd"), "-D", "-f",
+                                                        str(self.conf)])  # fmt: skip
         wait_for(self._all_nodes_idle, "every Slurm node idle", timeout_s=60, poll_s=0.5)
 
     def stop(self) -> None:
@@ -84,6 +91,14 @@ class SlurmCluster:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(5)
         self.hosts.delete()
+
+    def _node_local(self, name: str) -> list[str]:
+        """The prefix that mounts an empty tmpfs over the node's :attr:`local` folder (in the node's own mount
+        namespace, which :meth:`Hosts.exec_named` made private) before its ``slurmd`` starts; none for other nodes."""
+        if name not in self.local:
+            return []
+        self.local[name].mkdir(parents=True, exist_ok=True)
+        return ["sh", "-c", 'mount -t tmpfs -o size=1m node-local "$0" && exec "$@"', str(self.local[name])]
 
     def _start_munge(self) -> None:
         munge = self.root / "munge"
