@@ -26,6 +26,7 @@ from asyncrl.learner.checkpoint_history import find_checkpoint
 from asyncrl.learner.children import why_it_failed
 from asyncrl.learner.engine import PolicyEngine
 from tests.helpers.engine_ranks import LENGTHS
+from tests.helpers.machine import unavailable
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_rank_world")]
 
@@ -34,11 +35,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_rank_world")
 def mounted(target: Path, *options: str) -> Iterator[Path]:
     """``mount OPTIONS target`` for the block, unmounted after it however it ends; skips where mounting is refused."""
     if os.geteuid() != 0:
-        pytest.skip("mounting a small or read-only file system needs root")
+        unavailable("mounting a small or read-only file system needs root")
     target.mkdir(parents=True, exist_ok=True)
     done = subprocess.run(["mount", *options, str(target)], capture_output=True, text=True, timeout=30)
     if done.returncode != 0:
-        pytest.skip(f"mount {' '.join(options)} refused here: {done.stderr.strip()}")
+        unavailable(f"mount {' '.join(options)} refused here: {done.stderr.strip()}")
     try:
         yield target
     finally:

@@ -42,6 +42,7 @@ from asyncrl.common import deploy
 from asyncrl.common.config import RewardSection, load_config
 from asyncrl.common.exit_codes import ExitCode
 from asyncrl.common.plane.keys import RunKeys
+from tests.helpers.machine import unavailable
 
 pytestmark = pytest.mark.integration  # kubectl kustomize and a redis-server run as processes
 
@@ -508,7 +509,7 @@ def test_the_code_sandbox_capabilities_start_the_namespaces_fence() -> None:
     """The reward worker of the code-sandbox component, started here as root with exactly its capabilities (as the
     container's bounding set), gets the sandbox's strongest fence and runs a program in it with none left."""
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
-        pytest.skip("needs root and setpriv (as in CI) to start a process with the pod's capability set")
+        unavailable("needs root and setpriv (as in CI) to start a process with the pod's capability set")
     added = container(workloads(build("gpu+code-sandbox"))["reward"])["securityContext"]["capabilities"]["add"]
     probe = (
         "from asyncrl.common.rewards.sandbox import isolation, run_python_tests\n"

@@ -36,7 +36,7 @@ def dashboard_exprs() -> list[str]:
 
 def rules() -> list[dict]:
     """The alert rules (PyYAML comes with transformers, so it is there wherever the project is installed)."""
-    yaml = pytest.importorskip("yaml")
+    import yaml
     groups = yaml.safe_load((MONITORING / "alerts.yaml").read_text())["groups"]
     return [rule for group in groups for rule in group["rules"]]
 
@@ -113,7 +113,7 @@ def test_every_series_and_label_value_named_exists(source: str) -> None:
 
 def test_expressions_parse_as_promql() -> None:
     """With the optional ``promql-parser`` package (not a dependency): every expression is valid PromQL."""
-    promql = pytest.importorskip("promql_parser")
+    import promql_parser as promql
     for expr in dashboard_exprs() + alert_exprs():
         promql.parse(expr.replace("$run", "demo"))
 

@@ -65,8 +65,8 @@ def test_missing_empty_and_parquet_files_are_explained(tmp_path: Path) -> None:
 
 
 def test_parquet_rows_are_read_when_pyarrow_is_installed(tmp_path: Path) -> None:
-    pa = pytest.importorskip("pyarrow")
-    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
     table = pa.table({"prompt": ["1+2=", "2+2="], "chosen": ["3", "4"], "rejected": ["4", None]})
     pq.write_table(table, tmp_path / "p.parquet")
     with pytest.raises(PreferenceFileError, match=r"p.parquet:row 2: missing field 'rejected'"):

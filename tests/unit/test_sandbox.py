@@ -31,6 +31,7 @@ from asyncrl.common.rewards import sandbox
 from asyncrl.common.rewards.sandbox import run_python_tests
 from asyncrl.common.rewards.sandbox_fences import MAX_PROCESSES, Isolation, candidates
 from asyncrl.common.rewards.sandbox_run import HARNESS, MAX_FILE_BYTES, SUPERVISOR, Limits, SandboxResult, run_behind
+from tests.helpers.machine import unavailable
 from tests.helpers.waits import wait_for
 
 TESTS = "assert add(2, 3) == 5, 'add(2, 3)'\n"
@@ -44,21 +45,21 @@ ROOT = Path(__file__).resolve().parents[2]
 def needs_namespaces() -> None:
     fence = sandbox.isolation()
     if not fence.namespaces:
-        pytest.skip(f"this machine runs the {fence.fence} fence, which does not claim to contain this")
+        unavailable(f"this machine runs the {fence.fence} fence, which does not claim to contain this")
 
 
 def needs_another_uid_or_namespaces() -> None:
     """Guards the escapes that, run as the worker's own uid outside namespaces, would hit this machine for real."""
     fence = sandbox.isolation()
     if not (fence.namespaces or fence.per_run_uid):
-        pytest.skip(f"the {fence.fence} fence runs programs as the worker's uid: not tried here")
+        unavailable(f"the {fence.fence} fence runs programs as the worker's uid: not tried here")
 
 
 def needs_a_process_limit() -> None:
     """Guards the fork bombs: without a process limit one would exhaust this machine, not the sandbox."""
     fence = sandbox.isolation()
     if fence.processes.startswith("not limited"):
-        pytest.skip(f"the {fence.fence} fence here does not limit processes ({fence.processes})")
+        unavailable(f"the {fence.fence} fence here does not limit processes ({fence.processes})")
 
 
 def process_name() -> str:
@@ -379,7 +380,7 @@ def test_escape_connect_to_the_runs_redis(tmp_path: Path) -> None:
         if sandbox.isolation().namespaces:
             contained(run_python_tests(textwrap.dedent(connect), ""), "failed:", "Network is unreachable")
         else:
-            pytest.skip("the rlimits fence shares the host's network")
+            unavailable("the rlimits fence shares the host's network")
     finally:
         server.stop()
 
@@ -420,7 +421,7 @@ def test_an_interpreter_in_tmp_runs_behind_the_namespaces_fence(tmp_path: Path) 
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         kernel_allows = subprocess.run(["unshare", "--pid", "--net", "--mount", "--ipc", "--uts", "--fork", "true"])
         if kernel_allows.returncode != 0:  # not the interpreter's place: no namespaces for anyone here
-            pytest.skip("this machine makes no namespaces (unshare refused)")
+            unavailable("this machine makes no namespaces (unshare refused)")
         done = subprocess.run(
             [venv / "bin" / "python", "-c", probe], env=env, capture_output=True, text=True, timeout=300
         )

@@ -80,7 +80,7 @@ def test_parquet_with_chat_messages_and_a_dotted_answer_key(tmp_path: Path) -> N
 
 def test_a_save_to_disk_folder_is_read_without_the_datasets_package(tmp_path: Path) -> None:
     """Written by the real ``datasets`` library; read by ``common.data.task_files`` with pyarrow alone."""
-    datasets = pytest.importorskip("datasets")
+    import datasets
     datasets.Dataset.from_list(VERL_ROWS).save_to_disk(str(tmp_path / "one"))
     check_verl_rows(FileTask(tmp_path / "one", **VERL_KEYS))
     test_rows = [{"question": "What is 9+9?", "answer": "18"}]
@@ -106,7 +106,7 @@ def test_a_save_to_disk_folder_is_read_without_the_datasets_package(tmp_path: Pa
 
 
 def test_bad_rows_are_refused_with_their_row_in_every_format(tmp_path: Path) -> None:
-    datasets = pytest.importorskip("datasets")
+    import datasets
     rows = [dict(VERL_ROWS[0]), {**VERL_ROWS[1], "reward_model": {"style": "rule"}}]  # row 2: no ground truth
     jsonl = write_jsonl(tmp_path / "bad.jsonl", rows)
     with pytest.raises(TaskFileError, match=re.escape(f"{jsonl}:line 2: missing field 'reward_model.ground_truth'")):
