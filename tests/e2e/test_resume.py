@@ -204,7 +204,7 @@ def test_a_two_rank_learner_killed_twice_resumes_and_every_group_is_trained_once
         started = base_accuracy(model_dir, answers, max_new_tokens=6, eos=eos, verifier=bind_verifier("arithmetic"))
         skill = figures["eval/accuracy"] - started
         print(f"reward {first:.3f} -> {last:.3f}; greedy accuracy {started:.3f} -> {figures['eval/accuracy']:.3f}")
-        assert last > first + 0.05 or skill > 0.06, (  # test_system.py's measures of a demo that learns
+        assert last > first + 0.05 or skill > 0.06, (  # LoRA in 36 steps learns less than the demo: one clear rise
             f"the adapters did not learn: reward {first:.3f} -> {last:.3f}, greedy accuracy {started:.3f} -> "
             f"{figures['eval/accuracy']:.3f}"
         )

@@ -140,12 +140,14 @@ def demo(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> DemoRun:
 
 def test_demo_reward_rises_within_the_staleness_bound(demo: DemoRun) -> None:
     """The demo trains all its steps, never past the configured staleness bound, and it learns (also across the
-    kill -9 of one of its two actors): its sampled reward or its greedy skill on the fixed eval prompts clearly rises.
+    kill -9 of one of its two actors): its greedy skill on the fixed eval prompts clearly rises, and its sampled reward
+    rises too, or at least does not fall by more than its noise.
 
     Two measures of one thing, with noise of their own (measured over four demo runs). A step's reward mean varies
-    by ~0.07 with the prompts it drew, so the 12-step windows' rise (0.03-0.10) has ~0.03 of noise; the eval rounds
-    answer the same 64 prompts greedily at steps 0, 30 and 60, and the two later rounds' mean rose 0.13-0.17 over
-    step 0's. A run that did not learn shows neither rise."""
+    by ~0.07 with the prompts it drew, so the 12-step windows' rise (0.03-0.10) has ~0.03 of noise: a fall of 0.02 is
+    allowed, no more; the eval rounds answer the same 64 prompts greedily at steps 0, 30 and 60, and the two later
+    rounds' mean rose 0.13-0.17 over step 0's. A run that did not learn shows no eval rise; one whose sampling broke,
+    a falling reward."""
     assert demo.exit_code == 0
     rows = demo.rows
     assert [int(r["step"]) for r in rows] == list(range(1, DEMO_STEPS + 1))
@@ -154,7 +156,7 @@ def test_demo_reward_rises_within_the_staleness_bound(demo: DemoRun) -> None:
     rounds = {int(r["eval/step"]): r["eval/accuracy"] for r in eval_rows(demo.run_dir)}
     assert sorted(rounds) == [0, 30, DEMO_STEPS]
     skill = (rounds[30] + rounds[DEMO_STEPS]) / 2 - rounds[0]
-    assert last > first + 0.05 or skill > 0.06, (
+    assert skill > 0.06 and last > first - 0.02, (
         f"the demo did not learn: reward {first:.3f} -> {last:.3f}, greedy eval accuracy {rounds}"
     )
 
