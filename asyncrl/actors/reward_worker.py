@@ -52,7 +52,7 @@ import numpy as np
 
 from asyncrl.actors.environment_notary import Notary
 from asyncrl.actors.environment_service import EnvironmentService, serves_environments
-from asyncrl.actors.episode_scoring import EpisodeMismatch, replay_time_limit
+from asyncrl.actors.episode_scoring import EpisodeMismatch
 from asyncrl.actors.episodes import environment_host
 from asyncrl.actors.timed_calls import CallTimedOut, TimedCalls, WorkerStalled
 from asyncrl.common.config import RewardFunction, RunConfig
@@ -77,7 +77,15 @@ from asyncrl.common.plane.heartbeat import HeartbeatThread
 from asyncrl.common.plane.keys import connect
 from asyncrl.common.plane.outage import exit_for_outage, outage_clock, outage_in
 from asyncrl.common.plane.replay import ReplayWriter
-from asyncrl.common.rewards.functions import RewardError, Score, bind_functions, combine, episode_options, score
+from asyncrl.common.rewards.functions import (
+    RewardError,
+    Score,
+    bind_functions,
+    combine,
+    episode_options,
+    score,
+    time_limit,
+)
 from asyncrl.common.rewards.response_text import ResponseTexts
 from asyncrl.common.transport.channel import PullChannel
 from asyncrl.common.transport.curve import CurveServer
@@ -284,9 +292,7 @@ class RewardWorker:
 
     def _call(self, function: RewardFunction, group: RolloutGroup) -> list[Score]:
         """One function on one group: up to ``1 + reward.retries`` attempts, each within ``reward.timeout_s``."""
-        attempts, timeout_s = 1 + self.config.reward.retries, self.config.reward.timeout_s
-        if function.name == "environment":  # a replay's steps have their own limits: the call may take them all
-            timeout_s = max(timeout_s, replay_time_limit(self.config.environment))
+        attempts, timeout_s = 1 + self.config.reward.retries, time_limit(function, self.config.reward.timeout_s)
         error = ""
         for attempt in range(1, attempts + 1):
             try:

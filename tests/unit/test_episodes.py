@@ -34,7 +34,7 @@ from asyncrl.common.environments.protocol import (
 )
 from asyncrl.common.environments.tool_calls import parse_tool_calls
 from asyncrl.common.environments.turns import EpisodeTools, TemplateError, TurnEncoder, segments
-from asyncrl.common.rewards.functions import bind_functions, episode_options
+from asyncrl.common.rewards.functions import bind_functions, episode_options, time_limit
 from asyncrl.common.tiny_models.chat import ARCHITECTURES, CHATML_TEMPLATE, build_bpe_tokenizer
 from asyncrl.common.wire.messages import ScoredGroup
 from asyncrl.learner.algorithms import GlobalCounts, LossInput, build_aggregation, build_loss
@@ -188,6 +188,10 @@ def test_a_multi_turn_run_needs_an_environment_that_exists() -> None:
     assert EnvironmentSection().max_turns == 4
     # the reward worker's limit for a replay: opening the environment and every step, each at its own limit
     assert replay_time_limit(EnvironmentSection(max_turns=3, step_timeout_s=2.5)) == 10.0
+    # which the environment function declares: a call of it may take that long whatever reward.timeout_s says
+    replay = RewardFunction(name="environment", options={"environment": {"max_turns": 3, "step_timeout_s": 2.5}})
+    assert (time_limit(replay, 5.0), time_limit(replay, 30.0)) == (10.0, 30.0)
+    assert time_limit(RewardFunction(name="task"), 5.0) == 5.0
 
 
 THINKING_TEMPLATE = (

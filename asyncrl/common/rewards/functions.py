@@ -74,6 +74,25 @@ REWARDS: Registry[RewardFn] = Registry(
 register_reward = REWARDS.register
 get_reward = REWARDS.get
 reward_names = REWARDS.names
+TIME_LIMIT_ATTRIBUTE = "min_time_limit_s"
+
+
+def needs_time(limit: Callable[[dict[str, Any]], float]) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: a reward function whose one call may need more than ``reward.timeout_s``, ``limit(options)`` seconds
+    (the environment replay: each of its steps has a limit of its own, and a call may take them all)."""
+
+    def mark(function: RewardFn) -> RewardFn:
+        function.__dict__[TIME_LIMIT_ATTRIBUTE] = limit
+        return function
+
+    return mark
+
+
+def time_limit(function: RewardFunction, timeout_s: float) -> float:
+    """How long one call of the configured ``function`` may take: ``reward.timeout_s`` (``timeout_s``), or what the
+    function declares it needs (:func:`needs_time`), whichever is longer."""
+    limit = getattr(get_reward(function.name), TIME_LIMIT_ATTRIBUTE, None)
+    return max(timeout_s, float(limit(dict(function.options)))) if limit is not None else timeout_s
 
 
 # --------------------------------------------------------------------------- scoring and combining
