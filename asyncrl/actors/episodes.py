@@ -109,25 +109,20 @@ def close_environment_hosts() -> None:
         host.close()
 
 
-_REMOTE: list[RemoteEnvironments] = []
-
-
-def use_remote_environments(remote: RemoteEnvironments | None) -> None:
-    """Make this process's episodes open their environments on the run's reward workers (an actor with
-    ``environment.isolation = "workers"``); None goes back to this process's own environment process."""
-    _REMOTE[:] = [remote] if remote is not None else []
-
-
 async def open_environment(
-    section: EnvironmentSection, row: EpisodeRow, identity: dict[str, Any] | None = None
+    section: EnvironmentSection,
+    row: EpisodeRow,
+    identity: dict[str, Any] | None = None,
+    remote: RemoteEnvironments | None = None,
 ) -> EpisodeEnvironment:
-    """The environment of ``row``: on the run's reward workers (``environment.isolation = "workers"``, in an actor that
-    reaches them), in the environments' own process (``"process"``, and ``"workers"`` anywhere else: a reward
-    worker's replay, an offline eval), or in this one (``"thread"``). ``identity`` (``group_id``, ``index``) names
-    the episode it is for: what a worker signs an environment that cannot be replayed for."""
+    """The environment of ``row``: on the run's reward workers (``environment.isolation = "workers"``, through
+    ``remote``, an actor's client of them), in the environments' own process (``"process"``, and ``"workers"``
+    without a client: a reward worker's replay, an offline eval), or in this one (``"thread"``). ``identity``
+    (``group_id``, ``index``) names the episode it is for: what a worker signs an environment that cannot be replayed
+    for."""
     if section.isolation == "thread":
         return make_environment(section.name, section.options, row)
-    host = _REMOTE[0] if section.isolation == "workers" and _REMOTE else environment_host(section)
+    host = remote if section.isolation == "workers" and remote is not None else environment_host(section)
     try:
         return await HostedEnvironment.open(host, row, identity)
     except EnvironmentFailed as exc:
@@ -230,7 +225,8 @@ async def run_episode(
     episode = Response()
     ending, turns, env = "max_turns", 0, None
     try:
-        env = await open_environment(section, episode_row(group, index), {"group_id": group.group_id, "index": index})
+        identity = {"group_id": group.group_id, "index": index}
+        env = await open_environment(section, episode_row(group, index), identity, turn.environments)
         deadline = time.monotonic() + (section.episode_timeout_s or float("inf"))
         for turns in range(1, section.max_turns + 1):
             if turns > 1 and time.monotonic() >= deadline:

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from asyncrl.common.config import EnvironmentSection, RolloutSection, RunConfig
 from asyncrl.common.wire.messages import PromptGroup, RolloutGroup
+
+if TYPE_CHECKING:
+    from asyncrl.actors.remote_environments import RemoteEnvironments
 
 
 @dataclass(frozen=True)
@@ -70,11 +73,18 @@ class WorkflowContext:
     """``model.path``: where a workflow finds the tokenizer and its chat template."""
     max_model_len: int = 0
     """``model.max_model_len``: prompt and response together at most (0: no limit but the engine's)."""
+    environments: RemoteEnvironments | None = None
+    """The actor's client of the environments its run's reward workers serve (``environment.isolation =
+    "workers"``); None: episodes make their environments in this host's own environment process."""
 
     @classmethod
-    def of(cls, config: RunConfig, actor_id: str, request_id: str) -> WorkflowContext:
+    def of(
+        cls, config: RunConfig, actor_id: str, request_id: str, environments: RemoteEnvironments | None = None
+    ) -> WorkflowContext:
         model = config.model
-        return cls(config.rollout, actor_id, request_id, config.environment, model.path, model.max_model_len)
+        return cls(
+            config.rollout, actor_id, request_id, config.environment, model.path, model.max_model_len, environments
+        )
 
 
 def sampling_for(group: PromptGroup, turn: WorkflowContext, stop_ids: Sequence[int] = ()) -> Sampling:

@@ -33,7 +33,6 @@ import redis.exceptions
 
 from asyncrl.actors import liveness
 from asyncrl.actors.environment_service import serves_environments
-from asyncrl.actors.episodes import use_remote_environments
 from asyncrl.actors.faults import faulted_episodes, settle_faulted
 from asyncrl.actors.remote_environments import RemoteEnvironments
 from asyncrl.actors.reward_peers import PeerDiscovery, RewardPeers
@@ -88,7 +87,6 @@ class RolloutActor:
             self.environments = RemoteEnvironments(
                 config.environment, run_seal(self.plane.client, self.plane.keys, "environments")
             )
-            use_remote_environments(self.environments)
         # A ZeroMQ socket is not thread-safe: every send goes through this one thread, in order.
         self._sender = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="push")
         self.peers = PeerDiscovery(config, self.plane, self.push, self._sender, self.environments)
@@ -205,7 +203,7 @@ class RolloutActor:
         taken_at = time.time()  # wall clock, as the learner's issue time: the group's timeline spans hosts
         try:
             await self._catch_up(group)
-            turn = WorkflowContext.of(self.config, self.actor_id, request_id)
+            turn = WorkflowContext.of(self.config, self.actor_id, request_id, self.environments)
             rollout = await self.workflow(self.started_engine, group, turn)
             rollout = dataclasses.replace(rollout, timings={**rollout.timings, "taken_at": taken_at})
         except asyncio.CancelledError:
@@ -355,7 +353,6 @@ class RolloutActor:
         self._sender.shutdown(wait=True)
         self.push.close()
         if self.environments is not None:
-            use_remote_environments(None)
             self.environments.close()
         if self.engine is not None:
             if not self.engine_died:

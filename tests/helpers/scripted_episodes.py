@@ -4,12 +4,14 @@ tokenizer, an engine that says scripted turns, and the run's settings as ``--set
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 
 from asyncrl.actors.episode_scoring import replay_episode
 from asyncrl.actors.episodes import run_episode
+from asyncrl.actors.remote_environments import RemoteEnvironments
 from asyncrl.actors.workflows import Response, Sampling, WorkflowContext, rollout_group, sampling_for
 from asyncrl.common.config import load_config
 from asyncrl.common.environments.turns import EpisodeTools
@@ -72,9 +74,11 @@ def episode(
     answer: str = "42",
     question="",
     group_id: str = "g-1",
+    remote: RemoteEnvironments | None = None,
 ):
-    """(rollout group of one episode, the engine, the workflow context)."""
-    engine, turn = ScriptedEngine(tools, turns, cut), context(*overrides)
+    """(rollout group of one episode, the engine, the workflow context); ``remote``: the reward workers' environments
+    the episode runs in, as an actor's would (``environment.isolation = "workers"``)."""
+    engine, turn = ScriptedEngine(tools, turns, cut), dataclasses.replace(context(*overrides), environments=remote)
     group = prompt_group(tools, answer, question=question, group_id=group_id)
     sampling = sampling_for(group, turn)
     response = asyncio.run(run_episode(engine, group, 0, sampling, turn, tools))
