@@ -14,27 +14,41 @@ from pydantic import (
 from asyncrl.common.config.base import MAX_STEPS, WEEK_S, Int, Section
 
 
-class StalenessSection(Section):
-    max_staleness: Int = Field(default=1, ge=0, le=1000)
-    """Versions a token may lag the policy being trained; 0 = synchronous on-policy training."""
+class OffPolicyCorrection(Section):
+    """The off-policy correction by w = π_old/μ: the fields of ``[staleness]`` that the policy losses read
+    (``learner/algorithms/losses.py``), one class for both."""
+
     correction: Literal["none", "truncate", "mask"] = "truncate"
-    """Off-policy correction by π_old/μ: ``none`` uses μ as π_old; ``truncate`` caps the weight; ``mask`` drops tokens outside the band."""  # noqa: E501
+    """Off-policy correction by w = π_old/μ: ``none``: w = 1, μ stands in for π_old (the ratio is then π_θ/μ);
+    ``truncate``: w ← min(w, cap); ``mask``: w ← 0 outside [1/cap, cap]."""
     level: Literal["token", "sequence"] = "token"
-    """Level at which the importance weight is computed."""
+    """Level of the importance weight: ``token``, w per token; ``sequence``, every token of a sequence gets
+    exp(Σ_t (log π_old − log μ))."""
     cap: float = Field(default=2.0, gt=1.0, le=1e6)
     """Upper cap (truncate) or upper band edge (mask) of the importance weight."""
     max_sequence_kl: float = Field(default=0.5, ge=0.0, le=1e6)
-    """Mismatch guard: drop from the loss each sequence whose mean per-token KL(μ ‖ π_old) is above this (counted in
-    ``train/offpolicy/dropped_frac``); 0 = off. Normal runs stay below 0.5 (bench/stability.py: ≤ 0.01% of a run's
-    sequences dropped; at most 3% of one step's, the first update from a warm start); a bad weight load does not
-    (tests/e2e/test_mismatch_guard.py)."""
+    """Mismatch guard: drop from the loss each sequence whose mean per-token k3 estimate of KL(μ ‖ π_old) is above
+    this (counted in ``train/offpolicy/dropped_frac``); 0 = off. Normal runs stay below 0.5 (bench/stability.py:
+    ≤ 0.01% of a run's sequences dropped; at most 3% of one step's, the first update from a warm start); a bad weight
+    load does not (tests/e2e/test_mismatch_guard.py)."""
     veto: float = Field(default=1e-4, ge=0.0, lt=1.0)
-    """Token veto: drop each sequence with a token whose π_old/μ is below this; 0 = off."""
+    """Token veto: drop each sequence with a token whose π_old/μ is below this (one token μ sampled but π_old all but
+    forbids; verl's rollout correction and slime veto such sequences too); 0 = off."""
     behaviour_clip: bool = True
     """Clip against μ as well as π_old (``ppo_clip`` losses: GRPO, DAPO, PPO): a token whose π_old/μ has already left
     [1 − clip_low, 1 + clip_high] in the direction its advantage pushes gets no gradient, so a stale sample cannot
     push a token further once per version of lag. Off, heavy-tailed counting collapsed at staleness 4 (3 runs in 3)
     and lost accuracy at 2 (bench/stability.py); without lag it changes nothing (π_old = μ)."""
+
+    @property
+    def recompute_proximal(self) -> bool:
+        """Whether the loss reads π_old (otherwise μ stands in for it)."""
+        return self.correction != "none"
+
+
+class StalenessSection(OffPolicyCorrection):
+    max_staleness: Int = Field(default=1, ge=0, le=1000)
+    """Versions a token may lag the policy being trained; 0 = synchronous on-policy training."""
 
 
 class TransportSection(Section):

@@ -16,9 +16,10 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 from torch import Tensor
 
+from asyncrl.common.config.operations import OffPolicyCorrection
 from asyncrl.learner.algorithms.kl import kl_estimate
 from asyncrl.learner.algorithms.masked import masked_max, masked_mean, zero_masked
 from asyncrl.learner.algorithms.registries import KL_ESTIMATORS, register_loss
@@ -29,32 +30,9 @@ _LOG_CLAMP = 20.0
 and clip below gives the same result anyway."""
 
 
-class OffPolicySettings(BaseModel):
-    """The off-policy correction by w = π_old/μ (the fields of ``[staleness]`` in the run config)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
-
-    correction: Literal["none", "truncate", "mask"] = "truncate"
-    """``none``: w = 1, and the caller passes μ as π_old (``old_logprobs = behaviour_logprobs``: the ratio is
-    then π_θ/μ); ``truncate``: w ← min(w, cap); ``mask``: w ← 0 outside [1/cap, cap]."""
-    level: Literal["token", "sequence"] = "token"
-    """``token``: w per token; ``sequence``: every token of a sequence gets exp(Σ_t (log π_old − log μ))."""
-    cap: float = Field(default=2.0, gt=1.0)
-    """Truncation cap, or upper edge of the kept band [1/cap, cap]."""
-    max_sequence_kl: float = Field(default=0.5, ge=0.0)
-    """The mismatch guard: a sequence whose mean per-token k3 estimate of KL(μ ‖ π_old) is above this is dropped
-    (every token's w = 0); 0 disables it. Acts on the sequences a spike hit, not the whole step."""
-    veto: float = Field(default=1e-4, ge=0.0, lt=1.0)
-    """Token veto: a sequence with any token whose π_old/μ is below this is dropped (verl's rollout correction and
-    slime veto such sequences: one token μ sampled but π_old all but forbids); 0 disables it."""
-    behaviour_clip: bool = True
-    """``ppo_clip`` only: PPO's clip anchored at μ as well as at π_old. A token whose π_old/μ has already left
-    [1 − ε_low, 1 + ε_high] in the direction its advantage pushes gets no gradient (:func:`behaviour_clipped`)."""
-
-    @property
-    def recompute_proximal(self) -> bool:
-        """Whether the loss reads π_old (otherwise μ stands in for it)."""
-        return self.correction != "none"
+OffPolicySettings = OffPolicyCorrection
+"""The off-policy correction a policy loss applies: ``[staleness]``'s own class (``common/config/operations.py``), so
+the run config and the losses cannot disagree on a field or a bound."""
 
 
 class PolicyGradientSettings(Settings):
