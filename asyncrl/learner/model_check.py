@@ -148,7 +148,39 @@ def report_lines(report: ModelReport, config: RunConfig) -> list[str]:
         f"vocabulary: {report.tokenizer_tokens} tokenizer tokens within {report.embedding_rows} embedding rows; "
         f"eos {eos}, every special id in range",
     ]
+    if (episodes := episode_mode(config)) is not None:
+        lines.append(episodes)
     for row in report.rows:
         lines.append(f"{row.source} row as the model sees it ({len(row.token_ids)} tokens):")
         lines += [f"  | {line}" for line in row.text.splitlines() or [""]]
     return lines
+
+
+def episode_mode(config: RunConfig) -> str | None:
+    """How a ``multi_turn`` run's episodes are kept and scored, in one line (None for any other run): each one
+    sequence with the environment's turns appended as the template renders them, whether the template keeps past
+    reasoning (or the run keeps it against the template: ``environment.past_reasoning = "keep"``), and whether the
+    reward worker replays the environment or checks its workers' signatures. The config passed
+    :func:`~asyncrl.learner.preflight.check_episodes` (a template it refuses never gets here)."""
+    if config.rollout.workflow != "multi_turn":
+        return None
+    from asyncrl.common.environments.protocol import is_replayable
+    from asyncrl.common.environments.turns import episode_tools
+
+    section = config.environment
+    encoder = episode_tools(config.model.path, section.past_reasoning).encoder
+    reasoning = (
+        "the chat template keeps past reasoning, so every turn is trained on the context it is served in"
+        if encoder.keeps_past_reasoning()
+        else "past reasoning kept as generated (environment.past_reasoning = 'keep'), which the chat template drops "
+        "once a later turn follows: later turns are trained on a context the served model does not see"
+    )
+    scored = (
+        "replayed by the reward worker to score"
+        if is_replayable(section.name)
+        else "cannot be replayed: scored from the reward workers' signatures"
+    )
+    return (
+        f"episodes: one sequence each, environment {section.name!r} ({scored}), its turns appended as the chat "
+        f"template renders them; {reasoning}"
+    )

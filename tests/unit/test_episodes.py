@@ -39,6 +39,7 @@ from asyncrl.common.tiny_models.chat import ARCHITECTURES, CHATML_TEMPLATE, buil
 from asyncrl.common.wire.messages import ScoredGroup
 from asyncrl.learner.algorithms import GlobalCounts, LossInput, build_aggregation, build_loss
 from asyncrl.learner.batch import collate
+from asyncrl.learner.model_check import episode_mode
 from asyncrl.learner.preflight import check_config
 from tests.helpers.scripted_episodes import CALL, QUESTION, context, episode, replay, tools_for
 
@@ -232,6 +233,15 @@ def test_resolve_refuses_a_thinking_template_unless_the_run_keeps_past_reasoning
     with pytest.raises(ValueError, match=r"^model\.path: the chat template drops the model's past reasoning"):
         check_config(load_config(None, run))
     check_config(load_config(None, [*run, "environment.past_reasoning=keep"]))
+    said = episode_mode(load_config(None, [*run, "environment.past_reasoning=keep"]))  # what check-model prints
+    assert said is not None and said.startswith("episodes: one sequence each, environment 'calculator' (replayed")
+    assert "past reasoning kept as generated (environment.past_reasoning = 'keep')" in said
+    tokenizer.chat_template = build_bpe_tokenizer("qwen2").chat_template  # a template that keeps every turn
+    tokenizer.save_pretrained(tmp_path / "plain")
+    plain = episode_mode(load_config(None, [*run[:2], f"model.path={tmp_path / 'plain'}"])) or ""
+    assert plain.endswith("the chat template keeps past reasoning, so every turn is trained on the context it is "
+                          "served in")  # fmt: skip
+    assert episode_mode(load_config(None, [])) is None  # single-turn runs have no episodes
 
 
 def _with_probe_reasoning(tokenizer):

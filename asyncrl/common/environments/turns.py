@@ -89,6 +89,15 @@ class TurnEncoder:
                 "each episode as one sequence with its past reasoning kept"
             )
 
+    def keeps_past_reasoning(self) -> bool:
+        """Whether the template renders a past assistant turn's reasoning as it was written
+        (:meth:`check_past_reasoning_kept` passes)."""
+        try:
+            self.check_past_reasoning_kept()
+        except TemplateError:
+            return False
+        return True
+
     @property
     def turn_end(self) -> str:
         """The text of :attr:`end_id`."""
