@@ -387,18 +387,16 @@ def _check_this_host(resolved: RunConfig) -> None:
 
 
 def _train_offline(resolved: RunConfig, resume: str | None) -> None:
-    """Offline DPO on the preference file; ``--resume``, a model folder that is not there, a bad file or loss option
-    exits with the reason, not a traceback."""
+    """Offline DPO on the preference file; ``--resume``, what this host lacks (:func:`_check_this_host`), a bad file or
+    loss option exits with the reason, not a traceback."""
     from asyncrl.common.cliutil import fail
     from asyncrl.common.config import ConfigError
     from asyncrl.learner.dpo import OfflineDPOTrainer
     from asyncrl.learner.preferences import PreferenceFileError
-    from asyncrl.learner.preflight import missing_model_folder
 
     if resume:
         fail("--resume is for runs that train from rollouts; offline DPO (data.source = 'preferences') has none")
-    if (missing := missing_model_folder(resolved.model.path)) is not None:
-        fail(missing)
+    _check_this_host(resolved)
     try:
         trainer = OfflineDPOTrainer(resolved)
     except (PreferenceFileError, ConfigError) as exc:

@@ -244,7 +244,7 @@ class Dispatcher:
 
         A learner that starts gives every group a full deadline: time in which no learner ran does not count (a group
         scored while the learner was down waits in the replay stream; judged from its issue time, a restart slower than
-        the deadline would re-issue every such group, and a second such restart count them lost, answers and all).
+        the deadline would re-issue every such group, and a second such restart would count them lost, answers and all).
 
         A Redis restart re-issues nothing by itself: for a heartbeat TTL after Redis came back, holders whose
         heartbeat expired while it was down are not judged yet, and the time it was down does not count against
