@@ -47,9 +47,7 @@ def reward_worker(redis_server, redis_client, tmp_path: Path, run: str) -> Itera
     log = tmp_path / f"{run}.log"
     proc = start(redis_server.url, run, "rw-1", log)
     try:
-        # beside the serial chain a worker starts niced on two busy cores: its imports alone took over 60 s once
-        ready = lambda: heartbeat(redis_client, run, "rw-1", state="ready")  # noqa: E731
-        beat = wait_for(ready, proc, log, "a ready heartbeat", timeout_s=START_TIMEOUT_S)
+        beat = wait_ready(redis_client, run, "rw-1", proc, log)
         assert beat.kind == "reward" and beat.pid == proc.pid and beat.endpoint.startswith("tcp://127.0.0.1:")
         yield proc, beat.endpoint
     finally:
@@ -66,6 +64,13 @@ def heartbeat(redis_client, run: str, worker_id: str, state: str | None = None) 
 
 START_TIMEOUT_S = 180
 """How long a worker may take to say it is ready, or to exit: a wait for it, never a claim about its speed."""
+
+
+def wait_ready(redis_client, run: str, worker_id: str, proc: subprocess.Popen, log: Path) -> Heartbeat:
+    """The worker's first ``ready`` heartbeat. Beside the serial chain a worker starts niced on two busy cores: its
+    imports alone took over 60 s there, so this waits :data:`START_TIMEOUT_S` (or until the process exits)."""
+    ready = lambda: heartbeat(redis_client, run, worker_id, state="ready")  # noqa: E731
+    return wait_for(ready, proc, log, "a ready heartbeat", timeout_s=START_TIMEOUT_S)
 
 
 def wait_for(probe, proc: subprocess.Popen, log: Path, what: str, timeout_s: float = 60):

@@ -31,7 +31,7 @@ from asyncrl.common.transport.curve import CurveClient, create_keypair, create_r
 from asyncrl.common.wire.messages import Heartbeat
 from asyncrl.common.wire.seal import run_seal
 from tests.helpers.audit_trail import entries
-from tests.helpers.reward_stack import heartbeat, publish, start, stop
+from tests.helpers.reward_stack import publish, start, stop, wait_ready
 from tests.helpers.rollouts import issue, make_group
 from tests.helpers.waits import wait_for
 
@@ -250,7 +250,7 @@ def test_a_reward_worker_records_its_life_and_what_it_refused(redis_server, redi
     proc = start(redis_server.url, run, "rw-1", log)
     senders: list[PushChannel] = []
     try:
-        beat = wait_for(lambda: heartbeat(redis_client, run, "rw-1", state="ready"), "ready", proc=proc, log=log)
+        beat = wait_ready(redis_client, run, "rw-1", proc, log)
         server_key = beat.curve_public_key.encode()
         stranger = PushChannel("rollouts", send_timeout_s=1)
         stranger.connect(beat.endpoint, CurveClient(stranger_secret, server_key))

@@ -42,7 +42,7 @@ from asyncrl.common.wire.attestation import EpisodeAttestation, EpisodeIdentity,
 from asyncrl.common.wire.messages import Heartbeat, RolloutGroup
 from asyncrl.common.wire.seal import run_seal
 from tests.helpers.flood import flood
-from tests.helpers.reward_stack import heartbeat, publish, read_replay, start, wait_for
+from tests.helpers.reward_stack import heartbeat, publish, read_replay, start, wait_for, wait_ready
 from tests.helpers.rollouts import issue
 from tests.helpers.scrape import metric
 from tests.helpers.scripted_episodes import CALL, episode, replay, tools_for
@@ -81,8 +81,7 @@ def workers(redis_server, redis_client, tmp_path: Path) -> Iterator[dict]:
     try:
         ready = {}
         for w, proc in procs.items():
-            probe = lambda w=w: heartbeat(redis_client, RUN, w, state="ready")  # noqa: E731
-            ready[w] = wait_for(probe, proc, tmp_path / f"{w}.log", "a ready heartbeat")
+            ready[w] = wait_ready(redis_client, RUN, w, proc, tmp_path / f"{w}.log")
             assert ready[w].environment_endpoint.startswith("tcp://127.0.0.1:"), ready[w]
         yield {"procs": procs, "beats": ready}
     finally:
@@ -213,9 +212,7 @@ def sealed(redis_server, redis_client, tmp_path: Path) -> Iterator[tuple[subproc
     log = tmp_path / "sealed.log"
     proc = start(redis_server.url, SEALED, "rw-s", log)
     try:
-        probe = lambda: heartbeat(redis_client, SEALED, "rw-s", state="ready")  # noqa: E731
-        beat = wait_for(probe, proc, log, "a ready heartbeat")
-        assert beat is not None
+        beat = wait_ready(redis_client, SEALED, "rw-s", proc, log)
         yield proc, beat, log
     finally:
         if proc.poll() is None:
