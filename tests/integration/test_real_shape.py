@@ -3,7 +3,8 @@ tokenizer), widths, heads and chat template, two layers deep, in bf16 (the actor
 as bf16, the learner trains with bf16 compute on a CPU with bf16 instructions — AVX512-BF16 or AMX — and in float32 on
 one without, where PyTorch's bf16 kernels run tens of times slower and the commands warn about it).
 
-``rl-learner init-model --shape`` writes the folder; ``rl-launch run`` trains two steps on it with one actor. A model
+``rl-learner init-model --shape`` writes the folder; ``rl-launch run`` trains one step on it with one actor, which then
+loads the step's weights. A model
 with random weights samples almost every id from the 151k padded rows the tokenizer never wrote, so the ids on the
 wire, the chunked log-softmax and entropy over the large LM head and the bf16 weight broadcast all carry real load;
 the off-policy mismatch of bf16 sampling against the learner's training is measured on every step, never shown as 0.
@@ -26,7 +27,7 @@ from tests.helpers.runs import step_rows
 from tests.helpers.stack import BIN, ONE_PROCESS_ENGINE, ROOT, finish, launch
 
 pytestmark = pytest.mark.integration
-SHAPE, LAYERS, STEPS = "qwen2.5-0.5b", 2, 2
+SHAPE, LAYERS, STEPS = "qwen2.5-0.5b", 2, 1
 LEARNER_PRECISION = "bfloat16" if cpu_flags() & set(HALF_PRECISION_FLAGS["bfloat16"]) else "float32"
 """The learner's precision on this machine's CPU (``learner/preflight.py: slow_precision``)."""
 
@@ -84,3 +85,6 @@ def test_a_bf16_run_at_the_real_vocabulary_trains_and_measures_its_mismatch(
     samples = [json.loads(line) for line in (tmp_path / "shape" / "samples.jsonl").read_text().splitlines()]
     # a response of ids the tokenizer never wrote decodes to nothing: sampled, carried, scored and trained all the same
     assert any(s["tokens"] == 8 and s["response"] == "" for s in samples), samples
+    # the step's weights reached the actor as bf16: 331,920,640 bytes of them, the tied 151,936-row embedding included
+    loaded = (tmp_path / "shape" / "logs" / "actor-0.log").read_text()
+    assert f"loaded new weights version={STEPS} " in loaded and "bytes=331920640.0" in loaded
