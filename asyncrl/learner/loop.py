@@ -204,7 +204,7 @@ class Learner:
     def step(self) -> StepRecord:
         """One step, as its table of contents."""
         started = time.perf_counter()
-        taken = self.batches.take(self.version, self._stop, self._welcome_new_actors)
+        taken = self.batches.take(self.version, self._stop, self._while_waiting)
         batch = self.update.collate(taken.groups)
         trained = self.update.train(batch)
         self.batches.settle(self.version + 1, taken)
@@ -223,9 +223,11 @@ class Learner:
         self.health.roll_back_if_due()  # after the row: a rollback cuts metrics.jsonl back to its checkpoint
         return record
 
-    def _welcome_new_actors(self) -> None:
-        """While the learner waits for a batch, an actor that just joined gets the current weights."""
+    def _while_waiting(self) -> None:
+        """While the learner waits for a batch: an actor that just joined gets the current weights, and a process
+        that died is in the audit trail now, not at the next step (which, with the last actor gone, never comes)."""
         self.broadcaster.welcome(self.version, self.update.params)
+        self.recorder.note_lost_processes()
 
     def save_checkpoint(self, reason: str):
         """``step-<N>`` of the current version (None when there is nothing new, or non-finite steps are pending)."""

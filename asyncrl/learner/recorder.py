@@ -83,7 +83,8 @@ class Recorder:
         atexit.register(self.close)  # after telemetry's: runs first, so the learner's own leaving is copied too
         self.health: HealthMonitor | None = None  # set once the run state it rolls back exists
         self._lost: dict[str, str] = {}  # id → kind of processes whose heartbeat expired, ever (facts are cumulative)
-        self._lost_now: set[str] = set()  # ids whose heartbeat was expired at the last step
+        self._lost_now: set[str] = set()  # ids whose heartbeat was expired at the last look
+        self._next_look = 0.0  # the registry is read at most once a second between steps
         self._dead_at_start = plane.queue_depths()["dead_letters"]
 
     def started(self, resumed_from: Checkpoint | None = None) -> None:
@@ -131,9 +132,7 @@ class Recorder:
         record.values["step/seconds"] = time.perf_counter() - started
         record.values["step/idle_fraction"] = taken.waited_s / max(record.values["step/seconds"], 1e-9)
         # sampled once a step, for health and metrics
-        queues, processes = self.plane.queue_depths(), self.plane.registry.processes()
-        if settling(self.plane.client, self.config.transport.heartbeat_ttl_s):
-            processes = (processes[0], {})  # Redis just came back: heartbeats that expired meanwhile are being renewed
+        queues, processes = self.plane.queue_depths(), self._processes()
         self._note_lost(processes[1])
         if self.health is not None:
             record.add("health", self.health.observe(version, record.values, self._facts(queues)))
@@ -155,8 +154,25 @@ class Recorder:
         self.plane.run.publish_samples(rows)
         self.trackers.samples(version, rows)
 
+    def note_lost_processes(self) -> None:
+        """Between steps (the learner waiting for a batch): ``process.lost`` for a process whose heartbeat expired
+        since the last look, at most once a second; rank 0 only, which writes the audit trail."""
+        now = time.monotonic()
+        if not self.owns_audit or now < self._next_look:
+            return
+        self._next_look = now + 1.0
+        self._note_lost(self._processes()[1])
+
+    def _processes(self) -> tuple[list, dict[str, str]]:
+        """The registry's (live, lost); none lost while Redis has just come back (heartbeats that expired meanwhile
+        are being renewed)."""
+        processes = self.plane.registry.processes()
+        if settling(self.plane.client, self.config.transport.heartbeat_ttl_s):
+            return processes[0], {}
+        return processes
+
     def _note_lost(self, lost: dict[str, str]) -> None:
-        """``process.lost`` in the audit trail for each process whose heartbeat expired since the last step."""
+        """``process.lost`` in the audit trail for each process whose heartbeat expired since the last look."""
         if self.owns_audit:
             for process_id in sorted(lost.keys() - self._lost_now):
                 self.audit.record("process.lost", process=process_id, kind=lost[process_id])

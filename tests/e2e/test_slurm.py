@@ -5,9 +5,11 @@ The cluster is Debian's ``slurmctld``, ``slurmd`` and ``munged`` (:class:`tests.
 a controller and three nodes, each a host of its own (network, hostname), sharing this machine's filesystem as a
 cluster shares its run folder. The run's job puts Redis, the learner and a reward worker on ``node1`` and a rollout
 actor step on ``node2``; the added actors' job one actor on ``node3``. Once that actor has loaded weights and two
-steps are trained, the run's own actor step is cancelled (``scancel JOB.STEP``, which kills the step's tasks: it is
-counted lost, its groups are given out again) and the run goes on with the added actor alone; then the added job is
-cancelled (``scancel JOB``: SIGTERM, its actor leaves) and the run's job gets what Slurm sends before its time limit
+steps are trained, ``node3`` dies (its ``slurmd`` and every process on it killed at once, as when a host loses power):
+its actor is counted gone when its heartbeat runs out, its groups are given out again, and the run goes on with the
+run's own actor; its user cancels the dead node's job (``scancel JOB``) and the node comes back. Then the run's own
+actor step is cancelled (``scancel JOB.STEP``, which kills the step's tasks: it is counted lost, its groups are given
+out again) and the run's job gets what Slurm sends before its time limit
 (``--signal=B:USR1``, sent here with ``scancel --signal=USR1 --batch``): the learner saves a checkpoint, every step
 stops and the job requeues itself; started again, it resumes from that checkpoint and runs to the end
 (``learner.steps``, raised in run.toml before the signal, as a user extends a run: the requeued job reads its config
@@ -163,27 +165,35 @@ def _processes_of(run_dir: Path) -> list[str]:
 
 def _not_loaded(events: list[dict], failed: set[int], stopped: dict[str, float]) -> dict[str, set[int]]:
     """Per actor, the versions published to it whose transfer went through (not in ``failed``) that it did not load.
-    An actor told to stop (``stopped``: when) may miss those published after that, and those published after its last
-    load: one killed between receiving a version and loading it (its step's SIGKILL lands within milliseconds)."""
+    An actor stopped (``stopped``: when) may miss those published after that, and any newer than the last it loaded
+    before: one killed between receiving a version and loading it (a step's SIGKILL, a node's death) — the learner may
+    publish that version before the actor's load of the one before is in the audit trail."""
     published: dict[str, set[int]] = collections.defaultdict(set)
     loaded: dict[str, set[int]] = collections.defaultdict(set)
-    last_load: dict[str, float] = {}  # a stopped actor's last load before it was told (its id may serve again later)
+    last_load: dict[str, int] = {}  # a stopped actor's newest version loaded before it was stopped
     for e in events:
         if e["event"] == "weights.loaded":
-            actor = e["who"]["process"]
-            loaded[actor].add(int(e["version"]))
+            actor, version = e["who"]["process"], int(e["version"])
+            loaded[actor].add(version)
             if e["unix"] <= stopped.get(actor, 0.0):
-                last_load[actor] = e["unix"]
+                last_load[actor] = max(version, last_load.get(actor, 0))
     for e in events:
         if e["event"] == "weights.published":
+            version = int(e["version"])
             for member in e["members"]:
-                excused = member in stopped and e["unix"] > min(stopped[member], last_load.get(member, 0.0))
-                if not excused:
-                    published[member].add(int(e["version"]))
+                after = member in stopped and (e["unix"] > stopped[member] or version > last_load.get(member, 0))
+                if not after:
+                    published[member].add(version)
     return {actor: versions - failed - loaded[actor] for actor, versions in published.items()}
 
 
-def test_a_run_submitted_to_slurm_survives_a_cancelled_step_and_a_requeue(
+def lost(job: Job, actor: str, since: float) -> float:
+    """When the run counted ``actor`` gone (its heartbeat ran out) after ``since``; 0 while it has not."""
+    found = [e["unix"] for e in job.events() if e["event"] == "process.lost" and e["process"] == actor]
+    return next((unix for unix in found if unix >= since), 0.0)
+
+
+def test_a_run_submitted_to_slurm_survives_a_dead_node_a_cancelled_step_and_a_requeue(
     cluster: SlurmCluster, tmp_path: Path, model_dir: Path
 ) -> None:
     (tmp_path / "run.toml").write_text(_config(model_dir, STEPS))
@@ -209,16 +219,20 @@ def test_a_run_submitted_to_slurm_survives_a_cancelled_step_and_a_requeue(
     shown = cluster.command(top, env=job.env, timeout=120)  # from the login node, as the submit said
     table = shown.stdout.split("\nprocess ", 1)[-1]
     assert shown.returncode == 0 and {"actor-0", added_actor} <= set(table.split()), shown.stdout[-2000:]
+    died_at = time.time()
+    stopped = {added_actor: died_at}  # each may die between receiving a version and loading it
+    cluster.power_off("node3")  # the added actor's node dies: its slurmd, its steps, its actor and engine
+    wait_for(lambda: lost(job, added_actor, died_at), "the dead node's actor counted gone", timeout_s=120)
+    trained_before = job.trained()
+    wait_for(lambda: job.trained() > trained_before or job.finished(), "a step after node3 died", timeout_s=120)
+    assert cluster.command(["scancel", added]).returncode == 0  # its user gives up the job of the dead node
+    cluster.power_on("node3")  # and the node comes back
     steps = job.steps_named()
     assert "actor-0" in steps, steps
-    cancelled_at = time.time()
-    stopped = {"actor-0": cancelled_at}  # may die between receiving a version and loading it
+    cancelled_at = stopped["actor-0"] = time.time()
     assert cluster.command(["scancel", steps["actor-0"]]).returncode == 0  # SIGKILL, Slurm's default for a step
     wait_for(lambda: "actor-0" not in job.steps_named(), "actor-0's step ended", timeout_s=120, poll_s=0.5)
-    trained_before = job.trained()
-    wait_for(lambda: job.trained() > trained_before or job.finished(), "a step on the added actor", timeout_s=120)
-    stopped[added_actor] = time.time()
-    assert cluster.command(["scancel", added]).returncode == 0  # the added actors leave (SIGTERM)
+    wait_for(lambda: lost(job, "actor-0", cancelled_at - 1), "actor-0 counted gone", timeout_s=120)
     final = job.trained() + MORE_STEPS
     (tmp_path / "run.toml").write_text(_config(model_dir, final))  # what the requeued job trains to
     assert cluster.command(["scancel", "--signal=USR1", "--batch", job.id]).returncode == 0  # the time limit nears
@@ -241,8 +255,8 @@ def test_a_run_submitted_to_slurm_survives_a_cancelled_step_and_a_requeue(
     failed |= {int(e["version"]) for e in events if e["event"] == "weights.failed"}  # a stop may beat its row
     missed = _not_loaded(events, failed, stopped)
     assert set(missed) == {"actor-0", added_actor} and not any(missed.values()), missed
-    [left] = [e for e in events if e["event"] == "process.left" and e["who"]["process"] == added_actor]
-    assert left["unix"] < resumed and cluster.job_state(added)["JobState"] == "CANCELLED"
+    assert lost(job, added_actor, died_at) < resumed  # counted gone when its heartbeat ran out, long before the end
+    assert cluster.job_state(added)["JobState"] in ("CANCELLED", "NODE_FAIL")
     assert {e["who"]["host"] for e in events if e["event"] == "weights.loaded"} == {"node2", "node3"}
 
     for holder in (script, cluster.command(["scontrol", "show", "job", "-d", job.id]).stdout, output):

@@ -12,6 +12,7 @@ waits ``cred_expire`` seconds before it may start again: 10 here, 120 by Slurm's
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -25,6 +26,18 @@ from tests.helpers.waits import wait_for
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "scancel")
 CONTROLLER = "10.78.0.1"
+
+
+def _pids() -> list[int]:
+    return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+
+
+def _netns_inode(pid: int) -> int:
+    """The inode of ``pid``'s network namespace (0 once it is gone)."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/net").st_ino
+    except OSError:
+        return 0
 
 
 def missing_programs() -> list[str]:
@@ -66,10 +79,8 @@ class SlurmCluster:
         self._start_munge()
         self.conf.write_text(self._slurm_conf())
         self._start("slurmctld", CONTROLLER, [_program("slurmctld"), "-D", "-i", "-f", str(self.conf)])
-        for address, name in self.addresses.items():
-            if name != "slurmctl":
-                self._start(f"slurmd-{name}", address, [*self._node_local(name), _program("slurmd"), "-D", "-f",
-                                                        str(self.conf)])  # fmt: skip
+        for name in self.nodes:
+            self.power_on(name)
         wait_for(self._all_nodes_idle, "every Slurm node idle", timeout_s=60, poll_s=0.5)
 
     def stop(self) -> None:
@@ -91,6 +102,29 @@ class SlurmCluster:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(5)
         self.hosts.delete()
+
+    def power_off(self, name: str) -> None:
+        """Node ``name`` dies as a host whose power fails: its ``slurmd`` and every process on it (each in its network
+        namespace: the job steps, their tasks) killed at once with SIGKILL, nothing of them cleaning up."""
+        node = os.stat(f"/run/netns/{self.hosts.names[self._address(name)]}").st_ino
+        for _ in range(20):  # a process may fork while the others die: until none is left
+            found = [pid for pid in _pids() if _netns_inode(pid) == node]
+            if not found:
+                break
+            for pid in found:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.1)
+        self.procs[f"slurmd-{name}"].wait(10)
+
+    def power_on(self, name: str) -> None:
+        """Node ``name`` back: its ``slurmd`` started again, registering with the controller (``ReturnToService=2``
+        returns it to service)."""
+        argv = [*self._node_local(name), _program("slurmd"), "-D", "-f", str(self.conf)]
+        self._start(f"slurmd-{name}", self._address(name), argv)
+
+    def _address(self, name: str) -> str:
+        return next(address for address, host in self.addresses.items() if host == name)
 
     def _node_local(self, name: str) -> list[str]:
         """The prefix that mounts an empty tmpfs over the node's :attr:`local` folder (in the node's own mount

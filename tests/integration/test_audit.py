@@ -294,8 +294,9 @@ def test_a_reward_worker_records_its_life_and_what_it_refused(redis_server, redi
 
 
 def test_the_learner_records_the_run_and_mirrors_the_trail_into_its_folder(redis_client, tmp_path: Path) -> None:
-    """The learner's recorder, without DeepSpeed: run.started with the config's hashes, a lost actor once, and at
-    the end run.finished and the learner's own leaving, all in runs/<name>/audit.jsonl."""
+    """The learner's recorder, without DeepSpeed: run.started with the config's hashes, a lost actor once — noticed
+    while the learner waits for a batch, as when the last actor dies and no step comes — and at the end run.finished
+    and the learner's own leaving, all in runs/<name>/audit.jsonl."""
     from asyncrl.common.config import RunConfig, write_resolved
     from asyncrl.learner.checkpoint_settings import config_hash
     from asyncrl.learner.recorder import Recorder
@@ -308,8 +309,10 @@ def test_the_learner_records_the_run_and_mirrors_the_trail_into_its_folder(redis
         recorder.started()
         plane.registry.beat(Heartbeat(process_id="actor-7", kind="actor", state="ready", host="h", pid=7), ttl_s=0.2)
         wait_for(lambda: not redis_client.exists(plane.keys.heartbeat("actor-7")), "its heartbeat to expire (killed)")
-        for _ in range(2):  # found at two steps, recorded once
-            recorder._note_lost(plane.registry.processes()[1])
+        recorder.note_lost_processes()  # the learner waits for a batch: its first look finds it
+        recorder.note_lost_processes()  # a second look within the second reads nothing
+        time.sleep(1.1)
+        recorder.note_lost_processes()  # nor does a later look record it again
     finally:
         recorder.close(version=3, outcome="completed")
     lines = jsonl(config.run_dir / "audit.jsonl")
