@@ -32,7 +32,7 @@ from asyncrl.actors.episodes import (
 from asyncrl.common.config import EnvironmentSection
 from asyncrl.common.environments.protocol import EnvironmentFailed, Step, is_replayable, recorded_as_given
 from asyncrl.common.environments.turns import EpisodeTools, episode_tools, segments, turn_text
-from asyncrl.common.rewards.functions import needs_time
+from asyncrl.common.rewards.functions import needs_time, takes_from_run
 from asyncrl.common.wire.attestation import (
     EpisodeAttestation,
     EpisodeIdentity,
@@ -242,6 +242,7 @@ def replay_time_limit(section: EnvironmentSection) -> float:
 
 
 @needs_time(lambda options: replay_time_limit(EnvironmentSection.model_validate(options["environment"])))
+@takes_from_run(lambda run, _options: dict(run.episodes))
 def environment_reward(group: RolloutGroup, options: dict[str, Any]) -> list[tuple[float, ...]]:
     """The ``environment`` reward function: each episode replayed (:func:`replay_turns`), or for an environment that
     cannot be replayed its attestation checked (:func:`attested_turns`); a reward per model turn (the episode's

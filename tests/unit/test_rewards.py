@@ -24,6 +24,7 @@ from asyncrl.common.rewards.functions import (
     reward_names,
     run_verifier,
     score,
+    takes_from_run,
 )
 from asyncrl.common.wire.messages import RolloutGroup
 from tests.helpers.rollouts import make_group
@@ -64,6 +65,24 @@ def test_task_can_name_the_verifier_for_a_file_task() -> None:
     assert score(task, group) == [1.0, 0.0]
     with pytest.raises(ValueError, match="unknown verifier 'file'"):
         bind_functions([fn("task")], "file")  # at start, not on every group
+
+
+@takes_from_run(lambda run, options: {**options, "label": run.task})
+def labelled(group: RolloutGroup, options: dict) -> list[float]:
+    """A user's reward function that takes the run's task label as an option."""
+    return [float(options["label"] == "arithmetic" and options["bonus"] == 1)] * group.num_samples
+
+
+def test_a_function_declares_the_options_it_takes_from_the_run() -> None:
+    """No name decides what is bound: a user's function by import path declares it as the built-ins do; the
+    ``environment`` replay takes the run's episodes in place of any options."""
+    [user] = bind_functions([fn(f"{__name__}:labelled", bonus=1)], "arithmetic")
+    assert user.options == {"bonus": 1, "label": "arithmetic"} and score(user, make_group(["1"])) == [1.0]
+    episodes = {"environment": {"name": "calculator"}, "model": "/m", "run": "r"}
+    [environment] = bind_functions([fn("environment", stray=1)], "agent", episodes)
+    assert environment.options == episodes
+    [plain] = bind_functions([fn("format")], "arithmetic", episodes)
+    assert plain.options == {}
 
 
 def test_run_verifier_is_the_one_the_reward_workers_bind() -> None:

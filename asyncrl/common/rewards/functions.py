@@ -34,6 +34,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -83,6 +84,31 @@ def needs_time(limit: Callable[[dict[str, Any]], float]) -> Callable[[RewardFn],
 
     def mark(function: RewardFn) -> RewardFn:
         function.__dict__[TIME_LIMIT_ATTRIBUTE] = limit
+        return function
+
+    return mark
+
+
+RUN_OPTIONS_ATTRIBUTE = "options_from_run"
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What a reward worker knows of its run when it binds the configured functions (:func:`bind_functions`)."""
+
+    task: str
+    """The run's task label (:func:`asyncrl.common.data.tasks.task_label`)."""
+    episodes: dict[str, Any] = field(default_factory=dict)
+    """What the run's episodes ran in (:func:`episode_options`), with the run's signers on a reward worker."""
+
+
+def takes_from_run(bind: Callable[[RunFacts, dict[str, Any]], dict[str, Any]]) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: a reward function whose options are completed from the run once, when a reward worker starts —
+    ``bind(run, options)`` gives the options it is called with (raising ``ValueError`` for options that cannot
+    work) — so what it reads is fixed by the config, never by a field of a group that came over a socket."""
+
+    def mark(function: RewardFn) -> RewardFn:
+        function.__dict__[RUN_OPTIONS_ATTRIBUTE] = bind
         return function
 
     return mark
@@ -190,26 +216,23 @@ def check_functions(functions: Sequence[RewardFunction]) -> None:
         raise ValueError("reward.functions is empty: configure at least one reward function")
     for function in functions:
         get_reward(function.name)
-        if function.name == "task" and "verifier" in function.options:
-            task_verifier(function.options)
 
 
 def bind_functions(
     functions: Sequence[RewardFunction], task: str, episodes: dict[str, Any] | None = None
 ) -> list[RewardFunction]:
-    """The configured functions, with the ``task`` function's verifier fixed from the config, all resolved now.
+    """The configured functions, all resolved now, each with the options it takes from the run (:func:`takes_from_run`)
+    filled in: the ``task`` function's verifier (the run's task label ``task`` unless the config names one), an
+    ``environment`` function's ``[environment]`` and model folder (``episodes``, from :func:`episode_options`).
+    ``ValueError`` naming the function for one that cannot work."""
+    check_functions(functions)
+    run = RunFacts(task, dict(episodes or {}))
+    return [_bound(function, run) for function in functions]
 
-    ``task`` is the run's task label (:func:`asyncrl.common.data.tasks.task_label`). A ``task`` function without a
-    ``verifier`` option gets ``task`` as its verifier, so the verifier is chosen by the config once, at start — never by
-    the ``task`` field of a group that arrived on a socket (a hostile peer would name an import path there). Likewise an
-    ``environment`` function gets the run's ``[environment]`` and model folder (``episodes``, from
-    :func:`episode_options`).
-    """
-    bound = _with_verifiers(functions, task)
-    if episodes is not None:
-        bound = [f.model_copy(update={"options": {**episodes}}) if f.name == "environment" else f for f in bound]
-    check_functions(bound)
-    return bound
+
+def _bound(function: RewardFunction, run: RunFacts) -> RewardFunction:
+    bind = getattr(get_reward(function.name), RUN_OPTIONS_ATTRIBUTE, None)
+    return function if bind is None else function.model_copy(update={"options": bind(run, dict(function.options))})
 
 
 def episode_options(config: RunConfig) -> dict[str, Any]:
@@ -232,26 +255,22 @@ def check_verifiers(functions: Sequence[RewardFunction], task: str) -> None:
     """The ``task`` functions' verifiers and their options as :func:`bind_functions` binds them, checked without
     resolving any other function (what the learner checks in a config: a typo'd verifier option raises ``ValueError``
     before anything starts)."""
-    for function in _with_verifiers(functions, task):
-        if function.name == "task":
-            task_verifier(function.options)
-
-
-def _with_verifiers(functions: Sequence[RewardFunction], task: str) -> list[RewardFunction]:
-    return [
-        f.model_copy(update={"options": {"verifier": task, **f.options}}) if f.name == "task" else f for f in functions
-    ]
+    run = RunFacts(task)
+    for function in functions:
+        if function.name == "task":  # registered here, with no import behind it; the others may load a model
+            _bound(function, run)
 
 
 def run_verifier(config: RunConfig) -> Verifier:
     """The verifier of a run whose reward is its one ``task`` function at weight 1, bound as the reward workers bind
     it (the run's task label unless the config names another, with its options): what a peer trainer scoring the
     same responses calls. Any other reward raises ``ValueError`` naming it."""
-    functions = _with_verifiers(config.reward.functions, task_label(config.task))
+    functions = config.reward.functions
     if len(functions) != 1 or functions[0].name != "task" or functions[0].weight != 1.0:
         named = ", ".join(f"{f.name} (weight {f.weight:g})" for f in functions)
         raise ValueError(f"reward.functions: one 'task' function at weight 1 is needed here, got {named}")
-    return task_verifier(functions[0].options)
+    [task] = bind_functions(functions, task_label(config.task))
+    return task_verifier(task.options)
 
 
 def task_verifier(options: dict[str, Any]) -> Verifier:
@@ -269,7 +288,15 @@ def task_verifier(options: dict[str, Any]) -> Verifier:
 REWARDS.register_path("environment", "asyncrl.actors.episode_scoring:environment_reward")
 
 
+def _task_options(run: RunFacts, options: dict[str, Any]) -> dict[str, Any]:
+    """The ``task`` function's options: the run's task label as its verifier unless the config names one, checked."""
+    bound = {"verifier": run.task, **options}
+    task_verifier(bound)
+    return bound
+
+
 @register_reward("task")
+@takes_from_run(_task_options)
 def task_reward(group: RolloutGroup, options: dict[str, Any]) -> list[float]:
     """The rule verifier named by ``options["verifier"]`` on each response.
 
