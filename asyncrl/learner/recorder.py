@@ -30,7 +30,7 @@ from asyncrl.common.config import RunConfig
 from asyncrl.common.environments.tool_calls import parse_tool_calls
 from asyncrl.common.environments.turns import EPISODE_FINISH_REASONS, segments
 from asyncrl.common.observability.audit import Audit
-from asyncrl.common.observability.audit_file import AuditMirror
+from asyncrl.common.observability.audit_file import AuditMirror, recorded_lost
 from asyncrl.common.observability.gpu import gpu_figures
 from asyncrl.common.observability.logs import get_logger
 from asyncrl.common.plane.control import ControlPlane
@@ -100,6 +100,8 @@ class Recorder:
             "model": self.config.model.path,
             "steps": self.config.learner.steps,
         }
+        # a process lost before this learner started, and recorded so by the one before it, is not lost again
+        self._lost_now = recorded_lost(self.plane.client, self.config.run.name, set(self._processes()[1]))
         if resumed_from is None:
             self.audit.record("run.started", **fields)
         else:

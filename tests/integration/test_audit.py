@@ -331,6 +331,41 @@ def test_the_learner_records_the_run_and_mirrors_the_trail_into_its_folder(redis
     assert (lines[4]["outcome"], lines[4]["version"]) == ("completed", 3)
 
 
+def test_a_learner_started_again_records_only_the_losses_nobody_recorded(redis_client, tmp_path: Path) -> None:
+    """Three actors lost while the run goes on: one recorded by the first learner and still lost, one recorded, then
+    back under its id and lost again, one whose loss no learner saw (it died after the first stopped). The learner
+    started after them records the last two, once each, and not the first again."""
+    from asyncrl.common.config import RunConfig, write_resolved
+    from asyncrl.learner.recorder import Recorder
+
+    config = RunConfig.model_validate({"run": {"name": "again", "root": str(tmp_path)}})
+    write_resolved(config)
+    plane = ControlPlane(redis_client, "again")
+
+    def die(process_id: str) -> None:
+        plane.registry.beat(Heartbeat(process_id=process_id, kind="actor", state="ready", host="h", pid=7), ttl_s=0.2)
+        wait_for(lambda: not redis_client.exists(plane.keys.heartbeat(process_id)), f"{process_id}'s heartbeat gone")
+
+    first = Recorder(config, plane)
+    try:
+        first.started()
+        die("gone")
+        die("back")
+        first.note_lost_processes()
+    finally:
+        first.close(version=1, outcome="stopped")
+    die("back")  # under its id again, and lost again, while no learner ran
+    die("unseen")
+    second = Recorder(config, plane)
+    try:
+        second.started()
+        second.note_lost_processes()
+    finally:
+        second.close(version=2, outcome="completed")
+    losses = [line["process"] for line in entries(redis_client, "again") if line["event"] == "process.lost"]
+    assert losses == ["back", "gone", "back", "unseen"]
+
+
 def test_a_forked_child_records_through_a_writer_of_its_own(redis_client) -> None:
     audit = Audit(redis_client, "fork", "actor-0", "actor")
     audit.record("process.joined")

@@ -43,6 +43,26 @@ def entry_line(entry_id: str, fields: Mapping[bytes, bytes], secrets: tuple[str,
     return scrub(line | data, secrets)
 
 
+def recorded_lost(client: redis.Redis, run: str, process_ids: set[str], page: int = 1_000) -> set[str]:
+    """Of ``process_ids``, those whose newest lifecycle entry in ``run``'s audit stream is ``process.lost`` (not a later
+    ``process.joined``): losses a learner already recorded, which a learner started after it must not record again.
+    Reads the stream from its newest entry back, a page at a time, until each id's newest entry is found."""
+    pending, lost, newest = set(process_ids), set(), "+"
+    key = RunKeys(run).audit
+    while pending:
+        entries = replies.stream_range(client.xrevrange(key, max=newest, count=page))
+        for entry_id, fields in entries:
+            line = entry_line(_text(entry_id), fields)
+            who = line.get("process") if line["event"] == "process.lost" else line["who"]["process"]
+            if line["event"] in ("process.lost", "process.joined") and who in pending:
+                pending.discard(who)
+                lost |= {who} if line["event"] == "process.lost" else set()
+        if len(entries) < page:
+            break
+        newest = "(" + _text(entries[-1][0])
+    return lost
+
+
 def _text(value: bytes | str) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
