@@ -53,10 +53,11 @@ def recorded_lost(client: redis.Redis, run: str, process_ids: set[str], page: in
         entries = replies.stream_range(client.xrevrange(key, max=newest, count=page))
         for entry_id, fields in entries:
             line = entry_line(_text(entry_id), fields)
-            who = line.get("process") if line["event"] == "process.lost" else line["who"]["process"]
-            if line["event"] in ("process.lost", "process.joined") and who in pending:
-                pending.discard(who)
-                lost |= {who} if line["event"] == "process.lost" else set()
+            if line["event"] == "process.lost" and line.get("process") in pending:
+                pending.discard(line["process"])
+                lost.add(line["process"])
+            elif line["event"] == "process.joined":
+                pending.discard(line["who"]["process"])
         if len(entries) < page:
             break
         newest = "(" + _text(entries[-1][0])
