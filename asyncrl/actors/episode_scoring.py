@@ -15,22 +15,22 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from asyncrl.actors.episodes import (
     ENVIRONMENT_ERROR,
+    ServedContext,
     close_environment,
     episode_row,
     final_score,
-    observation_ids,
     open_environment,
     take_step,
 )
 from asyncrl.common.config import EnvironmentSection
-from asyncrl.common.environments.protocol import EnvironmentFailed, Step, is_replayable, recorded_as_given
+from asyncrl.common.environments.protocol import EnvironmentFailed, Step, is_replayable
 from asyncrl.common.environments.turns import EpisodeTools, episode_tools, segments, turn_text
 from asyncrl.common.rewards.functions import needs_time, takes_from_run
 from asyncrl.common.wire.attestation import (
@@ -69,12 +69,12 @@ async def replay_turns(
     on the last model turn of an episode that the actor's environment ended the same way (finish reason
     ``environment_error``): that episode's rewards are 0.
     """
-    ids, parts, turns = _model_segments(section, group, index)
+    episode = _model_segments(section, group, index)
     failed_there = group.finish_reasons[index] == ENVIRONMENT_ERROR
     try:
         env = await open_environment(section, episode_row(group, index))
     except EnvironmentFailed:
-        if failed_there and not parts:
+        if failed_there and not episode.parts:
             return ()
         raise
 
@@ -82,18 +82,32 @@ async def replay_turns(
         return await take_step(env, action, section.step_timeout_s)
 
     try:
-        rewards = await _walk(tools, ids, parts, index, failed_there, step, lambda: final_score(env))
+        rewards = await _walk(tools, episode, failed_there, step, lambda: final_score(env))
     finally:
         close_environment(env)
-    return tuple(rewards) if rewards is not None else (0.0,) * turns
+    return tuple(rewards) if rewards is not None else (0.0,) * episode.turns
 
 
-def _model_segments(
-    section: EnvironmentSection, group: RolloutGroup, index: int
-) -> tuple[np.ndarray, list[tuple[int, int, bool]], int]:
-    """Episode ``index``'s token ids, its segments (``common/environments/turns.py: segments``) and its number of
-    model turns; :class:`EpisodeMismatch` for an episode that does not start with a model turn or has more model turns
-    than ``environment.max_turns``."""
+@dataclass(frozen=True)
+class RecordedEpisode:
+    """Episode ``index`` of a group as the actor sent it: its token ids, its segments
+    (``common/environments/turns.py: segments``), where its rows start and its number of model turns."""
+
+    index: int
+    ids: np.ndarray
+    parts: list[tuple[int, int, bool]]
+    row_starts: tuple[int, ...]
+    turns: int
+
+    def row_before(self, position: int) -> list[int]:
+        """The tokens of the row that holds the token before ``position``, up to it."""
+        start = max((p for p in self.row_starts if p < position), default=0)
+        return self.ids[start:position].tolist()
+
+
+def _model_segments(section: EnvironmentSection, group: RolloutGroup, index: int) -> RecordedEpisode:
+    """Episode ``index``'s :class:`RecordedEpisode`; :class:`EpisodeMismatch` for an episode that does not start with
+    a model turn or has more model turns than ``environment.max_turns``."""
     ids, _, _ = group.response(index)
     trained = group.trained(index)
     parts, turns = segments(trained), model_turns(trained)
@@ -101,14 +115,13 @@ def _model_segments(
         raise EpisodeMismatch(f"episode {index} starts with tokens the model did not sample")
     if turns > section.max_turns:
         raise EpisodeMismatch(f"episode {index} has more model turns than environment.max_turns")
-    return ids, parts, turns
+    starts = tuple(start for start, _ in group.rows(index)[1:])
+    return RecordedEpisode(index, ids, parts, starts, turns)
 
 
 async def _walk(
     tools: EpisodeTools,
-    ids: np.ndarray,
-    parts: list[tuple[int, int, bool]],
-    index: int,
+    episode: RecordedEpisode,
     failed_there: bool,
     step: Callable[[str], Awaitable[Step]],
     score: Callable[[], Awaitable[float]],
@@ -116,6 +129,8 @@ async def _walk(
     """Each model turn's reward up to the last one stepped, with the final score on the last turn; ``None`` when the
     environment failed where the actor's did. ``step(text)`` is the environment's answer to a model turn (a replayed
     environment's, or an attested one's), ``score()`` its final score."""
+    ids, parts, index = episode.ids, episode.parts, episode.index
+    served = ServedContext(tools)
     rewards: list[float] = []
     for n, (start, end, trained) in enumerate(parts):
         if not trained:
@@ -129,8 +144,9 @@ async def _walk(
             if not last:
                 raise EpisodeMismatch(f"episode {index}: a turn that did not end goes on")
             break
+        action = turn_text(tools.tokenizer, said)
         try:
-            answer = await step(turn_text(tools.tokenizer, said))
+            answer = await step(action)
         except EnvironmentFailed:
             if last and failed_there:
                 return None
@@ -140,7 +156,7 @@ async def _walk(
             if not last:
                 raise EpisodeMismatch(f"episode {index}: turns after the environment was done")
             break
-        _check_observation(tools, answer, ids[parts[n + 1][0] : parts[n + 1][1]].tolist(), index)
+        _check_context(served, episode, parts[n + 1][:2], action, answer)
     final = await score()
     if rewards:
         rewards[-1] += final
@@ -168,13 +184,13 @@ async def attested_turns(
     does not verify, a step or a score missing or left over, or when it ended on an environment error (an honest
     actor never sends one to be scored: its group is generated again).
     """
-    ids, parts, _ = _model_segments(section, group, index)
+    episode = _model_segments(section, group, index)
     if group.finish_reasons[index] == ENVIRONMENT_ERROR:
         raise EpisodeMismatch(f"episode {index} ended on an environment error and has no attested ending")
     witness = AttestedEnvironment(_attestation(group, index), EpisodeIdentity(run, group.group_id, index, ""))
     if not signers.knows(witness.record.signer):
         raise EpisodeMismatch(f"episode {index} is signed by a key that no reward worker of this run advertised")
-    rewards = await _walk(tools, ids, parts, index, False, witness.step, witness.score)
+    rewards = await _walk(tools, episode, False, witness.step, witness.score)
     return tuple(rewards or ())
 
 
@@ -223,15 +239,28 @@ class AttestedEnvironment:
         return record.score
 
 
-def _check_observation(tools: EpisodeTools, step: Step, recorded: list[int], index: int) -> None:
-    """That the episode's environment turn ``recorded`` is what the replayed ``step`` gives, or the same with some of
-    its time-limited calls stopped at their limit. A replay whose own call ran out of time where the episode's did not
-    proves nothing either way: :class:`EnvironmentFailed`, so the reward worker tries again."""
-    if recorded_as_given(step, lambda observation: observation_ids(tools, Step(observation=observation)) == recorded):
-        return
+def _check_context(
+    served: ServedContext, episode: RecordedEpisode, span: tuple[int, int], action: str, step: Step
+) -> None:
+    """That the episode's environment turn at ``span`` (and whether a row starts there) is what the replayed ``step``
+    gives after the model's turn ``action`` — or the same with some of its time-limited calls stopped at their limit —
+    and take that conversation. A replay whose own call ran out of time where the episode's did not proves nothing
+    either way: :class:`EnvironmentFailed`, so the reward worker tries again."""
+    start, end = span
+    recorded = (episode.ids[start:end].tolist(), start in episode.row_starts)
+    row = episode.row_before(start)
+    for observation in [step.observation, *step.if_timed_out]:
+        ids, new_row, history = served.following(row, action, observation)
+        if (ids, new_row) == recorded:
+            served.history = history
+            return
     if step.timed_out:
-        raise EnvironmentFailed(f"episode {index}: a tool call ran out of time in the replay, not in the episode")
-    raise EpisodeMismatch(f"episode {index}: an environment turn differs from the environment's observation")
+        why = "a tool call ran out of time in the replay, not in the episode"
+        raise EnvironmentFailed(f"episode {episode.index}: {why}")
+    raise EpisodeMismatch(
+        f"episode {episode.index}: an environment turn differs from the environment's observation as the chat "
+        "template renders it"
+    )
 
 
 def replay_time_limit(section: EnvironmentSection) -> float:

@@ -49,7 +49,7 @@ from asyncrl.common.environments.protocol import (
     checked_step,
     make_environment,
 )
-from asyncrl.common.environments.turns import EpisodeTools, episode_tools, turn_text
+from asyncrl.common.environments.turns import EpisodeTools, Message, episode_tools, next_context, turn_text
 from asyncrl.common.observability.logs import get_logger
 from asyncrl.common.observability.metrics import (
     ACTOR_ENVIRONMENT_STEP_SECONDS,
@@ -198,6 +198,43 @@ def observation_ids(tools: EpisodeTools, step: Step) -> list[int]:
         raise EnvironmentFailed(f"the chat template cannot render the observation: {why}") from exc
 
 
+class ServedContext:
+    """What an episode's next model turn is generated on, after the prompt: the row it is in. Appended
+    (``tools.per_turn`` false), the row is the whole episode and an environment turn adds the template's tokens for its
+    observation; per turn, the template renders the whole conversation again and the row goes on or starts anew
+    (``common/environments/turns.py: next_context``)."""
+
+    def __init__(self, tools: EpisodeTools) -> None:
+        self.tools = tools
+        self.history: list[Message] = []
+
+    @staticmethod
+    def row(episode: Response) -> list[int]:
+        """The tokens of ``episode``'s current row (after its last row start)."""
+        return episode.token_ids[episode.row_starts[-1] :] if episode.row_starts else episode.token_ids
+
+    def after(self, episode: Response, action: str, step: Step) -> tuple[list[int], bool]:
+        """The tokens that follow the model's turn ``action`` (the last of ``episode``) and ``step``, the
+        environment's answer to it, and whether they start a new row."""
+        ids, new_row, self.history = self.following(self.row(episode), action, step.observation)
+        return ids, new_row
+
+    def following(
+        self, row: list[int], action: str, observation: list[Message]
+    ) -> tuple[list[int], bool, list[Message]]:
+        """:meth:`after` for the current ``row`` and an ``observation``, with the conversation it makes, without
+        taking it. A template that refuses the observation (one that enforces the order of roles, say) fails the
+        step, not the group."""
+        if not self.tools.per_turn:
+            return observation_ids(self.tools, Step(observation=observation)), False, self.history
+        history = [*self.history, {"role": "assistant", "content": action}, *observation]
+        try:
+            return (*next_context(self.tools, row, history), history)
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}"
+            raise EnvironmentFailed(f"the chat template cannot render the conversation: {why}") from exc
+
+
 def episode_budget(turn: WorkflowContext, prompt_len: int) -> int:
     """Tokens an episode may hold after its prompt: ``environment.max_episode_tokens``, within the context left."""
     limits = [turn.environment.max_episode_tokens or 2**31]
@@ -222,7 +259,7 @@ async def run_episode(
     """Episode ``index`` of ``group``: model turns and environment turns until it ends (module docstring)."""
     section, prompt = turn.environment, group.prompt_ids.tolist()
     budget = episode_budget(turn, len(prompt))
-    episode = Response()
+    episode, served = Response(), ServedContext(tools)
     ending, turns, env = "max_turns", 0, None
     try:
         identity = {"group_id": group.group_id, "index": index}
@@ -232,12 +269,13 @@ async def run_episode(
             if turns > 1 and time.monotonic() >= deadline:
                 ending, turns = "deadline", turns - 1
                 break
-            room = min(sampling.max_tokens, budget - len(episode.token_ids))
+            context = served.row(episode)
+            room = min(sampling.max_tokens, budget - len(context))
             if room <= 0:
                 ending = "max_tokens"
                 break
             request = replace(sampling, n=1, max_tokens=room)
-            [said] = await engine.generate(prompt + episode.token_ids, request, f"{turn.request_id}-{index}-{turns}")
+            [said] = await engine.generate(prompt + context, request, f"{turn.request_id}-{index}-{turns}")
             _append(episode, said.token_ids, said.logprobs, said.versions, trained=1)
             if not said.token_ids or said.token_ids[-1] != tools.end_id:
                 ending = "max_tokens" if said.finish_reason == "length" else "stopped"
@@ -247,14 +285,16 @@ async def run_episode(
             if step.done:
                 ending = "done"
                 break
-            observation = observation_ids(tools, step)
+            ids, new_row = served.after(episode, action, step)
             if turns == section.max_turns:
                 break
-            if len(episode.token_ids) + len(observation) >= budget:
+            if (0 if new_row else len(served.row(episode))) + len(ids) >= budget:
                 ending = "max_tokens"
                 break
+            if new_row:
+                episode.row_starts.append(len(episode.token_ids))
             last = episode.versions[-1]
-            _append(episode, observation, [0.0] * len(observation), [last] * len(observation), trained=0)
+            _append(episode, ids, [0.0] * len(ids), [last] * len(ids), trained=0)
         episode.attestation = await signed_ending(env)
     except EnvironmentFailed as exc:
         ending = "environment_error"

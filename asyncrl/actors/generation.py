@@ -47,6 +47,9 @@ class Response:
     attestation: str = ""
     """An episode's: what the reward worker that ran its environment signed (``RolloutGroup.attestations``); ``""``
     for none."""
+    row_starts: list[int] = field(default_factory=list)
+    """Positions where an episode's training rows after the first start (``RolloutGroup.row_starts``); empty = one
+    row."""
 
 
 class Generator(Protocol):
@@ -117,6 +120,9 @@ def rollout_group(
     if any(r.trained for r in responses):
         loss_mask = np.array([x for r in responses for x in r.trained or [1] * len(r.token_ids)], np.int32)
     attestations = [r.attestation for r in responses] if any(r.attestation for r in responses) else []
+    row_starts = np.zeros(0, np.int32)  # each response one row
+    if any(r.row_starts for r in responses):
+        row_starts = np.concatenate([_flags(len(r.token_ids), r.row_starts) for r in responses])
     return RolloutGroup(
         group_id=group.group_id,
         task=group.task,
@@ -136,4 +142,11 @@ def rollout_group(
         purpose=group.purpose,
         loss_mask=loss_mask,
         attestations=attestations,
+        row_starts=row_starts,
     )
+
+
+def _flags(length: int, positions: Sequence[int]) -> np.ndarray:
+    flags = np.zeros(length, np.int32)
+    flags[list(positions)] = 1
+    return flags

@@ -19,6 +19,9 @@ from torch import Tensor
 from asyncrl.common.environments.turns import segments
 from asyncrl.common.wire.messages import ScoredGroup
 
+MODEL_INPUTS = ("input_ids", "attention_mask", "response_mask", "behaviour_logprobs")
+"""The ``[rows, T]`` tensors the model's passes take (micro-batched together)."""
+
 
 @dataclass(frozen=True)
 class TrainBatch:
@@ -33,18 +36,63 @@ class TrainBatch:
     group_ids: torch.Tensor  # [B] int64, index of the row's group in this batch
     keys: tuple[tuple[str, int], ...] = ()  # [B] (group id, response index) of each row
     turn_rewards: torch.Tensor | None = None  # [B, T] float32: each model turn's reward share at its last token
+    served: ServedRows | None = None  # the rows the model runs on, when an episode was kept per turn
 
     @property
     def rows(self) -> int:
         return int(self.input_ids.shape[0])
 
+    def model_tensors(self) -> dict[str, torch.Tensor]:
+        """What the model's passes run on: :meth:`tensors`, or the :class:`ServedRows` of per-turn episodes."""
+        return self.served.tensors() if self.served is not None else self.tensors()
+
+    def on_model_rows(self, values: torch.Tensor) -> torch.Tensor:
+        """``[B, T]`` values of this batch's rows (advantages) on the rows of :meth:`model_tensors`."""
+        return self.served.take(values) if self.served is not None else values
+
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {
-            "input_ids": self.input_ids,
-            "attention_mask": self.attention_mask,
-            "response_mask": self.response_mask,
-            "behaviour_logprobs": self.behaviour_logprobs,
-        }
+        return {name: getattr(self, name) for name in MODEL_INPUTS}
+
+
+@dataclass(frozen=True)
+class ServedRows:
+    """R rows of length T': the prompt, then one row of a response (``RolloutGroup.rows``): every row of a per-turn
+    episode, and every other response whole. ``source`` maps each trained position to the flat index of the same
+    token in the batch's ``[B, T]`` rows (``-1`` elsewhere)."""
+
+    input_ids: torch.Tensor  # [R, T'] int64
+    attention_mask: torch.Tensor  # [R, T'] int64
+    response_mask: torch.Tensor  # [R, T'] bool
+    behaviour_logprobs: torch.Tensor  # [R, T'] float32
+    source: torch.Tensor  # [R, T'] int64
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in MODEL_INPUTS}
+
+    def take(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` ``[B, T]`` at the trained positions of these rows, 0 elsewhere."""
+        picked = values.reshape(-1)[self.source.clamp(min=0)]
+        return torch.where(self.source >= 0, picked, torch.zeros((), dtype=values.dtype))
+
+
+def served_rows(rows: Sequence[tuple[ScoredGroup, int]], pad_id: int, width: int) -> ServedRows:
+    """The :class:`ServedRows` of the batch rows ``rows`` (``[B, width]``, as :func:`collate` lays them out)."""
+    parts = [(b, g, i, start, end) for b, (g, i) in enumerate(rows) for start, end in g.rollout.rows(i)]
+    served_width = max(len(g.rollout.prompt_ids) + end - start for _, g, _, start, end in parts)
+    shape = (len(parts), served_width)
+    input_ids, attention = np.full(shape, pad_id, np.int64), np.zeros(shape, np.int64)
+    trained, behaviour, source = np.zeros(shape, bool), np.zeros(shape, np.float32), np.full(shape, -1, np.int64)
+    for r, (b, group, i, start, end) in enumerate(parts):
+        prompt = group.rollout.prompt_ids
+        ids, logprobs, _ = group.rollout.response(i)
+        first, last = len(prompt), len(prompt) + end - start
+        input_ids[r, :first], input_ids[r, first:last] = prompt, ids[start:end]
+        attention[r, :last] = 1
+        trained[r, first:last] = group.rollout.trained(i)[start:end]
+        behaviour[r, first:last] = logprobs[start:end]
+        at = b * width + len(prompt) + np.arange(start, end)
+        source[r, first:last] = np.where(trained[r, first:last], at, -1)
+    return ServedRows(*map(torch.from_numpy, (input_ids, attention, trained, behaviour, source)))
 
 
 def collate(
@@ -87,6 +135,7 @@ def collate(
         group_ids=torch.tensor([group_index[id(g)] for g, _ in rows], dtype=torch.int64),
         keys=tuple((g.rollout.group_id, i) for g, i in rows),
         turn_rewards=None if turn_rewards is None else torch.from_numpy(turn_rewards),
+        served=served_rows(rows, pad_id, width) if any(len(g.rollout.row_starts) for g, _ in rows) else None,
     )
 
 

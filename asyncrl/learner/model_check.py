@@ -157,28 +157,36 @@ def report_lines(report: ModelReport, config: RunConfig) -> list[str]:
 
 
 def episode_mode(config: RunConfig) -> str | None:
-    """How a ``multi_turn`` run's episodes are kept and scored, in one line (None for any other run): each one
-    sequence with the environment's turns appended as the template renders them, whether the template keeps past
-    reasoning (or the run keeps it against the template: ``environment.past_reasoning = "keep"``), and whether the
-    reward worker replays the environment or checks its workers' signatures. The config passed
-    :func:`~asyncrl.learner.preflight.check_episodes` (a template it refuses never gets here)."""
+    """How a ``multi_turn`` run's episodes are kept and scored, in one line (None for any other run): one sequence
+    each with the environment's turns appended as the template renders them (a template that keeps past reasoning, or
+    a run that keeps it against the template: ``environment.past_reasoning = "keep"``), or per turn, each turn on the
+    context the template serves (one that drops it); and whether the reward worker replays the environment or checks
+    its workers' signatures. The config passed :func:`~asyncrl.learner.preflight.check_episodes` (a template it
+    refuses never gets here)."""
     if config.rollout.workflow != "multi_turn":
         return None
     from asyncrl.common.environments.protocol import is_replayable
     from asyncrl.common.environments.turns import episode_tools
 
     section = config.environment
-    encoder = episode_tools(config.model.path, section.past_reasoning).encoder
-    reasoning = (
-        "the chat template keeps past reasoning, so every turn is trained on the context it is served in"
-        if encoder.keeps_past_reasoning()
-        else "past reasoning kept as generated (environment.past_reasoning = 'keep'), which the chat template drops "
-        "once a later turn follows: later turns are trained on a context the served model does not see"
-    )
+    tools = episode_tools(config.model.path, section.past_reasoning)
     scored = (
         "replayed by the reward worker to score"
         if is_replayable(section.name)
         else "cannot be replayed: scored from the reward workers' signatures"
+    )
+    if tools.per_turn:
+        return (
+            f"episodes: per turn, environment {section.name!r} ({scored}); the chat template drops past reasoning "
+            "once a later user turn follows, so each model turn is generated and trained on the context the template "
+            "renders at that turn (a new training row wherever it rewrote the past; environment.past_reasoning = "
+            "'keep' keeps one sequence instead)"
+        )
+    reasoning = (
+        "the chat template keeps past reasoning, so every turn is trained on the context it is served in"
+        if tools.encoder.keeps_past_reasoning()
+        else "past reasoning kept as generated (environment.past_reasoning = 'keep'), which the chat template drops "
+        "once a later turn follows: later turns are trained on a context the served model does not see"
     )
     return (
         f"episodes: one sequence each, environment {section.name!r} ({scored}), its turns appended as the chat "

@@ -161,8 +161,8 @@ def check_eval_options(config: RunConfig) -> None:
 
 def check_episodes(config: RunConfig) -> None:
     """A ``multi_turn`` run's environment resolves, one that cannot be replayed runs on the reward workers, and the
-    model's chat template can carry its episodes as appended tokens
-    (:class:`asyncrl.common.environments.turns.TurnEncoder`); ``ValueError`` naming the setting otherwise."""
+    model's chat template can carry its episodes (:class:`asyncrl.common.environments.turns.TurnEncoder`), as
+    appended tokens or per turn; ``ValueError`` naming the setting otherwise."""
     if config.rollout.workflow != "multi_turn":
         return
     from asyncrl.common.environments.protocol import ENVIRONMENTS, is_replayable
@@ -180,9 +180,26 @@ def check_episodes(config: RunConfig) -> None:
         return  # no model folder yet (init-model makes it): the actors check the template when they load it
 
     try:
-        episode_tools(config.model.path, section.past_reasoning)
+        tools = episode_tools(config.model.path, section.past_reasoning)
     except TemplateError as exc:
         raise ValueError(f"model.path: {exc}") from None
+    if tools.per_turn:
+        check_per_turn_algorithm(config)
+
+
+def check_per_turn_algorithm(config: RunConfig) -> None:
+    """Episodes kept per turn (a template that drops past reasoning, run as served) train only with algorithms whose
+    every input is per token or per episode reward; ``ValueError`` naming what the algorithm needs otherwise."""
+    from asyncrl.learner.algorithms.assembly import assemble
+    from asyncrl.learner.algorithms.types import PER_SEQUENCE
+
+    if refused := assemble(config).needs & PER_SEQUENCE:
+        raise ValueError(
+            "environment.past_reasoning = 'as_served': the chat template of model.path drops past reasoning, so each "
+            "episode is trained as one row per context it was served, and this algorithm needs "
+            f"{', '.join(sorted(refused))} over whole sequences; choose a group estimator without a KL penalty in the "
+            "reward (grpo, dapo, gspo), or set environment.past_reasoning = 'keep'"
+        )
 
 
 def adapter_targets(model_path: str) -> tuple[set[str], str]:

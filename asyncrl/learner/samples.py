@@ -128,8 +128,15 @@ def _turns(group: ScoredGroup, i: int, decode: Callable[[list[int]], str] | None
     if not len(rollout.loss_mask) or decode is None:
         return {}
     ids, trained = rollout.response(i)[0], rollout.trained(i)
+    row_starts = {start for start, _ in rollout.rows(i)[1:]}
     turns = [
-        {"by": "model" if by_model else "environment", "text": decode(ids[s:e].tolist())[:MAX_TEXT], "tokens": e - s}
+        {"by": _by(by_model, s in row_starts), "text": decode(ids[s:e].tolist())[:MAX_TEXT], "tokens": e - s}
         for s, e, by_model in segments(trained)
     ]
-    return {"turns": turns, "trained_tokens": int(trained.sum())}
+    return {"turns": turns, "trained_tokens": int(trained.sum()), "rows": len(row_starts) + 1}
+
+
+def _by(by_model: bool, starts_row: bool) -> str:
+    """Who wrote a segment of an episode: ``model``, ``environment``, or ``context`` — the whole conversation as the
+    chat template served it again for the next turn (an episode kept per turn starts a row with it)."""
+    return "model" if by_model else "context" if starts_row else "environment"

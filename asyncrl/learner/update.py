@@ -37,6 +37,7 @@ from asyncrl.learner.algorithms import (
 from asyncrl.learner.algorithms.kl import KLController
 from asyncrl.learner.algorithms.losses import log_ratios, mismatch_kl
 from asyncrl.learner.algorithms.masked import masked_mean
+from asyncrl.learner.algorithms.types import PER_SEQUENCE
 from asyncrl.learner.batch import TrainBatch, collate, preference_rows, rank_micro_batches, training_passes
 from asyncrl.learner.engine import PolicyEngine, ReferenceModel, reference_for
 from asyncrl.learner.step_metrics import MicroBatchMetrics
@@ -104,19 +105,21 @@ class PolicyUpdate:
         the advantages over all of it, and runs backward on its shard
         (:func:`asyncrl.learner.batch.rank_micro_batches`)."""
         ranks.lead("train", batch)
-        tensors = batch.tensors()
+        self._check_rows(batch)
+        tensors = batch.model_tensors()
         if "token_kl" in self.needs:  # the one consumer of π_old before the update (module docstring)
             tensors["old_logprobs"] = self._old_logprobs(batch)
         if self.reference is not None:
             tensors["ref_logprobs"] = self.reference.token_logprobs(
-                batch.input_ids, batch.attention_mask, self.temperature
+                tensors["input_ids"], tensors["attention_mask"], self.temperature
             )
         figures: dict[str, float] = {}
         if self.critic is not None:
             tensors["old_values"] = self._values(self.critic, batch)
         advantage = self.algorithm.advantage(self._advantage_input(batch, tensors, figures))
-        tensors["advantages"] = self.last_advantages = advantage.advantages.float()  # [B, T]; samples.jsonl reads it
-        counts = GlobalCounts.of(batch.response_mask)
+        self.last_advantages = advantage.advantages.float()  # [B, T]; samples.jsonl reads it
+        tensors["advantages"] = batch.on_model_rows(self.last_advantages)
+        counts = GlobalCounts.of(tensors["response_mask"])
         metrics = MicroBatchMetrics()
         stats = self.engine.train_step(self._micro_batches(tensors), self._loss_fn(counts, metrics))
         figures |= {"loss": stats.loss, "grad_norm": stats.grad_norm, "lr": stats.lr, "seconds": stats.seconds}
@@ -126,6 +129,16 @@ class PolicyUpdate:
             figures |= self._train_critic(self.critic, tensors, counts, metrics)
         figures.update(metrics.figures())
         return figures
+
+    def _check_rows(self, batch: TrainBatch) -> None:
+        """Episodes kept per turn are trained only by what needs no whole-episode pass (the config check refuses the
+        rest first): a critic's values, a KL penalty in the reward and preference pairs are per sequence."""
+        if batch.served is not None and (refused := self.needs & PER_SEQUENCE):
+            raise RuntimeError(
+                f"this batch holds multi-turn episodes kept per turn (environment.past_reasoning = 'as_served' with "
+                f"a chat template that drops past reasoning), which the algorithm cannot train: it needs "
+                f"{', '.join(sorted(refused))}; set environment.past_reasoning = 'keep' or choose grpo, dapo or gspo"
+            )
 
     def _advantage_input(self, batch: TrainBatch, tensors: dict[str, torch.Tensor], figures: dict[str, float]):
         """The estimator's input; with a KL penalty in the reward, k1 = log π_old − log π_ref per token."""

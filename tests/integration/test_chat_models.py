@@ -1,5 +1,6 @@
-"""Models as users bring them: a byte-level BPE tokenizer with a ChatML template, in two architectures (Llama, Qwen2
-with a padded, tied embedding), built locally (``common/tiny_models/chat.py``) and served by a real ``rl-actor``.
+"""Models as users bring them: a byte-level BPE tokenizer with a ChatML template, in three architectures (Llama, Qwen2
+with a padded, tied embedding, and Qwen3 with a thinking model's template), built locally
+(``common/tiny_models/chat.py``) and served by a real ``rl-actor``.
 
 The token path is checked end to end: the dispatcher templates and encodes each prompt once; a real vLLM engine
 samples from those ids; the learner's BatchSource reads the scored groups back from Redis and its batch holds
@@ -14,6 +15,11 @@ environment's tokens — equal a transformers forward over the whole episode, an
 environment accepts every episode. One row each is served by the adapters of ``asyncrl[envs]``: a skyrl-gym and a
 TextArena environment run episodes on the engine's turns (their replays accept them), and reasoning-gym's rule scores a
 single-turn answer.
+
+The thinking model's template drops past reasoning once a later user turn follows, so its episodes are kept per turn
+(``common/environments/turns.py``): each model turn was sampled on the context the template serves for the
+conversation before it, and the learner's rows (``learner/batch.py: ServedRows``) hold exactly those contexts — its
+log-probs on them equal vLLM's, and every model token is trained in exactly one row.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from asyncrl.common.config import RunConfig
 from asyncrl.common.data.prompts import Prompter, model_vocab_size
 from asyncrl.common.data.tasks import TaskExample, get_task
 from asyncrl.common.environments.gyms import verify_reasoning_gym
-from asyncrl.common.environments.turns import episode_tools, segments
+from asyncrl.common.environments.turns import episode_tools, segments, turn_text
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.replay import ReplayWriter
 from asyncrl.common.rewards.response_text import ResponseTexts
@@ -192,7 +198,7 @@ def test_the_learner_trains_exactly_the_ids_the_actor_generated(
     by_id = {r.group_id: r for r in rollouts}
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     end_of_turn = tokenizer.convert_tokens_to_ids(IM_END)
-    row, worst, tokens, ended, turns = 0, 0.0, 0, 0, []
+    row, worst, tokens, ended, turns, rows_per_episode = 0, 0.0, 0, 0, [], []
     adapters: dict[str, list] = {name: [] for name in ADAPTER_ROWS}
     for group in taken.groups:
         sent = by_id[group.rollout.group_id]
@@ -214,6 +220,8 @@ def test_the_learner_trains_exactly_the_ids_the_actor_generated(
                 adapters[adapter].append(
                     verify_reasoning_gym(sent.texts[i], rows[json.loads(sent.extra)["id"]]["answer"])
                 )
+            elif is_episode(sent) and arch == "qwen3":
+                turns.append(check_served_episode(config, tokenizer, rows[json.loads(sent.extra)["id"]], sent, i))
             elif is_episode(sent):
                 turns.append(check_episode(config, tokenizer, rows[json.loads(sent.extra)["id"]], sent, i))
             else:
@@ -222,8 +230,11 @@ def test_the_learner_trains_exactly_the_ids_the_actor_generated(
                 # ... or the model's EOS: Qwen2's is <|endoftext|>, not the end of turn, and vLLM stops there too
                 assert ids[-1] in (end_of_turn, tokenizer.eos_token_id) and IM_END not in sent.texts[i]
                 ended += int(ids[-1] == end_of_turn)
-            expected = transformers_logprobs(model, sent.prompt_ids, ids)  # over the whole episode: every turn
-            worst = max(worst, float(np.abs(expected - logprobs)[trained].max(initial=0.0)))
+            for start, end in sent.rows(i):  # the whole episode, or (kept per turn) each of its rows: every turn
+                expected = transformers_logprobs(model, sent.prompt_ids, ids[start:end])
+                gap = np.abs(expected - logprobs[start:end])[trained[start:end]]
+                worst = max(worst, float(gap.max(initial=0.0)))
+            rows_per_episode.append(len(sent.rows(i)))
             tokens += int(trained.sum())
             row += 1
     padded = int(sum((r.token_ids >= len(tokenizer)).sum() for r in rollouts))
@@ -237,6 +248,31 @@ def test_the_learner_trains_exactly_the_ids_the_actor_generated(
     assert worst <= LOGPROB_TOLERANCE
     assert ended > 0, "no response ended its turn: the stop token is not honoured"
     assert max(turns) >= 2, "no episode went past its first turn"
+    check_rows(batch, taken.groups, per_turn=arch == "qwen3")
+    counts = {n: rows_per_episode.count(n) for n in sorted(set(rows_per_episode))}
+    print(f"{arch}: training rows per response: {counts}")
+
+
+def check_rows(batch, groups: list[ScoredGroup], per_turn: bool) -> None:
+    """The rows the learner's model runs on: with a thinking model, more rows than responses (its episodes kept per
+    turn), each prompt + one row of a response, every trained token of the batch in exactly one of them."""
+    if not per_turn:
+        assert batch.served is None  # templates that append: one sequence per response
+        return
+    served = batch.served
+    assert served is not None and served.input_ids.shape[0] > batch.rows, "no episode was kept per turn"
+    sources = served.source[served.source >= 0]
+    assert len(sources) == len(set(sources.tolist())) == int(batch.response_mask.sum())
+    r = 0
+    for group in groups:
+        for i in range(group.rollout.num_samples):
+            ids = group.rollout.response(i)[0]
+            for start, end in group.rollout.rows(i):
+                whole = np.concatenate([group.rollout.prompt_ids, ids[start:end]]).tolist()
+                assert served.input_ids[r, : len(whole)].tolist() == whole
+                assert int(served.attention_mask[r].sum()) == len(whole)
+                r += 1
+    assert r == served.input_ids.shape[0]
 
 
 ADAPTER_ROWS = ("skyrl_gym", "textarena", "reasoning_gym")
@@ -284,6 +320,33 @@ def check_episode(config: RunConfig, tokenizer, row: dict, sent: RolloutGroup, i
     reward = asyncio.run(replay_episode(tools, config.environment, sent, i))
     assert reward == sum(last == tools.end_id for last in model_turns)
     return len(model_turns)
+
+
+def check_served_episode(config: RunConfig, tokenizer, row: dict, sent: RolloutGroup, i: int) -> int:
+    """Episode ``i`` of ``sent``, kept per turn: each model turn was sampled on the chat template's rendering of the
+    conversation before it (the row's tokens before the turn, after the prompt) — the model's earlier turns as their
+    text, their reasoning dropped by the template — and the reward worker's replay takes it. Returns its model
+    turns."""
+    ids, _, _ = sent.response(i)
+    tools = episode_tools(config.model.path)
+    assert tools.per_turn
+    conversation = [{"role": "system", "content": SYSTEM_PROMPT}, *row["messages"]]
+    turns, ended = 0, 0
+    for start, end in sent.rows(i):
+        for first, last, by_model in segments(sent.trained(i)[start:end]):
+            if not by_model:
+                continue
+            context = np.concatenate([sent.prompt_ids, ids[start : start + first]]).tolist()
+            served = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+            assert tokenizer.decode(context) == served
+            turns += 1
+            said = turn_text(tokenizer, ids[start + first : start + last].tolist())
+            ended += int(ids[start + last - 1] == tools.end_id)
+            asked = f"Are you sure? Say it again ({turns})."
+            conversation += [{"role": "assistant", "content": said}, {"role": "user", "content": asked}]
+    reward = asyncio.run(replay_episode(tools, config.environment, sent, i))
+    assert reward == ended  # Prodding scores the turns it was answered: those that ended
+    return turns
 
 
 def test_a_group_that_sampled_a_padded_id_is_trained_not_dead_lettered(tmp_path: Path, redis_client) -> None:

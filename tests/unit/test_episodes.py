@@ -18,7 +18,7 @@ import torch
 
 from asyncrl.actors.episode_scoring import EpisodeMismatch, environment_reward, replay_time_limit
 from asyncrl.common.config import ConfigError, EnvironmentSection, RewardFunction, load_config
-from asyncrl.common.data.prompts import Prompter, turn_end_id
+from asyncrl.common.data.prompts import Prompter
 from asyncrl.common.data.tasks import TaskExample
 from asyncrl.common.environments.protocol import (
     ENVIRONMENTS,
@@ -39,7 +39,6 @@ from asyncrl.common.tiny_models.chat import ARCHITECTURES, CHATML_TEMPLATE, buil
 from asyncrl.common.wire.messages import ScoredGroup
 from asyncrl.learner.algorithms import GlobalCounts, LossInput, build_aggregation, build_loss
 from asyncrl.learner.batch import collate
-from asyncrl.learner.model_check import episode_mode
 from asyncrl.learner.preflight import check_config
 from tests.helpers.scripted_episodes import CALL, QUESTION, context, episode, replay, tools_for
 
@@ -204,44 +203,21 @@ THINKING_TEMPLATE = (
 """As thinking models' templates do: an earlier assistant turn loses its reasoning once another turn follows."""
 
 
-def test_a_template_that_rewrites_earlier_turns_is_refused() -> None:
+def test_a_template_that_drops_past_reasoning_is_run_per_turn_and_one_that_rewrites_every_turn_is_refused() -> None:
     tokenizer = build_bpe_tokenizer("qwen2")
     with pytest.raises(TemplateError, match="has none"):
         TurnEncoder.for_tokenizer(type("Plain", (), {"chat_template": None})())
     tokenizer.chat_template = THINKING_TEMPLATE
-    encoder = TurnEncoder(tokenizer, turn_end_id(tokenizer))
-    assert encoder.text([{"role": "tool", "content": "1"}]).startswith("\n<|im_start|>tool")  # no reasoning: fine
+    encoder = TurnEncoder.for_tokenizer(tokenizer)  # the plain probe, without reasoning, is appended
+    assert encoder.text([{"role": "tool", "content": "1"}]).startswith("\n<|im_start|>tool")
     with pytest.raises(TemplateError, match=r"drops the model's past reasoning \(<think>…</think>\) once a later"):
-        TurnEncoder.for_tokenizer(tokenizer)  # the probe with reasoning finds it
-    with pytest.raises(TemplateError, match=r"or set environment\.past_reasoning = 'keep'"):
-        TurnEncoder.for_tokenizer(tokenizer, "refuse")
-    kept = TurnEncoder.for_tokenizer(tokenizer, "keep")  # asked for: one sequence, past reasoning as generated
-    assert kept.ids([{"role": "tool", "content": "1"}]) == encoder.ids([{"role": "tool", "content": "1"}])
+        encoder.check_past_reasoning_kept()  # the probe with reasoning finds it
+    assert EpisodeTools.for_tokenizer(tokenizer).per_turn  # and the run serves each turn as the template renders it
+    assert not EpisodeTools.for_tokenizer(tokenizer, "keep").per_turn  # asked for: one sequence, reasoning as written
     with pytest.raises(TemplateError, match="rewrites earlier turns"):
         TurnEncoder.for_tokenizer(_with_probe_reasoning(tokenizer))
-    with pytest.raises(TemplateError, match="rewrites earlier turns"):  # never run, whatever the option says
-        TurnEncoder.for_tokenizer(tokenizer, "keep")
-    for name in ("qwen2", "llama"):  # templates that keep each turn as written pass both probes
-        TurnEncoder.for_tokenizer(build_bpe_tokenizer(name))
-
-
-def test_resolve_refuses_a_thinking_template_unless_the_run_keeps_past_reasoning(tmp_path: Path) -> None:
-    tokenizer = build_bpe_tokenizer("qwen2")
-    tokenizer.chat_template = THINKING_TEMPLATE
-    tokenizer.save_pretrained(tmp_path)
-    run = ["rollout.workflow=multi_turn", "environment.name=calculator", f"model.path={tmp_path}"]
-    with pytest.raises(ValueError, match=r"^model\.path: the chat template drops the model's past reasoning"):
-        check_config(load_config(None, run))
-    check_config(load_config(None, [*run, "environment.past_reasoning=keep"]))
-    said = episode_mode(load_config(None, [*run, "environment.past_reasoning=keep"]))  # what check-model prints
-    assert said is not None and said.startswith("episodes: one sequence each, environment 'calculator' (replayed")
-    assert "past reasoning kept as generated (environment.past_reasoning = 'keep')" in said
-    tokenizer.chat_template = build_bpe_tokenizer("qwen2").chat_template  # a template that keeps every turn
-    tokenizer.save_pretrained(tmp_path / "plain")
-    plain = episode_mode(load_config(None, [*run[:2], f"model.path={tmp_path / 'plain'}"])) or ""
-    assert plain.endswith("the chat template keeps past reasoning, so every turn is trained on the context it is "
-                          "served in")  # fmt: skip
-    assert episode_mode(load_config(None, [])) is None  # single-turn runs have no episodes
+    for name in ("qwen2", "llama"):  # templates that keep each turn as written pass both probes: appended
+        assert not EpisodeTools.for_tokenizer(build_bpe_tokenizer(name)).per_turn
 
 
 def _with_probe_reasoning(tokenizer):

@@ -9,11 +9,19 @@ are the maximal runs of equal mask values (:func:`segments`), alternating model 
 :class:`TurnEncoder` finds what the template writes for an observation by rendering a probe conversation twice
 (``[user, assistant]``, then ``[user, assistant, *observation]`` with the generation prompt) and keeping what the
 second rendering adds after the assistant's end of turn. That is correct exactly when the template extends a
-conversation by appending (ChatML, Llama 3, Mistral do). A template that rewrites earlier turns — a thinking model's
-template that drops the ``<think>`` blocks of past assistant turns — does not, and is refused when the encoder is
-made (:class:`TemplateError`) rather than training on a conversation the model would never see rendered that way. The
-encoder probes twice: a plain assistant turn, and one that holds reasoning (a thinking model's template leaves the
-first alone and rewrites only the second).
+conversation by appending (ChatML, Llama 3, Mistral do). A template that rewrites every earlier turn does not, and is
+refused when the encoder is made (:class:`TemplateError`) rather than training on a conversation the model would never
+see rendered that way.
+
+A thinking model's template rewrites only the turns that hold reasoning: it drops the ``<think>`` blocks of past
+assistant turns once a later user turn follows (Qwen3's does; the encoder finds it by a probe whose assistant turn
+holds reasoning). Such an episode is run as the model is served (``environment.past_reasoning = "as_served"``, the
+default): each model turn is generated on the context the template renders for the conversation so far
+(:meth:`TurnEncoder.served_ids`), and the response is cut into *rows* — a row is one training sequence after the
+prompt: a context the model was given (loss mask 0) and the turns it then wrote (mask 1). A turn whose context extends
+the current row (the template kept the row's past as it was sampled) is appended to it; one whose context rewrote it
+starts a new row (:func:`next_context`). Every model token is in exactly one row, after exactly the tokens it was
+sampled on. ``environment.past_reasoning = "keep"`` keeps one row per episode instead, past reasoning as generated.
 
 Both the actor (which builds the episode) and the reward worker (which replays the environment on the model's turns
 to score it) use this module, so both read a model turn as the same text: :func:`turn_text`.
@@ -56,18 +64,16 @@ class TurnEncoder:
     steps."""
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: Any, past_reasoning: str = "refuse") -> TurnEncoder:
+    def for_tokenizer(cls, tokenizer: Any) -> TurnEncoder:
         """The encoder of ``tokenizer``, whose turns end at :func:`asyncrl.common.data.prompts.turn_end_id`.
-        :class:`TemplateError` when the tokenizer has no chat template, or its template does not extend a conversation
-        by appending, or (``past_reasoning = "refuse"``, ``environment.past_reasoning``) it drops past reasoning."""
+        :class:`TemplateError` when the tokenizer has no chat template, or its template rewrites earlier turns that
+        hold no reasoning."""
         if not getattr(tokenizer, "chat_template", None):
             raise TemplateError(
                 "rollout.workflow = 'multi_turn' needs a chat template: the tokenizer of model.path has none"
             )
         encoder = cls(tokenizer, turn_end_id(tokenizer))
         encoder.ids([{"role": "user", "content": "probe"}])  # refuses a template that rewrites earlier turns
-        if past_reasoning == "refuse":
-            encoder.check_past_reasoning_kept()
         return encoder
 
     def check_past_reasoning_kept(self) -> None:
@@ -75,7 +81,8 @@ class TurnEncoder:
         (``<think>…</think>``) one way while it is the last turn and another once a later turn follows — as thinking
         models' templates do (Qwen3's drops the reasoning of every assistant turn before the last user turn). Kept as
         appended tokens, every later turn of an episode would be trained on the reasoning the served model never sees
-        again (the plain probe, without reasoning, passes such a template)."""
+        again (the plain probe, without reasoning, passes such a template); such a template is run per turn
+        (module docstring)."""
         base = [{"role": "user", "content": "1"}, {"role": "assistant", "content": _THINKING + _PROBE}]
         before = self._render(base, generation_prompt=False)
         after = self._render([*base, {"role": "user", "content": "2"}], generation_prompt=True)
@@ -83,10 +90,7 @@ class TurnEncoder:
             raise TemplateError(
                 "the chat template drops the model's past reasoning (<think>…</think>) once a later turn follows (a "
                 "thinking model's template, such as Qwen3's, does): kept as appended tokens, each later turn of an "
-                "episode would be trained on reasoning the model is never served with; give model.path a chat "
-                "template that renders past assistant turns as they were written (Qwen3's without its branch that "
-                "strips reasoning before the last user turn), or set environment.past_reasoning = 'keep' to train "
-                "each episode as one sequence with its past reasoning kept"
+                "episode would be trained on reasoning the model is never served with"
             )
 
     def keeps_past_reasoning(self) -> bool:
@@ -127,7 +131,23 @@ class TurnEncoder:
 
     def ids(self, observation: Sequence[Message]) -> list[int]:
         """:meth:`text` as token ids (the template's special tokens are in the text: none added)."""
-        return list(self.tokenizer(self.text(observation), add_special_tokens=False)["input_ids"])
+        return self._tokens(self.text(observation))
+
+    def served_ids(self, history: Sequence[Message]) -> list[int]:
+        """The context a served model is given after the prompt for its next turn, as token ids: what the template
+        renders for a conversation whose turns after the first user turn are ``history`` (the model's turns as
+        :func:`turn_text` reads them, the environment's messages), up to and including the next generation prompt.
+        Found, like :meth:`text`, from a probe prompt: rendered alone with its generation prompt, then with
+        ``history``, the context is what the second rendering adds."""
+        base = [{"role": "user", "content": "1"}]
+        before = self._render(base, generation_prompt=True)
+        after = self._render([*base, *history], generation_prompt=True)
+        if not after.startswith(before):
+            raise TemplateError("the chat template renders the first user turn differently once later turns follow")
+        return self._tokens(after[len(before) :])
+
+    def _tokens(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def turn_text(tokenizer: Any, ids: Sequence[int]) -> str:
@@ -148,14 +168,18 @@ def segments(trained: np.ndarray) -> list[tuple[int, int, bool]]:
 
 @dataclass(frozen=True)
 class EpisodeTools:
-    """A tokenizer and its :class:`TurnEncoder`."""
+    """A tokenizer, its :class:`TurnEncoder`, and whether episodes are kept in rows per turn."""
 
     tokenizer: Any
     encoder: TurnEncoder
+    per_turn: bool = False
+    """Whether each model turn is generated on the context the template serves (the template drops past reasoning
+    and ``environment.past_reasoning = "as_served"``): the response is cut into rows (module docstring)."""
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: Any, past_reasoning: str = "refuse") -> EpisodeTools:
-        return cls(tokenizer, TurnEncoder.for_tokenizer(tokenizer, past_reasoning))
+    def for_tokenizer(cls, tokenizer: Any, past_reasoning: str = "as_served") -> EpisodeTools:
+        encoder = TurnEncoder.for_tokenizer(tokenizer)
+        return cls(tokenizer, encoder, past_reasoning == "as_served" and not encoder.keeps_past_reasoning())
 
     @property
     def end_id(self) -> int:
@@ -163,8 +187,19 @@ class EpisodeTools:
         return self.encoder.end_id
 
 
+def next_context(tools: EpisodeTools, row: Sequence[int], history: Sequence[Message]) -> tuple[list[int], bool]:
+    """Per turn (:attr:`EpisodeTools.per_turn`): the tokens to add after the current ``row`` (its tokens after the
+    prompt) so that the next model turn is generated on the context the template serves for ``history``, and whether
+    they start a new row. The served context is appended to the row when it extends it (the template kept the row as
+    sampled), and starts a row of its own when the template rewrote any of it."""
+    served = tools.encoder.served_ids(history)
+    if served[: len(row)] == list(row):
+        return served[len(row) :], False
+    return served, True
+
+
 @functools.lru_cache(maxsize=4)
-def episode_tools(model_path: str, past_reasoning: str = "refuse") -> EpisodeTools:
+def episode_tools(model_path: str, past_reasoning: str = "as_served") -> EpisodeTools:
     """The tools of ``model.path``'s tokenizer, loaded once per process and folder (nothing is fetched from a hub),
     for ``environment.past_reasoning``."""
     from transformers import AutoTokenizer

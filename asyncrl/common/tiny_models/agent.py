@@ -9,7 +9,10 @@ The tokenizer is :func:`asyncrl.common.tiny_models.character.build_char_tokenize
 ChatML's ``<|im_start|>``/``<|im_end|>`` (special; ``<|im_end|>`` is the EOS, as in Qwen2.5-Instruct) and
 ``<tool_call>`` / ``</tool_call>`` (added, not special: a decoded turn keeps them, as Qwen2.5's tokenizer does). The
 template (:data:`TOOL_CHAT_TEMPLATE`) names the offered tools in a system turn, Hermes-style calls go in the assistant's
-text (``common/environments/tool_calls.py``), and a ``tool`` message is a turn of its own.
+text (``common/environments/tool_calls.py``), and a ``tool`` message is a turn of its own. It is a thinking model's
+template, as Qwen3's: an assistant turn's ``<think>…</think>`` is dropped once a later user turn follows, so a run
+serves each of the model's turns the context that template renders (``common/environments/turns.py``); a tool's reply
+is not a user turn, so within a calculator episode nothing is dropped.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from asyncrl.common.data.tasks import TASK_ALPHABET
 from asyncrl.common.environments.tool_calls import CLOSE as TOOL_CALL_CLOSE
 from asyncrl.common.environments.tool_calls import OPEN as TOOL_CALL_OPEN
 from asyncrl.common.tiny_models.character import IGNORE_INDEX, Row, init_model, warm_start_rows
-from asyncrl.common.tiny_models.chat import CHATML_TEMPLATE, IM_END, IM_START, _save_chat_tokenizer
+from asyncrl.common.tiny_models.chat import IM_END, IM_START, THINKING_TEMPLATE, _save_chat_tokenizer
 
 AGENT_ALPHABET = TASK_ALPHABET + "ABCDEFGHIJKLMNOPQRSTUVWXYZ.?!'_;|#%&"
 
@@ -34,8 +37,8 @@ TOOLS_TURN = (
 """A short system turn naming the offered tools: a character-level model reads every character, so the template names
 the tools rather than printing their JSON schemas as Qwen2.5's does."""
 
-TOOL_CHAT_TEMPLATE = TOOLS_TURN + CHATML_TEMPLATE
-"""ChatML after :data:`TOOLS_TURN`."""
+TOOL_CHAT_TEMPLATE = TOOLS_TURN + THINKING_TEMPLATE
+"""A thinking model's ChatML (``common/tiny_models/chat.py: THINKING_TEMPLATE``) after :data:`TOOLS_TURN`."""
 
 
 def init_agent_model(out_dir: str | Path, *, seed: int = 0, **shape) -> Path:

@@ -11,6 +11,9 @@ architectures that vLLM and transformers both load from a plain folder. Nothing 
 ``qwen2``   Qwen2ForCausalLM (grouped-query attention, q/k/v biases); no BOS, EOS = ``<|endoftext|>`` (as in a base
             model: the template's ``<|im_end|>`` ends a turn only through ``Prompter.stop_ids``), tied embeddings
             padded beyond the tokenizer (as Qwen2.5's 151,936 rows for 151,665 tokens)
+``qwen3``   Qwen3ForCausalLM (q/k norms), otherwise as ``qwen2``, with a thinking model's template
+            (:data:`THINKING_TEMPLATE`): ``<think>`` and ``</think>`` are tokens of their own, and the reasoning of an
+            assistant turn is dropped once a later user turn follows, as Qwen3's template does
 ==========  ========================================================================================================
 """
 
@@ -34,9 +37,10 @@ from transformers import (
 
 from asyncrl.common.tiny_models.character import IGNORE_INDEX, Row, _save_tokenizer, _seeded, warm_start_rows
 
-Architecture = Literal["llama", "qwen2"]
-ARCHITECTURES: tuple[Architecture, ...] = ("llama", "qwen2")
+Architecture = Literal["llama", "qwen2", "qwen3"]
+ARCHITECTURES: tuple[Architecture, ...] = ("llama", "qwen2", "qwen3")
 IM_START, IM_END, END_OF_TEXT, BOS, PAD = "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<s>", "<pad>"
+THINK, END_THINK = "<think>", "</think>"
 
 CHATML_TEMPLATE = (
     "{%- for message in messages %}"
@@ -45,6 +49,26 @@ CHATML_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 """ChatML, as Qwen's templates write it (without their tool-calling parts)."""
+
+THINKING_TEMPLATE = (
+    "{%- set ns = namespace(last_query=-1) %}"
+    "{%- for message in messages %}{%- if message['role'] == 'user' %}{%- set ns.last_query = loop.index0 %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- set content = message['content'] %}"
+    "{%- if message['role'] == 'assistant' and '</think>' in content %}"
+    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\n') %}"
+    "{%- if loop.index0 > ns.last_query %}"
+    "{%- set content = '<think>\n' + reasoning + '\n</think>\n\n' + content %}"
+    "{%- endif %}{%- endif %}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + content + '<|im_end|>' + '\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+"""ChatML as a thinking model's template writes it (Qwen3's, without its tool-calling parts): an assistant turn's
+reasoning (``<think>…</think>`` before its answer) is rendered only after the last user turn; earlier assistant turns
+keep their answer alone. A tool's reply is not a user turn, so reasoning within one tool-calling exchange stays."""
 
 _WORDS_TEXT = (
     "what is the sum of and plus minus times answer question number result please compute tell me how much "
@@ -106,6 +130,9 @@ def build_bpe_tokenizer(arch: Architecture, *, vocab_size: int = 512, seed: int 
     )
     tokenizer.add_special_tokens({"additional_special_tokens": [IM_START, IM_END]})
     tokenizer.chat_template = template
+    if arch == "qwen3":  # tokens of their own that a decode keeps (not special), as in Qwen3's tokenizer
+        tokenizer.add_tokens([THINK, END_THINK])
+        tokenizer.chat_template = THINKING_TEMPLATE
     return tokenizer
 
 
@@ -153,11 +180,17 @@ def init_chat_model(
     if arch == "llama":
         config = LlamaConfig(num_key_value_heads=heads, tie_word_embeddings=False, **shape)
         model_class = LlamaForCausalLM
-    else:
+    elif arch == "qwen2":
         from transformers import Qwen2ForCausalLM
 
         config = Qwen2Config(num_key_value_heads=max(1, heads // 2), tie_word_embeddings=True, **shape)
         model_class = Qwen2ForCausalLM
+    else:
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        kv_heads = max(1, heads // 2)
+        config = Qwen3Config(num_key_value_heads=kv_heads, head_dim=hidden // heads, tie_word_embeddings=True, **shape)
+        model_class = Qwen3ForCausalLM
     return save_chat_model(out, config, model_class, tokenizer, eos=eos, seed=seed)
 
 
@@ -208,7 +241,8 @@ def chat_examples(n: int, seed: int = 0, max_number: int = 9) -> list[dict]:
 
 def warm_start_chat(model_dir: str | Path, rows: list[dict], *, steps: int, seed: int = 0, **options) -> dict:
     """Fine-tune the folder's model on chat rows (:func:`chat_examples`): the templated prompt (masked), then the
-    answer and the template's end of turn, so that it learns to answer and to close its turn. Options as
+    answer and the template's end of turn, so that it learns to answer and to close its turn; a thinking model's
+    (``qwen3``) answer comes after a short reasoning block, as such models write. Options as
     :func:`asyncrl.common.tiny_models.character.warm_start_rows`, which returns the figures."""
     from transformers import AutoTokenizer
 
@@ -219,10 +253,11 @@ def warm_start_chat(model_dir: str | Path, rows: list[dict], *, steps: int, seed
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompter = Prompter.for_tokenizer(tokenizer, TaskSection(chat=True))
     end = turn_end_id(tokenizer)
+    reasoning = f"{THINK}\nadd them\n{END_THINK}\n\n" if THINK in tokenizer.get_vocab() else ""
     encoded: list[Row] = []
     for row in rows:
         example = TaskExample(row["messages"][-1]["content"], row["answer"], tuple(row["messages"]))
         prompt = prompter.encode(prompter.text(example))
-        answer = [*tokenizer(row["answer"], add_special_tokens=False)["input_ids"], end]
+        answer = [*tokenizer(reasoning + row["answer"], add_special_tokens=False)["input_ids"], end]
         encoded.append((prompt + answer, [IGNORE_INDEX] * len(prompt) + answer))
     return warm_start_rows(model_dir, encoded, steps=steps, seed=seed, **options)

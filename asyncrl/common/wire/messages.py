@@ -10,6 +10,7 @@ alone cannot (cross-field lengths, token ids against the vocabulary, ranges); a 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import time
@@ -137,6 +138,12 @@ class RolloutGroup:
     """Per response, what the reward workers that ran its episode's environment signed, as JSON
     (``common/wire/attestation.py: EpisodeAttestation``; ``""`` for none): an environment that cannot be replayed is
     scored from these. Empty = none at all."""
+    row_starts: np.ndarray = array_field("int32", min_value=0, max_value=1, empty_default=True)
+    """Per token (packed like ``token_ids``): 1 where a new training row of its response starts. A multi-turn episode
+    of a chat template that rewrites past turns (a thinking model's, which drops past reasoning) is kept as rows, each
+    a context the model was served after the prompt (loss mask 0) and the turns it then wrote
+    (``common/environments/turns.py``): the learner trains each row as its own sequence, prompt first. Empty = each
+    response is one row."""
 
     @property
     def num_samples(self) -> int:
@@ -148,6 +155,16 @@ class RolloutGroup:
             return np.ones(int(self.lengths[i]), bool)
         start = int(self.lengths[:i].sum())
         return self.loss_mask[start : start + int(self.lengths[i])].astype(bool)
+
+    def rows(self, i: int) -> list[tuple[int, int]]:
+        """``(start, end)`` of each training row of response ``i``, in its own token positions (one row, the whole
+        response, when :attr:`row_starts` is empty)."""
+        length = int(self.lengths[i])
+        if not len(self.row_starts):
+            return [(0, length)]
+        start = int(self.lengths[:i].sum())
+        cuts = [0, *(np.flatnonzero(self.row_starts[start + 1 : start + length]) + 1).tolist(), length]
+        return list(itertools.pairwise(cuts))
 
     def extra_fields(self) -> dict[str, Any]:
         """The data row's other fields (``{}`` for a generated task): what a reward function reads beyond the answer."""
@@ -167,6 +184,7 @@ class RolloutGroup:
                 raise WireError(name, f"has {n} entries but lengths sum to {total}")
         if len(self.loss_mask) not in (0, total):
             raise WireError("loss_mask", f"has {len(self.loss_mask)} entries but lengths sum to {total} (or 0: all)")
+        self._check_row_starts(total)
         k = len(self.lengths)
         for name in ("texts", "finish_reasons"):
             if len(getattr(self, name)) != k:
@@ -177,6 +195,16 @@ class RolloutGroup:
         _check_vocab("token_ids", self.token_ids, limits)
         _check_range("issued_version", self.issued_version, 0, None)
         _check_purpose(self.purpose)
+
+    def _check_row_starts(self, total: int) -> None:
+        """A row starts only with a context: a token the model did not sample."""
+        if not len(self.row_starts):
+            return
+        if len(self.row_starts) != total:
+            raise WireError("row_starts", f"has {len(self.row_starts)} entries but lengths sum to {total} (or 0: none)")
+        starts = self.row_starts.astype(bool)
+        if len(self.loss_mask) != total or (starts & self.loss_mask.astype(bool)).any():
+            raise WireError("row_starts", "marks a row that starts with a token the model sampled, not a context")
 
 
 @message("scored")

@@ -50,6 +50,10 @@ REQUIREMENTS = {
     "pairs": "rows in chosen/rejected pairs: row 2i preferred to row 2i + 1",
 }
 """What :meth:`Settings.requires` may name, and what each means for the learner."""
+PER_SEQUENCE = frozenset({"values", "token_kl", "pairs"})
+"""The requirements that treat a whole response as one sequence the model ran on (a critic's values along it, a KL
+penalty summed into its reward, a preference pair of two): refused for multi-turn episodes kept per turn
+(``learner/batch.py: ServedRows``)."""
 
 
 @dataclass(frozen=True, slots=True)
