@@ -138,7 +138,7 @@ def test_the_folders_load_as_users_models_do(chat_model: tuple[str, Path]) -> No
         assert model_vocab_size(folder) > len(tokenizer)  # 640 embedding rows for 512 tokens
     assert prompter.unknown("?é€") == ""
     config = AutoModelForCausalLM.from_pretrained(folder).config
-    assert config.vocab_size == model_vocab_size(folder) and config.tie_word_embeddings == (arch == "qwen2")
+    assert config.vocab_size == model_vocab_size(folder) and config.tie_word_embeddings == (arch != "llama")
 
 
 def start_actor(url: str) -> subprocess.Popen:
@@ -198,7 +198,7 @@ def test_the_learner_trains_exactly_the_ids_the_actor_generated(
     by_id = {r.group_id: r for r in rollouts}
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     end_of_turn = tokenizer.convert_tokens_to_ids(IM_END)
-    row, worst, tokens, ended, turns, rows_per_episode = 0, 0.0, 0, 0, [], []
+    row, worst, tokens, ended, turns, rows_per_episode, reasoning_dropped = 0, 0.0, 0, 0, [], [], 0
     adapters: dict[str, list] = {name: [] for name in ADAPTER_ROWS}
     for group in taken.groups:
         sent = by_id[group.rollout.group_id]
@@ -221,7 +221,9 @@ def test_the_learner_trains_exactly_the_ids_the_actor_generated(
                     verify_reasoning_gym(sent.texts[i], rows[json.loads(sent.extra)["id"]]["answer"])
                 )
             elif is_episode(sent) and arch == "qwen3":
-                turns.append(check_served_episode(config, tokenizer, rows[json.loads(sent.extra)["id"]], sent, i))
+                made, dropped = check_served_episode(config, tokenizer, rows[json.loads(sent.extra)["id"]], sent, i)
+                turns.append(made)
+                reasoning_dropped += dropped
             elif is_episode(sent):
                 turns.append(check_episode(config, tokenizer, rows[json.loads(sent.extra)["id"]], sent, i))
             else:
@@ -250,7 +252,8 @@ def test_the_learner_trains_exactly_the_ids_the_actor_generated(
     assert max(turns) >= 2, "no episode went past its first turn"
     check_rows(batch, taken.groups, per_turn=arch == "qwen3")
     counts = {n: rows_per_episode.count(n) for n in sorted(set(rows_per_episode))}
-    print(f"{arch}: training rows per response: {counts}")
+    print(f"{arch}: training rows per response: {counts}; turns whose reasoning a later context dropped: "
+          f"{reasoning_dropped}")  # fmt: skip
 
 
 def check_rows(batch, groups: list[ScoredGroup], per_turn: bool) -> None:
@@ -322,16 +325,16 @@ def check_episode(config: RunConfig, tokenizer, row: dict, sent: RolloutGroup, i
     return len(model_turns)
 
 
-def check_served_episode(config: RunConfig, tokenizer, row: dict, sent: RolloutGroup, i: int) -> int:
+def check_served_episode(config: RunConfig, tokenizer, row: dict, sent: RolloutGroup, i: int) -> tuple[int, int]:
     """Episode ``i`` of ``sent``, kept per turn: each model turn was sampled on the chat template's rendering of the
     conversation before it (the row's tokens before the turn, after the prompt) — the model's earlier turns as their
     text, their reasoning dropped by the template — and the reward worker's replay takes it. Returns its model
-    turns."""
+    turns, and how many of them reasoned and had a turn after them (whose context dropped that reasoning)."""
     ids, _, _ = sent.response(i)
     tools = episode_tools(config.model.path)
     assert tools.per_turn
     conversation = [{"role": "system", "content": SYSTEM_PROMPT}, *row["messages"]]
-    turns, ended = 0, 0
+    turns, ended, reasoned = 0, 0, []
     for start, end in sent.rows(i):
         for first, last, by_model in segments(sent.trained(i)[start:end]):
             if not by_model:
@@ -342,11 +345,12 @@ def check_served_episode(config: RunConfig, tokenizer, row: dict, sent: RolloutG
             turns += 1
             said = turn_text(tokenizer, ids[start + first : start + last].tolist())
             ended += int(ids[start + last - 1] == tools.end_id)
+            reasoned.append("</think>" in said)
             asked = f"Are you sure? Say it again ({turns})."
             conversation += [{"role": "assistant", "content": said}, {"role": "user", "content": asked}]
     reward = asyncio.run(replay_episode(tools, config.environment, sent, i))
     assert reward == ended  # Prodding scores the turns it was answered: those that ended
-    return turns
+    return turns, sum(reasoned[:-1])
 
 
 def test_a_group_that_sampled_a_padded_id_is_trained_not_dead_lettered(tmp_path: Path, redis_client) -> None:

@@ -86,6 +86,16 @@ def test_a_response_longer_than_max_new_tokens_is_refused() -> None:
     assert issue_mismatch(ISSUED, long, 64, 4, episode_tokens=3198) == (
         "a response has 3199 tokens; an episode's token budget is 3198"
     )
+    # An episode kept per turn holds several rows, each a context and turns of at most the budget: rows are bounded.
+    rows = np.zeros(3200, np.int32)
+    rows[1600] = 1  # a row starts on a context token (loss mask 0)
+    mask = np.ones(3200, np.int32)
+    mask[1600:1700] = 0
+    per_turn = dataclasses.replace(long, row_starts=rows, loss_mask=mask)
+    assert issue_mismatch(ISSUED, per_turn, 64, 4, episode_tokens=1600) is None
+    assert issue_mismatch(ISSUED, per_turn, 64, 4, episode_tokens=1599) == (
+        "a row of a response has 1600 tokens; an episode's token budget is 1599"
+    )
     episodes = ["rollout.workflow=multi_turn", "environment.name=calculator", "model.max_model_len=300"]
     assert episode_tokens(load_config(None, episodes)) == 300
     assert episode_tokens(load_config(None, [*episodes, "environment.max_episode_tokens=99"])) == 99

@@ -166,6 +166,12 @@ class RolloutGroup:
         cuts = [0, *(np.flatnonzero(self.row_starts[start + 1 : start + length]) + 1).tolist(), length]
         return list(itertools.pairwise(cuts))
 
+    def longest_row(self) -> int:
+        """The most tokens any training row of any response holds (:meth:`rows`)."""
+        if not len(self.row_starts):
+            return int(self.lengths.max(initial=0))
+        return max((end - start for i in range(self.num_samples) for start, end in self.rows(i)), default=0)
+
     def extra_fields(self) -> dict[str, Any]:
         """The data row's other fields (``{}`` for a generated task): what a reward function reads beyond the answer."""
         return extra_fields(self.extra)

@@ -19,7 +19,8 @@ prompt_ids
 K                   ``num_samples`` responses, as issued
 issued_version      as issued (a re-issue keeps it)
 response lengths    each at most the group's ``max_new_tokens`` (an eval group's own), else
-                    ``rollout.max_new_tokens`` (vLLM stops there)
+                    ``rollout.max_new_tokens`` (vLLM stops there); an episode's, and each row of an episode
+                    kept per turn, at most its token budget
 token versions      none above the newest version the learner has published (no actor can hold a later one)
 ==================  =========================================================================================
 
@@ -61,11 +62,12 @@ def issue_mismatch(
         return f"it has {group.num_samples} responses; {issued.num_samples} were asked for"
     if group.issued_version != issued.issued_version:
         return f"its issued_version {group.issued_version} is not the issued {issued.issued_version}"
-    longest, limit = int(group.lengths.max(initial=0)), episode_tokens or issued.max_new_tokens or max_new_tokens
+    longest, limit = group.longest_row(), episode_tokens or issued.max_new_tokens or max_new_tokens
     if longest > limit:
         setting = "the group's max_new_tokens" if issued.max_new_tokens else "rollout.max_new_tokens"
         setting = "an episode's token budget" if episode_tokens else setting
-        return f"a response has {longest} tokens; {setting} is {limit}"
+        what = "a row of a response" if len(group.row_starts) else "a response"
+        return f"{what} has {longest} tokens; {setting} is {limit}"
     newest = int(group.versions.max(initial=0))
     if newest_version is not None and newest > newest_version:
         return f"a token is stamped version {newest}; the newest published is {newest_version}"
