@@ -76,6 +76,10 @@ def agent(tmp_path_factory: pytest.TempPathFactory) -> AgentRun:
         steps_at_kill = len(step_rows(run_dir))
         os.kill(actor_pid(run_dir / "logs" / "actor-0.log"), signal.SIGKILL)
         wait_for(lambda: len(step_rows(run_dir)) > steps_at_kill, "a step after the kill", proc=proc, timeout_s=300)
+        # the weight group re-forms without the killed actor: until actor-1 has those weights it may step nothing,
+        # and a hang that ends meanwhile would fault no episode
+        after_kill = steps_at_kill
+        wait_for(lambda: newest_load(run_dir, "actor-1") > after_kill, "actor-1's reload", proc=proc, timeout_s=300)
         mid_episode(run_dir, "actor-1", proc)  # a hang while no episode is in flight would fault none
         host_faults = hang_then_kill(run_dir, reward_worker_pid(run_dir), STEP_TIMEOUT_S, proc)
         exit_code = finish(proc, 900)
@@ -91,6 +95,12 @@ def reward_worker_pid(run_dir: Path) -> int:
     plane = ControlPlane(connect((run_dir / "redis" / "url").read_text().strip()), NAME)
     [worker] = [h for h in plane.registry.processes()[0] if h.kind == "reward"]
     return worker.pid
+
+
+def newest_load(run_dir: Path, actor: str) -> int:
+    """The newest weight version ``actor`` has loaded, as its log says (0: none yet)."""
+    text = (run_dir / "logs" / f"{actor}.log").read_text()
+    return max((int(v) for v in re.findall(r"loaded new weights version=(\d+)", text)), default=0)
 
 
 def mid_episode(run_dir: Path, actor: str, proc: subprocess.Popen) -> None:
