@@ -117,8 +117,8 @@ class PolicyUpdate:
         if self.critic is not None:
             tensors["old_values"] = self._values(self.critic, batch)
         advantage = self.algorithm.advantage(self._advantage_input(batch, tensors, figures))
-        self.last_advantages = advantage.advantages.float()  # [B, T]; samples.jsonl reads it
-        tensors["advantages"] = batch.on_model_rows(self.last_advantages)
+        self.last_advantages = advantages = advantage.advantages.float()  # [B, T]; samples.jsonl reads it
+        tensors["advantages"] = batch.on_model_rows(advantages)
         counts = GlobalCounts.of(tensors["response_mask"])
         metrics = MicroBatchMetrics()
         stats = self.engine.train_step(self._micro_batches(tensors), self._loss_fn(counts, metrics))
