@@ -5,9 +5,9 @@ far: the prompt's and the earlier turns' KV cache is reused through prefix cachi
 step on that turn's text (:mod:`asyncrl.common.environments.protocol`), whose observation is appended as the chat
 template writes it (:class:`asyncrl.common.environments.turns.TurnEncoder`). The episode travels as one response: its
 tokens, μ and versions on the model's tokens (0 and the last sampled version on the environment's), and a loss mask that
-is 1 on the model's tokens only, so the learner trains those and nothing the environment wrote. With a chat template that
-drops past reasoning (a thinking model's), each turn is instead generated on the context the template serves for the
-conversation so far, and the response is kept as rows, each a served context and the turns written on it
+is 1 on the model's tokens only, so the learner trains those and nothing the environment wrote. With a chat template
+that drops past reasoning (a thinking model's), each turn is instead generated on the context the template serves for
+the conversation so far, and the response is kept as rows, each a served context and the turns written on it
 (:class:`ServedContext`, ``common/environments/turns.py``).
 
 After a model turn the environment steps only when the turn ended with the template's end of turn; a turn cut by

@@ -270,7 +270,8 @@ def test_extra_is_appended_to_the_wire_format(tmp_path: Path) -> None:
     # appended after the fields a peer that predates it knows, before those appended after it (eval, loss mask, ...)
     assert fields[fields.index("issued_at") + 1 :][:2] == ["extra", "purpose"]
     rollout_fields = [f.name for f in dataclasses.fields(RolloutGroup)]
-    assert rollout_fields[rollout_fields.index("timings") + 1 :] == ["extra", "purpose", "loss_mask", "attestations", "row_starts"]
+    appended = ["extra", "purpose", "loss_mask", "attestations", "row_starts"]
+    assert rollout_fields[rollout_fields.index("timings") + 1 :] == appended
 
 
 def test_a_file_without_line_ends_is_refused_having_read_only_the_longest_line(tmp_path: Path) -> None:
