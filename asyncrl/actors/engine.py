@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncrl.actors import ipc_folder
 from asyncrl.actors.generation import Response, Sampling
-from asyncrl.actors.lifeline import engine_shut_down, export_actor_pid, start_sweeper
+from asyncrl.actors.lifeline import engine_shut_down, export_actor_pid, follow_forked_engine, start_sweeper
 from asyncrl.common.config import RolloutSection, RunConfig
 from asyncrl.common.observability.logs import get_logger
 from asyncrl.common.observability.procs import cpu_list, move_process
@@ -65,20 +65,20 @@ class RolloutEngine:
         """The policy version now loaded (the weights follower's): what the actor reports in its heartbeat."""
         self._first_version = version()
         """The version of the weights the engine starts with: vLLM's core labels them ``"default"``."""
-        if single_process(config.rollout, _has_gpu()):
+        one_process = single_process(config.rollout, _has_gpu())
+        if one_process:
             use_single_process(config.rollout.cpu_threads)
         elif config.rollout.cpu_threads:
             # Read by vLLM's CPU worker when it starts: keeps engines on one machine off each other's cores.
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.rollout.cpu_threads
         from vllm import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
 
         args = AsyncEngineArgs(**engine_keywords(config, AsyncEngineArgs, _has_gpu(), seed))
         export_actor_pid()  # vLLM's processes end with this one, even on kill -9 (actors/lifeline.py)
         start_sweeper()
         self._ipc_folder = ipc_folder.claim()  # vLLM's sockets: removed at shutdown (actors/ipc_folder.py)
         try:
-            self.llm = AsyncLLM.from_engine_args(args)
+            self.llm = start_engine(args, fork=one_process)
         except BaseException:
             ipc_folder.release(self._ipc_folder)
             raise
@@ -351,6 +351,30 @@ def whole_prompt_prefills(max_model_len: int) -> dict[str, Any]:
 def single_process(rollout: RolloutSection, has_gpu: bool) -> bool:
     """Whether vLLM's worker runs inside its engine-core process (``rollout.cpu_single_process``, CPUs, one rank)."""
     return rollout.cpu_single_process and not has_gpu and rollout.tensor_parallel_size == 1
+
+
+def start_engine(args: Any, fork: bool) -> AsyncLLM:
+    """vLLM's ``AsyncLLM`` for ``args``; with ``fork`` (the worker inside the engine core, on CPUs), its engine-core
+    process is forked from this one instead of spawned.
+
+    vLLM's CPU platform asks for ``spawn`` whatever the layout (``vllm/platforms/cpu.py``: its multiprocess
+    executor binds each worker's OpenMP threads in a fresh process). A spawned engine core imports vLLM and torch
+    again before it can load the model: 13–16 s of a 2-core machine's CPU per actor start, where a fork of this
+    process, which holds them already, starts the engine in about 3 s (measured with the tiny demo model). With the
+    worker inside the engine core there is no executor to bind, and this process has run no OpenMP region before
+    the fork (its frontend runs no torch op), so the engine core's threads start as fresh as a spawned one's. The
+    forked engine core follows this actor from its first instruction (``actors/lifeline.py:
+    follow_forked_engine``), since it carries no marker the sweeper could find."""
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    vllm_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)  # where the CPU platform asks for spawn
+    if fork:
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+        follow_forked_engine()
+    return AsyncLLM.from_vllm_config(
+        vllm_config, enable_log_requests=args.enable_log_requests, disable_log_stats=args.disable_log_stats
+    )
 
 
 def use_single_process(cpu_threads: str) -> None:

@@ -289,9 +289,14 @@ def thread_cpus(pid: int) -> dict[int, frozenset[int]]:
     return cpus
 
 
+def engine_cores(actor_pid: int) -> list[int]:
+    """The actor's vLLM engine-core processes (their command name is ``VLLM::EngineCor``, cut by the kernel)."""
+    return [pid for pid in child_pids(actor_pid) if (name_and_state(pid) or ("", ""))[0].startswith("VLLM::Engine")]
+
+
 def engine_core_of(actor_pid: int) -> int:
-    """The PID of the actor's vLLM engine-core process (its command name is ``VLLM::EngineCor``, cut by the kernel)."""
-    cores = [pid for pid in child_pids(actor_pid) if (name_and_state(pid) or ("", ""))[0].startswith("VLLM::Engine")]
+    """The PID of the actor's one vLLM engine-core process."""
+    cores = engine_cores(actor_pid)
     assert len(cores) == 1, f"expected one engine core under the actor, found {cores}"
     return cores[0]
 
@@ -305,8 +310,14 @@ def assert_layout(actor_pid: int, single_process: bool) -> None:
     assert len(workers) == (0 if single_process else 1), below
     assert os.sched_getaffinity(core) == ({0} if single_process else os.sched_getaffinity(0))
     assert set(thread_cpus(actor_pid).values()) == {frozenset({1})}, thread_cpus(actor_pid)
+    # The worker inside the engine core: the engine core is a fork of the actor (actors/engine.py: start_engine), so
+    # it was exec'd with the actor's environment and shares the OpenMP runtime the actor set up; a spawned one is
+    # exec'd with the environment the actor had when it spawned it.
+    forked = Path(f"/proc/{core}/environ").read_bytes() == Path(f"/proc/{actor_pid}/environ").read_bytes()
+    assert forked == single_process
     for pid in (core, *child_pids(core)):  # the engine's OpenMP threads sleep when they wait (common/openmp.py)
-        assert b"OMP_WAIT_POLICY=PASSIVE" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"), pid
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        assert (pid == core and forked) or b"OMP_WAIT_POLICY=PASSIVE" in environ, pid
 
 
 def test_the_engines_worker_runs_in_its_own_process_and_loads_new_weights(shared: SharedActor) -> None:
@@ -458,14 +469,34 @@ def kill_and_follow(actor: subprocess.Popen, seen: set[int], timeout_s: float) -
     return left
 
 
+def test_kill_9_of_an_actor_the_moment_its_engine_core_is_forked_leaves_nothing_behind(
+    redis_server, plane, model_dir
+) -> None:
+    """The worker inside the engine core (the default on CPUs): the actor forks its engine core, which follows the
+    actor from the fork on (``actors/lifeline.py: follow_forked_engine``). Killed the moment the engine core has
+    named itself, before its handshake with the actor, it ends with the actor."""
+    one = load_config(None, [*PLANE_SETTINGS, f"model.path={model_dir}", "rollout.cpu_single_process=true"])
+    plane.run.publish_config(one)
+    actor = start_actor(redis_server.url, RUN, "a1", "0")
+    try:
+        wait_for(lambda: engine_cores(actor.pid), "the forked engine core under the actor", 300)
+        seen = set(descendants(actor.pid))
+        left = kill_and_follow(actor, seen, 60)
+        assert not left, f"{len(left)} of the actor's {len(seen)} processes outlived it: {described(left)}"
+    finally:
+        if actor.poll() is None:
+            actor.kill()
+            actor.wait()
+
+
 def test_kill_9_of_an_actor_while_its_engine_starts_leaves_no_vllm_process_behind(
     redis_server, plane, model_dir
 ) -> None:
     """Killed the moment EngineCore has started its worker (vLLM's separate worker: two generations of processes
     below the actor): every vLLM process ends (EngineCore follows the actor from its own start through the lifeline
     plugin, ``actors/lifeline.py``; a worker that finds the actor gone ends itself, and EngineCore ends with a dead
-    worker). Killed before EngineCore's handshake with the actor, EngineCore gives up by itself at vLLM's handshake
-    timeout (5 minutes): not covered here."""
+    worker). Killed before a spawned EngineCore's handshake with the actor, EngineCore gives up by itself at vLLM's
+    handshake timeout (5 minutes): not covered here (a forked one follows from its fork: the test above)."""
     separate = load_config(None, [*PLANE_SETTINGS, f"model.path={model_dir}", "rollout.cpu_single_process=false"])
     plane.run.publish_config(separate)
     actor = start_actor(redis_server.url, RUN, "a1", "0")
