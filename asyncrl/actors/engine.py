@@ -74,11 +74,12 @@ class RolloutEngine:
         from vllm import AsyncEngineArgs
 
         args = AsyncEngineArgs(**engine_keywords(config, AsyncEngineArgs, _has_gpu(), seed))
+        fork = one_process and "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ  # a method the user set is kept
         export_actor_pid()  # vLLM's processes end with this one, even on kill -9 (actors/lifeline.py)
         start_sweeper()
         self._ipc_folder = ipc_folder.claim()  # vLLM's sockets: removed at shutdown (actors/ipc_folder.py)
         try:
-            self.llm = start_engine(args, fork=one_process)
+            self.llm = start_engine(args, fork=fork)
         except BaseException:
             ipc_folder.release(self._ipc_folder)
             raise
