@@ -71,12 +71,14 @@ class RolloutEngine:
         elif config.rollout.cpu_threads:
             # Read by vLLM's CPU worker when it starts: keeps engines on one machine off each other's cores.
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.rollout.cpu_threads
+        fork = one_process and "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ  # a method the user set is kept
+        # vLLM's processes end with this one, even on kill -9 (actors/lifeline.py); exported before vLLM runs its
+        # plugins in this process (AsyncEngineArgs does), which act in an actor's processes only
+        export_actor_pid()
+        start_sweeper()
         from vllm import AsyncEngineArgs
 
         args = AsyncEngineArgs(**engine_keywords(config, AsyncEngineArgs, _has_gpu(), seed))
-        fork = one_process and "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ  # a method the user set is kept
-        export_actor_pid()  # vLLM's processes end with this one, even on kill -9 (actors/lifeline.py)
-        start_sweeper()
         self._ipc_folder = ipc_folder.claim()  # vLLM's sockets: removed at shutdown (actors/ipc_folder.py)
         try:
             self.llm = start_engine(args, fork=fork)
@@ -372,10 +374,19 @@ def start_engine(args: Any, fork: bool) -> AsyncLLM:
     vllm_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)  # where the CPU platform asks for spawn
     if fork:
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
-        follow_forked_engine()
+        follow_forked_engine(_load_plugins_again)
     return AsyncLLM.from_vllm_config(
         vllm_config, enable_log_requests=args.enable_log_requests, disable_log_stats=args.disable_log_stats
     )
+
+
+def _load_plugins_again() -> None:
+    """In a forked engine core: vLLM runs its general plugins once per process (``vllm.plugins.plugins_loaded``), and
+    a fork inherits them as run. Cleared, the engine core runs them at its start as a spawned one does — after it has
+    configured its own logging, whose new handlers the routine-line filter must be on (``actors/vllm_logs.py``)."""
+    import vllm.plugins
+
+    vllm.plugins.plugins_loaded = False
 
 
 def use_single_process(cpu_threads: str) -> None:

@@ -40,6 +40,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from asyncrl.common.observability.logs import get_logger
@@ -69,14 +70,16 @@ def export_actor_pid() -> None:
     os.environ.setdefault("SPT_NOENV", "1")
 
 
-def follow_forked_engine() -> None:
+def follow_forked_engine(*also: Callable[[], object]) -> None:
     """In the actor, before vLLM forks its engine core (``actors/engine.py: start_engine``): a process forked from the
     actor follows it at once, from the fork itself (``os.register_at_fork``), before vLLM has loaded anything in
     it. A forked process carries the actor's PID in its copy of ``os.environ`` but not in ``/proc/PID/environ``
-    (the environment it was exec'd with), so the sweeper cannot find it: this takes the sweeper's place."""
+    (the environment it was exec'd with), so the sweeper cannot find it: this takes the sweeper's place. ``also``:
+    what else a forked process runs then — vLLM runs its general plugins once per process, and a forked one inherits
+    them as run, whatever they did in the actor."""
     global _forks_followed
     if not _forks_followed:
-        os.register_at_fork(after_in_child=follow_actor)
+        os.register_at_fork(after_in_child=lambda: [follow_actor(), *(setup() for setup in also)])
         _forks_followed = True
 
 
