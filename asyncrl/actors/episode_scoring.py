@@ -249,7 +249,7 @@ def _check_context(
     start, end = span
     recorded = (episode.ids[start:end].tolist(), start in episode.row_starts)
     row = episode.row_before(start)
-    for observation in [step.observation, *step.if_timed_out]:
+    for observation in step.observations_given():
         ids, new_row, history = served.following(row, action, observation)
         if (ids, new_row) == recorded:
             served.history = history

@@ -16,10 +16,10 @@ that miss the plugin follow their dead EngineCore through vLLM's death pipe, and
 that very moment (which has loaded nothing yet) is killed by EngineCore on its way out. Nothing runs in the actor,
 so nothing depends on the actor getting to run a handler: that is the point.
 
-An engine core that the actor forks (a CPU engine whose worker runs inside it: ``actors/engine.py: start_engine``)
-follows the actor from the fork on (:func:`follow_forked_engine`). A process of the engine that has not reached the
-plugin yet when the actor dies (a spawned EngineCore importing vLLM or in its handshake with the actor, a worker
-half-spawned) is ended by the actor's sweeper instead
+An engine core that the actor forks (a CPU engine whose worker runs inside it:
+``actors/engine_processes.py: start_engine``) follows the actor from the fork on (:func:`follow_forked_engine`). A
+process of the engine that has not reached the plugin yet when the actor dies (a spawned EngineCore importing vLLM or
+in its handshake with the actor, a worker half-spawned) is ended by the actor's sweeper instead
 (:func:`start_sweeper`): a small process of its own, started with the engine, that waits for the actor to exit and
 then SIGKILLs every process whose environment carries the actor's :data:`ACTOR_PID_ENV` (each vLLM process is
 started with it), for as long as new ones keep appearing.
@@ -71,16 +71,23 @@ def export_actor_pid() -> None:
 
 
 def follow_forked_engine(*also: Callable[[], object]) -> None:
-    """In the actor, before vLLM forks its engine core (``actors/engine.py: start_engine``): a process forked from the
-    actor follows it at once, from the fork itself (``os.register_at_fork``), before vLLM has loaded anything in
-    it. A forked process carries the actor's PID in its copy of ``os.environ`` but not in ``/proc/PID/environ``
-    (the environment it was exec'd with), so the sweeper cannot find it: this takes the sweeper's place. ``also``:
-    what else a forked process runs then — vLLM runs its general plugins once per process, and a forked one inherits
-    them as run, whatever they did in the actor."""
+    """In the actor, before vLLM forks its engine core (``actors/engine_processes.py: start_engine``): a process
+    forked from the actor follows it at once, from the fork itself (``os.register_at_fork``), before vLLM has loaded
+    anything in it. A forked process carries the actor's PID in its copy of ``os.environ`` but not in
+    ``/proc/PID/environ`` (the environment it was exec'd with), so the sweeper cannot find it: this takes the sweeper's
+    place. ``also``: what else a forked process runs then — vLLM runs its general plugins once per process, and a
+    forked one inherits them as run, whatever they did in the actor."""
     global _forks_followed
-    if not _forks_followed:
-        os.register_at_fork(after_in_child=lambda: [follow_actor(), *(setup() for setup in also)])
-        _forks_followed = True
+    if _forks_followed:
+        return
+
+    def in_the_fork() -> None:
+        follow_actor()
+        for setup in also:
+            setup()
+
+    os.register_at_fork(after_in_child=in_the_fork)
+    _forks_followed = True
 
 
 _forks_followed = False

@@ -191,15 +191,10 @@ def check_per_turn_algorithm(config: RunConfig) -> None:
     """Episodes kept per turn (a template that drops past reasoning, run as served) train only with algorithms whose
     every input is per token or per episode reward; ``ValueError`` naming what the algorithm needs otherwise."""
     from asyncrl.learner.algorithms.assembly import assemble
-    from asyncrl.learner.algorithms.types import PER_SEQUENCE
+    from asyncrl.learner.algorithms.types import per_turn_refusal
 
-    if refused := assemble(config).needs & PER_SEQUENCE:
-        raise ValueError(
-            "environment.past_reasoning = 'as_served': the chat template of model.path drops past reasoning, so each "
-            "episode is trained as one row per context it was served, and this algorithm needs "
-            f"{', '.join(sorted(refused))} over whole sequences; choose a group estimator without a KL penalty in the "
-            "reward (grpo, dapo, gspo), or set environment.past_reasoning = 'keep'"
-        )
+    if refusal := per_turn_refusal(assemble(config).needs):
+        raise ValueError(refusal)
 
 
 def adapter_targets(model_path: str) -> tuple[set[str], str]:

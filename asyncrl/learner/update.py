@@ -37,7 +37,7 @@ from asyncrl.learner.algorithms import (
 from asyncrl.learner.algorithms.kl import KLController
 from asyncrl.learner.algorithms.losses import log_ratios, mismatch_kl
 from asyncrl.learner.algorithms.masked import masked_mean
-from asyncrl.learner.algorithms.types import PER_SEQUENCE
+from asyncrl.learner.algorithms.types import per_turn_refusal
 from asyncrl.learner.batch import TrainBatch, collate, preference_rows, rank_micro_batches, training_passes
 from asyncrl.learner.engine import PolicyEngine, ReferenceModel, reference_for
 from asyncrl.learner.step_metrics import MicroBatchMetrics
@@ -132,13 +132,9 @@ class PolicyUpdate:
 
     def _check_rows(self, batch: TrainBatch) -> None:
         """Episodes kept per turn are trained only by what needs no whole-episode pass (the config check refuses the
-        rest first): a critic's values, a KL penalty in the reward and preference pairs are per sequence."""
-        if batch.served is not None and (refused := self.needs & PER_SEQUENCE):
-            raise RuntimeError(
-                f"this batch holds multi-turn episodes kept per turn (environment.past_reasoning = 'as_served' with "
-                f"a chat template that drops past reasoning), which the algorithm cannot train: it needs "
-                f"{', '.join(sorted(refused))}; set environment.past_reasoning = 'keep' or choose grpo, dapo or gspo"
-            )
+        rest first: ``learner/preflight.py``)."""
+        if batch.served is not None and (refusal := per_turn_refusal(self.needs)):
+            raise RuntimeError(refusal)
 
     def _advantage_input(self, batch: TrainBatch, tensors: dict[str, torch.Tensor], figures: dict[str, float]):
         """The estimator's input; with a KL penalty in the reward, k1 = log π_old − log π_ref per token."""

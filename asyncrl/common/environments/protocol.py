@@ -97,6 +97,10 @@ class Step:
     """The observations this step would have given had some of its time-limited calls run out of time instead (the
     reward worker's replay accepts an episode that recorded one of them: it tells the model only that time ran out)."""
 
+    def observations_given(self) -> list[list[Message]]:
+        """Every observation an episode may have recorded for this step: its own, then :attr:`if_timed_out`'s."""
+        return [self.observation, *self.if_timed_out]
+
 
 class Environment(Protocol):
     def step(self, action: str) -> Step | Awaitable[Step]:
@@ -169,7 +173,7 @@ def recorded_as_given(step: Step, recorded: Callable[[list[Message]], bool]) -> 
     """Whether an episode's recorded observation is one ``step`` gives: its own, or one of its time-limited calls
     stopped at the limit (:attr:`Step.if_timed_out`). ``recorded(observation)`` says whether ``observation`` is what
     was recorded."""
-    return recorded(step.observation) or any(recorded(variant) for variant in step.if_timed_out)
+    return any(recorded(observation) for observation in step.observations_given())
 
 
 def checked_score(value: Any) -> float:

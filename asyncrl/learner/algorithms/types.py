@@ -56,6 +56,18 @@ penalty summed into its reward, a preference pair of two): refused for multi-tur
 (``learner/batch.py: ServedRows``)."""
 
 
+def per_turn_refusal(needs: frozenset[str]) -> str | None:
+    """Why an algorithm that needs ``needs`` cannot train episodes kept per turn, in one line; None when it can."""
+    if not (refused := needs & PER_SEQUENCE):
+        return None
+    return (
+        "environment.past_reasoning = 'as_served': the chat template of model.path drops past reasoning, so each "
+        "episode is trained as one row per context it was served, and this algorithm needs "
+        f"{', '.join(sorted(refused))} over whole sequences; choose a group estimator without a KL penalty in the "
+        "reward (grpo, dapo, gspo), or set environment.past_reasoning = 'keep'"
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class AdvantageInput:
     """What an advantage estimator sees: the whole training batch of complete groups.
