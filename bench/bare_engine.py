@@ -40,7 +40,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def start_engine(spec: dict[str, Any]) -> Any:
     """vLLM's offline ``LLM`` with the keywords a rollout actor gives its engine (``actors/engine.py``)."""
-    from asyncrl.actors.engine import engine_keywords, single_process, use_single_process
+    from asyncrl.actors.engine import engine_keywords
+    from asyncrl.actors.engine_processes import single_process, use_single_process
     from asyncrl.common.config import load_config
 
     config = load_config(spec["config"], spec["overrides"])

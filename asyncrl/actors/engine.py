@@ -30,8 +30,9 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.actors import ipc_folder
+from asyncrl.actors.engine_processes import lay_out_processes, start_engine
 from asyncrl.actors.generation import Response, Sampling
-from asyncrl.actors.lifeline import engine_shut_down, export_actor_pid, follow_forked_engine, start_sweeper
+from asyncrl.actors.lifeline import engine_shut_down
 from asyncrl.common.config import RolloutSection, RunConfig
 from asyncrl.common.observability.logs import get_logger
 from asyncrl.common.observability.procs import cpu_list, move_process
@@ -65,17 +66,7 @@ class RolloutEngine:
         """The policy version now loaded (the weights follower's): what the actor reports in its heartbeat."""
         self._first_version = version()
         """The version of the weights the engine starts with: vLLM's core labels them ``"default"``."""
-        one_process = single_process(config.rollout, _has_gpu())
-        if one_process:
-            use_single_process(config.rollout.cpu_threads)
-        elif config.rollout.cpu_threads:
-            # Read by vLLM's CPU worker when it starts: keeps engines on one machine off each other's cores.
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.rollout.cpu_threads
-        fork = one_process and "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ  # a method the user set is kept
-        # vLLM's processes end with this one, even on kill -9 (actors/lifeline.py); exported before vLLM runs its
-        # plugins in this process (AsyncEngineArgs does), which act in an actor's processes only
-        export_actor_pid()
-        start_sweeper()
+        fork = lay_out_processes(config.rollout, _has_gpu())
         from vllm import AsyncEngineArgs
 
         args = AsyncEngineArgs(**engine_keywords(config, AsyncEngineArgs, _has_gpu(), seed))
@@ -349,57 +340,6 @@ def whole_prompt_prefills(max_model_len: int) -> dict[str, Any]:
     samples of 80-token prompts do). With chunked prefill off, a prompt that does not fit the step waits for the next
     one whole; the budget must then hold the longest prompt, so it is at least ``max_model_len``."""
     return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, DEFAULT_PREFILL_TOKENS)}
-
-
-def single_process(rollout: RolloutSection, has_gpu: bool) -> bool:
-    """Whether vLLM's worker runs inside its engine-core process (``rollout.cpu_single_process``, CPUs, one rank)."""
-    return rollout.cpu_single_process and not has_gpu and rollout.tensor_parallel_size == 1
-
-
-def start_engine(args: Any, fork: bool) -> AsyncLLM:
-    """vLLM's ``AsyncLLM`` for ``args``; with ``fork`` (the worker inside the engine core, on CPUs), its engine-core
-    process is forked from this one instead of spawned.
-
-    vLLM's CPU platform asks for ``spawn`` whatever the layout (``vllm/platforms/cpu.py``: its multiprocess
-    executor binds each worker's OpenMP threads in a fresh process). A spawned engine core imports vLLM and torch
-    again before it can load the model: 13–16 s of a 2-core machine's CPU per actor start, where a fork of this
-    process, which holds them already, starts the engine in about 3 s (measured with the tiny demo model). With the
-    worker inside the engine core there is no executor to bind, and this process has run no OpenMP region before
-    the fork (its frontend runs no torch op), so the engine core's threads start as fresh as a spawned one's. The
-    forked engine core follows this actor from its first instruction (``actors/lifeline.py:
-    follow_forked_engine``), since it carries no marker the sweeper could find."""
-    from vllm.usage.usage_lib import UsageContext
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    vllm_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)  # where the CPU platform asks for spawn
-    if fork:
-        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
-        follow_forked_engine(_load_plugins_again)
-    return AsyncLLM.from_vllm_config(
-        vllm_config, enable_log_requests=args.enable_log_requests, disable_log_stats=args.disable_log_stats
-    )
-
-
-def _load_plugins_again() -> None:
-    """In a forked engine core: vLLM runs its general plugins once per process (``vllm.plugins.plugins_loaded``), and
-    a fork inherits them as run. Cleared, the engine core runs them at its start as a spawned one does — after it has
-    configured its own logging, whose new handlers the routine-line filter must be on (``actors/vllm_logs.py``)."""
-    import vllm.plugins
-
-    vllm.plugins.plugins_loaded = False
-
-
-def use_single_process(cpu_threads: str) -> None:
-    """Keep vLLM's ``uni`` executor on CPUs, and pin the engine to ``cpu_threads`` (e.g. ``1`` or ``0-3``).
-
-    vLLM's CPU platform swaps ``uni`` for its multiprocess executor unless ``VLLM_ENABLE_V1_MULTIPROCESSING`` is 0
-    (``vllm/platforms/cpu.py``: its per-thread OpenMP binding needs a fresh worker process); ``AsyncLLM`` runs its
-    engine core in a process of its own either way, so the variable changes only that choice. Without vLLM's
-    binding, the engine-core process inherits this thread's CPU affinity, and torch sizes its threads to it.
-    """
-    if cpu_threads:  # a valid list: the config checked it
-        os.sched_setaffinity(0, cpu_list(cpu_threads))
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
 def move_frontend(frontend_cpus: str, move: Callable[[set[int]], None] = move_process) -> None:

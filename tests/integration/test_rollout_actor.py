@@ -310,9 +310,9 @@ def assert_layout(actor_pid: int, single_process: bool) -> None:
     assert len(workers) == (0 if single_process else 1), below
     assert os.sched_getaffinity(core) == ({0} if single_process else os.sched_getaffinity(0))
     assert set(thread_cpus(actor_pid).values()) == {frozenset({1})}, thread_cpus(actor_pid)
-    # The worker inside the engine core: the engine core is a fork of the actor (actors/engine.py: start_engine), so
-    # it was exec'd with the actor's environment and shares the OpenMP runtime the actor set up; a spawned one is
-    # exec'd with the environment the actor had when it spawned it.
+    # The worker inside the engine core: the engine core is a fork of the actor (actors/engine_processes.py:
+    # start_engine), so it was exec'd with the actor's environment and shares the OpenMP runtime the actor set up; a
+    # spawned one is exec'd with the environment the actor had when it spawned it.
     forked = Path(f"/proc/{core}/environ").read_bytes() == Path(f"/proc/{actor_pid}/environ").read_bytes()
     assert forked == single_process
     for pid in (core, *child_pids(core)):  # the engine's OpenMP threads sleep when they wait (common/openmp.py)
