@@ -212,6 +212,8 @@ ProctrackType=proctrack/pgid
 TaskPlugin=task/none
 MpiDefault=none
 SchedulerType=sched/backfill
+# a requeued job is started by a backfill pass (every 30 s by default): every 2 s here, as the test waits on it
+SchedulerParameters=bf_interval=2
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 ReturnToService=2

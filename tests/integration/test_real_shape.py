@@ -65,7 +65,7 @@ def test_a_bf16_run_at_the_real_vocabulary_trains_and_measures_its_mismatch(
 ) -> None:
     model, data = shaped
     overrides = [
-        f"learner.steps={STEPS}", "learner.groups_per_step=4", "learner.micro_batch_size=8",
+        f"learner.steps={STEPS}", "learner.groups_per_step=2", "learner.micro_batch_size=8",
         "model.dtype=bfloat16", f"learner.precision={LEARNER_PRECISION}", "model.max_model_len=128",
         "task.name=file", f"task.path={json.dumps(str(data))}", 'task.options={verifier="arithmetic"}',
         "rollout.num_samples=4", "rollout.max_new_tokens=8", "staleness.max_staleness=0", ONE_PROCESS_ENGINE,
