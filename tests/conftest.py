@@ -82,13 +82,15 @@ SHARED_CORES = {
     # accounting of chat models, a real shape's bf16 run, the model checks (each engine uses about half the two cores
     # the chain's runs leave, measured by the summary's CPU seconds)
     "test_chat_models.py", "test_real_shape.py", "test_check_model.py",
+    # one run of one actor whose faults are planted at step numbers, and whose checks read what the run recorded
+    "test_mismatch_guard.py",
 }
-"""Modules with integration tests that start no sandbox or timed fault (no deadline, TTL or time budget decides what
-they check) and at most one vLLM engine at a time: under ``-n 2`` they run beside the serial chain, like the unit tier.
-Everything else (those, and the e2e runs) runs on one worker, one test after another, so no two of them ever compete for
-the two cores. Training beside the chain costs its runs a core's share, not their results: every process sleeps while it
-waits (``OMP_WAIT_POLICY=PASSIVE``, common/openmp.py), where spinning OpenMP threads once made a 0.4 s critic test take
-14 s beside an e2e run."""
+"""Modules whose tests start no sandbox or timed fault (no deadline, TTL or time budget decides what they check) and
+at most one vLLM engine at a time: under ``-n 2`` they run beside the serial chain, like the unit tier. Everything else
+(other integration modules, the other e2e runs) runs on one worker, one test after another, so no two of them ever
+compete for the two cores. Training beside the chain costs its runs a core's share, not their results: every process
+sleeps while it waits (``OMP_WAIT_POLICY=PASSIVE``, common/openmp.py), where spinning OpenMP threads once made a 0.4 s
+critic test take 14 s beside an e2e run."""
 
 
 @functools.cache
@@ -111,7 +113,8 @@ def runs_serially(nodeid: str) -> bool:
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """Load scheduling where every test that :func:`runs_serially` forms one work unit (one worker, in order), each
     other integration module is a unit (its module-scoped servers and models are made once), and every other test is
-    a unit of its own (``--dist loadgroup`` groups by renaming node ids, which pytest 9 ignores)."""
+    a unit of its own (``--dist loadgroup`` groups by renaming node ids, which pytest 9 ignores). An e2e module beside
+    the chain is a unit too: its run, a module fixture, is made once."""
     from xdist.scheduler import LoadScopeScheduling
 
     class SerialChain(LoadScopeScheduling):
@@ -119,7 +122,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
             if runs_serially(nodeid):
                 return "serial"
             module = nodeid.split("::", 1)[0]
-            return module if module.startswith("tests/integration/") else nodeid
+            return module if module.startswith(("tests/integration/", "tests/e2e/")) else nodeid
 
     return SerialChain(config, log)
 

@@ -38,7 +38,7 @@ def test_every_module_beside_the_chain_exists() -> None:
     """A renamed module must not fall silently into the chain: each name in ``SHARED_CORES`` is a real module."""
     from tests.conftest import SHARED_CORES
 
-    present = {path.name for tier in ("integration", "unit") for path in (TESTS / tier).glob("test_*.py")}
+    present = {path.name for tier in ("e2e", "integration", "unit") for path in (TESTS / tier).glob("test_*.py")}
     assert not SHARED_CORES - present, sorted(SHARED_CORES - present)
 
 
