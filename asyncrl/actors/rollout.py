@@ -241,13 +241,18 @@ class RolloutActor:
     async def _catch_up(self, group: PromptGroup) -> None:
         """Wait for the weights :meth:`_weights_for` names (at most ``weight_sync.timeout_s``; the tokens' versions say
         what generated them either way, and the learner judges them by those). Asked again every half second: a sync
-        that failed says at once that its version is not coming."""
+        that failed says at once that its version is not coming; a version this actor refused is not coming either
+        (with one actor, waiting for the next would wait for a step that needs this group)."""
         deadline = time.monotonic() + self.config.weight_sync.timeout_s
         wanted, asked = await asyncio.to_thread(self._weights_for, group), time.monotonic()
-        while self.weights.version < wanted and time.monotonic() < deadline and not self._stopping.is_set():
+        while self._awaits(wanted) and time.monotonic() < deadline and not self._stopping.is_set():
             await self._sleep(0.05)
             if time.monotonic() - asked >= 0.5:
                 wanted, asked = await asyncio.to_thread(self._weights_for, group), time.monotonic()
+
+    def _awaits(self, wanted: int) -> bool:
+        """Whether to wait before sampling for weights ``wanted``: newer than those served, and still coming."""
+        return self.weights.version < wanted and self.weights.coming(wanted)
 
     def _count(self, rollout: RolloutGroup) -> None:
         """A finished group into the heartbeat's tokens/s and the Prometheus counters."""

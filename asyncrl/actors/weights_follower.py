@@ -31,7 +31,8 @@ class WeightsFollower:
 
     ``version`` is the policy version of the weights loaded (0: the model folder), ``digest`` their version digest
     ("" for the model folder's), ``restore`` the learner's restore generation they came from; ``epoch`` is the
-    formation this actor is a member of (None: none). ``syncing`` is true while a broadcast is being loaded.
+    formation this actor is a member of (None: none). ``syncing`` is true while a broadcast is being loaded;
+    ``refused`` the newest version it refused (0: none), which no broadcast brings again.
     """
 
     def __init__(self, config: RunConfig, plane: ControlPlane, redis_url: str, actor_id: str, audit: Audit) -> None:
@@ -41,6 +42,7 @@ class WeightsFollower:
         self.restore = 0
         self.epoch: int | None = None
         self.syncing = False
+        self.refused = 0
         self._received = 0  # broadcasts received in the formation ``epoch`` (refused ones too)
         self._failed_epoch: int | None = None  # a formation this actor could not join: wait for the next one
         self._announced = threading.Event()
@@ -140,8 +142,14 @@ class WeightsFollower:
             **{k: round(v, 4) for k, v in figures.items()},
         )
 
+    def coming(self, version: int) -> bool:
+        """Whether weights ``version`` may still reach this actor: not once it refused that version or a newer one —
+        the learner sends each version once, and the next comes only after a step that may need this actor's groups."""
+        return version > self.refused
+
     def _refuse(self, manifest: WeightManifest, reason: str) -> None:
         """Weights that arrived whole but not as the manifest describes them: the old ones go on serving."""
+        self.refused = max(self.refused, manifest.version)
         ACTOR_WEIGHT_DIGEST_MISMATCHES.inc()
         self.audit.record("weights.refused", version=manifest.version, digest=manifest.digest, reason=reason)
         log.error(

@@ -19,7 +19,8 @@ With ``s = max_staleness`` and ``G = groups_per_step`` (the staleness-bounded ad
 A group released at version v is among the first (s + v + 1)·G and, trained in release order, lands in a batch
 no later than step v + s, whose floor is v: so it must be sampled with weights v or newer. The learner releases v's
 groups as soon as it starts sending v (with ``weight_sync.overlap`` the transfer runs beside the next step), so an
-actor still holding v − 1 waits for v before it samples such a group (``actors/rollout.py``: ``_weights_for``) —
+actor still holding v − 1 waits for v before it samples such a group (``actors/rollout.py``: ``_weights_for``; not
+when it refused v, which is not sent again) —
 otherwise a large model, whose transfer takes seconds, has its actors fill the queue with groups the learner then
 drops. With that, ``floor`` is rarely hit, and ``s = 0`` is exactly synchronous on-policy training.
 """
