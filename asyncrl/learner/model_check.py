@@ -165,7 +165,7 @@ def episode_mode(config: RunConfig) -> str | None:
     refuses never gets here)."""
     if config.rollout.workflow != "multi_turn":
         return None
-    from asyncrl.common.environments.protocol import is_replayable
+    from asyncrl.common.environments.protocol import is_replayable, observation_roles
     from asyncrl.common.environments.turns import episode_tools
 
     section = config.environment
@@ -175,12 +175,20 @@ def episode_mode(config: RunConfig) -> str | None:
         if is_replayable(section.name)
         else "cannot be replayed: scored from the reward workers' signatures"
     )
+    roles = observation_roles(section.name)
+    if tools.per_turn and tools.encoder.keeps_past_reasoning(roles):
+        return (
+            f"episodes: per turn, environment {section.name!r} ({scored}); the chat template drops past reasoning "
+            f"once a later user turn follows but keeps it before this environment's observations ({', '.join(roles)} "
+            "turns), so each episode stays one row, trained on the context it is served in (a new row would start "
+            "wherever the template rewrote the past)"
+        )
     if tools.per_turn:
         return (
             f"episodes: per turn, environment {section.name!r} ({scored}); the chat template drops past reasoning "
-            "once a later user turn follows, so each model turn is generated and trained on the context the template "
-            "renders at that turn (a new training row wherever it rewrote the past; environment.past_reasoning = "
-            "'keep' keeps one sequence instead)"
+            f"once a later {'/'.join(roles)} turn follows, so each model turn is generated and trained on the context "
+            "the template renders at that turn (a new training row wherever it rewrote the past; "
+            "environment.past_reasoning = 'keep' keeps one sequence instead)"
         )
     reasoning = (
         "the chat template keeps past reasoning, so every turn is trained on the context it is served in"

@@ -147,6 +147,10 @@ def test_resolve_says_an_episode_is_kept_per_turn_and_refuses_what_cannot_train_
     check_config(load_config(None, run))  # grpo: advantages per episode, a loss per token
     said = episode_mode(load_config(None, run)) or ""
     assert said.startswith("episodes: per turn, environment 'calculator' (replayed by the reward worker to score)")
+    # the calculator answers as a tool, before which the template keeps reasoning: its episodes stay one row
+    assert "keeps it before this environment's observations (tool turns), so each episode stays one row" in said
+    counting = episode_mode(load_config(None, [*run, COUNTING])) or ""  # it answers in user turns
+    assert "drops past reasoning once a later user turn follows, so each model turn is generated" in counting
     ppo = Path(__file__).resolve().parents[2] / "configs" / "ppo.toml"
     with pytest.raises(ValueError, match=r"^environment\.past_reasoning = 'as_served': .* needs token_kl, values"):
         check_config(load_config(ppo, run))

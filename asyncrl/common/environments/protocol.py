@@ -32,6 +32,10 @@ signatures against the episode's tokens instead of replaying it (``common/wire/a
     class Weather:
         replayable = False          # what it says depends on when it is asked
 
+Its observations are ``user`` turns unless the class says otherwise (``observation_roles = ("tool",)``, as every
+:class:`ToolEnvironment`): a thinking model's template may keep past reasoning before one role and drop it before
+another, and ``rl-learner check-model`` says which holds for the run's environment.
+
 An episode of such an environment cannot move to another worker when its own is lost: it ends as an environment
 error, and its group is generated again.
 
@@ -131,6 +135,13 @@ def is_replayable(name: str) -> bool:
     """Whether environment ``name`` gives the same observations for the same row, seed and turns: its class's
     ``replayable`` attribute, True when it has none (module docstring)."""
     return bool(getattr(ENVIRONMENTS.get(name), "replayable", True))
+
+
+def observation_roles(name: str) -> tuple[str, ...]:
+    """The chat roles of environment ``name``'s observations: its class's ``observation_roles``, ``("user",)`` when it
+    has none (a :class:`ToolEnvironment` answers as ``tool``). What the template check probes a thinking model's
+    template with (``asyncrl/learner/model_check.py``)."""
+    return tuple(getattr(ENVIRONMENTS.get(name), "observation_roles", ("user",)))
 
 
 def make_environment(name: str, options: dict[str, Any], row: EpisodeRow) -> Environment:
@@ -262,6 +273,9 @@ class ToolEnvironment:
     names, in :meth:`time_limited`, the one result it gives when it runs out of time, and returns it as
     :class:`OutOfTime` then (text a program printed is never taken for a timeout). Such a tool must not change the
     environment's state: a replay may accept its call as run out of time where it finished."""
+
+    observation_roles = ("tool",)
+    """Every observation is a ``tool`` message (:func:`observation_roles`)."""
 
     def __init__(self, row: EpisodeRow, options: dict[str, Any]) -> None:
         self.tools = self.make_tools(options)

@@ -76,16 +76,19 @@ class TurnEncoder:
         encoder.ids([{"role": "user", "content": "probe"}])  # refuses a template that rewrites earlier turns
         return encoder
 
-    def check_past_reasoning_kept(self) -> None:
+    def check_past_reasoning_kept(self, role: str = "user") -> None:
         """:class:`TemplateError` when the template renders an assistant turn that holds reasoning
-        (``<think>…</think>``) one way while it is the last turn and another once a later turn follows — as thinking
-        models' templates do (Qwen3's drops the reasoning of every assistant turn before the last user turn). Kept as
-        appended tokens, every later turn of an episode would be trained on the reasoning the served model never sees
-        again (the plain probe, without reasoning, passes such a template); such a template is run per turn
-        (module docstring)."""
+        (``<think>…</think>``) one way while it is the last turn and another once a later turn of ``role`` follows —
+        as thinking models' templates do (Qwen3's drops the reasoning of every assistant turn before the last user
+        turn, and keeps it before a tool's reply). Kept as appended tokens, every later turn of an episode would be
+        trained on the reasoning the served model never sees again (the plain probe, without reasoning, passes such a
+        template); such a template is run per turn (module docstring)."""
         base = [{"role": "user", "content": "1"}, {"role": "assistant", "content": _THINKING + _PROBE}]
         before = self._render(base, generation_prompt=False)
-        after = self._render([*base, {"role": "user", "content": "2"}], generation_prompt=True)
+        try:
+            after = self._render([*base, {"role": role, "content": "2"}], generation_prompt=True)
+        except Exception as exc:  # a template that takes no turn of this role: nothing to keep it by
+            raise TemplateError(f"the chat template cannot render a {role!r} turn: {exc}") from exc
         if not after.startswith(before):
             raise TemplateError(
                 "the chat template drops the model's past reasoning (<think>…</think>) once a later turn follows (a "
@@ -93,11 +96,12 @@ class TurnEncoder:
                 "episode would be trained on reasoning the model is never served with"
             )
 
-    def keeps_past_reasoning(self) -> bool:
-        """Whether the template renders a past assistant turn's reasoning as it was written
-        (:meth:`check_past_reasoning_kept` passes)."""
+    def keeps_past_reasoning(self, roles: Sequence[str] = ("user",)) -> bool:
+        """Whether the template renders a past assistant turn's reasoning as it was written once a turn of each of
+        ``roles`` follows (:meth:`check_past_reasoning_kept` passes for each)."""
         try:
-            self.check_past_reasoning_kept()
+            for role in roles:
+                self.check_past_reasoning_kept(role)
         except TemplateError:
             return False
         return True
