@@ -217,29 +217,33 @@ from prometheus_client import REGISTRY
 from asyncrl.actors.episodes import environment_host
 from tests.helpers.scripted_episodes import episode, tools_for
 
-how, victim_file, fence = sys.argv[1:4]
+hows, victim_file, fence = sys.argv[1].split(","), sys.argv[2], sys.argv[3]
 if fence == "user-namespaces":  # the fence of an actor that is not root, on a machine where this one is
     from asyncrl.actors import environment_fence
     from asyncrl.common.rewards.sandbox_fences import host_candidates
     fence, environment_fence._FENCES["auto"] = "auto", host_candidates(network=True)[1]
-options = {"how": how, "victim": os.getpid(), "victim_pidns": os.readlink("/proc/self/ns/pid"), "file": victim_file}
-table = "{" + ", ".join(f"{key} = {json.dumps(value)}" for key, value in options.items()) + "}"
-settings = ("environment.isolation=process", "environment.step_timeout_s=20", f"environment.fence={fence}",
-            "environment.name=tests.helpers.hostile_environments:Hostile", f"environment.options={table}")
-tools = tools_for("qwen2")
-attacked, _, turn = episode(tools, ["first", "second"], *settings, answer="attack")
-fine, _, _ = episode(tools, ["first", "second"], *settings, answer="42")
-errors = REGISTRY.get_sample_value("asyncrl_actor_episode_endings_total", {"ending": "environment_error"})
-print(json.dumps({"attacked": attacked.finish_reasons[0], "fine": fine.finish_reasons[0], "errors": errors,
-                  "fine_turns": int(sum(fine.trained(0)[1:] != fine.trained(0)[:-1]) + 1),
-                  "restarts": environment_host(turn.environment).restarts}))
+tools, said = tools_for("qwen2"), {}
+for how in hows:  # one attack after another, each on the host of its own options, each followed by a fine episode
+    options = {"how": how, "victim": os.getpid(), "victim_pidns": os.readlink("/proc/self/ns/pid"), "file": victim_file}
+    table = "{" + ", ".join(f"{key} = {json.dumps(value)}" for key, value in options.items()) + "}"
+    settings = ("environment.isolation=process", "environment.step_timeout_s=20", f"environment.fence={fence}",
+                "environment.name=tests.helpers.hostile_environments:Hostile", f"environment.options={table}")
+    ended = lambda: REGISTRY.get_sample_value("asyncrl_actor_episode_endings_total", {"ending": "environment_error"})
+    before = ended() or 0.0
+    attacked, _, turn = episode(tools, ["first", "second"], *settings, answer="attack")
+    fine, _, _ = episode(tools, ["first", "second"], *settings, answer="42")
+    said[how] = {"attacked": attacked.finish_reasons[0], "fine": fine.finish_reasons[0], "errors": ended() - before,
+                 "fine_turns": int(sum(fine.trained(0)[1:] != fine.trained(0)[:-1]) + 1),
+                 "restarts": environment_host(turn.environment).restarts}
+    print(json.dumps(said), flush=True)
 """
 
 
-def play_the_actor(how: str, victim_file: Path, fence: str = "auto") -> tuple[int, dict, str]:
-    """Run :data:`ACTOR`, a disposable process that plays the actor (the host's parent and the attack's victim):
-    (its exit status, what it printed last, its stderr). Were the fence gone, the victim is that process, not pytest."""
-    actor = subprocess.run([sys.executable, "-c", ACTOR, how, str(victim_file), fence], capture_output=True,
+def play_the_actor(hows: str, victim_file: Path, fence: str = "auto") -> tuple[int, dict, str]:
+    """Run :data:`ACTOR`, a disposable process that plays the actor (the host's parent and the attacks' victim) and
+    meets the attacks ``hows`` (comma-separated) in turn: (its exit status, what it said of each attack it lived
+    through, its stderr). Were the fence gone, the victim is that process, not pytest."""
+    actor = subprocess.run([sys.executable, "-c", ACTOR, hows, str(victim_file), fence], capture_output=True,
                            text=True, timeout=240, check=False)
     lines = actor.stdout.strip().splitlines()
     return actor.returncode, json.loads(lines[-1]) if lines else {}, actor.stderr
@@ -260,21 +264,25 @@ def victim_file() -> Path:
     shutil.rmtree(folder)
 
 
+ATTACKS = ("kill_parent", "kill_all", "trace")
+
+
 @pytest.mark.parametrize("fence", ["auto", "user-namespaces"])
-@pytest.mark.parametrize("how", ["kill_parent", "kill_all", "trace"])
-def test_an_environment_cannot_kill_trace_or_write_into_the_actor(how: str, fence: str, victim_file: Path) -> None:
+def test_an_environment_cannot_kill_trace_or_write_into_the_actor(fence: str, victim_file: Path) -> None:
     """A step that kills its parent (and the actor's pid), kills every process it may (``kill(-1, 9)``), or traces or
-    writes into the actor: the actor lives, the episode ends as an environment error, the host that ended itself is
-    replaced at the next make, and the next episode runs to its turn limit. Behind this machine's fence, and behind
-    the user-namespace fence of an actor that is not root."""
+    writes into the actor (one actor meets the three in turn): the actor lives, each attacked episode ends as an
+    environment error, the host that ended itself is replaced at the next make, and the next episode runs to its turn
+    limit. Behind this machine's fence, and behind the user-namespace fence of an actor that is not root."""
     if fence == "user-namespaces" and os.geteuid() != 0:
         fence = "auto"  # which is that fence: the test above says so
-    status, result, stderr = play_the_actor(how, victim_file, fence)
-    assert status == 0, f"the actor died (exit {status}): {stderr[-2000:]}"
+    status, results, stderr = play_the_actor(",".join(ATTACKS), victim_file, fence)
+    assert status == 0, f"the actor died (exit {status}) after {list(results)}: {stderr[-2000:]}"
     assert "ESCAPED" not in stderr, stderr[-2000:]
-    assert result["attacked"] == "environment_error" and result["errors"] == 1.0, result
-    assert result["restarts"] >= 1, result
-    assert result["fine"] == "max_turns" and result["fine_turns"] == 7, result  # 4 model turns, 3 observations
+    assert list(results) == list(ATTACKS), results
+    for how, result in results.items():
+        assert result["attacked"] == "environment_error" and result["errors"] == 1.0, (how, result)
+        assert result["restarts"] >= 1, (how, result)
+        assert result["fine"] == "max_turns" and result["fine_turns"] == 7, (how, result)  # 4 model turns, 3 answers
     assert victim_file.read_text() == "the actor's"
 
 
