@@ -7,6 +7,11 @@ asyncrl asynchronous (``max_staleness = 1``). Install TRL with ``pip install -e 
     python bench/peer.py [--steps 100] [--threshold 0.7] [--eval-every 5]
                          [--tasks arithmetic,reverse,long-tail,multi-turn] [--trl-threads 2] [--lr LR]
                          [--split learner=0,actor=1,frontend=0,reward=0] [--set SECTION.FIELD=VALUE ...]
+                         [--size task|21m] [--no-sync]
+
+``--size 21m`` gives every task's character model 21.0 M parameters (hidden 512, 8 layers) instead of its own (the
+demo's 0.34 M, the long-tail task's 3.97 M), warm-started with the task's own steps and learning rate: the race at a
+size where generation costs what it does at users' sizes. ``--no-sync`` leaves out the synchronous asyncrl run.
 
 Four tasks (``TASKS``): two short-answer ones (``arithmetic``, ``reverse``), ``long-tail`` (counting, answers of 5 to
 95 characters with a heavy tail, on an 11.6x larger model) and ``multi-turn`` (the agent preset: episodes with a
@@ -74,6 +79,7 @@ benchmark: nothing here asserts a time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -166,6 +172,12 @@ TASKS: dict[str, PeerTask] = {
     # through its environment_factory on the same environment (bench/peer_multi_turn.py).
     "multi-turn": PeerTask((), 600, 0.9, config=ROOT / "configs/agent.toml", kind="agent"),
 }
+SIZES: dict[str, tuple[str, ...]] = {
+    "task": (),  # each task's own model: the demo's 0.34 M parameters, the long-tail task's 3.97 M
+    "21m": ("--hidden", "512", "--layers", "8"),  # 21.0 M parameters: 10 h² a layer (4 h² attention, 6 h² MLP)
+}
+"""``--size``: the character model's widths for every task of the invocation (``rl-learner init-model --hidden
+--layers``; an MLP twice the hidden size, 4 heads), the task's own warm-start options kept."""
 THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9)
 """Also reported: time-to-accuracy at each of these."""
 
@@ -177,6 +189,20 @@ def resolved(overrides: list[str], config: Path = CONFIG):
     from asyncrl.common.config import load_config
 
     return load_config(config, overrides)
+
+
+def sized(spec: PeerTask, size: str) -> PeerTask:
+    """``spec`` with the model widths of ``size`` (:data:`SIZES`): its own ``--hidden`` and ``--layers`` replaced, its
+    other warm-start options (learning rate, threads) kept; two warm-start threads where it named none."""
+    if not SIZES[size]:
+        return spec
+    kept, options = [], list(spec.shape)
+    while options:
+        flag, value = options.pop(0), options.pop(0)
+        if flag not in ("--hidden", "--layers"):
+            kept += [flag, value]
+    threads = [] if "--threads" in kept else ["--threads", "2"]
+    return dataclasses.replace(spec, shape=(*SIZES[size], *kept, *threads))
 
 
 def init_model(folder: Path, task_overrides: list[str], warm_steps: int, spec: PeerTask = TASKS["arithmetic"]) -> None:
@@ -590,8 +616,8 @@ def offpolicy_figures(train: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def compare(tmp: Path, task: str, args: argparse.Namespace, first: bool) -> dict[str, Any]:
-    """The three runs of ``task`` on one warm model."""
-    spec = TASKS[task]
+    """The three runs of ``task`` on one warm model (two with ``--no-sync``)."""
+    spec = sized(TASKS[task], args.size)
     task_overrides = list(spec.overrides)
     threshold = args.threshold if first and args.threshold is not None else spec.threshold
     (tmp / task).mkdir(parents=True, exist_ok=True)
@@ -612,31 +638,27 @@ def compare(tmp: Path, task: str, args: argparse.Namespace, first: bool) -> dict
         "eval.num_samples=1",
         "rollout.max_groups_in_flight=16",  # a whole step's groups in one engine batch (the demo keeps 8)
     ]
-    runs = {"trl": None, "asyncrl_sync": None, "asyncrl_async": None}
-    for key in runs:
+    runs: dict[str, Any] = {"trl": None, "asyncrl_sync": None, "asyncrl_async": None}
+    for key in [k for k in runs if not (args.no_sync and k == "asyncrl_sync")]:
         say(f"[peer] {task}: {key} ...")
         if key == "trl":
             runs[key] = run_trl(tmp / task, overrides, threshold, args.trl_threads, spec.config)
         else:
             staleness = 0 if key == "asyncrl_sync" else 1
             runs[key] = run_asyncrl(tmp / task, [*overrides, *args.set], staleness, threshold, config_file=spec.config)
-    trl_time = runs["trl"]["time_to_accuracy_s"]
-    ratios: dict[str, Any] = {
-        f"ratio_{mode}": _ratio(runs[f"asyncrl_{mode}"]["time_to_accuracy_s"], trl_time) for mode in ("sync", "async")
-    }
-    ratios |= {
-        f"s_per_step_ratio_{m}": runs[f"asyncrl_{m}"]["s_per_step"] / runs["trl"]["s_per_step"]
-        for m in ("sync", "async")
-    }
-    ratios["ratio_at"] = {
-        mode: {
-            t: _ratio(runs[f"asyncrl_{mode}"]["time_to"][t], runs["trl"]["time_to"][t]) for t in runs["trl"]["time_to"]
-        }
-        for mode in ("sync", "async")
-    }
+    trl = runs["trl"]
+    modes = [m for m in ("sync", "async") if runs[f"asyncrl_{m}"] is not None]
+    ratios: dict[str, Any] = {f"ratio_{m}": None for m in ("sync", "async")}
+    ratios |= {f"s_per_step_ratio_{m}": None for m in ("sync", "async")}
+    ratios["ratio_at"] = {}
+    for mode in modes:
+        ours = runs[f"asyncrl_{mode}"]
+        ratios[f"ratio_{mode}"] = _ratio(ours["time_to_accuracy_s"], trl["time_to_accuracy_s"])
+        ratios[f"s_per_step_ratio_{mode}"] = ours["s_per_step"] / trl["s_per_step"]
+        ratios["ratio_at"][mode] = {t: _ratio(ours["time_to"][t], trl["time_to"][t]) for t in trl["time_to"]}
     run = resolved(overrides, spec.config)
     shape = f"{run.learner.groups_per_step} prompts x {run.rollout.num_samples} samples"
-    return {"task": task, "threshold": threshold, "batch": shape, **runs, **ratios}
+    return {"task": task, "threshold": threshold, "batch": shape, "model_shape": list(spec.shape), **runs, **ratios}
 
 
 def _ratio(ours: float | None, theirs: float | None) -> float | None:
@@ -649,11 +671,8 @@ def say(text: str) -> None:
 
 
 def table(result: dict[str, Any], args: argparse.Namespace) -> str:
-    runs = [
-        ("TRL GRPOTrainer", result["trl"]),
-        ("asyncrl sync", result["asyncrl_sync"]),
-        ("asyncrl async", result["asyncrl_async"]),
-    ]
+    names = {"trl": "TRL GRPOTrainer", "asyncrl_sync": "asyncrl sync", "asyncrl_async": "asyncrl async"}
+    runs = [(name, result[key]) for key, name in names.items() if result[key] is not None]
 
     def fmt(value: Any, spec: str = ".3f") -> str:
         return "-" if value is None else format(value, spec)
@@ -714,6 +733,8 @@ def main() -> None:
     parser.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL run (cores 0-1)")
     parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of {', '.join(TASKS)}")
     parser.add_argument("--model", type=Path, help="a warm model folder to use (first task only)")
+    parser.add_argument("--size", choices=list(SIZES), default="task", help="model widths of every task (SIZES)")
+    parser.add_argument("--no-sync", action="store_true", help="skip the synchronous asyncrl run")
     parser.add_argument("--keep", type=Path, help="keep the runs' folders (logs, metrics) here")
     parser.add_argument(
         "--split", default="learner=0,actor=1,frontend=0,reward=0", help="cores of each asyncrl process"
@@ -741,6 +762,7 @@ def main() -> None:
         "cores": cores,
         "asyncrl_overrides": args.set,
         "steps": args.steps,
+        "size": args.size,
         "seed": args.seed,
         "threshold": first["threshold"],
         "eval_every": args.eval_every,
