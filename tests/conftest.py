@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.common.observability.audit import flush as flush_audit
 from asyncrl.common.plane.keys import connect
 from asyncrl.common.plane.redis_server import EmbeddedRedis
 from asyncrl.common.tiny_models import character as tiny_model
@@ -284,7 +285,7 @@ def session_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Embedded
     try:
         yield server
     finally:
-        server.stop()
+        stop_after_the_audit_trail(server)
 
 
 @pytest.fixture
@@ -308,7 +309,19 @@ def own_redis_server(tmp_path: Path) -> Iterator[EmbeddedRedis]:
     try:
         yield server
     finally:
-        server.stop()
+        stop_after_the_audit_trail(server)
+
+
+def stop_after_the_audit_trail(server: EmbeddedRedis) -> None:
+    """Stop ``server`` once this process's audit writer has written what the test recorded to it: a writer left with
+    entries for a stopped server retries them for a minute and logs after the test's output is closed."""
+    if server.process is not None and server.process.poll() is None:
+        client = connect(server.url)
+        try:
+            flush_audit(5.0, client)
+        finally:
+            client.close()
+    server.stop()
 
 
 @pytest.fixture
