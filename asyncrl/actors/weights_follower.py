@@ -32,7 +32,7 @@ class WeightsFollower:
     ``version`` is the policy version of the weights loaded (0: the model folder), ``digest`` their version digest
     ("" for the model folder's), ``restore`` the learner's restore generation they came from; ``epoch`` is the
     formation this actor is a member of (None: none). ``syncing`` is true while a broadcast is being loaded;
-    ``refused`` the newest version it refused (0: none), which no broadcast brings again.
+    ``refused`` the newest version it refused since it last loaded one (0: none), which no broadcast brings again.
     """
 
     def __init__(self, config: RunConfig, plane: ControlPlane, redis_url: str, actor_id: str, audit: Audit) -> None:
@@ -132,6 +132,7 @@ class WeightsFollower:
             return
         self.restore = manifest.restore
         self.digest = manifest.digest
+        self.refused = 0  # older refusals are moot; a newer one means the learner restored and sends them anew
         self.audit.record("weights.loaded", version=self.version, digest=self.digest, epoch=self.epoch)
         log.info(
             "loaded new weights",
