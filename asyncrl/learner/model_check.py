@@ -175,20 +175,20 @@ def episode_mode(config: RunConfig) -> str | None:
         if is_replayable(section.name)
         else "cannot be replayed: scored from the reward workers' signatures"
     )
-    roles = observation_roles(section.name)
-    if tools.per_turn and tools.encoder.keeps_past_reasoning(roles):
-        return (
-            f"episodes: per turn, environment {section.name!r} ({scored}); the chat template drops past reasoning "
-            f"once a later user turn follows but keeps it before this environment's observations ({', '.join(roles)} "
-            "turns), so each episode stays one row, trained on the context it is served in (a new row would start "
-            "wherever the template rewrote the past)"
-        )
     if tools.per_turn:
+        roles = observation_roles(section.name)
+        rows = (
+            f"but keeps it before this environment's observations ({', '.join(roles)} turns), so each episode stays "
+            "one row, trained on the context it is served in (a new row would start wherever the template rewrote "
+            "the past)"
+            if tools.encoder.keeps_past_reasoning(roles)
+            else "so each model turn is generated and trained on the context the template renders at that turn (a "
+            "new training row wherever it rewrote the past; environment.past_reasoning = 'keep' keeps one sequence "
+            "instead)"
+        )
         return (
             f"episodes: per turn, environment {section.name!r} ({scored}); the chat template drops past reasoning "
-            f"once a later {'/'.join(roles)} turn follows, so each model turn is generated and trained on the context "
-            "the template renders at that turn (a new training row wherever it rewrote the past; "
-            "environment.past_reasoning = 'keep' keeps one sequence instead)"
+            f"once a later user turn follows, {rows}"
         )
     reasoning = (
         "the chat template keeps past reasoning, so every turn is trained on the context it is served in"
