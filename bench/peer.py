@@ -196,11 +196,8 @@ def sized(spec: PeerTask, size: str) -> PeerTask:
     other warm-start options (learning rate, threads) kept; two warm-start threads where it named none."""
     if not SIZES[size]:
         return spec
-    kept, options = [], list(spec.shape)
-    while options:
-        flag, value = options.pop(0), options.pop(0)
-        if flag not in ("--hidden", "--layers"):
-            kept += [flag, value]
+    pairs = zip(spec.shape[::2], spec.shape[1::2], strict=True)  # (flag, value)
+    kept = [part for flag, value in pairs if flag not in ("--hidden", "--layers") for part in (flag, value)]
     threads = [] if "--threads" in kept else ["--threads", "2"]
     return dataclasses.replace(spec, shape=(*SIZES[size], *kept, *threads))
 
