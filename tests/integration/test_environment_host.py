@@ -84,7 +84,9 @@ def test_the_environments_process_ends_with_the_process_it_serves() -> None:
         "from asyncrl.common.config import load_config\n"
         "from asyncrl.common.environments.protocol import EpisodeRow\n"
         "section = load_config(None, ['environment.name=calculator']).environment\n"
-        "asyncio.run(HostedEnvironment.open(EnvironmentHost(section), EpisodeRow('', '1')))\n"
+        # held, as an actor holds its host: the child was started on the host's writer thread, and its parent-death
+        # signal follows that thread, which ends when a host nobody holds is collected
+        "hosted = asyncio.run(HostedEnvironment.open(EnvironmentHost(section), EpisodeRow('', '1')))\n"
         "print('ready', flush=True)\n"
         "time.sleep(600)\n"
     )
