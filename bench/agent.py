@@ -38,7 +38,7 @@ def main() -> None:
     config, model = ROOT / "configs/agent.toml", out / "tiny-agent"
     started = time.perf_counter()
     init = [BIN / "rl-learner", "init-model", config, "--kind", "agent", "--set", f"model.path={model}"]
-    subprocess.run([*init, "--warm-steps", str(args.warm_steps), "--threads", "2", "--force"], check=True)
+    subprocess.run([*init, "--warm-steps", str(args.warm_steps), "--force"], check=True)
     warm_s = time.perf_counter() - started
     settings = [
         f"run.root={out}",

@@ -84,3 +84,32 @@ def test_warm_start_keeps_the_folder_dtype(tmp_path: Path) -> None:
     warm_start(folder, addition_examples(8), steps=2, batch=4)
     model = AutoModelForCausalLM.from_pretrained(folder)
     assert model.config.dtype == torch.bfloat16 and model.lm_head.weight.dtype == torch.bfloat16
+
+
+def test_a_batch_split_by_length_trains_as_one_padded_batch(tmp_path: Path) -> None:
+    """Short rows beside long ones (a direct answer beside a tool call): the batch is split in two by length, and its
+    loss and gradients are those of the one right-padded batch; a batch of like lengths is kept whole, as sampled."""
+    from asyncrl.common.tiny_models.character import _batch_loss, _buckets, _collate
+
+    folder = init_model(tmp_path / "model", alphabet=ALPHABET)
+    rng = random.Random(0)
+    texts = [[rng.randrange(4, 20) for _ in range(n)] for n in (8, 9, 9, 10, 40, 42, 8, 41)]
+    rows = [(ids, list(ids)) for ids in texts]  # every token trained
+    short, long = _buckets(rows)
+    assert sorted(map(len, (ids for ids, _ in short))) == [8, 8, 9, 9, 10] and len(long) == 3
+    alike = rows[:4]
+    assert _buckets(alike) == [alike]
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+
+    def loss_and_grads(loss: torch.Tensor) -> tuple[float, list[torch.Tensor]]:
+        loss.backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        model.zero_grad(set_to_none=True)
+        return loss.item(), grads
+
+    split, split_grads = loss_and_grads(_batch_loss(model, rows, pad_id=0))
+    whole, whole_grads = loss_and_grads(model(**_collate(rows, pad_id=0)).loss)
+    assert split == pytest.approx(whole, rel=1e-5)
+    for got, want in zip(split_grads, whole_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
