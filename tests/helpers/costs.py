@@ -5,6 +5,7 @@ is counted however it was started (by ``rl-launch``, by a fixture, by another pr
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import time
 from collections import Counter
@@ -25,22 +26,25 @@ def _command(pid: str) -> str:
     return raw.replace(b"\0", b" ").decode(errors="replace").strip()
 
 
-def _start_time(pid: str) -> str:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]  # field 22: starttime
+RECHECK_S = 10.0
+"""How long a new process that matches no kind is looked at again (vLLM renames its engine core after the fork)."""
 
 
 class StartupCounter:
-    """Counts processes of each kind in :data:`KINDS`, each once (a PID with its start time), by polling ``/proc``
-    every ``poll_s`` from a daemon thread. An engine or a launcher lives for seconds, so none slips between polls;
-    vLLM renames its engine process (``VLLM::EngineCore``) a moment after it starts, so an unclassified process is
-    looked at again on the next poll."""
+    """Counts processes of each kind in :data:`KINDS`, each once, by polling ``/proc`` every ``poll_s`` from a daemon
+    thread. An engine or a launcher lives for seconds, so none slips between polls; vLLM renames its engine process
+    (``VLLM::EngineCore``) a moment after it starts, so a process that matches no kind is looked at again for
+    :data:`RECHECK_S`. A PID looked at is not read again while it stays in ``/proc`` (it cannot be reused before it
+    leaves): a poll reads only new processes, where reading every process's files at each poll once cost the pytest
+    process ~5% of a core."""
 
     def __init__(self, poll_s: float = 0.25) -> None:
         self.poll_s = poll_s
         self.counts: Counter[str] = Counter()
         self.in_process: Counter[str] = Counter()  # start-ups paid inside the pytest process (by the fixtures)
         self.seen_at: dict[str, list[float]] = {kind: [] for kind in KINDS}  # wall-clock times, for :meth:`by_test`
-        self._seen: set[tuple[str, str]] = set()
+        self._settled: set[str] = set()  # PIDs counted, or that matched no kind for RECHECK_S
+        self._unsettled: dict[str, float] = {}  # PIDs that matched no kind yet: when first looked at (monotonic)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="startup-counter", daemon=True)
 
@@ -71,22 +75,22 @@ class StartupCounter:
             self.poll()
 
     def poll(self) -> None:
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
+        running = {entry for entry in os.listdir("/proc") if entry.isdigit()}
+        self._settled &= running  # a PID that left may come back as another process
+        self._unsettled = {pid: first for pid, first in self._unsettled.items() if pid in running}
+        now = time.monotonic()
+        for pid in running - self._settled:
             try:
-                key = (entry.name, _start_time(entry.name))
-                if key in self._seen:
-                    continue
-                command = _command(entry.name)
-            except (OSError, IndexError):
+                command = _command(pid)
+            except OSError:
                 continue  # gone between listing and reading
-            for kind, matches in KINDS.items():
-                if command and matches(command):
-                    self.counts[kind] += 1
-                    self.seen_at[kind].append(time.time())
-                    self._seen.add(key)
-                    break
+            kind = next((kind for kind, matches in KINDS.items() if command and matches(command)), None)
+            if kind is not None:
+                self.counts[kind] += 1
+                self.seen_at[kind].append(time.time())
+            if kind is not None or now - self._unsettled.setdefault(pid, now) >= RECHECK_S:
+                self._settled.add(pid)
+                self._unsettled.pop(pid, None)
 
     def report(self, started: float) -> list[str]:
         minutes = (time.monotonic() - started) / 60
