@@ -58,6 +58,11 @@ version sent after a host left; then the test stops the learner (SIGTERM) instea
 SYNC_TIMEOUT_S = 6
 """``weight_sync.timeout_s``: short, so a broadcast gives up on the hung actor soon; the heartbeat TTL (60 s) is long,
 so only that timeout can catch it."""
+GROUP_DEADLINE_S = 30
+"""``learner.group_deadline_s``: well under the heartbeat TTL. The hung actor may hold groups the next step needs (the
+admission bound then keeps the other actor from sampling more): they are re-issued after this deadline, the step and
+its broadcast come, and the broadcast meets the hung actor while its heartbeat still counts it live. At 60 s, the TTL,
+the heartbeat once expired first: the weight group re-formed without it and no broadcast ever gave up on it."""
 @pytest.fixture
 def hosts() -> Iterator[Hosts]:
     if shutil.which("ip") is None:
@@ -137,7 +142,7 @@ steps = {STEPS}
 groups_per_step = {GROUPS}
 micro_batch_size = 32
 lr = 3e-4
-group_deadline_s = 60
+group_deadline_s = {GROUP_DEADLINE_S}
 
 [staleness]
 max_staleness = 1
