@@ -63,6 +63,8 @@ GROUP_DEADLINE_S = 30
 admission bound then keeps the other actor from sampling more): they are re-issued after this deadline, the step and
 its broadcast come, and the broadcast meets the hung actor while its heartbeat still counts it live. At 60 s, the TTL,
 the heartbeat once expired first: the weight group re-formed without it and no broadcast ever gave up on it."""
+
+
 @pytest.fixture
 def hosts() -> Iterator[Hosts]:
     if shutil.which("ip") is None:

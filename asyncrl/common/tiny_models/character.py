@@ -182,7 +182,7 @@ def _batch_loss(model: torch.nn.Module, rows: list[Row], pad_id: int) -> torch.T
     parts = _buckets(rows)
     if len(parts) == 1:
         return model(**_collate(rows, pad_id)).loss
-    total = torch.zeros(())
+    total, trained = torch.zeros(()), 0
     for part in parts:
         inputs = _collate(part, pad_id)
         labels = inputs.pop("labels")[:, 1:]
@@ -190,7 +190,7 @@ def _batch_loss(model: torch.nn.Module, rows: list[Row], pad_id: int) -> torch.T
         total = total + torch.nn.functional.cross_entropy(
             logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
         )
-    trained = sum(sum(label != IGNORE_INDEX for label in labels[1:]) for _, labels in rows)
+        trained += int((labels != IGNORE_INDEX).sum())
     return total / trained
 
 
