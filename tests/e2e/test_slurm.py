@@ -15,10 +15,10 @@ stops and the job requeues itself; started again, it resumes from that checkpoin
 (``learner.steps``, raised in run.toml before the signal, as a user extends a run: the requeued job reads its config
 file again). Three engine starts in all, the least that shows each of these.
 
-Checked from the run's own records: the job ends COMPLETED (exit 0) after one restart; every step trained once and
-every group accounted for (the run's Redis, opened again on its AOF); every actor loaded every version sent to it;
-no secret in the scripts, ``scontrol show job``, the job's output or any process's argv; nothing of the run left
-running.
+Checked from the run's own records: the job ends COMPLETED (exit 0, as ``sacct`` shows it) after one restart; every
+step trained once and every group accounted for (the run's Redis, opened again on its AOF); every actor loaded every
+version sent to it; no secret in the scripts, ``scontrol show job``, ``sacct``, the job's output or any process's
+argv; nothing of the run left running.
 """
 
 from __future__ import annotations
@@ -241,8 +241,9 @@ def test_a_run_submitted_to_slurm_survives_a_dead_node_a_cancelled_step_and_a_re
     state = wait_for(job.finished, "the requeued job's end", timeout_s=600, poll_s=2)
     output = (job.run_dir / "logs" / f"slurm-{job.id}.out").read_text()
     assert (state, job.state()["ExitCode"], job.state()["Restarts"]) == ("COMPLETED", "0:0", "1"), output[-3000:]
-    [record] = [r for r in cluster.completions() if r["JobId"] == job.id and r["JobState"] == "COMPLETED"]
-    assert record["NodeList"] == "node[1-2]"
+    accounted = cluster.accounting(job.id)  # sacct: a row for the end that requeued it, then the last
+    assert accounted[-1] == {"JobID": job.id, "JobName": f"asyncrl-{RUN}", "State": "COMPLETED", "ExitCode": "0:0",
+                             "NodeList": "node[1-2]"}, accounted  # fmt: skip
 
     rows = step_rows(job.run_dir)
     counts = collections.Counter(int(r["step"]) for r in rows)
@@ -259,7 +260,8 @@ def test_a_run_submitted_to_slurm_survives_a_dead_node_a_cancelled_step_and_a_re
     assert cluster.job_state(added)["JobState"] in ("CANCELLED", "NODE_FAIL")
     assert {e["who"]["host"] for e in events if e["event"] == "weights.loaded"} == {"node2", "node3"}
 
-    for holder in (script, cluster.command(["scontrol", "show", "job", "-d", job.id]).stdout, output):
+    shown_job = cluster.command(["scontrol", "show", "job", "-d", job.id]).stdout
+    for holder in (script, shown_job, str(accounted), output):
         assert not [s for s in secrets if s in holder]
     assert job.steps_named() == {} and _processes_of(job.run_dir) == []
     with EmbeddedRedis(job.run_dir / "redis") as redis:  # the run's Redis again, on its AOF: the ledger

@@ -5,8 +5,8 @@ with its own address and, through a UTS namespace, its own hostname, which is ho
 ``slurm.conf``. One ``munged`` serves them all: its socket is a file, and every host sees the same filesystem (as a
 cluster's shared filesystem). Everything the cluster writes (its config, the munge key, spool and state folders,
 logs, the job-completion log) lives in one folder; :meth:`SlurmCluster.stop` ends every daemon by PID and removes the
-namespaces. Accounting (``sacct``) needs ``slurmdbd`` and a database, which this cluster does not run; a finished
-job's state is read from the job-completion log (``jobcomp/filetxt``) and ``scontrol show job``. A requeued job
+namespaces. Accounting needs ``slurmdbd`` and a database, which this cluster does not run: ``sacct --completion``
+reads a finished job's state and exit code from the job-completion log (``jobcomp/filetxt``) instead. A requeued job
 waits ``cred_expire`` seconds before it may start again: 10 here, 120 by Slurm's default.
 """
 
@@ -176,11 +176,14 @@ class SlurmCluster:
         done = self.command(["scontrol", "show", "job", "--oneliner", job_id])
         return dict(f.split("=", 1) for f in done.stdout.split() if "=" in f)
 
-    def completions(self) -> list[dict[str, str]]:
-        """Every finished job's record in the job-completion log."""
-        path = self.root / "jobcomp.log"
-        lines = path.read_text().splitlines() if path.exists() else []
-        return [dict(f.split("=", 1) for f in line.split() if "=" in f) for line in lines]
+    def accounting(self, job_id: str) -> list[dict[str, str]]:
+        """``sacct``'s rows for ``job_id``, oldest first, as a user reads them: from the job-completion log
+        (``sacct --completion``), since this cluster keeps no accounting database. A requeued job has a row per end."""
+        fields = ("JobID", "JobName", "State", "ExitCode", "NodeList")
+        shown = self.command(["sacct", "--completion", "-j", job_id, "--parsable2", "--noheader",
+                              "--format", ",".join(fields)])  # fmt: skip
+        assert shown.returncode == 0, shown.stderr
+        return [dict(zip(fields, line.split("|"), strict=True)) for line in shown.stdout.splitlines() if line]
 
     # ------------------------------------------------------------------ config
 
