@@ -175,7 +175,7 @@ def learner(site: Site) -> Process:
     torchrun = (
         "torchrun", "--standalone", "--nnodes=1", f"--nproc-per-node={site.nproc}",
         f"--shutdown-timeout={site.shutdown_timeout_s}",
-        "-m", "asyncrl.learner.cli", *_train_args(site),
+        "-m", "asyncrl.cli.learner", *_train_args(site),
     )  # fmt: skip
     argv = ("sh", "-c", LEARNER_RESUME, "learner", _checkpoints(site), *torchrun)
     return Process(argv, {ADVERTISE_ENV: site.advertise_host})

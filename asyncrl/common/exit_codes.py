@@ -12,7 +12,7 @@ class ExitCode(IntEnum):
     FAILED = 1
     """An error the process could not handle (its last error line says which); also a submission Slurm refused."""
     REFUSED = 2
-    """A setting refused before any work started: ``cliutil.fail``'s, an actor's whose engine cannot generate with
+    """A setting refused before any work started: ``cli.util.fail``'s, an actor's whose engine cannot generate with
     the run's settings, a Slurm job whose actor nodes cannot read the run folder. No restart changes it: ``rl-launch``
     stops a run every actor refused, and a Kubernetes Job fails at once."""
     NO_WORKERS = 3

@@ -132,7 +132,7 @@ class PolicyUpdate:
 
     def _check_rows(self, batch: TrainBatch) -> None:
         """Episodes kept per turn are trained only by what needs no whole-episode pass (the config check refuses the
-        rest first: ``learner/preflight.py``)."""
+        rest first: ``cli/preflight.py``)."""
         if batch.served is not None and (refusal := per_turn_refusal(self.needs)):
             raise RuntimeError(refusal)
 

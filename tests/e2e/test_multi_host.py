@@ -238,7 +238,7 @@ class Cluster:
         """SIGTERM to the learner's rank (what torchrun passes on to it when its pod is stopped): the step in progress
         finishes, a checkpoint is saved, the rank exits 0 and so does torchrun. Returns the last step trained."""
         torchrun = self.procs.procs["learner"]
-        os.kill(_child_running(torchrun.pid, "asyncrl.learner.cli"), signal.SIGTERM)
+        os.kill(_child_running(torchrun.pid, "asyncrl.cli.learner"), signal.SIGTERM)
         assert torchrun.wait(300) == 0, self.procs.log("learner")[-3000:]
         return self.metric_steps()[-1]
 

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
+from asyncrl.cli.children import ActorsGone
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.wire.messages import Heartbeat
-from asyncrl.learner.children import ActorsGone
 
 pytestmark = pytest.mark.integration
 

@@ -16,13 +16,13 @@ import pytest
 from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
+from asyncrl.cli.data_check import check_file, run_verifiers
+from asyncrl.cli.learner import app
 from asyncrl.common.config import RunConfig, TaskSection
 from asyncrl.common.data.file_task import FileTask
 from asyncrl.common.data.prompts import Prompter
 from asyncrl.common.data.task_files import TaskFileError
 from asyncrl.common.tiny_models.chat import init_chat_model
-from asyncrl.learner.cli import app
-from asyncrl.learner.data_check import check_file, run_verifiers
 
 pytestmark = pytest.mark.integration
 BIN = Path(sys.executable).parent

@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from asyncrl.cli.children import why_it_failed
 from asyncrl.common.config import RunConfig
 from asyncrl.common.observability import metrics as m
 from asyncrl.learner.checkpoint import Checkpointer
 from asyncrl.learner.checkpoint_disk import disk_refusal, disk_space
 from asyncrl.learner.checkpoint_format import CheckpointError, SavedState, capture_rng, open_checkpoint
 from asyncrl.learner.checkpoint_history import find_checkpoint
-from asyncrl.learner.children import why_it_failed
 from asyncrl.learner.engine import PolicyEngine
 from tests.helpers.engine_ranks import LENGTHS
 from tests.helpers.machine import unavailable
@@ -147,7 +147,8 @@ def test_torch_s_short_write_error_is_read_as_a_full_disk(tmp_path: Path) -> Non
 
 LEARNER_WITH_A_STEP_TO_SAVE = """
 import sys
-from asyncrl.learner import cli, run_state
+from asyncrl.cli import learner as cli
+from asyncrl.learner import run_state
 
 init = run_state.RunState.__init__
 

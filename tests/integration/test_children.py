@@ -18,7 +18,7 @@ pytestmark = pytest.mark.integration
 LAUNCHER = """
 import sys, time
 from pathlib import Path
-from asyncrl.learner.children import Children
+from asyncrl.cli.children import Children
 
 children = Children(Path(sys.argv[1]))
 # A child that starts a grandchild in a session of its own (out of reach of a process-group kill), then dies.
@@ -74,7 +74,7 @@ def test_stop_all_ends_and_reaps_what_a_child_left_in_another_session(tmp_path: 
 PINNING_LAUNCHER = """
 import sys
 from pathlib import Path
-from asyncrl.learner.children import Children
+from asyncrl.cli.children import Children
 
 children = Children(Path(sys.argv[1]))
 script = "import subprocess, sys; p = subprocess.Popen(['sleep', '300']); print(p.pid, flush=True); sys.stdin.read()"
@@ -105,7 +105,7 @@ def _allowed(pid: int) -> str:
 QUIET_LAUNCHER = """
 import sys
 from pathlib import Path
-from asyncrl.learner.children import Children
+from asyncrl.cli.children import Children
 
 children = Children(Path(sys.argv[1]))
 child = children.start("child", [sys.executable, "-c", sys.argv[2]])

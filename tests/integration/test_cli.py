@@ -37,7 +37,7 @@ def test_every_console_script_answers_help(script: str) -> None:
 def test_help_imports_no_heavy_library() -> None:
     """--help stays fast because the CLIs import torch, vLLM, DeepSpeed, Redis... only inside commands."""
     code = (
-        "import sys, learner.cli, actors.cli, learner.launch, common.observability.top; "
+        "import sys, asyncrl.cli.learner, asyncrl.cli.actor, asyncrl.cli.launch, asyncrl.cli.top; "
         f"print(sorted(set({sorted(HEAVY)!r}) & set(m.split('.')[0] for m in sys.modules)))"
     )
     assert run(sys.executable, "-c", code).stdout.strip() == "[]"

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from asyncrl.cli.learner import app
 from asyncrl.common.plane.control import ControlPlane
-from asyncrl.learner.cli import app
 from tests.unit.test_finished_run import saved
 
 pytestmark = pytest.mark.integration

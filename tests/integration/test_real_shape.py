@@ -19,17 +19,17 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.cli.preflight import HALF_PRECISION_FLAGS, cpu_flags
 from asyncrl.common.data.prompts import model_vocab_size
 from asyncrl.common.tiny_models.chat import chat_examples
 from asyncrl.common.tiny_models.shapes import SHAPES
-from asyncrl.learner.preflight import HALF_PRECISION_FLAGS, cpu_flags
 from tests.helpers.runs import step_rows
 from tests.helpers.stack import BIN, ONE_PROCESS_ENGINE, ROOT, finish, launch
 
 pytestmark = pytest.mark.integration
 SHAPE, LAYERS, STEPS = "qwen2.5-0.5b", 2, 1
 LEARNER_PRECISION = "bfloat16" if cpu_flags() & set(HALF_PRECISION_FLAGS["bfloat16"]) else "float32"
-"""The learner's precision on this machine's CPU (``learner/preflight.py: slow_precision``)."""
+"""The learner's precision on this machine's CPU (``cli/preflight.py: slow_precision``)."""
 
 
 @pytest.fixture(scope="module")

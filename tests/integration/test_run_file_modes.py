@@ -123,7 +123,7 @@ def _step_values() -> dict[str, float]:
 LAUNCHER = """
 import sys
 from pathlib import Path
-from asyncrl.learner.children import Children
+from asyncrl.cli.children import Children
 
 children = Children(Path(sys.argv[1]))
 writer = children.start("writer", [sys.executable, "-c", "import sys; open(sys.argv[1], 'w').write('x')",

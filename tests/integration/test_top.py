@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from asyncrl.cli.top import render, snapshot
 from asyncrl.common.config import load_config
-from asyncrl.common.observability.top import render, snapshot
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.replay import ReplayReader, ReplayWriter
 from asyncrl.common.wire.messages import Heartbeat, PromptGroup, ScoredGroup

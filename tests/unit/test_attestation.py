@@ -16,6 +16,7 @@ import pytest
 
 from asyncrl.actors.episode_scoring import environment_reward
 from asyncrl.actors.evaluate import check_scored_offline
+from asyncrl.cli.preflight import check_config
 from asyncrl.common.config import load_config
 from asyncrl.common.environments.protocol import is_replayable
 from asyncrl.common.rewards.functions import episode_options
@@ -34,7 +35,6 @@ from asyncrl.common.wire.attestation import (
     verifies,
 )
 from asyncrl.common.wire.messages import Decoder, Heartbeat, RolloutGroup, WireError, encode
-from asyncrl.learner.preflight import check_config
 
 DICE = "tests.helpers.unreplayable:Dice"
 IDENTITY = EpisodeIdentity(run="r", group_id="r-00000001-abc", index=1, episode=new_episode_id())

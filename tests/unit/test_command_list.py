@@ -5,8 +5,8 @@ from __future__ import annotations
 import typer
 from typer.testing import CliRunner
 
-from asyncrl.common.cliutil import listed_briefly
-from asyncrl.learner.cli import app as learner_app
+from asyncrl.cli.learner import app as learner_app
+from asyncrl.cli.util import listed_briefly
 
 
 def test_each_command_is_listed_by_its_first_clause() -> None:

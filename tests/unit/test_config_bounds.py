@@ -283,7 +283,7 @@ def test_no_exception_but_config_error_escapes_for_any_toml_file_or_json(text: s
 def test_each_command_exits_2_with_one_line_before_anything_starts(args: list[str], message: str) -> None:
     from typer.testing import CliRunner
 
-    from asyncrl.learner.cli import app
+    from asyncrl.cli.learner import app
 
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit)  # fail(): no traceback
@@ -337,7 +337,7 @@ def test_settings_that_would_fail_once_a_run_started_are_refused_by_resolve(sett
     it."""
     from typer.testing import CliRunner
 
-    from asyncrl.learner.cli import app
+    from asyncrl.cli.learner import app
 
     result = CliRunner().invoke(app, ["resolve", "--dry-run", *(a for s in settings for a in ("--set", s))])
     assert result.exit_code == 2 and result.stdout == "", result.stdout
@@ -350,8 +350,8 @@ def test_reward_workers_that_would_refuse_to_bind_are_refused_before_the_run_sta
     may name its own keys ($ASYNCRL_CURVE_*), as every pod of a Kubernetes run does."""
     from typer.testing import CliRunner
 
-    from asyncrl.learner.cli import app
-    from asyncrl.learner.launch import app as launch
+    from asyncrl.cli.launch import app as launch
+    from asyncrl.cli.learner import app
 
     wide = ["--set", "transport.zmq_endpoint=tcp://0.0.0.0:0", "--set", f"run.root={tmp_path}"]
     refused = CliRunner().invoke(launch, ["run", *wide])

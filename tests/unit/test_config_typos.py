@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.cli.preflight import check_config
 from asyncrl.common.config import ConfigError, load_config, preset_dir
 from asyncrl.learner.algorithms.assembly import assemble
-from asyncrl.learner.preflight import check_config
 
 
 @pytest.mark.parametrize(

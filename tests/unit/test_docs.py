@@ -20,10 +20,10 @@ from tests.helpers.stack import ROOT
 
 README_MAX_LINES = 250
 APPS = {
-    "rl-learner": "asyncrl.learner.cli",
-    "rl-actor": "asyncrl.actors.cli",
-    "rl-launch": "asyncrl.learner.launch",
-    "rl-top": "asyncrl.common.observability.top",
+    "rl-learner": "asyncrl.cli.learner",
+    "rl-actor": "asyncrl.cli.actor",
+    "rl-launch": "asyncrl.cli.launch",
+    "rl-top": "asyncrl.cli.top",
 }
 SHELL_OPERATORS = set("();<>|&")
 FENCED = re.compile(r"^```.*?^```", flags=re.DOTALL | re.MULTILINE)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from asyncrl.actors.episode_scoring import EpisodeMismatch, environment_reward, replay_time_limit
+from asyncrl.cli.preflight import check_config
 from asyncrl.common.config import ConfigError, EnvironmentSection, RewardFunction, load_config
 from asyncrl.common.data.prompts import Prompter
 from asyncrl.common.data.tasks import TaskExample
@@ -39,7 +40,6 @@ from asyncrl.common.tiny_models.chat import ARCHITECTURES, CHATML_TEMPLATE, buil
 from asyncrl.common.wire.messages import ScoredGroup
 from asyncrl.learner.algorithms import GlobalCounts, LossInput, build_aggregation, build_loss
 from asyncrl.learner.batch import collate
-from asyncrl.learner.preflight import check_config
 from tests.helpers.scripted_episodes import CALL, QUESTION, context, episode, replay, tools_for
 
 

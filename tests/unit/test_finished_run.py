@@ -6,8 +6,8 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
+from asyncrl.cli.learner import app
 from asyncrl.learner.checkpoint_format import MANIFEST
-from asyncrl.learner.cli import app
 
 
 def saved(root: Path, step: int) -> None:
@@ -49,7 +49,7 @@ def test_a_started_run_is_refused_without_resume_naming_what_to_pass(tmp_path: P
 def test_a_finished_run_launched_again_starts_nothing(tmp_path: Path) -> None:
     """``rl-launch run`` on a finished run: without --resume refused, with it said finished; in both cases before
     Redis or any process starts (no redis folder in the run)."""
-    from asyncrl.learner.launch import app as launch
+    from asyncrl.cli.launch import app as launch
 
     saved(tmp_path, 8)
     settings = [a for s in (f"run.root={tmp_path}", "run.name=finished", "learner.steps=8") for a in ("--set", s)]
@@ -61,8 +61,8 @@ def test_a_finished_run_launched_again_starts_nothing(tmp_path: Path) -> None:
 
 
 def test_the_line_after_a_stop_names_the_step_and_the_command(tmp_path: Path) -> None:
+    from asyncrl.cli.resuming import how_to_go_on
     from asyncrl.common.config import load_config
-    from asyncrl.learner.resuming import how_to_go_on
 
     resolved = load_config(None, [f"run.root={tmp_path}", "run.name=finished"])
     assert "to go on from its first checkpoint (none was saved)" in how_to_go_on(resolved, None, None)

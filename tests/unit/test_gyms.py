@@ -11,13 +11,13 @@ import random
 import pytest
 import reasoning_gym  # noqa: F401  here, not in a test: its first import may run fc-list (matplotlib's font cache)
 
+from asyncrl.cli.preflight import check_config
 from asyncrl.common.config import load_config
 from asyncrl.common.data.tasks import get_task
 from asyncrl.common.environments.gyms import _game, _reasoning_dataset
 from asyncrl.common.environments.turns import segments
 from asyncrl.common.rewards.functions import bind_functions
 from asyncrl.common.rewards.verifiers import bind_verifier
-from asyncrl.learner.preflight import check_config
 from tests.helpers.scripted_episodes import episode, replay, tools_for
 
 TOOLS = tools_for("qwen2")

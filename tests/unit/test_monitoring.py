@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY
 
+from asyncrl.cli.top import frame_for_terminal, render, targets
 from asyncrl.common.observability import metrics
-from asyncrl.common.observability.top import frame_for_terminal, render, targets
 from asyncrl.common.wire.messages import Heartbeat
 from asyncrl.learner.telemetry import DROPPED, GAUGES
 

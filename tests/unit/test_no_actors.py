@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.cli.children import root_cause, why_it_failed
 from asyncrl.common.wire.messages import Heartbeat
 from asyncrl.learner.batch_source import FIRST_SIGHT_S, ActorWatch, NoActorsLeft
-from asyncrl.learner.children import root_cause, why_it_failed
 
 
 class Registry:
@@ -138,7 +138,7 @@ def test_the_launcher_line_is_the_whole_cause_without_a_rank_prefix(tmp_path: Pa
     # the old way a learner died: torch.distributed's excepthook before every line of the traceback it printed
     log.write_text(f"INFO learner started\n[rank0]: Traceback (most recent call last):\n[rank0]: {cause}\n")
     assert root_cause(log) == f"{cause} (the whole log: {log})"  # 478 characters, not cut at 300
-    # a command's own last word (cliutil.fail or crash) after its traceback, which ends with a wordier line
+    # a command's own last word (cli.util.fail or crash) after its traceback, which ends with a wordier line
     log.write_text(f"Traceback (most recent call last):\nasyncrl.learner.x.{cause}\nerror: {cause}\n")
     assert root_cause(log) == f"{cause} (the whole log: {log})"
     log.write_text("UserWarning: resource_tracker: leaked semaphores\nerror: invalid config: task.options: bad\n")
@@ -148,7 +148,7 @@ def test_the_launcher_line_is_the_whole_cause_without_a_rank_prefix(tmp_path: Pa
 
 
 def test_an_unhandled_error_is_written_as_one_traceback_then_its_line(capsys: pytest.CaptureFixture[str]) -> None:
-    from asyncrl.common.cliutil import crash
+    from asyncrl.cli.util import crash
 
     def save() -> None:
         try:

@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from asyncrl.actors import cli as actor_cli
+from asyncrl.cli import actor as actor_cli
+from asyncrl.cli import learner as learner_cli
 from asyncrl.common.openmp import WAIT_POLICY, passive_waits
-from asyncrl.learner import cli as learner_cli
 
 
 def test_passive_unless_the_operator_chose(monkeypatch) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from asyncrl.cli.children import parse_pins, pinned
 from asyncrl.common.observability.procs import cpu_list
-from asyncrl.learner.children import parse_pins, pinned
 
 
 def test_cpu_lists_are_tasksets() -> None:

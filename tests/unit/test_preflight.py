@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.common.config import load_config
-from asyncrl.learner.preflight import (
+from asyncrl.cli.preflight import (
     HALF_PRECISION_FLAGS,
     check_model_context,
     cpu_flags,
@@ -17,6 +16,7 @@ from asyncrl.learner.preflight import (
     model_context,
     slow_precision,
 )
+from asyncrl.common.config import load_config
 
 
 def folder_with(tmp_path: Path, config_json: dict) -> Path:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from asyncrl.learner.children import Progress, progress_line
+from asyncrl.cli.children import Progress, progress_line
 
 
 class Terminal(io.StringIO):

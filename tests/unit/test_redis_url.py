@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.common.cliutil import REDIS_URL_ENV, REDIS_URL_FILE_ENV, given_redis_url, redis_url
+from asyncrl.cli.util import REDIS_URL_ENV, REDIS_URL_FILE_ENV, given_redis_url, redis_url
 from asyncrl.common.config import ConfigError, load_config
 
 URL = "redis://:s3cret-pass@10.0.0.5:6379/0"

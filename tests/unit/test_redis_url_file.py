@@ -23,14 +23,14 @@ def options(command: click.Command, path: str = "") -> dict[str, set[str]]:
 
 @pytest.mark.parametrize(
     "module",
-    ["asyncrl.learner.cli", "asyncrl.learner.launch", "asyncrl.actors.cli", "asyncrl.common.observability.top"],
+    ["asyncrl.cli.learner", "asyncrl.cli.launch", "asyncrl.cli.actor", "asyncrl.cli.top"],
 )
 def test_every_command_that_takes_a_url_takes_a_url_file(module: str) -> None:
     app = __import__(module, fromlist=["app"]).app
     commands = options(typer.main.get_command(app))
     taking_url = {name for name, opts in commands.items() if "--redis" in opts}
     assert all("--redis-url-file" in commands[name] for name in taking_url), commands
-    if module != "asyncrl.learner.launch":  # the launcher starts its own Redis and hands its children the URL file
+    if module != "asyncrl.cli.launch":  # the launcher starts its own Redis and hands its children the URL file
         assert taking_url, f"{module}: no command takes --redis"
 
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from asyncrl.cli.top import render
 from asyncrl.common.environments.turns import segments
-from asyncrl.common.observability.top import render
 from asyncrl.common.plane.replay import ReplayEntry
 from asyncrl.common.wire.messages import ScoredGroup
 from asyncrl.learner.batch_source import Taken

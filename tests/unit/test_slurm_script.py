@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.common.config import ConfigError, load_config
-from asyncrl.common.config.slurm import SlurmSection
-from asyncrl.common.slurm import (
+from asyncrl.cli.slurm_script import (
     JobFiles,
     actor_nodes,
     actor_step,
@@ -16,7 +14,9 @@ from asyncrl.common.slurm import (
     batch_script,
     sbatch_options,
 )
-from asyncrl.learner.slurm_submit import cluster_refusal
+from asyncrl.cli.slurm_submit import cluster_refusal
+from asyncrl.common.config import ConfigError, load_config
+from asyncrl.common.config.slurm import SlurmSection
 
 FILES = JobFiles("/shared/exp/run.toml", ("learner.lr=1e-4",), "/shared/exp", "/shared/exp/runs/exp1", "/venv/bin")
 

@@ -328,7 +328,7 @@ def test_an_oversized_save_to_disk_index_is_refused(tmp_path: Path) -> None:
 def test_check_data_reads_hostile_jsonl_as_the_run_does_naming_each_row(tmp_path: Path) -> None:
     """``rl-learner check-data`` keeps reading past a bad row (it reports them all) but refuses each as the run would:
     a row nested too deep and a 100,001-digit number are named, and a file with no line end stops the read."""
-    from asyncrl.learner.data_check import file_rows
+    from asyncrl.cli.data_check import file_rows
 
     rows = tmp_path / "rows.jsonl"
     deep = "[" * 100_000 + "]" * 100_000

@@ -76,7 +76,7 @@ def test_the_calculator_scores_the_conversation_the_warm_start_teaches() -> None
 def test_init_model_refuses_an_unknown_kind(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from asyncrl.learner.cli import app
+    from asyncrl.cli.learner import app
 
     result = CliRunner().invoke(app, ["init-model", "--kind", "huge", "--set", f"model.path={tmp_path / 'm'}"])
     assert result.exit_code != 0 and "--kind must be one of task, agent" in result.output
@@ -99,7 +99,7 @@ def test_init_model_takes_a_shape_and_refuses_one_the_heads_cannot_split(tmp_pat
     from transformers import AutoConfig
     from typer.testing import CliRunner
 
-    from asyncrl.learner.cli import app
+    from asyncrl.cli.learner import app
 
     folder = tmp_path / "m"
     result = CliRunner().invoke(app, ["init-model", "--hidden", "64", "--layers", "3", "--set", f"model.path={folder}"])

@@ -379,7 +379,7 @@ def file_task(*overrides: str):
 
 
 def test_a_file_task_naming_math_is_scored_by_math() -> None:
-    from asyncrl.learner.preflight import check_config
+    from asyncrl.cli.preflight import check_config
 
     config = file_task("task.options={verifier='math'}")
     check_config(config)  # the file is not read
@@ -415,7 +415,7 @@ def test_verifier_options_come_from_the_task_function() -> None:
     ],
 )
 def test_a_verifier_typo_is_refused_at_config_check(overrides: list[str], message: str) -> None:
-    from asyncrl.learner.preflight import check_config
+    from asyncrl.cli.preflight import check_config
 
     with pytest.raises(ValueError) as raised:
         check_config(file_task(*overrides))

@@ -8,7 +8,7 @@ import blake3
 import pytest
 import torch
 
-from asyncrl.common.observability.top import unexpected_weights
+from asyncrl.cli.top import unexpected_weights
 from asyncrl.common.weights.group import bucket_digest, digest_mismatch, pack_sealed, version_digest
 from asyncrl.common.wire.codec import WireError, encode
 from asyncrl.common.wire.decoding import Decoder

@@ -21,9 +21,9 @@ from asyncrl.actors.workflows import (
     rollout_group,
     sampling_for,
 )
+from asyncrl.cli.preflight import check_config
 from asyncrl.common.config import ConfigError, load_config
 from asyncrl.common.wire.messages import PromptGroup
-from asyncrl.learner.preflight import check_config
 
 
 class ScriptedEngine:

@@ -1,4 +1,4 @@
-"""The ``[slurm]`` section: how ``rl-launch slurm`` lays a run out as one Slurm job (``common/slurm.py`` writes the
+"""The ``[slurm]`` section: how ``rl-launch slurm`` lays a run out as one Slurm job (``cli/slurm_script.py`` writes the
 batch script from it). Node 0 holds Redis, the learner's ranks and the reward workers; every other node holds rollout
 actors. Flags of ``rl-launch slurm`` override these fields one for one."""
 

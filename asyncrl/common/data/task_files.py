@@ -7,7 +7,7 @@ through its prompt and answer keys (``_example``), and checks that example's pro
 (``_prompt_tokens``). Every refusal is one :class:`TaskFileError` naming the file, the line (or row) and the reason.
 
 The ``file`` task (``common/data/file_task.py``) serves a file's rows through these checks; ``asyncrl check-data``
-(``learner/data_check.py``) runs the same per-row checks over every row, and the preference data of offline DPO
+(``cli/data_check.py``) runs the same per-row checks over every row, and the preference data of offline DPO
 (``learner/preferences.py``) is read with :func:`read_rows`.
 """
 

@@ -140,7 +140,7 @@ def is_replayable(name: str) -> bool:
 def observation_roles(name: str) -> tuple[str, ...]:
     """The chat roles of environment ``name``'s observations: its class's ``observation_roles``, ``("user",)`` when it
     has none (a :class:`ToolEnvironment` answers as ``tool``). What the template check probes a thinking model's
-    template with (``asyncrl/learner/model_check.py``)."""
+    template with (``asyncrl/cli/model_check.py``)."""
     return tuple(getattr(ENVIRONMENTS.get(name), "observation_roles", ("user",)))
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from asyncrl.common.cliutil import listed_briefly
+from asyncrl.cli.util import listed_briefly
 from asyncrl.common.exit_codes import ExitCode
 
 if TYPE_CHECKING:
@@ -52,19 +52,19 @@ def _run_redis(
     advertise: str | None = None,
     before_start: Callable[[RunConfig], None] | None = None,
 ) -> Iterator[tuple[RunConfig, EmbeddedRedis, list[str]]]:
-    """Resolve the config (with ``check_model``, check it against a local model folder: ``learner/model_check.py``,
+    """Resolve the config (with ``check_model``, check it against a local model folder: ``cli/model_check.py``,
     the engine aside; with ``binds_here``, that reward workers started here can bind their endpoint), start the run's
     embedded Redis (with ``advertise``, bound to that host's address too, for the run's other hosts), publish the
     config; stop Redis on exit. ``before_start`` may refuse the resolved config before anything starts. Yields the
     config, the server and the overrides in force
     (with ``curve``, the generated keys' settings added)."""
-    from asyncrl.common.cliutil import fail, load
+    from asyncrl.cli.preflight import check_config, missing_model_folder, slow_precision
+    from asyncrl.cli.util import fail, load
     from asyncrl.common.config import bind_refusal, write_resolved
     from asyncrl.common.plane.control import ControlPlane
     from asyncrl.common.plane.keys import connect
     from asyncrl.common.plane.redis_server import EmbeddedRedis, EmbeddedRedisError
     from asyncrl.common.private import private_dir
-    from asyncrl.learner.preflight import check_config, missing_model_folder, slow_precision
 
     overrides = list(overrides or [])
     if curve:
@@ -79,7 +79,7 @@ def _run_redis(
     if (slow := slow_precision(resolved)) is not None:
         typer.echo(f"warning: {slow}", err=True)
     if check_model and Path(resolved.model.path).is_dir():  # a hub name is the engine's to fetch and check
-        from asyncrl.learner.model_check import check_model_folder
+        from asyncrl.cli.model_check import check_model_folder
 
         try:
             check_model_folder(resolved)
@@ -167,8 +167,8 @@ def run(
     """Start embedded Redis, the learner, rollout actors and reward workers; show progress; Ctrl-C stops all
     (the learner saves a checkpoint first). A redis-server that dies is started again on its AOF, with the same
     port and password, while the other processes wait for it (transport.redis_outage_s)."""
-    from asyncrl.common.cliutil import fail
-    from asyncrl.learner.children import Children, parse_pins
+    from asyncrl.cli.children import Children, parse_pins
+    from asyncrl.cli.util import fail
 
     try:
         pins = parse_pins(pin or [])
@@ -186,7 +186,7 @@ def run(
         finally:
             children.stop_all()
     if code == ExitCode.INTERRUPTED:
-        from asyncrl.learner.resuming import how_to_go_on
+        from asyncrl.cli.resuming import how_to_go_on
 
         typer.echo(how_to_go_on(resolved, config, set_), err=True)
     raise typer.Exit(code)
@@ -196,8 +196,8 @@ def _nothing_to_do(resolved: RunConfig, resume: str | None) -> None:
     """Before anything starts: a run folder that holds a checkpoint is refused without ``--resume`` (one line saying
     what to pass); with it, a run already at ``learner.steps`` says it finished and exits 0, and one without the
     checkpoint it names is refused."""
-    from asyncrl.common.cliutil import fail
-    from asyncrl.learner.resuming import finished_at, finished_line, started_refusal
+    from asyncrl.cli.resuming import finished_at, finished_line, started_refusal
+    from asyncrl.cli.util import fail
 
     if resume is None:
         if (refusal := started_refusal(resolved)) is not None:
@@ -232,7 +232,7 @@ def slurm(
     on the others ([slurm] section). Writes the batch script and submits it with sbatch; the job ends when the run
     does. Run it on a login node, from a folder every node shares (run.root and this environment must be on it).
     --add-actors N submits a job of N more actors that join the running run; scancel it to take them away."""
-    from asyncrl.learner.slurm_submit import submit
+    from asyncrl.cli.slurm_submit import submit
 
     flags = {"nodes": nodes, "partition": partition, "account": account, "time_limit": time}
     flags["gpus_per_node"] = gpus_per_node
@@ -244,14 +244,14 @@ def slurm(
 @app.command("slurm-job", hidden=True)
 def slurm_job(config: ConfigOpt = None, set_: SetOpt = None) -> None:
     """Inside the job rl-launch slurm submits: the run across the job's nodes (exits with the learner's code)."""
-    from asyncrl.learner.slurm_job import run_job
+    from asyncrl.cli.slurm_job import run_job
 
     raise typer.Exit(run_job(config, list(set_ or []), _run_redis, _run_children))
 
 
 def _checkpoint_folder(resolved: RunConfig, spec: str) -> Path:
     """The checkpoint ``--resume`` names, found before anything starts (the learner verifies its files)."""
-    from asyncrl.common.cliutil import fail
+    from asyncrl.cli.util import fail
     from asyncrl.learner.checkpoint_format import CheckpointError
     from asyncrl.learner.checkpoint_history import find_checkpoint
 
@@ -265,7 +265,7 @@ def _run_children(
     children, resolved, server, config, overrides, counts, learner_args, placement=None, stop=None
 ) -> int:
     """Start the run's processes and follow them until the learner ends (its exit code) or ``stop`` is set (130).
-    ``placement`` starts the rollout actors elsewhere (a Slurm job's ``srun`` steps: ``learner/slurm_job.py``) and
+    ``placement`` starts the rollout actors elsewhere (a Slurm job's ``srun`` steps: ``cli/slurm_job.py``) and
     may wrap the learner's command; ``stop``: set by the caller's own signal handlers, else by SIGINT and SIGTERM."""
     import os
     import sys
@@ -304,7 +304,7 @@ def _follow(
     started here has exited and no other actor serves the run."""
     import sys
 
-    from asyncrl.learner.children import ActorsGone, Progress, tail_metrics, why_it_failed
+    from asyncrl.cli.children import ActorsGone, Progress, tail_metrics, why_it_failed
 
     metrics = resolved.run_dir / "metrics.jsonl"
     progress, told = Progress(resolved.learner.steps, sys.stderr), set()

@@ -2,7 +2,7 @@
 ``rl-launch run`` before its children): what an actor or the learner would otherwise find minutes into the run.
 
 - the folder loads: ``config.json`` and the tokenizer, read by transformers as the learner and vLLM read them;
-- ``model.max_model_len`` within the model's context (``learner/preflight.py: check_model_context``);
+- ``model.max_model_len`` within the model's context (``cli/preflight.py: check_model_context``);
 - the vocabulary is consistent: the tokenizer's ids and its special tokens (EOS, BOS, pad, unknown, and the EOS ids
   ``config.json`` and ``generation_config.json`` name) all index rows of the model's embedding
   (``config.json``'s ``vocab_size``; it may be padded beyond the tokenizer, never short of it);
@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from asyncrl.cli.preflight import check_model_context
 from asyncrl.common.config import RunConfig
-from asyncrl.learner.preflight import check_model_context
 
 SPECIAL_TOKENS = ("eos_token_id", "bos_token_id", "pad_token_id", "unk_token_id")
 
@@ -161,7 +161,7 @@ def episode_mode(config: RunConfig) -> str | None:
     each with the environment's turns appended as the template renders them (a template that keeps past reasoning, or
     a run that keeps it against the template: ``environment.past_reasoning = "keep"``), or per turn, each turn on the
     context the template serves (one that drops it); and whether the reward worker replays the environment or checks
-    its workers' signatures. The config passed :func:`~asyncrl.learner.preflight.check_episodes` (a template it
+    its workers' signatures. The config passed :func:`~asyncrl.cli.preflight.check_episodes` (a template it
     refuses never gets here)."""
     if config.rollout.workflow != "multi_turn":
         return None

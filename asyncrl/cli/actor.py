@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from asyncrl.common.cliutil import RedisFileOpt, RedisOpt, listed_briefly
+from asyncrl.cli.util import RedisFileOpt, RedisOpt, listed_briefly
 
 app = typer.Typer(
     add_completion=False,
@@ -36,7 +36,7 @@ def rollout(
     from asyncrl.actors.engine import EngineSettingsError
     from asyncrl.actors.engine_checks import check_engine_settings
     from asyncrl.actors.rollout import run_actor
-    from asyncrl.common.cliutil import fail, redis_url
+    from asyncrl.cli.util import fail, redis_url
 
     url = redis_url(redis, run, url_file=redis_file)
     config = _read_run_config(url, run)
@@ -51,7 +51,7 @@ def rollout(
 @app.command("show-config")
 def show_config(redis: RedisOpt = None, redis_file: RedisFileOpt = None, run: RunOpt = "demo") -> None:
     """Print the run config this process would work from, read from the run's Redis."""
-    from asyncrl.common.cliutil import redis_url
+    from asyncrl.cli.util import redis_url
 
     print(_read_run_config(redis_url(redis, run, url_file=redis_file), run).to_json())
 
@@ -70,7 +70,7 @@ def reward(
     import zmq
 
     from asyncrl.actors.reward_worker import RewardWorker, run_until_stopped
-    from asyncrl.common.cliutil import fail, redis_url
+    from asyncrl.cli.util import fail, redis_url
     from asyncrl.common.transport.channel import InsecureBindError
 
     url = redis_url(redis, run, url_file=redis_file)
@@ -102,7 +102,7 @@ def eval_command(
     import json
 
     from asyncrl.actors.evaluate import evaluate
-    from asyncrl.common.cliutil import fail, load
+    from asyncrl.cli.util import fail, load
 
     resolved = load(config, set_)
     if checkpoint == "latest":
@@ -142,7 +142,7 @@ def check_model_command(
 
     from asyncrl.actors.engine import EngineSettingsError, RolloutEngine, error_line
     from asyncrl.actors.engine_checks import check_engine_settings
-    from asyncrl.common.cliutil import fail, load
+    from asyncrl.cli.util import fail, load
 
     resolved = load(config, set_)
     try:
@@ -178,7 +178,7 @@ def check_settings_command(
     checks at its start (`rl-learner resolve` and `check-model` run this where vLLM is installed)."""
     from asyncrl.actors.engine import EngineSettingsError
     from asyncrl.actors.engine_checks import check_engine_settings
-    from asyncrl.common.cliutil import fail, load
+    from asyncrl.cli.util import fail, load
 
     resolved = load(config, set_)
     try:
@@ -191,7 +191,7 @@ def _read_run_config(url: str, run: str):
     """The run's config from Redis with the run's log level set, or a clear exit 2."""
     import redis.exceptions as redis_errors
 
-    from asyncrl.common.cliutil import fail
+    from asyncrl.cli.util import fail
     from asyncrl.common.config import ConfigError, with_host_keys
     from asyncrl.common.observability.logs import configure
     from asyncrl.common.plane.control import ControlPlane

@@ -1,4 +1,4 @@
-"""Inside the Slurm job that ``rl-launch slurm`` submits (``common/slurm.py`` writes its script): the run across the
+"""Inside the Slurm job that ``rl-launch slurm`` submits (``cli/slurm_script.py`` writes its script): the run across the
 job's nodes.
 
 On the first node, as ``rl-launch run`` does on one machine: the embedded Redis (bound to the node's address too, with
@@ -18,10 +18,10 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from asyncrl.cli.slurm_script import actor_nodes, actor_step, actors_per_node
 from asyncrl.common.config import RunConfig
 from asyncrl.common.exit_codes import ExitCode
 from asyncrl.common.observability.logs import get_logger
-from asyncrl.common.slurm import actor_nodes, actor_step, actors_per_node
 from asyncrl.common.transport.net import ADVERTISE_HOST_ENV
 
 log = get_logger("slurm")
@@ -42,7 +42,7 @@ def job_nodes(environ: dict[str, str] | None = None) -> list[str]:
 
 @dataclass
 class SrunActors:
-    """Rollout actors as ``srun`` steps on the job's actor nodes (:func:`asyncrl.common.slurm.actor_nodes`)."""
+    """Rollout actors as ``srun`` steps on the job's actor nodes (:func:`asyncrl.cli.slurm_script.actor_nodes`)."""
 
     config: RunConfig
     nodes: list[str]
@@ -73,7 +73,7 @@ def learner_prefix(ranks: int) -> list[str]:
 
 
 class JobSignals:
-    """SIGTERM (``scancel``) and SIGINT stop the run; :data:`~asyncrl.common.slurm.TIME_LIMIT_SIGNAL` (the time
+    """SIGTERM (``scancel``) and SIGINT stop the run; :data:`~asyncrl.cli.slurm_script.TIME_LIMIT_SIGNAL` (the time
     limit is near) stops it too, and asks for a requeue."""
 
     def __init__(self) -> None:
@@ -127,8 +127,8 @@ def requeue(job_id: str) -> None:
 
 def run_job(config: Path | None, overrides: list[str], run_redis, run_children) -> int:
     """The run across the job's nodes; the learner's exit code. ``run_redis`` and ``run_children`` are
-    ``rl-launch run``'s own (``learner/launch.py``, which calls this): the job starts its processes as it does."""
-    from asyncrl.learner.children import Children
+    ``rl-launch run``'s own (``cli/launch.py``, which calls this): the job starts its processes as it does."""
+    from asyncrl.cli.children import Children
 
     nodes = job_nodes()
     advertise = os.environ.get(ADVERTISE_HOST_ENV) or os.environ.get("SLURMD_NODENAME") or socket.gethostname()

@@ -1,4 +1,4 @@
-"""``rl-launch slurm``: check a run against the cluster, write its batch script (``common/slurm.py``) and submit it.
+"""``rl-launch slurm``: check a run against the cluster, write its batch script (``cli/slurm_script.py``) and submit it.
 
 Everything that can be refused is refused here, in one line naming the setting, before anything is submitted: a config
 that does not resolve, a partition Slurm does not know, more GPUs per actor than a node is given, ``sbatch`` missing.
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import typer
 
+from asyncrl.cli.slurm_script import JobFiles, added_actors_script, batch_script
 from asyncrl.common.config import RunConfig
 from asyncrl.common.exit_codes import ExitCode
-from asyncrl.common.slurm import JobFiles, added_actors_script, batch_script
 
 
 def job_files(config: Path | None, overrides: list[str], resolved: RunConfig) -> JobFiles:
@@ -68,9 +68,9 @@ def submit(
 ) -> int:
     """Check, write the script of the run's job (or, with ``add_actors``, of that many actors joining it), submit it
     unless ``dry_run`` or ``script_only``; the exit status."""
-    from asyncrl.common.cliutil import fail, load
+    from asyncrl.cli.preflight import check_config
+    from asyncrl.cli.util import fail, load
     from asyncrl.common.private import open_private, private_dir
-    from asyncrl.learner.preflight import check_config
 
     resolved = load(config, overrides, check=check_config)
     submits = not dry_run and script_only is None

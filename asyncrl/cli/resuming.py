@@ -84,7 +84,7 @@ def finished_at(resolved: RunConfig, spec: str) -> int | None:
 
 def verified_checkpoint(resolved: RunConfig, spec: str):
     """The checkpoint ``--resume`` names, every file checked against its manifest; a bad one exits 2 naming the file."""
-    from asyncrl.common.cliutil import fail
+    from asyncrl.cli.util import fail
     from asyncrl.learner.checkpoint_format import CheckpointError, open_checkpoint
     from asyncrl.learner.checkpoint_history import find_checkpoint
     from asyncrl.learner.checkpoint_settings import check_world_size

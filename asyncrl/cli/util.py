@@ -23,7 +23,7 @@ def fail(message: str, code: int = ExitCode.REFUSED) -> NoReturn:
 
 def crash(exc: BaseException) -> NoReturn:
     """Exit 1 after an error no command handled, written once for a person and for ``rl-launch``
-    (``learner/children.py: root_cause``): its traceback, each exception it was raised from as one line saying where
+    (``cli/children.py: root_cause``): its traceback, each exception it was raised from as one line saying where
     (not a traceback of its own), then ``error: Type: message`` on one line, last. Plain text, written here rather than
     by ``sys.excepthook``: Typer's hook draws a panel that wraps the message at the terminal's width, and
     ``torch.distributed`` wraps the hook to put ``[rank0]: `` before every line."""

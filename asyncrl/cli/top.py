@@ -17,7 +17,7 @@ from typing import Annotated, Any
 
 import typer
 
-from asyncrl.common.cliutil import RedisFileOpt, RedisOpt
+from asyncrl.cli.util import RedisFileOpt, RedisOpt
 
 app = typer.Typer(add_completion=False, help="Live view of an asyncrl run.")
 
@@ -269,7 +269,7 @@ def main_command(
     ] = False,
 ) -> None:
     """Watch a run live (Ctrl-C to quit)."""
-    from asyncrl.common.cliutil import redis_url
+    from asyncrl.cli.util import redis_url
     from asyncrl.common.plane.control import ControlPlane
     from asyncrl.common.plane.keys import connect
 
@@ -288,7 +288,7 @@ def _print_once(plane, url: str, root: str, as_targets: bool) -> None:
     import redis
     import redis.exceptions
 
-    from asyncrl.common.cliutil import fail
+    from asyncrl.cli.util import fail
 
     run = plane.keys.run
     try:

@@ -192,7 +192,7 @@ class ActorsGone:
 
 
 ERROR_LINE = re.compile(r"\b\w*(Error|Exception)\b: \S|\bERROR\b|^error: ")
-"""A line that says something failed; ``error: …`` is a command's own last word (``common/cliutil.py``: fail, crash)."""
+"""A line that says something failed; ``error: …`` is a command's own last word (``cli/util.py``: fail, crash)."""
 FOLLOW_UPS = ("root cause above", "stack trace (above)", "See the traceback above")
 """Error lines that only point back at the real one (vLLM's frontend after its engine died, for one)."""
 RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")

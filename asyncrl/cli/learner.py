@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from asyncrl.common.cliutil import RedisFileOpt, RedisOpt, listed_briefly
+from asyncrl.cli.actor_commands import check_engine_serving, rl_actor_check, rl_actor_command
+from asyncrl.cli.util import RedisFileOpt, RedisOpt, listed_briefly
 from asyncrl.common.exit_codes import ExitCode
-from asyncrl.learner.actor_commands import check_engine_serving, rl_actor_check, rl_actor_command
 
 if TYPE_CHECKING:
     from asyncrl.common.config import RunConfig
@@ -44,9 +44,9 @@ def resolve(
 ) -> None:
     """Validate a config, write runs/<name>/config.json and (with --redis or --redis-url-file) publish it for
     actors."""
-    from asyncrl.common.cliutil import given_redis_url, load
+    from asyncrl.cli.preflight import check_config, missing_model_folder, slow_precision
+    from asyncrl.cli.util import given_redis_url, load
     from asyncrl.common.config import bind_refusal, write_resolved
-    from asyncrl.learner.preflight import check_config, missing_model_folder, slow_precision
 
     resolved = load(config, set_, check=check_config)
     if (slow := slow_precision(resolved)) is not None:
@@ -83,9 +83,9 @@ def check_model(
     context, the vocabulary and special tokens are consistent, one task row (and eval row) renders as the model will
     see it (shown), and vLLM builds the engine with the run's settings and samples one token. Exit 2 with one line
     naming the setting and the fix at the first problem."""
-    from asyncrl.common.cliutil import fail, load
-    from asyncrl.learner.model_check import check_model_folder, report_lines
-    from asyncrl.learner.preflight import check_config
+    from asyncrl.cli.model_check import check_model_folder, report_lines
+    from asyncrl.cli.preflight import check_config
+    from asyncrl.cli.util import fail, load
 
     resolved = load(config, set_, check=check_config)
     try:
@@ -132,9 +132,9 @@ def check_data(
     LaTeX answer a response must box): duplicates, empty answers, rows task.overlong = "skip" leaves out, answers
     longer than rollout.max_new_tokens, reference answers scoring below 1.0; --strict fails on them too. Exit 2: a
     config error (also: a task that cannot be made, no such file, no tokenizer at model.path)."""
-    from asyncrl.common.cliutil import fail, load
-    from asyncrl.learner import data_check, data_report
-    from asyncrl.learner.preflight import check_config
+    from asyncrl.cli import data_check, data_report
+    from asyncrl.cli.preflight import check_config
+    from asyncrl.cli.util import fail, load
 
     resolved = load(config, set_, check=check_config)
     try:
@@ -170,11 +170,11 @@ def eval_command(
     in runs/<name>/logs/eval.log."""
     import subprocess
 
-    from asyncrl.common.cliutil import fail, load
+    from asyncrl.cli.children import root_cause
+    from asyncrl.cli.util import fail, load
     from asyncrl.common.private import open_private, private_dir
     from asyncrl.learner.checkpoint_format import CheckpointError
     from asyncrl.learner.checkpoint_history import find_checkpoint
-    from asyncrl.learner.children import root_cause
 
     resolved = load(config, set_)
     try:
@@ -255,11 +255,11 @@ def init_model_command(
     to size and benchmark a run at the size users train — it learns nothing a test could read."""
     import random
 
-    from asyncrl.common.cliutil import fail, load
+    from asyncrl.cli.model_init import MODEL_KINDS, init_shaped
+    from asyncrl.cli.preflight import check_config
+    from asyncrl.cli.util import fail, load
     from asyncrl.common.data.tasks import get_task
     from asyncrl.common.tiny_models.character import model_fingerprint
-    from asyncrl.learner.model_init import MODEL_KINDS, init_shaped
-    from asyncrl.learner.preflight import check_config
 
     if kind not in MODEL_KINDS:
         fail(f"--kind must be one of {', '.join(MODEL_KINDS)}, got {kind!r}")
@@ -314,11 +314,11 @@ def train(
     at learner.steps says it finished and exits 0 at once; without --resume, a run folder that holds a checkpoint is
     refused (exit 2), naming --resume latest and a new run.name.
     With data.source = "preferences": offline DPO on the file data.path (no Redis, no actors)."""
-    from asyncrl.common.cliutil import fail, given_redis_url, load
+    from asyncrl.cli.preflight import check_config
+    from asyncrl.cli.resuming import says_finished, started_refusal, verified_checkpoint
+    from asyncrl.cli.util import fail, given_redis_url, load
     from asyncrl.common.plane.redis_server import EmbeddedRedis
     from asyncrl.learner.batch_source import NoActorsLeft
-    from asyncrl.learner.preflight import check_config
-    from asyncrl.learner.resuming import says_finished, started_refusal, verified_checkpoint
 
     resolved = load(config, set_, check=check_config)
     if resolved.data.source == "preferences":
@@ -377,8 +377,8 @@ def train(
 def _check_this_host(resolved: RunConfig) -> None:
     """What the learner's host must have: the model folder (refused, exit 2, when it is missing), and instructions for
     its training precision (a warning: a half precision the CPU cannot compute natively runs, only very slowly)."""
-    from asyncrl.common.cliutil import fail
-    from asyncrl.learner.preflight import missing_model_folder, slow_precision
+    from asyncrl.cli.preflight import missing_model_folder, slow_precision
+    from asyncrl.cli.util import fail
 
     if (missing := missing_model_folder(resolved.model.path)) is not None:
         fail(missing)
@@ -389,7 +389,7 @@ def _check_this_host(resolved: RunConfig) -> None:
 def _train_offline(resolved: RunConfig, resume: str | None) -> None:
     """Offline DPO on the preference file; ``--resume``, what this host lacks (:func:`_check_this_host`), a bad file or
     loss option exits with the reason, not a traceback."""
-    from asyncrl.common.cliutil import fail
+    from asyncrl.cli.util import fail
     from asyncrl.common.config import ConfigError
     from asyncrl.learner.dpo import OfflineDPOTrainer
     from asyncrl.learner.preferences import PreferenceFileError
@@ -413,10 +413,10 @@ def make_preferences(
 ) -> None:
     """Write synthetic preference pairs from the config's task: chosen = the right answer, rejected = a wrong one
     (for tests and demos of offline DPO; seeded by run.seed). Train on them with --set data.path=OUT."""
-    from asyncrl.common.cliutil import fail, load
+    from asyncrl.cli.preflight import check_config
+    from asyncrl.cli.util import fail, load
     from asyncrl.common.data.tasks import get_task
     from asyncrl.learner.preferences import write_synthetic_preferences
-    from asyncrl.learner.preflight import check_config
 
     # data.path = OUT, so a preferences config (which requires data.path) validates before the file exists.
     resolved = load(config, [*(set_ or []), f"data.path={json.dumps(str(out))}"], check=check_config)
@@ -440,7 +440,7 @@ def main() -> None:
     try:
         app()
     except Exception as exc:  # what no command handled: its traceback once, then its one line (rl-launch shows it)
-        from asyncrl.common.cliutil import crash
+        from asyncrl.cli.util import crash
 
         crash(exc)
 

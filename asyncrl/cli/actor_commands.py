@@ -32,8 +32,8 @@ def rl_actor_check(command: str, config: Path | None, set_: list[str] | None, *e
     (or the root cause of a crash)."""
     import subprocess
 
-    from asyncrl.common.cliutil import fail
-    from asyncrl.learner.children import FOLLOW_UPS, cause_line
+    from asyncrl.cli.children import FOLLOW_UPS, cause_line
+    from asyncrl.cli.util import fail
 
     done = subprocess.run([*rl_actor_command(command, config, set_), *extra], capture_output=True, text=True)
     if done.returncode != 0:

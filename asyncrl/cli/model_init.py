@@ -10,7 +10,7 @@ import typer
 
 def init_shaped(out: Path, shape: str, dtype: str, layers: int | None, seed: int, refused: tuple) -> None:
     """``init-model --shape``: the published architecture ``shape`` at ``layers`` deep (default: its own)."""
-    from asyncrl.common.cliutil import fail
+    from asyncrl.cli.util import fail
     from asyncrl.common.tiny_models.character import model_fingerprint
     from asyncrl.common.tiny_models.shapes import SHAPES, init_shaped_model
 

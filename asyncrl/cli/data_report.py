@@ -1,12 +1,12 @@
 """What ``rl-learner check-data`` makes of a data check: the verdicts (failures, warnings, the exit code) and the
-report as text or JSON. The checks themselves are ``learner/data_check.py``."""
+report as text or JSON. The checks themselves are ``cli/data_check.py``."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
-from asyncrl.learner.data_check import MAX_LISTED, Report, SelfCheck, row_number
+from asyncrl.cli.data_check import MAX_LISTED, Report, SelfCheck, row_number
 
 
 def failures(report: Report, strict: bool = False) -> list[str]:
