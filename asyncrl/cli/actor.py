@@ -168,25 +168,6 @@ def check_model_command(
     print(json.dumps(figures | {"engine_s": built - started, "token_s": time.perf_counter() - built}))
 
 
-@app.command("check-settings", hidden=True)
-def check_settings_command(
-    config: Annotated[Path | None, typer.Argument(help="Run config (TOML).")] = None,
-    set_: Annotated[list[str] | None, typer.Option("--set", help="Override a field: section.field=value.")] = None,
-) -> None:
-    """Exit 2 with one line when the installed vLLM could not run the config without building an engine: the
-    ``[rollout]`` settings, ``[lora]`` on the model's architecture, the attention head size on CPUs — what each actor
-    checks at its start (`rl-learner resolve` and `check-model` run this where vLLM is installed)."""
-    from asyncrl.actors.engine import EngineSettingsError
-    from asyncrl.actors.engine_checks import check_engine_settings
-    from asyncrl.cli.util import fail, load
-
-    resolved = load(config, set_)
-    try:
-        check_engine_settings(resolved)
-    except EngineSettingsError as exc:
-        fail(str(exc))
-
-
 def _read_run_config(url: str, run: str):
     """The run's config from Redis with the run's log level set, or a clear exit 2."""
     import redis.exceptions as redis_errors

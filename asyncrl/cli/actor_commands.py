@@ -1,30 +1,49 @@
-"""What the learner's commands ask of vLLM, which the learner never imports (DESIGN.md's dependency rule): an
-``rl-actor`` command on the same config and overrides, in a child process, whose one ``error:`` line (or, when vLLM's
-engine died, the engine's own error) becomes the command's refusal."""
+"""What the learner's commands ask of vLLM. The commands stand above both wings (``cli/``), so the settings check runs
+in the command's own process, with the same code each actor runs at its start; building an engine and evaluating a
+checkpoint run as an ``rl-actor`` command in a child process, which keeps vLLM's engine logs and a crash of its engine
+out of the command's own output: its one ``error:`` line (or, when vLLM's engine died, the engine's own error)
+becomes the command's refusal."""
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from asyncrl.common.config import RunConfig
 
 
 def rl_actor_command(command: str, config: Path | None, set_: list[str] | None) -> list[str]:
-    """The command line of ``rl-actor COMMAND`` on the same config and overrides: what the learner asks of vLLM, in a
-    process of its own (the learner never imports vLLM)."""
+    """The command line of ``rl-actor COMMAND`` on the same config and overrides, for a process of its own."""
     import sys
 
     overrides = [a for o in set_ or [] for a in ("--set", o)]
     return [str(Path(sys.executable).parent / "rl-actor"), command, *([str(config)] if config else []), *overrides]
 
 
-def check_engine_serving(config: Path | None, set_: list[str] | None) -> None:
+def check_engine_serving(resolved: RunConfig) -> None:
     """Where vLLM is installed, whether it could run the config — ``[rollout]``'s settings, ``[lora]`` on the model,
-    the attention head size on CPUs — without building an engine: `rl-actor check-settings` in a child process (the
-    learner never imports vLLM), its one line and exit 2 when not. Without vLLM here, each actor checks at its
-    start."""
+    the attention head size on CPUs — without building an engine (``actors/engine_checks.py``, what each actor checks
+    at its start); exit 2 with its one line when not. Without vLLM here, each actor checks at its start."""
     import importlib.util
 
-    if importlib.util.find_spec("vllm") is not None:
-        rl_actor_check("check-settings", config, set_)
+    if importlib.util.find_spec("vllm") is None:
+        return
+    # vLLM's and transformers' notes on loading (a Triton without CPUs, a config's odd token ids) are the engine's
+    # business: the command's output is the resolved config or its one refusal.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    logging.getLogger("vllm").setLevel(logging.ERROR)  # some of its modules log before vLLM reads the setting
+    from asyncrl.actors.engine import EngineSettingsError
+    from asyncrl.actors.engine_checks import check_engine_settings
+    from asyncrl.cli.util import fail
+
+    try:
+        check_engine_settings(resolved)
+    except EngineSettingsError as exc:
+        fail(str(exc))
 
 
 def rl_actor_check(command: str, config: Path | None, set_: list[str] | None, *extra: str) -> str:

