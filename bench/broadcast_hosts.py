@@ -42,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from asyncrl.common.deploy import ADVERTISE_ENV  # noqa: E402
+from asyncrl.cli.deploy import ADVERTISE_ENV  # noqa: E402
 from asyncrl.common.plane.redis_server import find_redis_server  # noqa: E402
 
 HOSTS = ("10.78.0.1", "10.78.0.2")

@@ -345,14 +345,14 @@ class TrlRecord:
 
     def __init__(self, config, tokenizer) -> None:
         from asyncrl.common.data.evaluation import eval_examples, eval_groups, eval_max_new_tokens
-        from asyncrl.common.data.prompts import Prompter
+        from asyncrl.common.environments.protocol import run_prompter
         from asyncrl.common.rewards.functions import run_verifier
 
         self.config, self.tokenizer = config, tokenizer
         self.multi_turn = config.rollout.workflow == "multi_turn"
         # a multi-turn run is scored by its environment (episode_reward); the others by the run's bound verifier
         self.verify = None if self.multi_turn else run_verifier(config)
-        self.prompter = Prompter.for_run(tokenizer, config)
+        self.prompter = run_prompter(tokenizer, config)
         self.examples = eval_examples(config, self.prompter)
         self.groups = eval_groups(config, self.examples, self.prompter.encode, step=0, version=0)
         self.max_new = eval_max_new_tokens(config)

@@ -2,7 +2,7 @@
 the chat template and response template TRL needs to write and read the tiny agent model's tool calls, the reward,
 and a greedy held-out evaluation that runs asyncrl's own episode loop on HF ``generate``.
 
-What is the same on both sides: the prompts (TRL renders the same bytes as asyncrl's ``Prompter.for_run``: a system
+What is the same on both sides: the prompts (TRL renders the same bytes as asyncrl's ``run_prompter``: a system
 turn naming the tools, then ChatML), the tool's observations (the environment's own ``Calculator`` answers each
 call, and TRL appends the tool turn's tokens as asyncrl's ``TurnEncoder`` does), the reward (``Calculator.score``
 after the final answer), the turn limit (``environment.max_turns`` model turns: TRL's ``max_tool_calling_iterations``

@@ -42,11 +42,11 @@ from asyncrl.common.data.tasks import TASK_ALPHABET, get_task, prompt_group
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.keys import connect
 from asyncrl.common.plane.redis_server import EmbeddedRedis
+from asyncrl.common.plane.run_secret import run_seal
 from asyncrl.common.transport.channel import PullChannel
 from asyncrl.common.weights.group import GroupAddress, WeightGroup, pack_sealed
 from asyncrl.common.weights.rendezvous import RedisStore
 from asyncrl.common.wire.messages import Heartbeat, PromptGroup, RolloutGroup, WeightManifest
-from asyncrl.common.wire.seal import run_seal
 
 RUN = "bench-rollout"
 

@@ -243,11 +243,11 @@ def step_prompts(config: Any) -> tuple[list[list[int]], list[int]]:
     stop ids the actor adds (the template's end of turn)."""
     from transformers import AutoTokenizer
 
-    from asyncrl.common.data.prompts import Prompter
+    from asyncrl.common.environments.protocol import run_prompter
     from asyncrl.learner.dispatcher import prompt_source
 
     tokenizer = AutoTokenizer.from_pretrained(config.model.path)
-    prompter = Prompter.for_run(tokenizer, config)
+    prompter = run_prompter(tokenizer, config)
     task, _ = prompt_source(config.task)
     task.fit(prompter, config.model.max_model_len - config.rollout.max_new_tokens, config.task.overlong)
     rng = random.Random(config.run.seed)

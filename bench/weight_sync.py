@@ -88,7 +88,7 @@ import torch
 from safetensors.torch import save_file
 
 from asyncrl.common.config import load_config
-from asyncrl.common.observability.audit_file import entry_line
+from asyncrl.common.plane.audit_file import entry_line
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.keys import RunKeys, connect
 from asyncrl.common.plane.redis_server import EmbeddedRedis

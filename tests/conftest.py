@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.common.observability.audit import flush as flush_audit
+from asyncrl.common.plane.audit import flush as flush_audit
 from asyncrl.common.plane.keys import connect
 from asyncrl.common.plane.redis_server import EmbeddedRedis
 from asyncrl.common.tiny_models import character as tiny_model

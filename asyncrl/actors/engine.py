@@ -34,8 +34,9 @@ from asyncrl.actors.engine_processes import lay_out_processes, start_engine
 from asyncrl.actors.generation import Response, Sampling
 from asyncrl.actors.lifeline import engine_shut_down
 from asyncrl.common.config import RolloutSection, RunConfig
+from asyncrl.common.config.training import cpu_list
 from asyncrl.common.observability.logs import get_logger
-from asyncrl.common.observability.procs import cpu_list, move_process
+from asyncrl.common.observability.procs import move_process
 from asyncrl.common.rewards.response_text import decode_responses
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncrl.actors.lifeline import export_actor_pid, follow_forked_engine, start_sweeper
 from asyncrl.common.config import RolloutSection
-from asyncrl.common.observability.procs import cpu_list
+from asyncrl.common.config.training import cpu_list
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM

@@ -31,7 +31,7 @@ from asyncrl.actors.episodes import (
 )
 from asyncrl.common.config import EnvironmentSection
 from asyncrl.common.environments.protocol import EnvironmentFailed, Step, is_replayable
-from asyncrl.common.environments.turns import EpisodeTools, episode_tools, segments, turn_text
+from asyncrl.common.environments.turns import EpisodeTools, episode_tools, turn_text
 from asyncrl.common.rewards.functions import needs_time, takes_from_run
 from asyncrl.common.wire.attestation import (
     EpisodeAttestation,
@@ -41,7 +41,7 @@ from asyncrl.common.wire.attestation import (
     step_message,
     verifies,
 )
-from asyncrl.common.wire.messages import RolloutGroup, model_turns
+from asyncrl.common.wire.messages import RolloutGroup, model_turns, segments
 
 
 class EpisodeMismatch(ValueError):

@@ -22,9 +22,8 @@ import numpy as np
 from asyncrl.actors.workflows import WorkflowContext, check_workflow
 from asyncrl.common.config import RunConfig
 from asyncrl.common.data.evaluation import eval_examples, eval_groups, round_figures
-from asyncrl.common.data.prompts import Prompter
 from asyncrl.common.data.tasks import task_label
-from asyncrl.common.environments.protocol import is_replayable
+from asyncrl.common.environments.protocol import is_replayable, run_prompter
 from asyncrl.common.observability.logs import get_logger
 from asyncrl.common.rewards.functions import bind_functions, combine, episode_options
 from asyncrl.common.wire.messages import PromptGroup, RolloutGroup, ScoredGroup
@@ -56,7 +55,7 @@ def evaluate(config: RunConfig, model: str | Path, samples: Path | None = None) 
     # a LoRA run's checkpoint exports its adapters merged (hf/): the folder is the whole policy
     model_section = config.model.model_copy(update={"path": str(folder)})
     config = config.model_copy(update={"model": model_section, "lora": config.lora.model_copy(update={"rank": 0})})
-    prompter = Prompter.for_run(AutoTokenizer.from_pretrained(folder), config)
+    prompter = run_prompter(AutoTokenizer.from_pretrained(folder), config)
     groups = eval_groups(config, eval_examples(config, prompter), prompter.encode, step=0, version=0)
     started = time.perf_counter()
     engine = RolloutEngine(config, config.eval.seed)

@@ -1,6 +1,6 @@
 """An actor's liveness, for a check that a thread serving ``/metrics`` cannot fool: a file the actor touches every
 :data:`TOUCH_S` seconds from its event loop, and only while its engine makes progress (``$ASYNCRL_ALIVE_FILE``;
-Kubernetes' liveness probe runs ``common/deploy.py: ALIVE_CHECK`` on it).
+Kubernetes' liveness probe runs ``cli/deploy.py: ALIVE_CHECK`` on it).
 
 The engine makes progress when it has no group to generate, when the actor is loading weights (a broadcast has its
 own time limit, ``weight_sync.timeout_s``), or when it sent a token within the stall limit (:func:`stall_limit_s`)
@@ -15,8 +15,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from asyncrl.common.deploy import ALIVE_ENV
-
+ALIVE_ENV = "ASYNCRL_ALIVE_FILE"
+"""A file the actor touches while its engine makes progress: a liveness check's input (``cli/deploy.py``'s
+Kubernetes probe reads its age)."""
 TOUCH_S = 10.0
 """How often the file is touched while the engine makes progress."""
 STALL_S = 300.0

@@ -58,7 +58,7 @@ from asyncrl.actors.timed_calls import CallTimedOut, TimedCalls, WorkerStalled
 from asyncrl.common.config import RewardFunction, RunConfig
 from asyncrl.common.data.tasks import task_label
 from asyncrl.common.environments.protocol import is_replayable
-from asyncrl.common.observability.audit import Audit
+from asyncrl.common.net import advertise_host, advertised_endpoint
 from asyncrl.common.observability.logs import get_logger, worth_logging
 from asyncrl.common.observability.metrics import (
     REWARD_DEAD_LETTERED_GROUPS,
@@ -71,12 +71,14 @@ from asyncrl.common.observability.metrics import (
     MetricsServer,
     start_metrics_server,
 )
+from asyncrl.common.plane.audit import Audit
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.dead_letters import MalformedLetters, dead_letter
 from asyncrl.common.plane.heartbeat import HeartbeatThread
 from asyncrl.common.plane.keys import connect
 from asyncrl.common.plane.outage import exit_for_outage, outage_clock, outage_in
 from asyncrl.common.plane.replay import ReplayWriter
+from asyncrl.common.plane.run_secret import run_seal
 from asyncrl.common.rewards.functions import (
     RewardError,
     Score,
@@ -89,7 +91,6 @@ from asyncrl.common.rewards.functions import (
 from asyncrl.common.rewards.response_text import ResponseTexts
 from asyncrl.common.transport.channel import PullChannel
 from asyncrl.common.transport.curve import CurveServer
-from asyncrl.common.transport.net import advertise_host, advertised_endpoint
 from asyncrl.common.wire.attestation import KnownSigners, Signer
 from asyncrl.common.wire.messages import (
     Heartbeat,
@@ -99,7 +100,6 @@ from asyncrl.common.wire.messages import (
     encode_blob,
 )
 from asyncrl.common.wire.provenance import episode_tokens, issue_mismatch
-from asyncrl.common.wire.seal import run_seal
 
 log = get_logger("reward")
 

@@ -40,7 +40,7 @@ from asyncrl.actors.weights_follower import WeightsFollower
 from asyncrl.actors.workflows import WorkflowContext, check_workflow
 from asyncrl.common.config import RunConfig
 from asyncrl.common.exit_codes import ExitCode
-from asyncrl.common.observability.audit import Audit
+from asyncrl.common.net import advertise_host
 from asyncrl.common.observability.logs import get_logger
 from asyncrl.common.observability.metrics import (
     ACTOR_GENERATED_GROUPS,
@@ -51,15 +51,15 @@ from asyncrl.common.observability.metrics import (
     MetricsServer,
     start_metrics_server,
 )
+from asyncrl.common.plane.audit import Audit
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.heartbeat import HeartbeatThread
 from asyncrl.common.plane.keys import connect
 from asyncrl.common.plane.outage import exit_for_outage, outage_in
+from asyncrl.common.plane.run_secret import run_seal
 from asyncrl.common.staleness import StalenessBound
 from asyncrl.common.transport.channel import ChannelBlocked
-from asyncrl.common.transport.net import advertise_host
 from asyncrl.common.wire.messages import Heartbeat, PromptGroup, RolloutGroup
-from asyncrl.common.wire.seal import run_seal
 
 if TYPE_CHECKING:
     from asyncrl.actors.engine import RolloutEngine

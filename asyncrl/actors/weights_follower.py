@@ -16,9 +16,9 @@ import time
 from collections.abc import Callable
 
 from asyncrl.common.config import RunConfig
-from asyncrl.common.observability.audit import Audit
 from asyncrl.common.observability.logs import get_logger
 from asyncrl.common.observability.metrics import ACTOR_WEIGHT_DIGEST_MISMATCHES
+from asyncrl.common.plane.audit import Audit
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.weights.group import group_backend
 from asyncrl.common.wire.messages import WeightManifest

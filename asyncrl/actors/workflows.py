@@ -15,8 +15,9 @@ trajectories is a function here, not a fork of the actor::
         return rollout_group(group, responses, turn)
 
 Built-ins: ``single_turn``, K responses to the group's prompt in one vLLM request (``n = K``), the prompt's KV
-cache shared; ``multi_turn``, K episodes in the run's environment (``actors/episodes.py``). Nothing here imports
-vLLM: the learner checks ``rollout.workflow`` at ``resolve`` through :func:`check_workflow`.
+cache shared; ``multi_turn``, K episodes in the run's environment (``actors/episodes.py``, registered by import path
+so that nothing of it loads until a run names it). Nothing here imports vLLM: ``rl-learner resolve`` checks
+``rollout.workflow`` through :func:`check_workflow_name` before anything starts.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from asyncrl.actors.generation import (
     rollout_group,
     sampling_for,
 )
+from asyncrl.common.config import ConfigError
+from asyncrl.common.registry import Registry
 from asyncrl.common.wire.messages import PromptGroup, RolloutGroup
-from asyncrl.common.workflows import WORKFLOWS, check_workflow_name, register_workflow
 
 __all__ = [
     "WORKFLOWS",
@@ -49,6 +51,21 @@ __all__ = [
 
 Workflow = Callable[[Generator, PromptGroup, WorkflowContext], Awaitable[RolloutGroup]]
 
+WORKFLOWS: Registry[Workflow] = Registry("rollout workflow")
+"""Rollout workflows by the name ``rollout.workflow`` gives (or an import path ``package.module:function``)."""
+register_workflow = WORKFLOWS.register
+WORKFLOWS.register_path("multi_turn", "asyncrl.actors.episodes:multi_turn")
+
+
+def check_workflow_name(name: str) -> None:
+    """A :class:`ConfigError` naming the registered workflows unless ``name`` is one of them; an import path is
+    imported (it is the user's own code) so that a typo in it fails here too."""
+    try:
+        if ":" in name or name not in WORKFLOWS:
+            WORKFLOWS.get(name)  # imports the path; raises naming the registered ones for an unknown name
+    except ValueError as exc:
+        raise ConfigError(f"rollout.workflow: {exc}") from None
+
 
 def check_workflow(name: str) -> Workflow:
     """The workflow ``rollout.workflow`` names; a :class:`ConfigError` naming the registered ones otherwise."""
@@ -56,6 +73,7 @@ def check_workflow(name: str) -> Workflow:
     return WORKFLOWS.get(name)
 
 
+@register_workflow("single_turn")
 async def single_turn(engine: Generator, group: PromptGroup, turn: WorkflowContext) -> RolloutGroup:
     """K responses to the group's prompt in one request: the prompt is prefilled once and its KV cache shared."""
     started = time.perf_counter()

@@ -21,8 +21,9 @@ from typing import TextIO
 
 import redis.exceptions as redis_errors
 
+from asyncrl.common.config.training import cpu_list
 from asyncrl.common.observability.logs import get_logger
-from asyncrl.common.observability.procs import child_pids, cpu_list, ended
+from asyncrl.common.observability.procs import child_pids, ended
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.keys import connect
 from asyncrl.common.private import PRIVATE_UMASK, open_private, private_dir

@@ -44,6 +44,7 @@ from asyncrl.common.data.task_files import (
     read_rows,
 )
 from asyncrl.common.data.tasks import TaskExample
+from asyncrl.common.environments.protocol import run_prompter
 
 if TYPE_CHECKING:
     from asyncrl.common.config import RunConfig
@@ -168,7 +169,7 @@ def check_run_data(config: RunConfig) -> Report:
     Raises :class:`DataCheckError` when it cannot be: the task is not a file, the file or the tokenizer is missing,
     or the prompt settings do not fit the tokenizer (``task.chat = true`` without a template).
     """
-    from asyncrl.common.data.prompts import Prompter, PromptError
+    from asyncrl.common.data.prompts import PromptError
     from asyncrl.learner.dispatcher import task_options
 
     generated = config.task.name != "file"
@@ -176,7 +177,7 @@ def check_run_data(config: RunConfig) -> Report:
         raise DataCheckError(f"{path}: no such file (task.path)")
     tokenizer = _tokenizer(config.model.path)
     try:
-        prompter = Prompter.for_run(tokenizer, config)
+        prompter = run_prompter(tokenizer, config)
     except PromptError as exc:
         raise DataCheckError(str(exc)) from None
 

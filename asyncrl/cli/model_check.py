@@ -24,6 +24,7 @@ from typing import Any
 
 from asyncrl.cli.preflight import check_model_context
 from asyncrl.common.config import RunConfig
+from asyncrl.common.environments.protocol import run_prompter
 
 SPECIAL_TOKENS = ("eos_token_id", "bos_token_id", "pad_token_id", "unk_token_id")
 
@@ -52,7 +53,7 @@ class ModelReport:
 
 def check_model_folder(config: RunConfig) -> ModelReport:
     """Every folder check of the module docstring; ``ValueError`` at the first problem."""
-    from asyncrl.common.data.prompts import Prompter, model_vocab_size
+    from asyncrl.common.data.prompts import model_vocab_size
 
     folder = Path(config.model.path)
     if not (folder / "config.json").is_file():
@@ -66,7 +67,7 @@ def check_model_folder(config: RunConfig) -> ModelReport:
     special = _special_ids(folder, tokenizer)
     check_vocabulary(len(tokenizer), rows, special, folder)
     try:
-        prompter = Prompter.for_run(tokenizer, config)
+        prompter = run_prompter(tokenizer, config)
     except ValueError as exc:
         raise ValueError(f"task.chat: {exc}") from None
     return ModelReport(folder, context, len(tokenizer), rows, special, rendered_rows(config, prompter))

@@ -126,11 +126,11 @@ def check_config(config: RunConfig) -> None:
     (:func:`asyncrl.learner.algorithms.assembly.assemble`), the task's (:func:`asyncrl.learner.dispatcher.check_task`)
     and a built-in eval task's (:func:`check_eval_options`), the reward functions' names (an import path must name a
     reward function) and the verifier of each ``task`` function with its options (``common/rewards/functions.py:
-    check_names, check_verifiers``), the rollout workflow's name (``common/workflows.py``), and
+    check_names, check_verifiers``), the rollout workflow's name (``actors/workflows.py``), and
     ``model.max_model_len`` against the model folder's context (:func:`check_model_context`). Raises ``ValueError``."""
+    from asyncrl.actors.workflows import check_workflow_name
     from asyncrl.common.data.tasks import task_label
     from asyncrl.common.rewards.functions import check_names, check_verifiers
-    from asyncrl.common.workflows import check_workflow_name
     from asyncrl.learner.algorithms.assembly import assemble
     from asyncrl.learner.dispatcher import check_task
 

@@ -21,8 +21,8 @@ from pathlib import Path
 from asyncrl.cli.slurm_script import actor_nodes, actor_step, actors_per_node
 from asyncrl.common.config import RunConfig
 from asyncrl.common.exit_codes import ExitCode
+from asyncrl.common.net import ADVERTISE_HOST_ENV
 from asyncrl.common.observability.logs import get_logger
-from asyncrl.common.transport.net import ADVERTISE_HOST_ENV
 
 log = get_logger("slurm")
 

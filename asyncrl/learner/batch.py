@@ -16,7 +16,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from asyncrl.common.environments.turns import segments
 from asyncrl.common.wire.messages import ScoredGroup
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "response_mask", "behaviour_logprobs")
@@ -123,7 +122,7 @@ def collate(
         behaviour[row, start:end] = logprobs.astype(np.float32)
         versions[row, start:end] = token_versions
         if turn_rewards is not None and len(shares := shares_of.setdefault(id(group), group.turn_shares())[i]):
-            turn_ends = [start + stop - 1 for _, stop, by_model in segments(group.rollout.trained(i)) if by_model]
+            turn_ends = [start + stop - 1 for _, stop, by_model in group.rollout.segments(i) if by_model]
             turn_rewards[row, turn_ends] = shares
     return TrainBatch(
         input_ids=torch.from_numpy(input_ids),

@@ -32,7 +32,8 @@ from typing import TypedDict
 import numpy as np
 
 from asyncrl.common.config import RunConfig
-from asyncrl.common.data.prompts import Prompter, model_vocab_size
+from asyncrl.common.data.prompts import model_vocab_size
+from asyncrl.common.environments.protocol import run_prompter
 from asyncrl.common.observability.logs import get_logger, worth_logging
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.dead_letters import dead_letter, newest_reason
@@ -165,7 +166,7 @@ class BatchSource:
         # Token ids are checked against the model's embedding rows, which may exceed the tokenizer's length (padded).
         limits = Limits(int(config.transport.max_message_mb * 2**20), model_vocab_size(config.model.path))
         self.reader = ReplayReader(plane.client, plane.keys, limits=limits)
-        prompter = Prompter.for_run(tokenizer, config)
+        prompter = run_prompter(tokenizer, config)
         self.texts = ResponseTexts(tokenizer)
         self.dispatcher = Dispatcher(config, plane, prompter)
         self.evaluation = EvalRounds(config, plane, prompter, self.reader) if config.eval.every else None

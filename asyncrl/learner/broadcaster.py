@@ -38,8 +38,8 @@ from datetime import timedelta
 import torch
 
 from asyncrl.common.config import RunConfig, broadcast_overlaps
-from asyncrl.common.observability.audit import Audit
 from asyncrl.common.observability.logs import get_logger
+from asyncrl.common.plane.audit import Audit
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.outage import settling
 from asyncrl.common.weights.group import (
@@ -93,7 +93,7 @@ class Broadcaster:
     def __init__(self, config: RunConfig, plane: ControlPlane, audit: Audit | None = None) -> None:
         self.config = config
         self.plane = plane
-        self.audit = audit  # records each version sent, with its digest and members (common/observability/audit.py)
+        self.audit = audit  # records each version sent, with its digest and members (common/plane/audit.py)
         # The rendezvous lives in the run's Redis: nothing listens for it, and only the run's processes can join.
         self.store = MemberWatch(plane.client, config.run.name, config.weight_sync.timeout_s, self._members_gone)
         self.backend = group_backend()

@@ -48,9 +48,10 @@ from asyncrl.common.observability.metrics import (
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.outage import outage_clock
 from asyncrl.common.plane.prompt_ledger import LedgerEntry, Standing
+from asyncrl.common.plane.run_secret import run_secret
 from asyncrl.common.staleness import StalenessBound
 from asyncrl.common.wire.messages import PromptGroup
-from asyncrl.common.wire.seal import numbered_group_id, run_secret
+from asyncrl.common.wire.seal import numbered_group_id
 
 log = get_logger("dispatcher")
 MAX_ATTEMPTS = 2

@@ -30,9 +30,9 @@ from asyncrl.common.observability import metrics as m
 from asyncrl.common.observability.logs import get_logger, worth_logging
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.replay import ReplayEntry, ReplayReader
+from asyncrl.common.plane.run_secret import run_secret
 from asyncrl.common.wire.messages import PromptGroup, ScoredGroup
 from asyncrl.common.wire.provenance import episode_tokens, issue_mismatch
-from asyncrl.common.wire.seal import run_secret
 
 log = get_logger("eval")
 SHOWN_ROUNDS = 8

@@ -7,7 +7,7 @@ a resume, ``restore/*`` — lets the health monitor judge it (``health/*``), app
 publishes it to Prometheus, the Redis summary rl-top reads, and the active alerts.
 
 The learner's :attr:`Recorder.audit` records the run's start or resume, its end, and each process found lost; on rank 0
-an :class:`~asyncrl.common.observability.audit_file.AuditMirror` copies the run's audit stream into ``audit.jsonl`` on a
+an :class:`~asyncrl.common.plane.audit_file.AuditMirror` copies the run's audit stream into ``audit.jsonl`` on a
 daemon thread, and :meth:`Recorder.close` (at the end of the run, or at exit) copies what remains after the learner has
 left.
 """
@@ -28,15 +28,14 @@ import numpy as np
 
 from asyncrl.common.config import RunConfig
 from asyncrl.common.environments.tool_calls import parse_tool_calls
-from asyncrl.common.environments.turns import EPISODE_FINISH_REASONS, segments
-from asyncrl.common.observability.audit import Audit
-from asyncrl.common.observability.audit_file import AuditMirror, recorded_lost
 from asyncrl.common.observability.gpu import gpu_figures
 from asyncrl.common.observability.logs import get_logger
+from asyncrl.common.plane.audit import Audit
+from asyncrl.common.plane.audit_file import AuditMirror, recorded_lost
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.outage import settling
 from asyncrl.common.private import open_private
-from asyncrl.common.wire.messages import RolloutGroup, model_turns
+from asyncrl.common.wire.messages import EPISODE_FINISH_REASONS, RolloutGroup, model_turns
 from asyncrl.learner.alerts import ProcessFacts
 from asyncrl.learner.batch import TrainBatch
 from asyncrl.learner.batch_source import Taken
@@ -315,7 +314,7 @@ def length_figures(taken: Taken) -> dict[str, float]:
         end - start
         for r in episode_rollouts(taken)
         for i in range(r.num_samples)
-        for start, end, trained in segments(r.trained(i))
+        for start, end, trained in r.segments(i)
         if trained
     ]
     if turns:
@@ -371,7 +370,7 @@ def tool_call_figures(taken: Taken, decode: Callable[[list[int]], str] | None) -
     for rollout in rollouts:
         for i in range(rollout.num_samples):
             ids, episodes = rollout.response(i)[0], episodes + 1
-            for start, end, by_model in segments(rollout.trained(i)):
+            for start, end, by_model in rollout.segments(i):
                 if by_model:
                     parsed = parse_tool_calls(decode(ids[start:end].tolist()))
                     calls, malformed = calls + len(parsed.calls), malformed + len(parsed.errors)

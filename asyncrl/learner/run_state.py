@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 from asyncrl.common.config import RunConfig
-from asyncrl.common.observability.audit import Audit
 from asyncrl.common.observability.logs import get_logger
+from asyncrl.common.plane.audit import Audit
 from asyncrl.learner import dist, ranks
 from asyncrl.learner.batch_source import BatchSource
 from asyncrl.learner.broadcaster import Broadcaster

@@ -33,9 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from asyncrl.common.environments.turns import segments
 from asyncrl.common.private import open_private
-from asyncrl.common.wire.messages import ScoredGroup
+from asyncrl.common.wire.messages import ScoredGroup, segments
 
 MAX_TEXT = 2000
 """Characters kept of a prompt or a response."""

@@ -20,11 +20,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from asyncrl.common.config import RunConfig
+from asyncrl.common.net import advertise_host
 from asyncrl.common.observability import metrics as m
 from asyncrl.common.observability.logs import get_logger
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.heartbeat import HeartbeatThread
-from asyncrl.common.transport.net import advertise_host
 from asyncrl.common.wire.messages import Heartbeat
 from asyncrl.learner.autoscale import ActorDemand
 from asyncrl.learner.checkpoint_disk import disk_space

@@ -28,10 +28,10 @@ import pytest
 
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.keys import connect
+from asyncrl.common.plane.run_secret import run_seal
 from asyncrl.common.tiny_models.chat import chat_examples, init_chat_model, warm_start_chat
 from asyncrl.common.transport.channel import ChannelBlocked, PushChannel
 from asyncrl.common.transport.curve import CurveClient
-from asyncrl.common.wire.seal import run_seal
 from tests.helpers.forgery import reward_endpoints, right_texts
 from tests.helpers.runs import check_samples
 from tests.helpers.stack import BIN, ONE_PROCESS_ENGINE, ROOT, Processes, _wait

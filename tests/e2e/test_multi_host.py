@@ -1,10 +1,10 @@
 """A run across hosts, on one machine: four hosts made of Linux network namespaces on one bridge, with addresses
 (10.77.0.0/24) that exist only inside them, running the README's "On a cluster" commands as they are written.
 
-The commands are ``common/deploy.py``'s :func:`~asyncrl.common.deploy.cluster_steps` of
-:data:`~asyncrl.common.deploy.CLUSTER_EXAMPLE` (the README's block is that text: checked here and in
+The commands are ``cli/deploy.py``'s :func:`~asyncrl.cli.deploy.cluster_steps` of
+:data:`~asyncrl.cli.deploy.CLUSTER_EXAMPLE` (the README's block is that text: checked here and in
 ``tests/unit/test_across_hosts.py``): setup commands run with ``sh -c``, each lasting process from the
-:class:`~asyncrl.common.deploy.Process` its command line renders, inside its host's namespace and in its host's own
+:class:`~asyncrl.cli.deploy.Process` its command line renders, inside its host's namespace and in its host's own
 folder. Between them the test copies what the README says to copy (``redis-url``, the keys each role needs). On
 10.77.0.1 Redis (a password, bound to that address, AOF) and the learner; on 10.77.0.2 a reward worker (CURVE on
 ``tcp://0.0.0.0``) and an actor; on 10.77.0.3 an actor. Once weights have reached both actors, 10.77.0.3's actor hangs
@@ -36,8 +36,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.common import deploy
-from asyncrl.common.observability.audit_file import entry_line
+from asyncrl.cli import deploy
+from asyncrl.common.plane.audit_file import entry_line
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.keys import connect
 from asyncrl.common.plane.redis_server import find_redis_server
@@ -289,7 +289,7 @@ class Cluster:
 def test_a_run_across_hosts_serves_every_actor_host(tmp_path: Path, model_dir: Path, hosts: Hosts) -> None:
     started = time.monotonic()
     steps = deploy.cluster_steps(**EXAMPLE)
-    assert readme_block() == deploy.cluster_doc(steps), "docs/cluster.md's block differs from common/deploy.py"
+    assert readme_block() == deploy.cluster_doc(steps), "docs/cluster.md's block differs from cli/deploy.py"
     assert "10.77.0." not in subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True).stdout
     run = Cluster(hosts, tmp_path / "hosts", steps)
     try:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.common.deploy import ALIVE_ENV
+from asyncrl.actors.liveness import ALIVE_ENV
 from asyncrl.common.exit_codes import ExitCode
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.keys import connect

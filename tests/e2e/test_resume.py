@@ -54,10 +54,11 @@ from transformers import AutoTokenizer
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.keys import connect
 from asyncrl.common.plane.replay import ReplayWriter
+from asyncrl.common.plane.run_secret import run_seal, run_secret
 from asyncrl.common.rewards.verifiers import bind_verifier
 from asyncrl.common.transport.channel import ChannelBlocked, PushChannel
 from asyncrl.common.wire.messages import RolloutGroup, ScoredGroup
-from asyncrl.common.wire.seal import numbered_group_id, run_seal, run_secret
+from asyncrl.common.wire.seal import numbered_group_id
 from asyncrl.learner.checkpoint_format import open_checkpoint
 from asyncrl.learner.checkpoint_history import complete_checkpoints
 from tests.helpers.forgery import NEVER_ISSUED, check_refusals, forgeries, queued_ids, reward_endpoints, right_texts

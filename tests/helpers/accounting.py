@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections import Counter
 
 from asyncrl.common.plane.control import ControlPlane
-from asyncrl.common.wire.seal import numbered_group_id, run_secret
+from asyncrl.common.plane.run_secret import run_secret
+from asyncrl.common.wire.seal import numbered_group_id
 
 
 def group_ledger(plane: ControlPlane, groups_per_step: int) -> tuple[dict[str, int], list[str]]:

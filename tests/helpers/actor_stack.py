@@ -24,11 +24,11 @@ import torch
 from asyncrl.common.data.tasks import get_task, prompt_group
 from asyncrl.common.openmp import WAIT_POLICY
 from asyncrl.common.plane.control import ControlPlane
+from asyncrl.common.plane.run_secret import run_seal
 from asyncrl.common.transport.channel import PullChannel
 from asyncrl.common.weights.group import GroupAddress, SealedWeights, WeightGroup, pack_sealed
 from asyncrl.common.weights.rendezvous import RedisStore
 from asyncrl.common.wire.messages import Heartbeat, PromptGroup, RolloutGroup, WeightManifest
-from asyncrl.common.wire.seal import run_seal
 from tests.helpers import waits
 from tests.helpers.scrape import metric
 

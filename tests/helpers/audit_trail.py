@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from asyncrl.common.observability import audit as audit_module
-from asyncrl.common.observability.audit_file import entry_line
+from asyncrl.common.plane import audit as audit_module
+from asyncrl.common.plane.audit_file import entry_line
 from asyncrl.common.plane.keys import RunKeys
 
 

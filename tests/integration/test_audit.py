@@ -1,4 +1,4 @@
-"""The audit trail (``common/observability/audit.py``) against a real Redis: what an entry holds, that no secret gets
+"""The audit trail (``common/plane/audit.py``) against a real Redis: what an entry holds, that no secret gets
 in, that a Redis that is down stops nothing, that the mirror copies each entry exactly once across a restart, that
 refusal floods stay small, and that real processes (a reward worker, the registry) record what they should."""
 
@@ -19,17 +19,17 @@ import redis
 from redis.backoff import ConstantBackoff
 from redis.retry import Retry
 
-from asyncrl.common.observability import audit as audit_module
-from asyncrl.common.observability.audit import AUDIT_MAXLEN, MAX_REASONS, REDACTED, Audit, scrub
-from asyncrl.common.observability.audit_file import AuditMirror, entry_line
 from asyncrl.common.observability.metrics import AUDIT_FAILURES
+from asyncrl.common.plane import audit as audit_module
+from asyncrl.common.plane.audit import AUDIT_MAXLEN, MAX_REASONS, REDACTED, Audit, scrub
+from asyncrl.common.plane.audit_file import AuditMirror, entry_line
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.dead_letters import dead_letter
 from asyncrl.common.plane.keys import RunKeys
+from asyncrl.common.plane.run_secret import run_seal
 from asyncrl.common.transport.channel import ChannelBlocked, PushChannel
 from asyncrl.common.transport.curve import CurveClient, create_keypair, create_run_keys
 from asyncrl.common.wire.messages import Heartbeat
-from asyncrl.common.wire.seal import run_seal
 from tests.helpers.audit_trail import entries
 from tests.helpers.reward_stack import publish, start, stop, wait_ready
 from tests.helpers.rollouts import issue, make_group

@@ -43,17 +43,17 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from asyncrl.actors.episode_scoring import replay_episode
 from asyncrl.actors.episodes import close_environment_hosts
 from asyncrl.common.config import RunConfig
+from asyncrl.common.data.gyms import verify_reasoning_gym
 from asyncrl.common.data.prompts import Prompter, model_vocab_size
 from asyncrl.common.data.tasks import TaskExample, get_task
-from asyncrl.common.environments.gyms import verify_reasoning_gym
-from asyncrl.common.environments.turns import episode_tools, segments, turn_text
+from asyncrl.common.environments.turns import episode_tools, turn_text
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.replay import ReplayWriter
+from asyncrl.common.plane.run_secret import run_seal
 from asyncrl.common.rewards.response_text import ResponseTexts
 from asyncrl.common.tiny_models.chat import ARCHITECTURES, IM_END, chat_examples, init_chat_model, warm_start_chat
 from asyncrl.common.transport.channel import PullChannel
-from asyncrl.common.wire.messages import Heartbeat, RolloutGroup, ScoredGroup, model_turns
-from asyncrl.common.wire.seal import run_seal
+from asyncrl.common.wire.messages import Heartbeat, RolloutGroup, ScoredGroup, model_turns, segments
 from asyncrl.learner.batch import collate
 from asyncrl.learner.batch_source import BatchSource
 from tests.helpers.actor_stack import stop, transformers_logprobs

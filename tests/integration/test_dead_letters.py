@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from asyncrl.common.observability import audit as audit_module
+from asyncrl.common.plane import audit as audit_module
 from asyncrl.common.plane.dead_letters import DEAD_LETTER_EXCERPT, DEAD_LETTER_REASON, dead_letter, dead_letters
 from asyncrl.common.plane.keys import RunKeys
 

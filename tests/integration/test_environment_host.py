@@ -24,8 +24,8 @@ from asyncrl.actors.environment_host import EnvironmentHost
 from asyncrl.actors.episodes import close_environment_hosts, environment_host
 from asyncrl.common.config import load_config
 from asyncrl.common.environments.protocol import EnvironmentFailed
-from asyncrl.common.environments.turns import segments
 from asyncrl.common.observability.procs import child_pids
+from asyncrl.common.wire.messages import segments
 from tests.helpers.scripted_episodes import episode, replay, tools_for
 from tests.helpers.stack import running
 

@@ -32,15 +32,15 @@ from asyncrl.actors.episodes import open_environment
 from asyncrl.actors.remote_environments import RemoteEnvironments
 from asyncrl.common.config import load_config
 from asyncrl.common.environments.protocol import EnvironmentFailed, EpisodeRow
-from asyncrl.common.environments.turns import segments, turn_text
+from asyncrl.common.environments.turns import turn_text
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.keys import RunKeys
+from asyncrl.common.plane.run_secret import run_seal
 from asyncrl.common.tiny_models.chat import build_bpe_tokenizer
 from asyncrl.common.transport.channel import PushChannel
 from asyncrl.common.transport.rpc import RequestSocket
 from asyncrl.common.wire.attestation import EpisodeAttestation, EpisodeIdentity, Signer, score_message, step_message
-from asyncrl.common.wire.messages import Heartbeat, RolloutGroup
-from asyncrl.common.wire.seal import run_seal
+from asyncrl.common.wire.messages import Heartbeat, RolloutGroup, segments
 from tests.helpers.flood import flood
 from tests.helpers.reward_stack import heartbeat, publish, read_replay, start, wait_for, wait_ready
 from tests.helpers.rollouts import issue

@@ -30,10 +30,10 @@ import zmq
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.dead_letters import DEAD_LETTER_MAXLEN
 from asyncrl.common.plane.keys import RunKeys
+from asyncrl.common.plane.run_secret import run_seal
 from asyncrl.common.tiny_models import synthetic
 from asyncrl.common.transport.channel import PushChannel
 from asyncrl.common.wire.messages import encode, encode_blob
-from asyncrl.common.wire.seal import run_seal
 from tests.helpers.flood import resident_kib
 from tests.helpers.garbage import bad_blob, bad_messages
 from tests.helpers.reward_stack import heartbeat, publish, read_replay, reward_worker, wait_for

@@ -13,9 +13,9 @@ import torch
 from transformers import AutoTokenizer
 
 from asyncrl.common.config import RunConfig
-from asyncrl.common.observability.audit import Audit
-from asyncrl.common.observability.audit import flush as flush_audit
-from asyncrl.common.observability.audit_file import entry_line
+from asyncrl.common.plane.audit import Audit
+from asyncrl.common.plane.audit import flush as flush_audit
+from asyncrl.common.plane.audit_file import entry_line
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.dead_letters import dead_letter
 from asyncrl.common.plane.replay import ReplayWriter

@@ -10,8 +10,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from asyncrl.common.config import load_config
+from asyncrl.common.net import advertise_host
 from asyncrl.common.observability.metrics import start_metrics_server
-from asyncrl.common.transport.net import advertise_host
 
 pytestmark = pytest.mark.integration
 

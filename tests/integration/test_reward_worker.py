@@ -12,9 +12,10 @@ import pytest
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.dead_letters import DEAD_LETTER_EXCERPT
 from asyncrl.common.plane.keys import RunKeys
+from asyncrl.common.plane.run_secret import run_seal
 from asyncrl.common.transport.channel import PushChannel
 from asyncrl.common.wire.messages import Decoder, Heartbeat, RolloutGroup, decode_blob, encode_blob
-from asyncrl.common.wire.seal import Seal, run_seal
+from asyncrl.common.wire.seal import Seal
 from tests.helpers.audit_trail import entries as audit_entries
 from tests.helpers.flood import flood
 from tests.helpers.reward_stack import heartbeat, publish, read_replay, reward_worker, stop, wait_for

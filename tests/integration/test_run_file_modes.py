@@ -18,8 +18,8 @@ import pytest
 import redis
 
 from asyncrl.common.config import load_config, write_resolved
-from asyncrl.common.observability.audit import Audit, flush
-from asyncrl.common.observability.audit_file import AuditMirror
+from asyncrl.common.plane.audit import Audit, flush
+from asyncrl.common.plane.audit_file import AuditMirror
 from asyncrl.common.plane.keys import RunKeys, connect
 from asyncrl.common.plane.redis_server import EmbeddedRedis
 from asyncrl.common.plane.replay import ReplayWriter

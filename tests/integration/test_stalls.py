@@ -20,8 +20,8 @@ from asyncrl.actors.reward_peers import RewardPeers
 from asyncrl.common.config import RunConfig, load_config
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.replay import ReplayReader
+from asyncrl.common.plane.run_secret import run_seal
 from asyncrl.common.wire.messages import Heartbeat
-from asyncrl.common.wire.seal import run_seal
 from asyncrl.learner.broadcaster import Broadcaster
 from asyncrl.learner.dispatcher import Dispatcher
 from tests.helpers.rollouts import encode, issue, make_group, tokenizer_dir

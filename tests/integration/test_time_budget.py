@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.common.observability.audit_file import entry_line
+from asyncrl.common.plane.audit_file import entry_line
 from asyncrl.common.plane.keys import RunKeys
 from tests.helpers.waits import wait_for
 

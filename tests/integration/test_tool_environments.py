@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.actors.episodes import close_environment_hosts, environment_host
-from asyncrl.common.environments.turns import segments
+from asyncrl.common.wire.messages import segments
 from tests.helpers.scripted_episodes import episode, replay, tools_for
 
 pytestmark = pytest.mark.integration

@@ -16,7 +16,7 @@ import torch
 from asyncrl.actors.weight_receiver import WeightReceiverExtension
 from asyncrl.actors.weights_follower import WeightsFollower
 from asyncrl.common.config import RunConfig
-from asyncrl.common.observability.audit import Audit
+from asyncrl.common.plane.audit import Audit
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.weights.group import unpack_bucket
 from asyncrl.common.wire.messages import Decoder, Heartbeat, WeightManifest

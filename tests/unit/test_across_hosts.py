@@ -1,5 +1,5 @@
 """A run across hosts without starting one (``tests/e2e/test_multi_host.py`` runs it): the README's "On a cluster"
-commands are ``common/deploy.py``'s, each lasting process's command line is exactly its argv and environment, every
+commands are ``cli/deploy.py``'s, each lasting process's command line is exactly its argv and environment, every
 non-loopback ZeroMQ bind has CURVE keys, and the weight group's gloo sockets go where ``$ASYNCRL_ADVERTISE_HOST`` says.
 """
 
@@ -11,7 +11,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from asyncrl.common import deploy
+from asyncrl.cli import deploy
 from asyncrl.common.config import HOST_KEY_ENV
 from asyncrl.common.weights.group import gloo_group
 from tests.helpers.readme import readme_block
@@ -21,7 +21,7 @@ HOST_KEY_ENV_BY_FIELD = {path: var for var, path in HOST_KEY_ENV.items()}
 
 
 def test_the_cluster_docs_give_the_commands_deploy_builds() -> None:
-    """docs/cluster.md's "On a cluster" block is exactly what ``common/deploy.py`` builds."""
+    """docs/cluster.md's "On a cluster" block is exactly what ``cli/deploy.py`` builds."""
     assert readme_block() == deploy.cluster_doc(STEPS)
 
 

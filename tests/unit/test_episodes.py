@@ -19,7 +19,6 @@ import torch
 from asyncrl.actors.episode_scoring import EpisodeMismatch, environment_reward, replay_time_limit
 from asyncrl.cli.preflight import check_config
 from asyncrl.common.config import ConfigError, EnvironmentSection, RewardFunction, load_config
-from asyncrl.common.data.prompts import Prompter
 from asyncrl.common.data.tasks import TaskExample
 from asyncrl.common.environments.protocol import (
     ENVIRONMENTS,
@@ -31,13 +30,14 @@ from asyncrl.common.environments.protocol import (
     ToolEnvironment,
     calculate,
     checked_step,
+    run_prompter,
     run_tools,
 )
 from asyncrl.common.environments.tool_calls import parse_tool_calls
-from asyncrl.common.environments.turns import EpisodeTools, TemplateError, TurnEncoder, segments
+from asyncrl.common.environments.turns import EpisodeTools, TemplateError, TurnEncoder
 from asyncrl.common.rewards.functions import bind_functions, episode_options, time_limit
 from asyncrl.common.tiny_models.chat import ARCHITECTURES, CHATML_TEMPLATE, build_bpe_tokenizer
-from asyncrl.common.wire.messages import ScoredGroup
+from asyncrl.common.wire.messages import ScoredGroup, segments
 from asyncrl.learner.algorithms import GlobalCounts, LossInput, build_aggregation, build_loss
 from asyncrl.learner.batch import collate
 from tests.helpers.scripted_episodes import CALL, QUESTION, context, episode, replay, tools_for
@@ -310,18 +310,18 @@ def test_the_environments_tools_are_offered_through_the_chat_templates_tool_form
     tokenizer = build_bpe_tokenizer("qwen2")
     tokenizer.chat_template = TOOL_TEMPLATE
     settings = ["rollout.workflow=multi_turn", "environment.name=calculator"]
-    prompter = Prompter.for_run(tokenizer, load_config(None, settings))
+    prompter = run_prompter(tokenizer, load_config(None, settings))
     text = prompter.text(TaskExample("What is 6*7?", "42"))
     [line] = [line for line in text.splitlines() if line.startswith("{")]
     assert json.loads(line)["function"]["name"] == "calc"
     assert json.loads(line)["function"]["parameters"]["required"] == ["expression"]
     assert text.endswith("<|im_start|>user\nWhat is 6*7?<|im_end|>\n<|im_start|>assistant\n")
-    single = Prompter.for_run(tokenizer, load_config(None, []))  # no environment: no tools
+    single = run_prompter(tokenizer, load_config(None, []))  # no environment: no tools
     assert "<tools>" not in single.text(TaskExample("What is 6*7?", "42"))
     python = load_config(None, ["rollout.workflow=multi_turn", "environment.name=python"])
     assert [t["function"]["name"] for t in run_tools(python)] == ["python"]
     plain = build_bpe_tokenizer("qwen2")  # a template without tools: the prompt as before, and the log says so
-    Prompter.for_run(plain, load_config(None, settings))
+    run_prompter(plain, load_config(None, settings))
     assert "does not render tools" in caplog.text and "task.system_prompt" in caplog.text
 
 

@@ -13,11 +13,11 @@ import reasoning_gym  # noqa: F401  here, not in a test: its first import may ru
 
 from asyncrl.cli.preflight import check_config
 from asyncrl.common.config import load_config
+from asyncrl.common.data.gyms import _reasoning_dataset, textarena_game
 from asyncrl.common.data.tasks import get_task
-from asyncrl.common.environments.gyms import _game, _reasoning_dataset
-from asyncrl.common.environments.turns import segments
 from asyncrl.common.rewards.functions import bind_functions
 from asyncrl.common.rewards.verifiers import bind_verifier
+from asyncrl.common.wire.messages import segments
 from tests.helpers.scripted_episodes import episode, replay, tools_for
 
 TOOLS = tools_for("qwen2")
@@ -58,7 +58,7 @@ def test_a_textarena_game_is_the_environment_of_the_row_that_opened_it() -> None
     task = get_task("textarena", game="GuessTheNumber-v0", seeds=100)
     row = task.sample(random.Random(1))
     seed = json.loads(row.answer)["seed"]
-    game = _game("GuessTheNumber-v0", seed)
+    game = textarena_game("GuessTheNumber-v0", seed)
     while hasattr(game, "env"):
         game = game.env
     target = game.game_number

@@ -5,7 +5,7 @@ Every overlay, and the variants a user makes by swapping a component in (``prome
 
 - every object validates against the Kubernetes schemas (``kubernetes-validate``, offline, strict: an unknown field
   fails) or, for KEDA's kinds, against the CRD schema vendored in ``tests/data`` (made strict the same way);
-- every container runs exactly ``common/deploy.py``'s command, args and env (the one source the multi-host test
+- every container runs exactly ``cli/deploy.py``'s command, args and env (the one source the multi-host test
   runs too), reads its Secrets and ConfigMaps at the paths that module names, and only those it needs;
 - no secret in any ConfigMap, arg or env value; requests, probes and a restricted securityContext everywhere, with
   the reward worker's root-with-capabilities variant started here under exactly its capabilities;
@@ -38,7 +38,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from asyncrl.common import deploy
+from asyncrl.cli import deploy
 from asyncrl.common.config import RewardSection, load_config
 from asyncrl.common.exit_codes import ExitCode
 from asyncrl.common.plane.keys import RunKeys
@@ -257,7 +257,7 @@ def test_every_container_runs_common_deploy(variant: str) -> None:
             if ref:
                 ref["name"] = base_name(ref["name"])
         actual = {"command": spec["command"], "args": spec.get("args", []), "env": env}
-        assert actual == deploy.kube_container(role), f"{variant}: the {role} container differs from common/deploy.py"
+        assert actual == deploy.kube_container(role), f"{variant}: the {role} container differs from cli/deploy.py"
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -420,7 +420,7 @@ def test_workloads_have_requests_probes_and_a_restricted_security_context(varian
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_actors_liveness_reads_the_file_its_engine_keeps_fresh(overlay: str, tmp_path: Path) -> None:
-    """The actor's startup and liveness probes run common/deploy.py's ALIVE_CHECK on the file the actor is told to
+    """The actor's startup and liveness probes run cli/deploy.py's ALIVE_CHECK on the file the actor is told to
     touch (ASYNCRL_ALIVE_FILE): run here, the check passes on a fresh file and fails on one a minute old or missing."""
     actor = container(workloads(build(overlay))["actor"])
     env = {e["name"]: e.get("value") for e in actor["env"]}

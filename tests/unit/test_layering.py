@@ -9,6 +9,7 @@ packages."""
 from __future__ import annotations
 
 import ast
+import re
 import tomllib
 from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
@@ -53,6 +54,24 @@ def imported_names(path: Path) -> set[str]:
     return names
 
 
+def references(path: Path) -> set[str]:
+    """What the module uses of other modules, however it names them: every absolute import at any depth, those under
+    ``if TYPE_CHECKING:`` included, and every string that is a whole import path (``"asyncrl.common.data.gyms:Task"``
+    given to a registry, ``"-m", "asyncrl.cli.learner"`` in a command line), which loads the module all the same."""
+    tree = ast.parse(path.read_text())
+    names = {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and IMPORT_PATH.fullmatch(node.value):
+            names.add(node.value.split(":")[0])
+    return names
+
+
+IMPORT_PATH = re.compile(r"asyncrl(\.\w+)+(:\w+)?")
+"""A string that names a module (and an object in it) to be imported: a registry's path, ``python -m``'s argument."""
+
+
 def import_graph() -> dict[str, set[str]]:
     files = module_files()
     return {name: (imported_names(path) & files.keys()) - {name} for name, path in files.items()}
@@ -87,7 +106,7 @@ FORBIDDEN = {
 def test_each_part_imports_only_what_its_layer_allows() -> None:
     crossings = {}
     for name, path in module_files().items():
-        found = sorted(m for m in imported_names(path) if part(m) in FORBIDDEN[part(name)])
+        found = sorted(m for m in references(path) if part(m) in FORBIDDEN[part(name)])
         if found:
             crossings[name] = found
     assert crossings == {}
@@ -127,3 +146,44 @@ def test_the_distribution_installs_every_package() -> None:
     for name in PACKAGES:
         assert (ROOT / name).resolve() == ROOT / "asyncrl" / name, f"{name}: a link to asyncrl/{name}"
     assert (ROOT / "configs").resolve() == ROOT / "asyncrl" / "presets", "configs: a link to asyncrl/presets"
+
+
+COMMON_STACK = (
+    "exit_codes", "registry", "openmp", "net", "redact", "config", "observability", "private", "wire", "transport",
+    "plane", "weights", "staleness", "data", "rewards", "environments", "tiny_models",
+)  # fmt: skip
+"""The layers of ``common`` (its sub-packages and top modules), lowest first: a module uses its own layer and those
+below it, never one above (docs/development.md draws them)."""
+
+
+def layer(module: str) -> str | None:
+    """The layer of ``common`` a module name is in (``config`` for ``asyncrl.common.config.run``), None outside it."""
+    names = module.split(".")
+    return names[2] if names[:2] == ["asyncrl", "common"] and len(names) > 2 else None
+
+
+def test_common_is_a_stack_of_layers_each_using_only_those_below() -> None:
+    files = module_files()
+    assert {layer(name) for name in files} - {None} == set(COMMON_STACK)  # a new layer is placed in the list
+    height = {name: level for level, name in enumerate(COMMON_STACK)}
+    upward = {}
+    for name, path in files.items():
+        if (mine := layer(name)) is None:
+            continue
+        above = sorted(m for m in references(path) if (other := layer(m)) and height[other] > height[mine])
+        if above:
+            upward[name] = above
+    assert upward == {}
+
+
+def test_the_rules_count_annotations_and_import_path_strings_but_not_prose(tmp_path: Path) -> None:
+    module = tmp_path / "module.py"
+    module.write_text(
+        '"""A docstring that names asyncrl.common.wire.messages uses nothing."""\n'
+        "if TYPE_CHECKING:\n    from asyncrl.common.plane.keys import RunKeys\n"
+        "REGISTRY.register_path('x', 'asyncrl.common.data.gyms:Task')\n"
+    )
+    assert references(module) == {
+        "asyncrl.common.plane.keys", "asyncrl.common.plane.keys.RunKeys", "asyncrl.common.data.gyms",
+    }  # fmt: skip
+    assert layer("asyncrl.common.plane.keys") == "plane" and layer("asyncrl.actors.engine") is None

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.actors import liveness
-from asyncrl.common.deploy import ALIVE_ENV
+from asyncrl.actors.liveness import ALIVE_ENV
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from asyncrl.cli.children import parse_pins, pinned
-from asyncrl.common.observability.procs import cpu_list
+from asyncrl.common.config.training import cpu_list
 
 
 def test_cpu_lists_are_tasksets() -> None:

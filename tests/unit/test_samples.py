@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from asyncrl.cli.top import render
-from asyncrl.common.environments.turns import segments
 from asyncrl.common.plane.replay import ReplayEntry
-from asyncrl.common.wire.messages import ScoredGroup
+from asyncrl.common.wire.messages import ScoredGroup, segments
 from asyncrl.learner.batch_source import Taken
 from asyncrl.learner.recorder import (
     ending_figures,

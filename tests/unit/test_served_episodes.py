@@ -18,9 +18,9 @@ from asyncrl.actors.episode_scoring import EpisodeMismatch
 from asyncrl.cli.model_check import episode_mode
 from asyncrl.cli.preflight import check_config
 from asyncrl.common.config import load_config
-from asyncrl.common.environments.turns import EpisodeTools, segments
+from asyncrl.common.environments.turns import EpisodeTools
 from asyncrl.common.wire.codec import Limits, WireError
-from asyncrl.common.wire.messages import ScoredGroup
+from asyncrl.common.wire.messages import ScoredGroup, segments
 from asyncrl.learner.batch import collate
 from asyncrl.learner.samples import _turns
 from tests.helpers.scripted_episodes import CALL, QUESTION, episode, replay, tools_for

@@ -9,8 +9,8 @@ learner.
 The schema is split by concern — :mod:`.base` (what every section shares), :mod:`.training` (what a run trains and
 how), :mod:`.operations` (how its processes keep in step), :mod:`.run` (the whole :class:`RunConfig`) and
 :mod:`.loading` (files, presets, overrides) — and read through this package: ``from asyncrl.common.config import
-RunConfig, load_config``. Imports nothing of asyncrl but :mod:`asyncrl.common.observability.redact` and
-:mod:`asyncrl.common.transport.net` (both the standard library only).
+RunConfig, load_config``. Imports nothing of asyncrl but :mod:`asyncrl.common.redact` and
+:mod:`asyncrl.common.net` (both the standard library only).
 """
 
 from asyncrl.common.config.base import GROUP_BASELINE_ADVANTAGES, MAX_DEPTH, ConfigError, Section

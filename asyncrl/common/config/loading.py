@@ -20,7 +20,7 @@ from pydantic import (
 
 from asyncrl.common.config.base import MAX_CONFIG_BYTES, MAX_DEPTH, ConfigError, check_values
 from asyncrl.common.config.run import RunConfig, validated
-from asyncrl.common.transport.net import is_loopback
+from asyncrl.common.net import is_loopback
 
 
 def preset_dir() -> Path:

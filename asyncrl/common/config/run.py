@@ -39,7 +39,7 @@ from asyncrl.common.config.training import (
     RunSection,
     TaskSection,
 )
-from asyncrl.common.observability.redact import redact
+from asyncrl.common.redact import redact
 
 
 class RunConfig(Section):

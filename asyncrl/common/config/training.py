@@ -14,6 +14,16 @@ from pydantic import (
 from asyncrl.common.config.base import MAX_SEED, MAX_STEPS, MAX_TOKENS, WEEK_S, Int, Section, ZeroStage
 
 
+def cpu_list(text: str) -> set[int]:
+    """The CPUs of a list like ``0,2-3`` (empty for a malformed one)."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        if not low.isdigit() or (high and not high.isdigit()) or int(high or low) < int(low):
+            return set()
+        cpus |= set(range(int(low), int(high or low) + 1))
+    return cpus
+
 class RunSection(Section):
     name: str = Field(default="demo", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
     """Run name: the Redis namespace and the folder under ``root``."""
@@ -110,8 +120,6 @@ class RolloutSection(Section):
     @field_validator("cpu_threads", "frontend_cpus")
     @classmethod
     def _cpu_list(cls, text: str) -> str:
-        from asyncrl.common.observability.procs import cpu_list
-
         if text and not cpu_list(text):
             raise ValueError(f"{text!r} is not a CPU list such as 1, 0-3 or 0,2-3")
         return text

@@ -30,7 +30,7 @@ from asyncrl.common.data.tasks import TaskError
 from asyncrl.common.observability.logs import get_logger
 
 if TYPE_CHECKING:
-    from asyncrl.common.config import RunConfig, TaskSection
+    from asyncrl.common.config import TaskSection
     from asyncrl.common.data.tasks import TaskExample
 
 Messages = Sequence[dict[str, str]]
@@ -54,14 +54,6 @@ class Prompter:
     """The characters of a text the tokenizer can only map to its unknown token (None: it has none)."""
     stop_ids: tuple[int, ...] = ()
     """Token ids that end a response besides the EOS ids vLLM knows: the template's end of an assistant turn."""
-
-    @classmethod
-    def for_run(cls, tokenizer: Any, config: RunConfig) -> Prompter:
-        """The prompter of a run: its ``[task]`` section, and the tools of its environment
-        (:func:`asyncrl.common.environments.protocol.run_tools`) offered through the chat template."""
-        from asyncrl.common.environments.protocol import run_tools
-
-        return cls.for_tokenizer(tokenizer, config.task, run_tools(config))
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any, section: TaskSection, tools: Sequence[dict] = ()) -> Prompter:

@@ -177,9 +177,9 @@ def register_task(name: str) -> Callable[[type[Task]], type[Task]]:
 
 # User data files (common/data/file_task.py, which imports this module), imported when a run names them.
 TASKS.register_path("file", "asyncrl.common.data.file_task:FileTask")
-# Adapters that need optional packages (common/environments/gyms.py), imported when a run names them.
-TASKS.register_path("reasoning_gym", "asyncrl.common.environments.gyms:ReasoningGymTask")
-TASKS.register_path("textarena", "asyncrl.common.environments.gyms:TextArenaTask")
+# Adapters that need optional packages (common/data/gyms.py), imported when a run names them.
+TASKS.register_path("reasoning_gym", "asyncrl.common.data.gyms:ReasoningGymTask")
+TASKS.register_path("textarena", "asyncrl.common.data.gyms:TextArenaTask")
 
 
 def get_task(name: str, **options: Any) -> Task:

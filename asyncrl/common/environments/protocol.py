@@ -60,6 +60,7 @@ from asyncrl.common.registry import Contract, Registry
 
 if TYPE_CHECKING:
     from asyncrl.common.config import RunConfig
+    from asyncrl.common.data.prompts import Prompter
 
 Message = dict[str, str]
 MAX_OBSERVATION_CHARS = 65536
@@ -255,6 +256,14 @@ def run_tools(config: RunConfig) -> list[dict[str, Any]]:
         return []
     specs = getattr(ENVIRONMENTS.get(config.environment.name), "tool_specs", None)
     return list(specs(dict(config.environment.options))) if specs is not None else []
+
+
+def run_prompter(tokenizer: Any, config: RunConfig) -> Prompter:
+    """The prompter of a run: its ``[task]`` section, and the tools of its environment (:func:`run_tools`) offered
+    through the chat template."""
+    from asyncrl.common.data.prompts import Prompter
+
+    return Prompter.for_tokenizer(tokenizer, config.task, run_tools(config))
 
 
 def function_spec(name: str, description: str, **arguments: str) -> dict[str, Any]:

@@ -4,7 +4,8 @@ A multi-turn episode is one response of a rollout group: after the prompt, the m
 it, ending with the template's end of an assistant turn), then the tokens the chat template writes for the
 environment's observation up to and including the next generation prompt, then the model's next turn, and so on.
 The rollout's ``loss_mask`` is 1 on the model's tokens and 0 on the environment's, so the segments of a response
-are the maximal runs of equal mask values (:func:`segments`), alternating model and environment.
+are the maximal runs of equal mask values (:meth:`~asyncrl.common.wire.messages.RolloutGroup.segments`), alternating
+model and environment.
 
 :class:`TurnEncoder` finds what the template writes for an observation by rendering a probe conversation twice
 (``[user, assistant]``, then ``[user, assistant, *observation]`` with the generation prompt) and keeping what the
@@ -34,15 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from asyncrl.common.data.prompts import turn_end_id
-
-EPISODE_FINISH_REASONS = ("stop", "length", "max_turns", "deadline")
-"""How a trained episode ended, as its finish reason says: ``stop`` (the environment said done, or the model ended its
-turn without a call: the model's choice), ``length`` (the token limit), ``max_turns`` (``environment.max_turns``),
-``deadline`` (``environment.episode_timeout_s``). An episode its environment's fault ended (``environment_error``) is
-never trained (``actors/faults.py``)."""
 
 Message = dict[str, str]
 _PROBE = "asyncrl-episode-probe"
@@ -157,17 +150,6 @@ class TurnEncoder:
 def turn_text(tokenizer: Any, ids: Sequence[int]) -> str:
     """A model turn as the environment reads it: its tokens decoded without special tokens."""
     return tokenizer.decode(list(ids), skip_special_tokens=True)
-
-
-def segments(trained: np.ndarray) -> list[tuple[int, int, bool]]:
-    """``(start, end, trained)`` of each maximal run of equal values in a response's loss mask, in order."""
-    mask = np.asarray(trained, dtype=bool)
-    if not len(mask):
-        return []
-    edges = np.flatnonzero(np.diff(mask.astype(np.int8))) + 1
-    starts = [0, *edges.tolist()]
-    ends = [*edges.tolist(), len(mask)]
-    return [(s, e, bool(mask[s])) for s, e in zip(starts, ends, strict=True)]
 
 
 @dataclass(frozen=True)

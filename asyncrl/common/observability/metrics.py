@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from asyncrl.common.net import advertise_host
 from asyncrl.common.observability.logs import get_logger
-from asyncrl.common.transport.net import advertise_host
 
 if TYPE_CHECKING:
     pass

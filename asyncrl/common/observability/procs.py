@@ -73,17 +73,6 @@ def descendants(pid: int) -> set[int]:
     return below
 
 
-def cpu_list(text: str) -> set[int]:
-    """The CPUs of a list like ``0,2-3`` (empty for a malformed one)."""
-    cpus: set[int] = set()
-    for part in text.split(","):
-        low, _, high = part.partition("-")
-        if not low.isdigit() or (high and not high.isdigit()) or int(high or low) < int(low):
-            return set()
-        cpus |= set(range(int(low), int(high or low) + 1))
-    return cpus
-
-
 def move_process(cpus: set[int]) -> None:
     """Move every thread of this process to ``cpus`` (``os.sched_setaffinity(0, ...)`` moves only the calling one;
     threads started later inherit their starter's CPUs). Raises ``OSError`` when none of ``cpus`` can run it."""

@@ -13,8 +13,8 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.common.observability.audit import dead_lettered
 from asyncrl.common.plane import replies
+from asyncrl.common.plane.audit import dead_lettered
 from asyncrl.common.plane.keys import RunKeys
 from asyncrl.common.wire.messages import WireError, pack_frames
 

@@ -165,7 +165,7 @@ class RunKeys:
 
     @property
     def audit(self) -> str:
-        """Stream of the run's audit trail (``common/observability/audit.py``), mirrored by the learner into
+        """Stream of the run's audit trail (``common/plane/audit.py``), mirrored by the learner into
         ``audit.jsonl``."""
         return self._k("audit")
 

@@ -13,9 +13,9 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from asyncrl.common.observability.audit import Audit
 from asyncrl.common.observability.logs import get_logger
 from asyncrl.common.plane import replies
+from asyncrl.common.plane.audit import Audit
 from asyncrl.common.wire.messages import Decoder, Heartbeat, Limits, WireError, decode_blob, encode_blob
 
 if TYPE_CHECKING:

@@ -244,7 +244,8 @@ def episode_options(config: RunConfig) -> dict[str, Any]:
 def check_names(functions: Sequence[RewardFunction]) -> None:
     """Each configured function is a registered name, or an import path to a reward function (``f(group, options)``:
     :data:`REWARDS`' contract); ``ValueError`` naming the setting otherwise. What the learner checks in a config: a
-    registered function is not imported here (``reward_model`` loads transformers, ``environment`` the actors' code),
+    registered function is not imported here (``reward_model`` loads transformers, ``environment`` the actors' code,
+registered by ``asyncrl.actors``),
     an import path is (the user's own code), so that ``os:system`` is refused before anything starts."""
     for i, function in enumerate(functions):
         if ":" in function.name or function.name not in REWARDS:
@@ -281,11 +282,6 @@ def task_verifier(options: dict[str, Any]) -> Verifier:
 
 
 # --------------------------------------------------------------------------- built-in rule rewards
-
-
-# Scored by replaying each episode in the run's environment, which drives episodes as the actor does: that code is
-# the actors', so it is imported by name, on a reward worker, only when a run uses it.
-REWARDS.register_path("environment", "asyncrl.actors.episode_scoring:environment_reward")
 
 
 def _task_options(run: RunFacts, options: dict[str, Any]) -> dict[str, Any]:

@@ -70,7 +70,7 @@ register_verifier = VERIFIERS.register
 get_verifier = VERIFIERS.get
 verifier_names = VERIFIERS.names
 # Needs reasoning-gym: imported when used.
-VERIFIERS.register_path("reasoning_gym", "asyncrl.common.environments.gyms:verify_reasoning_gym")
+VERIFIERS.register_path("reasoning_gym", "asyncrl.common.data.gyms:verify_reasoning_gym")
 
 _OPTION_CHECKS: dict[Callable[..., float], Callable[..., None]] = {}
 

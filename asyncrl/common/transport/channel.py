@@ -44,6 +44,7 @@ from typing import Any, cast
 
 import zmq
 
+from asyncrl.common.net import is_loopback
 from asyncrl.common.observability.logs import get_logger, worth_logging
 from asyncrl.common.observability.metrics import (
     CHANNEL_RECEIVED,
@@ -54,7 +55,6 @@ from asyncrl.common.observability.metrics import (
     WIRE_MALFORMED,
 )
 from asyncrl.common.transport.curve import AuthorizedKeys, CurveClient, CurveServer, MemberCurve, MemberKey
-from asyncrl.common.transport.net import is_loopback
 from asyncrl.common.wire.messages import Decoder, Limits, WireError, encode
 from asyncrl.common.wire.seal import Seal, absorb, finish
 

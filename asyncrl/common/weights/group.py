@@ -35,7 +35,7 @@ import blake3
 import torch
 from torch.distributed.distributed_c10d import PrefixStore, Store
 
-from asyncrl.common.transport.net import ADVERTISE_HOST_ENV
+from asyncrl.common.net import ADVERTISE_HOST_ENV
 from asyncrl.common.weights.rendezvous import RedisStore
 from asyncrl.common.wire.messages import WeightBucket
 

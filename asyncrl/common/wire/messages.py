@@ -66,6 +66,13 @@ __all__ = [
 ]
 
 
+EPISODE_FINISH_REASONS = ("stop", "length", "max_turns", "deadline")
+"""How a trained episode ended, as its finish reason says: ``stop`` (the environment said done, or the model ended its
+turn without a call: the model's choice), ``length`` (the token limit), ``max_turns`` (``environment.max_turns``),
+``deadline`` (``environment.episode_timeout_s``). An episode its environment's fault ended (``environment_error``) is
+never trained (``actors/faults.py``)."""
+
+
 @message("prompt")
 @dataclass(frozen=True, kw_only=True)
 class PromptGroup:
@@ -155,6 +162,11 @@ class RolloutGroup:
             return np.ones(int(self.lengths[i]), bool)
         start = int(self.lengths[:i].sum())
         return self.loss_mask[start : start + int(self.lengths[i])].astype(bool)
+
+    def segments(self, i: int) -> list[tuple[int, int, bool]]:
+        """``(start, end, trained)`` of each run of response ``i``: the model's turns and what the environment said
+        between them (one run, trained, for a single-turn response)."""
+        return segments(self.trained(i))
 
     def rows(self, i: int) -> list[tuple[int, int]]:
         """``(start, end)`` of each training row of response ``i``, in its own token positions (one row, the whole
@@ -252,6 +264,17 @@ class ScoredGroup:
             return [self.turn_rewards] * self.rollout.num_samples
         ends = np.cumsum([model_turns(self.rollout.trained(i)) for i in range(self.rollout.num_samples)])
         return np.split(self.turn_rewards, ends[:-1])
+
+
+def segments(trained: np.ndarray) -> list[tuple[int, int, bool]]:
+    """``(start, end, trained)`` of each maximal run of equal values in a response's loss mask, in order."""
+    mask = np.asarray(trained, dtype=bool)
+    if not len(mask):
+        return []
+    edges = np.flatnonzero(np.diff(mask.astype(np.int8))) + 1
+    starts = [0, *edges.tolist()]
+    ends = [*edges.tolist(), len(mask)]
+    return [(s, e, bool(mask[s])) for s, e in zip(starts, ends, strict=True)]
 
 
 def model_turns(trained: np.ndarray) -> int:

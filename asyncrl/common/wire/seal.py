@@ -7,10 +7,10 @@ byte it sends. The seal stays the per-message check: it needs no key files, bind
 where the operator's CURVE keys admit a client that does not hold the secret. It costs a keyed hash over the message
 (HMAC-SHA-256, which SHA extensions of current CPUs run at GB/s; ``bench/seal.py`` measures it).
 
-The run secret is 32 random bytes kept in the run's Redis (``asyncrl:<run>:secret``), made by the first process that
-asks (``SET NX``) and read by every other at start: whoever can reach the run's Redis — which needs its password —
-is a member; nobody else can seal a message. The secret is never logged, published in ``config.json``, a metric or
-the audit trail.
+The run secret is 32 random bytes kept in the run's Redis (``asyncrl:<run>:secret``; ``common/plane/run_secret.py``),
+made by the first process that asks (``SET NX``) and read by every other at start: whoever can reach the run's Redis
+— which needs its password — is a member; nobody else can seal a message. The secret is never logged, published in
+``config.json``, a metric or the audit trail.
 
 Seal of a message of frames ``f_1 … f_n`` on channel ``c``::
 
@@ -24,15 +24,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import struct
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    import redis
-
-    from asyncrl.common.plane.keys import RunKeys
+from typing import Any
 
 TAG_BYTES = 16
 SECRET_BYTES = 32
@@ -94,20 +88,6 @@ def finish(hasher: Any, frame_count: int) -> bytes:
     """The tag of the ``frame_count`` frames fed into ``hasher``."""
     hasher.update(_LENGTH.pack(frame_count))
     return hasher.digest()[:TAG_BYTES]
-
-
-def run_secret(client: redis.Redis, keys: RunKeys) -> bytes:
-    """The run's secret from its Redis, made now (``SET NX``: one value whoever asks first) when there is none."""
-    client.set(keys.secret, os.urandom(SECRET_BYTES), nx=True)
-    secret = client.get(keys.secret)
-    if not isinstance(secret, bytes) or len(secret) < 16:  # nil (a client that decodes replies would give str)
-        raise RuntimeError(f"{keys.secret} in Redis holds no usable run secret; delete the key and restart the run")
-    return bytes(secret)
-
-
-def run_seal(client: redis.Redis, keys: RunKeys, channel: str) -> Seal:
-    """The :class:`Seal` of ``channel`` in the run whose keys are ``keys``."""
-    return Seal(run_secret(client, keys), channel)
 
 
 def group_tag(secret: bytes, parts: Iterable[str | int]) -> str:

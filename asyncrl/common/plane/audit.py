@@ -47,8 +47,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 from asyncrl.common.observability.logs import get_logger, worth_logging
 from asyncrl.common.observability.metrics import AUDIT_FAILURES, AUDIT_SUPPRESSED
-from asyncrl.common.observability.redact import redact
 from asyncrl.common.plane.keys import RunKeys
+from asyncrl.common.redact import redact
 
 if TYPE_CHECKING:
     import redis
@@ -104,7 +104,7 @@ def scrub(value: Any, secrets: tuple[str, ...] = (), name: str = "") -> Any:
 
     A value under a name that says it holds a secret (``password``, ``secret``, ``key_secret``, ``token``,
     ``credential``, ``api_key``, ``private_key``) becomes :data:`REDACTED`; in strings
-    (:func:`asyncrl.common.observability.redact.redact`) a URL's password, a ``password=…`` query value and each of
+    (:func:`asyncrl.common.redact.redact`) a URL's password, a ``password=…`` query value and each of
     ``secrets`` (e.g. the Redis password) become ``***``. Strings are cut at :data:`MAX_TEXT` characters.
     """
     if value is None or isinstance(value, bool):

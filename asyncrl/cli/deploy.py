@@ -31,12 +31,12 @@ import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from asyncrl.actors.liveness import ALIVE_ENV
 from asyncrl.common.config import HOST_KEY_ENV
+from asyncrl.common.net import ADVERTISE_HOST_ENV
 
-ADVERTISE_ENV = "ASYNCRL_ADVERTISE_HOST"
-"""The address a process puts in its heartbeat for others to reach it (``common/observability/metrics.py``)."""
-ALIVE_ENV = "ASYNCRL_ALIVE_FILE"
-"""A file the actor touches while its engine makes progress (``actors/liveness.py``): a liveness check's input."""
+ADVERTISE_ENV = ADVERTISE_HOST_ENV
+"""The address a process puts in its heartbeat for others to reach it (``common/net.py``)."""
 _KEY_ENV = {path: var for var, path in HOST_KEY_ENV.items()}  # transport.curve_* field -> its per-host variable
 
 LEARNER_RESUME = """\

@@ -1,6 +1,6 @@
 """The audit trail's file: ``audit.jsonl`` in the run folder, a copy of the run's audit stream (:class:`AuditMirror`),
 one JSON object per entry (:func:`entry_line`). The stream and what goes into it are
-:mod:`asyncrl.common.observability.audit`.
+:mod:`asyncrl.common.plane.audit`.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from asyncrl.common.observability.audit import EXIT_FLUSH_S, RESERVED, client_secrets, failed, flush, scrub
 from asyncrl.common.observability.logs import get_logger
 from asyncrl.common.observability.metrics import AUDIT_FAILURES, AUDIT_MIRRORED
 from asyncrl.common.plane import replies
+from asyncrl.common.plane.audit import EXIT_FLUSH_S, RESERVED, client_secrets, failed, flush, scrub
 from asyncrl.common.plane.keys import RunKeys
 from asyncrl.common.private import open_private, private_dir
 
