@@ -6,6 +6,7 @@ starts only the embedded Redis, for launching the other processes by hand."""
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -247,6 +248,58 @@ def slurm_job(config: ConfigOpt = None, set_: SetOpt = None) -> None:
     from asyncrl.cli.slurm_job import run_job
 
     raise typer.Exit(run_job(config, list(set_ or []), _run_redis, _run_children))
+
+
+@app.command()
+def ray(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    address: Annotated[
+        str | None,
+        typer.Option(help="The Ray cluster: auto, HOST:PORT of its head, or ray://HOST:10001 (ray.address)."),
+    ] = None,
+    actors: Annotated[int | None, typer.Option(min=0, help="Rollout actors (ray.actors).")] = None,
+    rewards: Annotated[int | None, typer.Option(min=0, help="Reward workers (ray.rewards).")] = None,
+    gpus: Annotated[
+        bool | None, typer.Option("--gpus/--no-gpus", help="Ask Ray for GPUs for the learner and actors (ray.gpus).")
+    ] = None,
+) -> None:
+    """Run on a Ray cluster: Ray places the run's head (Redis, the learner, the reward workers: one placement group on
+    one node) and each rollout actor ([ray] section), and asyncrl's own processes run there as anywhere. Run it on a
+    node of the cluster (or through ray://), from a folder every node shares (run.root and this environment must be on
+    it). Ends with the run; Ctrl-C stops it (the learner saves a checkpoint first)."""
+    from asyncrl.cli.ray_launch import launch
+
+    flags = {"address": address, "actors": actors, "rewards": rewards, "gpus": gpus}
+    overrides = [*(set_ or []), *(f"ray.{k}={json.dumps(v)}" for k, v in flags.items() if v is not None)]
+    raise typer.Exit(launch(config, overrides))
+
+
+@app.command("ray-head", hidden=True)
+def ray_head(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    address: Annotated[str, typer.Option(help="The cluster's GCS address.")] = "auto",
+) -> None:
+    """On the node Ray placed the run's head: Redis, the reward workers and the learner; the actors through Ray."""
+    from asyncrl.cli.ray_launch import head_main
+
+    raise typer.Exit(head_main(config, list(set_ or []), address, _run_redis, _run_children))
+
+
+@app.command("ray-actor", hidden=True)
+def ray_actor(
+    command: Annotated[list[str], typer.Argument(help="The rollout actor's command line.")],
+    address: Annotated[str, typer.Option(help="The cluster's GCS address.")] = "auto",
+    run_name: Annotated[str, typer.Option("--run", help="The run (its Ray namespace).")] = "demo",
+    name: Annotated[str, typer.Option(help="The actor's name in the run.")] = "actor-0",
+    request: Annotated[str, typer.Option(help="JSON: cpus, gpus, resources, restarts.")] = "{}",
+    log_path: Annotated[str, typer.Option("--log", help="The actor's log file.")] = "",
+) -> None:
+    """One rollout actor placed by Ray, followed until it exits (its exit code); SIGTERM stops it."""
+    from asyncrl.cli.ray_launch import actor_main
+
+    raise typer.Exit(actor_main(address, run_name, name, json.loads(request), log_path, command))
 
 
 def _checkpoint_folder(resolved: RunConfig, spec: str) -> Path:

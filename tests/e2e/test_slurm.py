@@ -36,7 +36,7 @@ from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.keys import connect
 from asyncrl.common.plane.redis_server import EmbeddedRedis, find_redis_server
 from tests.helpers.accounting import account_groups
-from tests.helpers.runs import step_rows
+from tests.helpers.runs import processes_of, step_rows
 from tests.helpers.slurm_cluster import SlurmCluster, missing_programs
 from tests.helpers.stack import BIN
 from tests.helpers.waits import wait_for
@@ -149,20 +149,6 @@ def _argv_holding(secrets: list[str]) -> list[str]:
     return shown
 
 
-def _processes_of(run_dir: Path) -> list[str]:
-    """Processes still running whose command line or working folder is the run's."""
-    found = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            argv = (proc / "cmdline").read_bytes()
-            cwd = os.readlink(proc / "cwd")
-        except OSError:
-            continue
-        if str(run_dir).encode() in argv or cwd.startswith(str(run_dir)):
-            found.append(f"{proc.name}: {argv[:200]!r}")
-    return found
-
-
 def _not_loaded(events: list[dict], failed: set[int], stopped: dict[str, float]) -> dict[str, set[int]]:
     """Per actor, the versions published to it whose transfer went through (not in ``failed``) that it did not load.
     An actor stopped (``stopped``: when) may miss those published after that, and any newer than the last it loaded
@@ -263,7 +249,7 @@ def test_a_run_submitted_to_slurm_survives_a_dead_node_a_cancelled_step_and_a_re
     shown_job = cluster.command(["scontrol", "show", "job", "-d", job.id]).stdout
     for holder in (script, shown_job, str(accounted), output):
         assert not [s for s in secrets if s in holder]
-    assert job.steps_named() == {} and _processes_of(job.run_dir) == []
+    assert job.steps_named() == {} and processes_of(job.run_dir) == []
     with EmbeddedRedis(job.run_dir / "redis") as redis:  # the run's Redis again, on its AOF: the ledger
         account_groups(ControlPlane(connect(redis.url), RUN), final, GROUPS)
 
@@ -283,4 +269,4 @@ def test_a_run_folder_a_node_does_not_share_fails_the_job_naming_it(cluster: Slu
     said = [line for line in (logs / f"slurm-{job.id}.out").read_text().splitlines() if "every node shares" in line]
     assert len(said) == 1 and "nodes=node3" in said[0] and "on the cluster's shared filesystem" in said[0], said
     assert not [log.name for log in logs.iterdir() if not log.name.startswith("slurm-")]  # no process was started
-    assert not _processes_of(job.run_dir)
+    assert not processes_of(job.run_dir)

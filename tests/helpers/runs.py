@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from pathlib import Path
 
 
@@ -61,3 +62,17 @@ def check_samples(
         assert all(b >= a - 0.01 for a, b in itertools.pairwise(times)), r["timeline"]
         assert isinstance(r["advantage"], float) and r["details"] and r["finish_reason"]
         assert staleness is None or r["staleness"] == staleness
+
+
+def processes_of(run_dir: Path) -> list[str]:
+    """Processes still running whose command line or working folder is the run's."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (proc / "cmdline").read_bytes()
+            cwd = os.readlink(proc / "cwd")
+        except OSError:
+            continue
+        if str(run_dir).encode() in argv or cwd.startswith(str(run_dir)):
+            found.append(f"{proc.name}: {argv[:200]!r}")
+    return found

@@ -954,7 +954,7 @@ def test_the_dockerfile_installs_as_bin_setup_does() -> None:
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
     torch_pin = re.search(r'install "(torch==[0-9.]+)"', setup).group(1)
     removed = re.search(r"pip uninstall --quiet -y ([\w ]+?) 2>", setup).group(1).split()
-    assert re.search(r'install -e "\.\[\$extra,dev,envs,lora,trackers\]"', setup)
+    assert re.search(r'install -e "\.\[\$extra,dev,envs,lora,ray,trackers\]"', setup)
     steps = run_lines(dockerfile)
 
     def step(pattern: str) -> int:

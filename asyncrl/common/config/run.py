@@ -24,6 +24,7 @@ from asyncrl.common.config.operations import (
     TransportSection,
     WeightSyncSection,
 )
+from asyncrl.common.config.ray import RaySection
 from asyncrl.common.config.slurm import SlurmSection
 from asyncrl.common.config.training import (
     AlgorithmSection,
@@ -64,6 +65,7 @@ class RunConfig(Section):
     eval: EvalSection = Field(default_factory=EvalSection)
     environment: EnvironmentSection = Field(default_factory=EnvironmentSection)
     slurm: SlurmSection = Field(default_factory=SlurmSection)
+    ray: RaySection = Field(default_factory=RaySection)
 
     @model_validator(mode="after")
     def _episodes_need_an_environment(self) -> RunConfig:
