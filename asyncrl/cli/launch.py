@@ -263,16 +263,26 @@ def ray(
     gpus: Annotated[
         bool | None, typer.Option("--gpus/--no-gpus", help="Ask Ray for GPUs for the learner and actors (ray.gpus).")
     ] = None,
+    run_name: Annotated[
+        str | None,
+        typer.Option("--run", help="A live run (run.name): with --actors N, start or stop rollout actors until N run."),
+    ] = None,
 ) -> None:
     """Run on a Ray cluster: Ray places the run's head (Redis, the learner, the reward workers: one placement group on
     one node) and each rollout actor ([ray] section), and asyncrl's own processes run there as anywhere. Run it on a
     node of the cluster (or through ray://), from a folder every node shares (run.root and this environment must be on
-    it). Ends with the run; Ctrl-C stops it (the learner saves a checkpoint first)."""
-    from asyncrl.cli.ray_launch import launch
+    it). Ends with the run; Ctrl-C stops it (the learner saves a checkpoint first). With --run NAME and --actors N,
+    changes the number of rollout actors of that live run instead, from the folder it was launched from."""
+    from asyncrl.cli.ray_launch import launch, scale
+    from asyncrl.cli.util import fail
 
     flags = {"address": address, "actors": actors, "rewards": rewards, "gpus": gpus}
     overrides = [*(set_ or []), *(f"ray.{k}={json.dumps(v)}" for k, v in flags.items() if v is not None)]
-    raise typer.Exit(launch(config, overrides))
+    if run_name is None:
+        raise typer.Exit(launch(config, overrides))
+    if actors is None:
+        fail("--run names a live run to change: give the number of rollout actors it should have (--actors N)")
+    raise typer.Exit(scale(config, [*overrides, f"run.name={json.dumps(run_name)}"], actors))
 
 
 @app.command("ray-head", hidden=True)

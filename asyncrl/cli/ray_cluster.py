@@ -100,6 +100,10 @@ class ProcessActor:
         """The address of the node the process runs on."""
         return self.node
 
+    def running(self) -> bool:
+        """Whether the process has not exited yet."""
+        return self.process.poll() is None
+
     def wait(self) -> int:
         """The process's exit code, once it exits."""
         return self.process.wait()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -95,7 +96,77 @@ def launch(config: Path | None, overrides: list[str]) -> int:
     try:
         return follow(ray, head, resolved)
     finally:
+        stop_actors(ray, list(live_actors(ray).values()))  # those added while it ran (rl-launch ray --actors N)
         remove_placement_group(group)
+
+
+ACTOR_NAME = re.compile(r"^actor-(\d+)$")
+
+
+def live_actors(ray: Any) -> dict[str, Any]:
+    """The run's rollout actors whose process runs, by name (the namespace is the run's), in index order."""
+    found = {}
+    for name in sorted(ray.util.list_named_actors(), key=lambda n: int(m[1]) if (m := ACTOR_NAME.match(n)) else -1):
+        if not ACTOR_NAME.match(name):
+            continue
+        try:
+            handle = ray.get_actor(name)
+            if ray.get(handle.running.remote(), timeout=30):
+                found[name] = handle
+        except (ValueError, ray.exceptions.RayError):
+            continue  # ended meanwhile
+    return found
+
+
+def stop_actors(ray: Any, actors: list[Any]) -> None:
+    """Stop rollout actors (SIGTERM: each gives its unfinished groups back) and free their resources."""
+    ray.get([actor.stop.remote(60.0) for actor in actors])
+    for actor in actors:
+        ray.kill(actor)
+
+
+def scale(config: Path | None, overrides: list[str], actors: int) -> int:
+    """``rl-launch ray --actors N --run NAME`` on a live run: start or stop rollout actors until N of them run. Added
+    ones are Ray actors of their own (detached: they outlive this command; the run's end stops them); the newest go
+    first when there are too many."""
+    from asyncrl.cli.util import fail, load
+
+    resolved = load(config, overrides)
+    ray = connect(resolved.ray.address, namespace(resolved.run.name))
+    try:
+        ray.get_actor(HEAD)
+    except ValueError:
+        fail(f"run.name = {resolved.run.name!r}: no such run is live on this Ray cluster (rl-launch ray starts one)")
+    running = live_actors(ray)
+    if actors < len(running):
+        stop_actors(ray, list(running.values())[actors:])
+        log.info("rollout actors stopped", run=resolved.run.name, stopped=len(running) - actors, now=actors)
+        return ExitCode.OK
+    taken = [int(m[1]) for name in ray.util.list_named_actors() if (m := ACTOR_NAME.match(name))]
+    for index in range(max(taken, default=-1) + 1, max(taken, default=-1) + 1 + actors - len(running)):
+        name = f"actor-{index}"
+        command = [bin_path("rl-actor"), *run_args(resolved), "--id", name]
+        request = actor_request(resolved)
+        process_actor_class().options(
+            name=name, lifetime="detached", num_cpus=request["cpus"], num_gpus=request["gpus"],
+            resources=request["resources"], max_restarts=request["restarts"], scheduling_strategy="SPREAD",
+        ).remote(command, {}, str(log_file(resolved, name)), os.getcwd())  # fmt: skip
+        log.info("rollout actor added", run=resolved.run.name, actor=name)
+    return ExitCode.OK
+
+
+def run_args(resolved: RunConfig) -> list[str]:
+    """What a process of the run is started with: the run's Redis URL file (never the URL: it holds the password)."""
+    return ["--redis-url-file", str((resolved.run_dir / "redis" / "url").absolute()), "--run", resolved.run.name]
+
+
+def actor_request(config: RunConfig) -> dict[str, Any]:
+    """What one rollout actor asks of Ray: CPUs, GPUs (``rollout.tensor_parallel_size`` with ``ray.gpus``), custom
+    resources, restarts."""
+    section = config.ray
+    request = {"cpus": section.actor_cpus, "resources": section.actor_resources, "restarts": section.max_restarts}
+    request["gpus"] = config.rollout.tensor_parallel_size if section.gpus else 0
+    return request
 
 
 def log_file(resolved: RunConfig, name: str) -> Path:
@@ -170,9 +241,7 @@ class RayActors:
 
     def proxy(self, name: str, command: list[str]) -> list[str]:
         """``rl-launch ray-actor`` for the rollout actor ``name`` running ``command``."""
-        section = self.config.ray
-        request = {"cpus": section.actor_cpus, "resources": section.actor_resources, "restarts": section.max_restarts}
-        request["gpus"] = self.config.rollout.tensor_parallel_size if section.gpus else 0
+        request = actor_request(self.config)
         proxy = [bin_path("rl-launch"), "ray-actor", "--address", self.address, "--run", self.config.run.name]
         proxy += ["--name", name, "--request", json.dumps(request), "--log", str(log_file(self.config, name))]
         return [*proxy, "--", *command]

@@ -36,7 +36,7 @@ from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.keys import connect
 from asyncrl.common.plane.redis_server import EmbeddedRedis, find_redis_server
 from tests.helpers.accounting import account_groups
-from tests.helpers.runs import processes_of, step_rows
+from tests.helpers.runs import not_loaded, processes_of, step_rows
 from tests.helpers.slurm_cluster import SlurmCluster, missing_programs
 from tests.helpers.stack import BIN
 from tests.helpers.waits import wait_for
@@ -149,30 +149,6 @@ def _argv_holding(secrets: list[str]) -> list[str]:
     return shown
 
 
-def _not_loaded(events: list[dict], failed: set[int], stopped: dict[str, float]) -> dict[str, set[int]]:
-    """Per actor, the versions published to it whose transfer went through (not in ``failed``) that it did not load.
-    An actor stopped (``stopped``: when) may miss those published after that, and any newer than the last it loaded
-    before: one killed between receiving a version and loading it (a step's SIGKILL, a node's death) — the learner may
-    publish that version before the actor's load of the one before is in the audit trail."""
-    published: dict[str, set[int]] = collections.defaultdict(set)
-    loaded: dict[str, set[int]] = collections.defaultdict(set)
-    last_load: dict[str, int] = {}  # a stopped actor's newest version loaded before it was stopped
-    for e in events:
-        if e["event"] == "weights.loaded":
-            actor, version = e["who"]["process"], int(e["version"])
-            loaded[actor].add(version)
-            if e["unix"] <= stopped.get(actor, 0.0):
-                last_load[actor] = max(version, last_load.get(actor, 0))
-    for e in events:
-        if e["event"] == "weights.published":
-            version = int(e["version"])
-            for member in e["members"]:
-                after = member in stopped and (e["unix"] > stopped[member] or version > last_load.get(member, 0))
-                if not after:
-                    published[member].add(version)
-    return {actor: versions - failed - loaded[actor] for actor, versions in published.items()}
-
-
 def lost(job: Job, actor: str, since: float) -> float:
     """When the run counted ``actor`` gone (its heartbeat ran out) after ``since``; 0 while it has not."""
     found = [e["unix"] for e in job.events() if e["event"] == "process.lost" and e["process"] == actor]
@@ -240,7 +216,7 @@ def test_a_run_submitted_to_slurm_survives_a_dead_node_a_cancelled_step_and_a_re
     assert [t for t in gone if cancelled_at - 1 <= t < resumed], gone  # its heartbeat ran out after the kill
     failed = {int(r["sync/version"]) for r in rows if r.get("sync/failed") and "sync/version" in r}
     failed |= {int(e["version"]) for e in events if e["event"] == "weights.failed"}  # a stop may beat its row
-    missed = _not_loaded(events, failed, stopped)
+    missed = not_loaded(events, failed, stopped)
     assert set(missed) == {"actor-0", added_actor} and not any(missed.values()), missed
     assert lost(job, added_actor, died_at) < resumed  # counted gone when its heartbeat ran out, long before the end
     assert cluster.job_state(added)["JobState"] in ("CANCELLED", "NODE_FAIL")

@@ -72,6 +72,11 @@ class RayCluster:
         return subprocess.run([*self.hosts.exec(address), *map(str, argv)], capture_output=True, text=True, env=env,
                               **kwargs)  # fmt: skip
 
+    def popen(self, argv: Sequence[str | Path], env: dict[str, str], **kwargs) -> subprocess.Popen:
+        """``argv`` started on the head node, as a user starts it in a terminal there (``ip netns exec`` execs it, so
+        the PID is the command's own)."""
+        return subprocess.Popen([*self.hosts.exec(HEAD), *map(str, argv)], env={**self.env, **env}, **kwargs)
+
     def query(self, expression: str) -> object:
         """``expression`` (Python, with ``ray`` connected to the cluster) evaluated by a driver on the head node, as
         JSON: what Ray's control store says, without the dashboard these nodes do not run."""

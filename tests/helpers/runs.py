@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import os
@@ -76,3 +77,27 @@ def processes_of(run_dir: Path) -> list[str]:
         if str(run_dir).encode() in argv or cwd.startswith(str(run_dir)):
             found.append(f"{proc.name}: {argv[:200]!r}")
     return found
+
+
+def not_loaded(events: list[dict], failed: set[int], stopped: dict[str, float]) -> dict[str, set[int]]:
+    """Per actor, the versions published to it whose transfer went through (not in ``failed``) that it did not load.
+    An actor stopped (``stopped``: when) may miss those published after that, and any newer than the last it loaded
+    before: one killed between receiving a version and loading it (a step's SIGKILL, a node's death) — the learner may
+    publish that version before the actor's load of the one before is in the audit trail."""
+    published: dict[str, set[int]] = collections.defaultdict(set)
+    loaded: dict[str, set[int]] = collections.defaultdict(set)
+    last_load: dict[str, int] = {}  # a stopped actor's newest version loaded before it was stopped
+    for e in events:
+        if e["event"] == "weights.loaded":
+            actor, version = e["who"]["process"], int(e["version"])
+            loaded[actor].add(version)
+            if e["unix"] <= stopped.get(actor, 0.0):
+                last_load[actor] = max(version, last_load.get(actor, 0))
+    for e in events:
+        if e["event"] == "weights.published":
+            version = int(e["version"])
+            for member in e["members"]:
+                after = member in stopped and (e["unix"] > stopped[member] or version > last_load.get(member, 0))
+                if not after:
+                    published[member].add(version)
+    return {actor: versions - failed - loaded[actor] for actor, versions in published.items()}

@@ -53,7 +53,10 @@ def test_a_path_without_a_readable_config_is_left_to_the_engine(tmp_path: Path) 
 
 
 @pytest.mark.parametrize("path", ["runs/models/tiny-arith", "/no/such/model", "./model", "../model", "~/model"])
-def test_a_local_path_that_names_no_folder_is_refused_naming_init_model(path: str) -> None:
+def test_a_local_path_that_names_no_folder_is_refused_naming_init_model(
+    path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # relative paths name nothing here, even in a checkout where bin/demo made the model
     refusal = missing_model_folder(path)
     assert refusal is not None and refusal.startswith(f"model.path: {path} is not a folder")
     assert "rl-learner init-model CONFIG" in refusal

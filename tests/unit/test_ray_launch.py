@@ -56,3 +56,12 @@ def test_an_address_where_nothing_answers_is_said_at_once() -> None:
         listening.bind(("127.0.0.1", 0))
         listening.listen()
         assert unreachable_cluster(f"127.0.0.1:{listening.getsockname()[1]}") is None
+
+
+def test_changing_a_live_run_needs_the_number_of_actors() -> None:
+    from typer.testing import CliRunner
+
+    from asyncrl.cli.launch import app
+
+    said = CliRunner().invoke(app, ["ray", "--run", "exp1"])
+    assert said.exit_code == 2 and said.stderr.startswith("error: --run names a live run to change"), said.output
