@@ -354,6 +354,7 @@ def test_reward_workers_that_would_refuse_to_bind_are_refused_before_the_run_sta
     from asyncrl.cli.learner import app
 
     wide = ["--set", "transport.zmq_endpoint=tcp://0.0.0.0:0", "--set", f"run.root={tmp_path}"]
+    wide += ["--set", f"model.path={tmp_path.parent / 'no-model'}"]  # not the demo's folder bin/demo may have made
     refused = CliRunner().invoke(launch, ["run", *wide])
     assert refused.exit_code == 2 and refused.stderr.count("\n") == 1, refused.output
     assert refused.stderr.startswith(
