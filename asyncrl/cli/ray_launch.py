@@ -143,14 +143,11 @@ def scale(config: Path | None, overrides: list[str], actors: int) -> int:
         log.info("rollout actors stopped", run=resolved.run.name, stopped=len(running) - actors, now=actors)
         return ExitCode.OK
     taken = [int(m[1]) for name in ray.util.list_named_actors() if (m := ACTOR_NAME.match(name))]
+    request = actor_request(resolved)
     for index in range(max(taken, default=-1) + 1, max(taken, default=-1) + 1 + actors - len(running)):
         name = f"actor-{index}"
         command = [bin_path("rl-actor"), *run_args(resolved), "--id", name]
-        request = actor_request(resolved)
-        process_actor_class().options(
-            name=name, lifetime="detached", num_cpus=request["cpus"], num_gpus=request["gpus"],
-            resources=request["resources"], max_restarts=request["restarts"], scheduling_strategy="SPREAD",
-        ).remote(command, {}, str(log_file(resolved, name)), os.getcwd())  # fmt: skip
+        place_actor(name, request, command, str(log_file(resolved, name)), lifetime="detached")
         log.info("rollout actor added", run=resolved.run.name, actor=name)
     return ExitCode.OK
 
@@ -167,6 +164,15 @@ def actor_request(config: RunConfig) -> dict[str, Any]:
     request = {"cpus": section.actor_cpus, "resources": section.actor_resources, "restarts": section.max_restarts}
     request["gpus"] = config.rollout.tensor_parallel_size if section.gpus else 0
     return request
+
+
+def place_actor(name: str, request: dict[str, Any], command: list[str], log_path: str, lifetime: str | None = None):
+    """Ask Ray for the rollout actor ``name`` (:func:`actor_request`'s resources, spread over the nodes, started again
+    elsewhere when its node dies) running ``command`` in this folder; its handle."""
+    return process_actor_class().options(
+        name=name, lifetime=lifetime, num_cpus=request["cpus"], num_gpus=request["gpus"],
+        resources=request["resources"], max_restarts=request["restarts"], scheduling_strategy="SPREAD",
+    ).remote(command, {}, log_path, os.getcwd())  # fmt: skip
 
 
 def log_file(resolved: RunConfig, name: str) -> Path:
@@ -200,8 +206,7 @@ def follow(ray: Any, head: Any, resolved: RunConfig) -> int:
 def head_main(config: Path | None, overrides: list[str], address: str, run_redis, run_children) -> int:
     """``rl-launch ray-head``: the run on this node, its rollout actors placed by Ray; the learner's exit code.
     ``run_redis`` and ``run_children`` are ``rl-launch run``'s own (``cli/launch.py``)."""
-    from asyncrl.cli.children import Children
-    from asyncrl.cli.slurm_job import JOB_OVERRIDES, learner_prefix, resume_args
+    from asyncrl.cli.slurm_job import JOB_OVERRIDES, learner_prefix, resume_args, run_here
     from asyncrl.common.net import ADVERTISE_HOST_ENV, advertise_host
 
     advertise = advertise_host()  # the node's address: the ProcessActor that runs this set it
@@ -213,14 +218,10 @@ def head_main(config: Path | None, overrides: list[str], address: str, run_redis
                    advertise=advertise) as (resolved, server, in_force):  # fmt: skip
         log.info("ray head started", run=resolved.run.name, node=advertise, cluster=address)
         placement = RayActors(resolved, address, learner_prefix(resolved.ray.learner_ranks))
-        learner_args = resume_args(resolved)
-        children = Children(resolved.run_dir / "logs")
-        counts = (0, resolved.ray.rewards, {})
-        try:
-            code = run_children(children, resolved, server, config, in_force, counts, learner_args, placement, stop)
-        finally:
-            children.stop_all(resolved.weight_sync.timeout_s + 120, first=("learner",))
-        learner_code = children.procs["learner"].returncode
+        started = (resolved, server, config, in_force)
+        code, learner_code = run_here(
+            run_children, started, resolved.ray.rewards, resume_args(resolved), placement, stop
+        )
     return learner_code if code == ExitCode.INTERRUPTED else code
 
 
@@ -254,10 +255,7 @@ def actor_main(address: str, run: str, name: str, request: dict[str, Any], log_p
 
     configure()
     ray = connect(address, namespace(run))
-    actor = process_actor_class().options(
-        name=name, num_cpus=request["cpus"], num_gpus=request["gpus"], resources=request["resources"],
-        max_restarts=request["restarts"], scheduling_strategy="SPREAD",
-    ).remote(command, {}, log_path, os.getcwd())  # fmt: skip
+    actor = place_actor(name, request, command, log_path)
     log.info("rollout actor placed by Ray", actor=name, node=ray.get(actor.where.remote()))
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())

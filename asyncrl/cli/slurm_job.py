@@ -101,8 +101,6 @@ def resume_args(resolved: RunConfig) -> list[str]:
     return ["--resume", "latest"]
 
 
-
-
 def unshared_nodes(nodes: list[str], url_file: Path) -> list[str]:
     """The actor nodes on which ``url_file`` (in the run folder, just written on the first node) is not there: the
     run folder is not on a filesystem they share. One ``srun`` of ``test -r`` on each, in parallel."""
@@ -128,8 +126,6 @@ def requeue(job_id: str) -> None:
 def run_job(config: Path | None, overrides: list[str], run_redis, run_children) -> int:
     """The run across the job's nodes; the learner's exit code. ``run_redis`` and ``run_children`` are
     ``rl-launch run``'s own (``cli/launch.py``, which calls this): the job starts its processes as it does."""
-    from asyncrl.cli.children import Children
-
     nodes = job_nodes()
     advertise = os.environ.get(ADVERTISE_HOST_ENV) or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     os.environ[ADVERTISE_HOST_ENV] = advertise  # every process started here advertises this node
@@ -151,17 +147,30 @@ def run_job(config: Path | None, overrides: list[str], run_redis, run_children) 
             return ExitCode.REFUSED
         placement = SrunActors(resolved, nodes, learner_prefix(resolved.slurm.learner_ranks))
         learner_args = [*resume_args(resolved), "--sigterm-exit-code", str(ExitCode.STOPPED_EARLY)]
-        children = Children(resolved.run_dir / "logs")
-        counts = (0, resolved.slurm.rewards, {})
-        try:
-            code = run_children(
-                children, resolved, server, config, in_force, counts, learner_args, placement, signals.stop
-            )
-        finally:
-            # The learner first: its last sync (up to weight_sync.timeout_s) and its checkpoint, while the actors
-            # can still take the sync; then the others.
-            children.stop_all(resolved.weight_sync.timeout_s + 120, first=("learner",))
-        learner_code = children.procs["learner"].returncode
+        started = (resolved, server, config, in_force)
+        code, learner_code = run_here(
+            run_children, started, resolved.slurm.rewards, learner_args, placement, signals.stop
+        )
     if signals.time_limit and learner_code == ExitCode.STOPPED_EARLY and resolved.slurm.requeue:
         requeue(os.environ.get("SLURM_JOB_ID", ""))
-    return learner_code if code == 130 else code
+    return learner_code if code == ExitCode.INTERRUPTED else code
+
+
+def run_here(run_children, started: tuple, rewards: int, learner_args: list[str], placement, stop) -> tuple[int, int]:
+    """The run's learner and reward workers on this node, its rollout actors where ``placement`` puts them (Slurm's
+    steps, Ray's actors), until the learner ends or ``stop`` is set: (how the following ended, the learner's exit
+    code). ``started`` is what ``rl-launch run``'s ``_run_redis`` gave: (config, Redis server, config path,
+    overrides in force)."""
+    from asyncrl.cli.children import Children
+
+    resolved, server, config, in_force = started
+    children = Children(resolved.run_dir / "logs")
+    try:
+        code = run_children(
+            children, resolved, server, config, in_force, (0, rewards, {}), learner_args, placement, stop
+        )
+    finally:
+        # The learner first: its last sync (up to weight_sync.timeout_s) and its checkpoint, while the actors can
+        # still take the sync; then the others.
+        children.stop_all(resolved.weight_sync.timeout_s + 120, first=("learner",))
+    return code, children.procs["learner"].returncode

@@ -29,7 +29,7 @@ import pytest
 
 from asyncrl.common.exit_codes import ExitCode
 from tests.helpers.ray_cluster import HEAD, RayCluster
-from tests.helpers.runs import not_loaded, processes_of, step_rows
+from tests.helpers.runs import cluster_run_toml, not_loaded, processes_of, step_rows
 from tests.helpers.stack import BIN
 from tests.helpers.waits import wait_for
 
@@ -51,32 +51,15 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster]:
 
 
 def _config(model: Path) -> str:
-    return f"""preset = "demo"
-
-[run]
-name = "{RUN}"
-
-[model]
-path = "{model}"
-
-[learner]
-steps = {STEPS}
-groups_per_step = {GROUPS}
-
-[eval]
-every = 0
-
-[rollout]
-kv_cache_bytes = 67108864
-cpu_single_process = true
-
+    more = """
 [ray]
 actors = 1
 head_cpus = 1
 actor_cpus = 1
-head_resources = {{asyncrl_head = 1}}
-actor_resources = {{rollout_node = 1}}
+head_resources = {asyncrl_head = 1}
+actor_resources = {rollout_node = 1}
 """
+    return cluster_run_toml(RUN, model, STEPS, GROUPS, more)
 
 
 def _secrets(run_dir: Path) -> list[str]:

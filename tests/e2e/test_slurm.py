@@ -36,7 +36,7 @@ from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.keys import connect
 from asyncrl.common.plane.redis_server import EmbeddedRedis, find_redis_server
 from tests.helpers.accounting import account_groups
-from tests.helpers.runs import not_loaded, processes_of, step_rows
+from tests.helpers.runs import cluster_run_toml, not_loaded, processes_of, step_rows
 from tests.helpers.slurm_cluster import SlurmCluster, missing_programs
 from tests.helpers.stack import BIN
 from tests.helpers.waits import wait_for
@@ -66,28 +66,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
 
 
 def _config(model: Path, steps: int) -> str:
-    return f"""preset = "demo"
-
-[run]
-name = "{RUN}"
-
-[model]
-path = "{model}"
-
-[learner]
-steps = {steps}
-groups_per_step = {GROUPS}
-
-[eval]
-every = 0
-
+    more = """
 [weight_sync]
 timeout_s = 10  # an actor that leaves mid-transfer holds a sync this long
-
-[rollout]
-kv_cache_bytes = 67108864
-cpu_single_process = true
 """
+    return cluster_run_toml(RUN, model, steps, GROUPS, more)
 
 
 class Job:

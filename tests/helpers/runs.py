@@ -101,3 +101,27 @@ def not_loaded(events: list[dict], failed: set[int], stopped: dict[str, float]) 
                 if not after:
                     published[member].add(version)
     return {actor: versions - failed - loaded[actor] for actor, versions in published.items()}
+
+
+def cluster_run_toml(run: str, model: Path, steps: int, groups: int, more: str = "") -> str:
+    """The demo as a run on a cluster's nodes: ``run``'s name, the model folder, ``steps`` of ``groups`` groups, no
+    eval rounds, a small KV cache and the engine's worker in its actor's process; ``more`` TOML after it."""
+    return f"""preset = "demo"
+
+[run]
+name = "{run}"
+
+[model]
+path = "{model}"
+
+[learner]
+steps = {steps}
+groups_per_step = {groups}
+
+[eval]
+every = 0
+
+[rollout]
+kv_cache_bytes = 67108864
+cpu_single_process = true
+{more}"""
