@@ -17,10 +17,10 @@ if TYPE_CHECKING:
 
 def rl_actor_command(command: str, config: Path | None, set_: list[str] | None) -> list[str]:
     """The command line of ``rl-actor COMMAND`` on the same config and overrides, for a process of its own."""
-    import sys
+    from asyncrl.cli.util import bin_path
 
     overrides = [a for o in set_ or [] for a in ("--set", o)]
-    return [str(Path(sys.executable).parent / "rl-actor"), command, *([str(config)] if config else []), *overrides]
+    return [bin_path("rl-actor"), command, *([str(config)] if config else []), *overrides]
 
 
 def check_engine_serving(resolved: RunConfig) -> None:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.cli.ray_cluster import connect, gcs_address, process_actor_class, ray_module
+from asyncrl.cli.util import bin_path
 from asyncrl.common.config import RunConfig
 from asyncrl.common.exit_codes import ExitCode
 from asyncrl.common.observability.logs import get_logger
@@ -47,11 +48,6 @@ STOP_GRACE_S = 600.0
 def namespace(run: str) -> str:
     """The Ray namespace of a run: its named actors (the head, ``actor-N``) live there."""
     return f"asyncrl-{run}"
-
-
-def bin_path(command: str) -> str:
-    """A console script of this environment, which every node must have at the same path (as for Slurm)."""
-    return str(Path(sys.executable).parent / command)
 
 
 def head_bundle(section: Any) -> dict[str, float]:

@@ -13,12 +13,12 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from asyncrl.cli.slurm_script import actor_nodes, actor_step, actors_per_node
+from asyncrl.cli.util import bin_path
 from asyncrl.common.config import RunConfig
 from asyncrl.common.exit_codes import ExitCode
 from asyncrl.common.net import ADVERTISE_HOST_ENV
@@ -51,7 +51,7 @@ class SrunActors:
     def start_actors(self, children, run_args: list[str]) -> int:
         tp = self.config.rollout.tensor_parallel_size
         per_node = actors_per_node(self.config.slurm, tp)
-        rl_actor = str(Path(sys.executable).parent / "rl-actor")
+        rl_actor = bin_path("rl-actor")
         count = 0
         for node in actor_nodes(self.nodes):
             for _ in range(per_node):
@@ -68,8 +68,7 @@ def learner_prefix(ranks: int) -> list[str]:
     """``torchrun`` of ``ranks`` learner ranks on this node, or nothing for one rank."""
     if ranks == 1:
         return []
-    torchrun = str(Path(sys.executable).parent / "torchrun")
-    return [torchrun, "--standalone", "--nnodes=1", f"--nproc-per-node={ranks}", "--no-python"]
+    return [bin_path("torchrun"), "--standalone", "--nnodes=1", f"--nproc-per-node={ranks}", "--no-python"]
 
 
 class JobSignals:

@@ -153,3 +153,9 @@ def listed_briefly(app: typer.Typer) -> typer.Typer:
             cut = min((i for i in (doc.find(". "), doc.find(": ")) if i > 0), default=len(doc))
             command.short_help = doc[:cut].rstrip(".")
     return app
+
+
+def bin_path(command: str) -> str:
+    """A console script of this environment (``rl-actor``, ``torchrun``…): beside the Python that runs this command.
+    A process started on another node (a Slurm step, a Ray actor) needs the environment at the same path there."""
+    return str(Path(sys.executable).parent / command)
