@@ -21,14 +21,17 @@ import contextlib
 import functools
 import multiprocessing.process
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from asyncrl.actors.vllm_facts import CACHE_DIR_ENV
 from asyncrl.common.plane.audit import flush as flush_audit
 from asyncrl.common.plane.keys import connect
 from asyncrl.common.plane.redis_server import EmbeddedRedis
@@ -83,6 +86,8 @@ SHARED_CORES = {
     # accounting of chat models, a real shape's bf16 run, the model checks (each engine uses about half the two cores
     # the chain's runs leave, measured by the summary's CPU seconds)
     "test_chat_models.py", "test_real_shape.py", "test_check_model.py",
+    # the installed vLLM asked what it can take, with no engine
+    "test_vllm_facts.py",
     # runs of one actor whose checks read what the run recorded, with faults planted at step numbers or none
     "test_mismatch_guard.py", "test_eval.py",
 }
@@ -164,6 +169,8 @@ def pytest_xdist_node_collection_finished(node, ids: list[str]) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     if hasattr(config, "workerinput"):
         return  # an xdist worker: the controller counts every process on the machine
+    if CACHE_DIR_ENV not in os.environ:  # the run's own cache of vLLM's facts, not the user's (the workers inherit it)
+        os.environ[CACHE_DIR_ENV] = config.stash[_CACHE] = tempfile.mkdtemp(prefix="asyncrl-tests-cache-")
     counter = config.stash[_COUNTER] = StartupCounter().start()
     config.stash[_STARTED] = time.monotonic()
     counter.count_calls(tiny_model, "warm_start", "warm starts")  # the fixtures' in-process warm starts
@@ -173,6 +180,8 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_unconfigure(config: pytest.Config) -> None:
     for build in config.stash.get(_BUILDS, {}).values():
         prefetch.stop(build)
+    if cache := config.stash.get(_CACHE, None):
+        shutil.rmtree(cache, ignore_errors=True)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -234,6 +243,7 @@ _COUNTER = pytest.StashKey[StartupCounter]()
 _CPU_AT_START = pytest.StashKey[float]()
 _STARTED = pytest.StashKey[float]()
 _BUILDS = pytest.StashKey[dict]()
+_CACHE = pytest.StashKey[str]()
 
 
 BESIDE_NICE = 10

@@ -26,7 +26,7 @@ import difflib
 import gc
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.actors import ipc_folder
@@ -283,8 +283,13 @@ def engine_keywords(
         "worker_extension_cls": extension,
         "disable_log_stats": True,
         **lora_engine_settings(config),
-        **engine_settings(config.rollout, engine_args_cls, has_gpu, config.model.max_model_len),
+        **engine_settings(config.rollout, engine_arg_names(engine_args_cls), has_gpu, config.model.max_model_len),
     }
+
+
+def engine_arg_names(engine_args_cls: type) -> frozenset[str]:
+    """The field names of a vLLM ``AsyncEngineArgs`` class."""
+    return frozenset(f.name for f in dataclasses.fields(engine_args_cls))
 
 
 CPU_KV_CACHE_BYTES = 256 * 2**20
@@ -292,12 +297,12 @@ CPU_KV_CACHE_BYTES = 256 * 2**20
 
 
 def engine_settings(
-    rollout: RolloutSection, engine_args_cls: type, has_gpu: bool, max_model_len: int = 0
+    rollout: RolloutSection, known: Collection[str], has_gpu: bool, max_model_len: int = 0
 ) -> dict[str, Any]:
     """The ``AsyncEngineArgs`` keywords the ``[rollout]`` table sets: memory, parallelism, batching, prefix caching,
     on CPUs whole-prompt prefills (:func:`whole_prompt_prefills`), then ``rollout.engine_args`` as given, each checked
-    against ``engine_args_cls``'s fields (the installed vLLM's). The config already refused the fields asyncrl sets
-    itself (``common/config/training.py: ENGINE_ARGS_OWNED``)."""
+    against ``known``, the installed vLLM's ``AsyncEngineArgs`` fields. The config already refused the fields asyncrl
+    sets itself (``common/config/training.py: ENGINE_ARGS_OWNED``)."""
     if rollout.kv_cache_bytes == 0 and not has_gpu:
         raise EngineSettingsError(
             "rollout.kv_cache_bytes = 0 sizes the KV cache from GPU memory, and this machine has no GPU: set "
@@ -317,9 +322,8 @@ def engine_settings(
         settings["enable_prefix_caching"] = rollout.enable_prefix_caching
     if not has_gpu:
         settings |= whole_prompt_prefills(max_model_len)
-    known = {f.name for f in dataclasses.fields(engine_args_cls)}
-    if unknown := sorted(set(rollout.engine_args) - known):
-        close = [match for name in unknown for match in difflib.get_close_matches(name, known, n=2)]
+    if unknown := sorted(set(rollout.engine_args) - set(known)):
+        close = [match for name in unknown for match in difflib.get_close_matches(name, sorted(known), n=2)]
         raise EngineSettingsError(
             f"rollout.engine_args: {', '.join(map(repr, unknown))} not a field of this vLLM's AsyncEngineArgs"
             + (f" (did you mean {', '.join(close)}?)" if close else "")

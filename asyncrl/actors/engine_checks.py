@@ -1,6 +1,7 @@
 """Checks an actor runs before its engine starts: whether this machine's vLLM can take the run's ``[rollout]``
 settings, the model's attention head size on CPUs, ``[lora]`` on the model's architecture, and
-``rollout.frontend_cpus``; each refusal is an :class:`~asyncrl.actors.engine.EngineSettingsError` naming the setting."""
+``rollout.frontend_cpus``; each refusal is an :class:`~asyncrl.actors.engine.EngineSettingsError` naming the setting.
+What they ask of vLLM comes from :mod:`asyncrl.actors.vllm_facts`, which imports vLLM only the first time."""
 
 from __future__ import annotations
 
@@ -11,24 +12,33 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from asyncrl.actors.engine import EngineSettingsError, _has_gpu, engine_settings, move_frontend
+from asyncrl.actors.vllm_facts import VllmFacts, installed_vllm
 from asyncrl.common.config import RunConfig
 
 
-def check_engine_settings(config: RunConfig) -> None:
-    """Raise :class:`EngineSettingsError` before anything starts when the engine could not take ``[rollout]``, the
-    model's architecture with ``[lora]``, or, on CPUs, the model's attention head size."""
-    from vllm import AsyncEngineArgs
-
+def check_engine_settings(config: RunConfig, vllm: VllmFacts) -> None:
+    """Raise :class:`EngineSettingsError` before anything starts when the installed ``vllm`` could not take
+    ``[rollout]``, the model's architecture with ``[lora]``, or, on CPUs, the model's attention head size."""
     has_gpu = _has_gpu()
-    engine_settings(config.rollout, AsyncEngineArgs, has_gpu, config.model.max_model_len)
+    engine_settings(config.rollout, vllm.engine_arg_names(), has_gpu, config.model.max_model_len)
     if config.lora.enabled:
-        check_lora_support(config.model.path, config.lora.rank, vllm_serves_lora)
+        check_lora_support(config.model.path, config.lora.rank, vllm.serves_lora)
     if config.rollout.frontend_cpus:
         probe_frontend_cpus(config.rollout.frontend_cpus)
     if not has_gpu:
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+        check_head_size(config.model.path, vllm.cpu_head_sizes())
 
-        check_head_size(config.model.path, CPUAttentionBackend.get_supported_head_sizes())
+
+def check_installed_engine(config: RunConfig) -> None:
+    """:func:`check_engine_settings` against this machine's vLLM; :class:`EngineSettingsError` when none is
+    installed."""
+    vllm = installed_vllm()
+    if vllm is None:
+        raise EngineSettingsError(
+            "vLLM is not installed here and a rollout actor runs on it: install the extra of this machine "
+            "(pip install -e '.[cpu]' or '.[gpu]')"
+        )
+    check_engine_settings(config, vllm)
 
 
 def check_head_size(model_path: str, supported: list[int]) -> None:
@@ -68,16 +78,6 @@ def check_lora_support(model_path: str, rank: int, serves_lora: Callable[[str], 
             "train every weight instead (lora.rank = 0), or use a model vLLM serves with LoRA (Llama, Qwen2, "
             "Mistral, …)"
         )
-
-
-def vllm_serves_lora(architecture: str) -> bool | None:
-    """Whether the installed vLLM's model for ``architecture`` takes LoRA adapters (``None``: vLLM has no such
-    architecture). Loads the model's class, not its weights."""
-    from vllm.model_executor.models import ModelRegistry
-    from vllm.model_executor.models.interfaces import supports_lora
-
-    model = ModelRegistry.models.get(architecture)
-    return None if model is None else supports_lora(model.load_model_cls())
 
 
 def probe_frontend_cpus(frontend_cpus: str) -> None:

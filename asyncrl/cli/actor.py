@@ -34,7 +34,7 @@ def rollout(
     if ctx.invoked_subcommand is not None:
         return
     from asyncrl.actors.engine import EngineSettingsError
-    from asyncrl.actors.engine_checks import check_engine_settings
+    from asyncrl.actors.engine_checks import check_installed_engine
     from asyncrl.actors.rollout import run_actor
     from asyncrl.cli.util import fail, redis_url
 
@@ -42,7 +42,7 @@ def rollout(
     config = _read_run_config(url, run)
     _exit_if_finished(url, run, "actor")
     try:
-        check_engine_settings(config)
+        check_installed_engine(config)
     except EngineSettingsError as exc:
         fail(str(exc))
     raise typer.Exit(run_actor(config, url, id_))
@@ -141,12 +141,12 @@ def check_model_command(
     import time
 
     from asyncrl.actors.engine import EngineSettingsError, RolloutEngine, error_line
-    from asyncrl.actors.engine_checks import check_engine_settings
+    from asyncrl.actors.engine_checks import check_installed_engine
     from asyncrl.cli.util import fail, load
 
     resolved = load(config, set_)
     try:
-        check_engine_settings(resolved)
+        check_installed_engine(resolved)
         ids = [int(i) for i in prompt_ids.split(",")]
     except (EngineSettingsError, ValueError) as exc:
         fail(str(exc))

@@ -26,10 +26,12 @@ def rl_actor_command(command: str, config: Path | None, set_: list[str] | None) 
 def check_engine_serving(resolved: RunConfig) -> None:
     """Where vLLM is installed, whether it could run the config — ``[rollout]``'s settings, ``[lora]`` on the model,
     the attention head size on CPUs — without building an engine (``actors/engine_checks.py``, what each actor checks
-    at its start); exit 2 with its one line when not. Without vLLM here, each actor checks at its start."""
-    import importlib.util
+    at its start); exit 2 with its one line when not. Without vLLM here, each actor checks at its start. What is asked
+    of vLLM is kept per installation (``actors/vllm_facts.py``): vLLM is imported only the first time."""
+    from asyncrl.actors.vllm_facts import installed_vllm
 
-    if importlib.util.find_spec("vllm") is None:
+    vllm = installed_vllm()
+    if vllm is None:
         return
     # vLLM's and transformers' notes on loading (a Triton without CPUs, a config's odd token ids) are the engine's
     # business: the command's output is the resolved config or its one refusal.
@@ -41,7 +43,7 @@ def check_engine_serving(resolved: RunConfig) -> None:
     from asyncrl.cli.util import fail
 
     try:
-        check_engine_settings(resolved)
+        check_engine_settings(resolved, vllm)
     except EngineSettingsError as exc:
         fail(str(exc))
 

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from asyncrl.actors.engine import EngineSettingsError, engine_settings
+from asyncrl.actors.engine import EngineSettingsError, engine_arg_names, engine_settings
 from asyncrl.common.config import ConfigError, load_config
 
 
@@ -18,26 +18,31 @@ def engine_args_cls():
     return AsyncEngineArgs
 
 
+@pytest.fixture(scope="module")
+def fields(engine_args_cls) -> frozenset[str]:
+    return engine_arg_names(engine_args_cls)
+
+
 def rollout(*overrides: str):
     return load_config(None, [f"rollout.{o}" for o in overrides]).rollout
 
 
-def test_defaults_give_a_fixed_kv_cache_one_gpu_and_on_cpus_whole_prompt_prefills(engine_args_cls) -> None:
+def test_defaults_give_a_fixed_kv_cache_one_gpu_and_on_cpus_whole_prompt_prefills(fields) -> None:
     """On CPUs a prompt is never prefilled in chunks (a seeded request's CPU generator cannot rewind), so the step's
     token budget holds the longest prompt; engine_args may still say otherwise."""
-    assert engine_settings(rollout(), engine_args_cls, has_gpu=False, max_model_len=4096) == {
+    assert engine_settings(rollout(), fields, has_gpu=False, max_model_len=4096) == {
         "tensor_parallel_size": 1,
         "kv_cache_memory_bytes": 256 * 2**20,
         "enable_chunked_prefill": False,
         "max_num_batched_tokens": 4096,
     }
-    short = engine_settings(rollout(), engine_args_cls, has_gpu=False, max_model_len=64)
+    short = engine_settings(rollout(), fields, has_gpu=False, max_model_len=64)
     assert short["max_num_batched_tokens"] == 2048  # vLLM's own budget, when the context is shorter
-    chunked = engine_settings(rollout("engine_args={enable_chunked_prefill=true}"), engine_args_cls, has_gpu=False)
+    chunked = engine_settings(rollout("engine_args={enable_chunked_prefill=true}"), fields, has_gpu=False)
     assert chunked["enable_chunked_prefill"] is True
 
 
-def test_gpu_settings_and_the_pass_through_table(engine_args_cls) -> None:
+def test_gpu_settings_and_the_pass_through_table(engine_args_cls, fields) -> None:
     settings = engine_settings(
         rollout(
             "kv_cache_bytes=0",
@@ -47,7 +52,7 @@ def test_gpu_settings_and_the_pass_through_table(engine_args_cls) -> None:
             "enable_prefix_caching=true",
             "engine_args={block_size=32, max_num_batched_tokens=4096}",
         ),
-        engine_args_cls,
+        fields,
         has_gpu=True,
     )
     assert settings == {
@@ -61,22 +66,22 @@ def test_gpu_settings_and_the_pass_through_table(engine_args_cls) -> None:
     engine_args_cls(model="unused", **settings)  # vLLM's own dataclass takes them
 
 
-def test_an_unknown_pass_through_field_is_named(engine_args_cls) -> None:
+def test_an_unknown_pass_through_field_is_named(fields) -> None:
     with pytest.raises(EngineSettingsError, match=r"rollout.engine_args: 'blok_size' not a field"):
-        engine_settings(rollout("engine_args={blok_size=32}"), engine_args_cls, has_gpu=True)
+        engine_settings(rollout("engine_args={blok_size=32}"), fields, has_gpu=True)
 
 
-def test_an_automatic_kv_cache_is_sized_by_gpu_memory_on_a_gpu_and_fixed_on_cpus(engine_args_cls) -> None:
+def test_an_automatic_kv_cache_is_sized_by_gpu_memory_on_a_gpu_and_fixed_on_cpus(fields) -> None:
     assert rollout().kv_cache_bytes == "auto"
-    on_gpu = engine_settings(rollout(), engine_args_cls, has_gpu=True)
+    on_gpu = engine_settings(rollout(), fields, has_gpu=True)
     assert on_gpu["gpu_memory_utilization"] == 0.9 and "kv_cache_memory_bytes" not in on_gpu
-    on_cpu = engine_settings(rollout(), engine_args_cls, has_gpu=False)
+    on_cpu = engine_settings(rollout(), fields, has_gpu=False)
     assert on_cpu["kv_cache_memory_bytes"] == 256 * 2**20 and "gpu_memory_utilization" not in on_cpu
 
 
-def test_a_kv_cache_sized_from_gpu_memory_needs_a_gpu(engine_args_cls) -> None:
+def test_a_kv_cache_sized_from_gpu_memory_needs_a_gpu(fields) -> None:
     with pytest.raises(EngineSettingsError, match=r"this machine has no GPU: set rollout\.kv_cache_bytes"):
-        engine_settings(rollout("kv_cache_bytes=0"), engine_args_cls, has_gpu=False)
+        engine_settings(rollout("kv_cache_bytes=0"), fields, has_gpu=False)
 
 
 @pytest.mark.parametrize(
