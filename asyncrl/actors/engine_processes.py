@@ -23,7 +23,9 @@ if TYPE_CHECKING:
 def lay_out_processes(rollout: RolloutSection, has_gpu: bool) -> bool:
     """Set this process up for its engine as ``[rollout]`` asks, before vLLM runs its plugins here (``AsyncEngineArgs``
     does; they act in an actor's processes only): the layout, the actor's PID exported and its sweeper started.
-    Returns whether the engine core is to be forked: the worker inside it, and no start method the user set."""
+    Returns whether the engine core is to be forked: the worker inside it, and no start method the user set. On CPUs
+    in eager mode nothing is compiled (:func:`compile_nothing`)."""
+    compile_nothing(rollout, has_gpu)
     one_process = single_process(rollout, has_gpu)
     if one_process:
         use_single_process(rollout.cpu_threads)
@@ -34,6 +36,16 @@ def lay_out_processes(rollout: RolloutSection, has_gpu: bool) -> bool:
     export_actor_pid()
     start_sweeper()
     return fork
+
+
+def compile_nothing(rollout: RolloutSection, has_gpu: bool) -> None:
+    """On CPUs with ``rollout.enforce_eager``, no ``torch.compile`` in this process or the engine's: vLLM compiles two
+    sampling helpers with Inductor even in eager mode (the rank of each sampled token among the logits, which every
+    request with log-probs needs, and a random sample), and their first call in each engine costs about 2 s of CPU and
+    a C++ compiler on the host (``bench/engine_start.py``); run as written they are the same tensor operations. torch
+    reads the setting where vLLM's modules are imported, so it is set before vLLM loads them here."""
+    if rollout.enforce_eager and not has_gpu:
+        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 
 def single_process(rollout: RolloutSection, has_gpu: bool) -> bool:

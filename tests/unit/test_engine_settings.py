@@ -175,3 +175,21 @@ def test_lora_on_an_architecture_vllm_serves_without_adapters_is_refused_before_
         (tmp_path / "config.json").write_text(json.dumps({"architectures": fine}))
         check_lora_support(str(tmp_path), 8, serves)
     check_lora_support(str(tmp_path / "no-such-folder"), 8, serves)  # no config to read: the engine says it
+
+
+@pytest.mark.parametrize(
+    ("eager", "has_gpu", "given", "kept"),
+    [(True, False, None, "1"), (True, True, None, None), (False, False, None, None), (True, False, "0", "0")],
+)
+def test_a_cpu_engine_in_eager_mode_compiles_nothing_unless_the_user_says_so(
+    monkeypatch: pytest.MonkeyPatch, eager: bool, has_gpu: bool, given: str | None, kept: str | None
+) -> None:
+    """vLLM compiles two sampling helpers with Inductor even in eager mode; on CPUs an actor turns that off before
+    vLLM loads them (``bench/engine_start.py``: the first group 2.4 s against 0.09 s), and keeps a user's own setting."""
+    from asyncrl.actors.engine_processes import compile_nothing
+
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", given or "")  # whatever it was, restored after the test
+    if given is None:
+        monkeypatch.delenv("TORCHDYNAMO_DISABLE")
+    compile_nothing(rollout(f"enforce_eager={str(eager).lower()}"), has_gpu)
+    assert os.environ.get("TORCHDYNAMO_DISABLE") == kept
