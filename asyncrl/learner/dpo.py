@@ -32,7 +32,7 @@ from torch import Tensor
 from asyncrl.common.config import ConfigError, RunConfig, write_resolved
 from asyncrl.common.observability.logs import get_logger
 from asyncrl.learner import dist
-from asyncrl.learner.algorithms import GlobalCounts, LossInput
+from asyncrl.learner.algorithms import GlobalCounts, LossInput, Need
 from asyncrl.learner.algorithms.assembly import assemble
 from asyncrl.learner.batch import split_micro_batches
 from asyncrl.learner.engine import Batch, PolicyEngine, reference_for
@@ -54,7 +54,7 @@ class OfflineDPOTrainer:
         if not self.pairs:
             raise PreferenceFileError(f"{config.data.path}: no pair fits model.max_model_len")
         self.algorithm = assemble(config)  # the same registries and checks as the online learner
-        if "pairs" not in self.algorithm.needs:
+        if Need.PAIRS not in self.algorithm.needs:
             raise ConfigError(
                 f"data.source = 'preferences' trains on preference pairs, but algorithm.loss = "
                 f"{config.algorithm.loss!r} is not a pairwise loss; use the dpo preset (configs/dpo.toml)"

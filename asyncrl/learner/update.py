@@ -29,11 +29,7 @@ import torch
 from asyncrl.common.config import RunConfig
 from asyncrl.common.wire.messages import ScoredGroup
 from asyncrl.learner import dist, ranks
-from asyncrl.learner.algorithms import (
-    AdvantageInput,
-    GlobalCounts,
-    LossInput,
-)
+from asyncrl.learner.algorithms import AdvantageInput, GlobalCounts, LossInput, Need
 from asyncrl.learner.algorithms.kl import KLController
 from asyncrl.learner.algorithms.losses import log_ratios, mismatch_kl
 from asyncrl.learner.algorithms.masked import masked_mean
@@ -64,12 +60,12 @@ class PolicyUpdate:
         self.last_advantages: torch.Tensor | None = None  # [B, T] of the last step (samples.jsonl)
 
     def _reference(self) -> ReferenceModel | AdapterOffReference | None:
-        if not self.needs & {"ref_logprobs", "token_kl"}:
+        if not self.needs & {Need.REF_LOGPROBS, Need.TOKEN_KL}:
             return None
         return reference_for(self.engine)
 
     def _critic(self) -> ValueEngine | None:
-        if "values" not in self.needs:
+        if Need.VALUES not in self.needs:
             return None
         from asyncrl.learner.critic import ValueEngine
 
@@ -90,7 +86,7 @@ class PolicyUpdate:
 
     def collate(self, groups: list[ScoredGroup]) -> TrainBatch:
         """Every response of every group, or — for a pairwise loss — each group's best and worst as a pair."""
-        rows = preference_rows(groups) if "pairs" in self.needs else None
+        rows = preference_rows(groups) if Need.PAIRS in self.needs else None
         if rows is not None and not rows:
             raise RuntimeError(
                 "no group in this batch has two different rewards, so a pairwise loss has no pair to train on; "
@@ -107,7 +103,7 @@ class PolicyUpdate:
         ranks.lead("train", batch)
         self._check_rows(batch)
         tensors = batch.model_tensors()
-        if "token_kl" in self.needs:  # the one consumer of π_old before the update (module docstring)
+        if Need.TOKEN_KL in self.needs:  # the one consumer of π_old before the update (module docstring)
             tensors["old_logprobs"] = self._old_logprobs(batch)
         if self.reference is not None:
             tensors["ref_logprobs"] = self.reference.token_logprobs(
@@ -139,7 +135,7 @@ class PolicyUpdate:
     def _advantage_input(self, batch: TrainBatch, tensors: dict[str, torch.Tensor], figures: dict[str, float]):
         """The estimator's input; with a KL penalty in the reward, k1 = log π_old − log π_ref per token."""
         token_kl = kl_coef = None
-        if "token_kl" in self.needs:
+        if Need.TOKEN_KL in self.needs:
             token_kl = (tensors["old_logprobs"] - tensors["ref_logprobs"]) * batch.response_mask
             observed = float(token_kl.sum() / batch.response_mask.sum().clamp(min=1))
             if self.kl_control.settings.mode != "off":
@@ -164,11 +160,11 @@ class PolicyUpdate:
     def _micro_batch_shape(self) -> tuple[int, int]:
         """``(rows, unit)`` of the policy's micro-batches: a pairwise loss takes whole pairs."""
         size = self.engine.micro_batch_size
-        return (max(2, size - size % 2), 2) if "pairs" in self.needs else (size, 1)
+        return (max(2, size - size % 2), 2) if Need.PAIRS in self.needs else (size, 1)
 
     def _loss_fn(self, counts: GlobalCounts, metrics: MicroBatchMetrics):
         """The policy's loss of one micro-batch: its share of the batch loss (engine convention, global counts)."""
-        with_entropy, temperature = "entropy" in self.needs, self.temperature
+        with_entropy, temperature = Need.ENTROPY in self.needs, self.temperature
         off_policy = self.config.staleness.correction != "none"
 
         def loss_fn(engine: PolicyEngine, mb: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -70,6 +70,18 @@ def my_loss(inp: LossInput, settings: MyLossSettings) -> LossOutput:
     return LossOutput(per_token_loss=zero_masked(per_token, inp.response_mask), metrics={})
 
 
+class NeedyLossSettings(Settings):
+    wants: tuple[str, ...] = ("entropy",)
+
+    def requires(self) -> frozenset[Any]:
+        return frozenset(self.wants)  # strings, as a user's own variant may name them
+
+
+def needy_loss(inp: LossInput, settings: NeedyLossSettings) -> LossOutput:
+    """:func:`my_loss` with scale 1, whose settings require ``wants``."""
+    return my_loss(inp, MyLossSettings())
+
+
 class PlainModelSettings(BaseModel):  # a pydantic model, but no Settings: it cannot say what the loss requires
     scale: float = 1.0
 
@@ -768,6 +780,19 @@ def test_every_requirement_a_variant_names_is_one_the_learner_knows() -> None:
         for name in registry.names():
             settings = settings_type(registry.get(name)).model_construct()  # defaults, required fields unset
             assert settings.requires() <= REQUIREMENTS.keys(), (registry.kind, name)
+
+
+def test_a_user_variant_names_its_needs_as_strings_and_an_unknown_one_is_refused_by_name() -> None:
+    from asyncrl.common.config import load_config
+    from asyncrl.learner.algorithms import Need
+    from asyncrl.learner.algorithms.assembly import assemble
+
+    path = "tests.unit.test_algorithms:needy_loss"
+    algorithm = assemble(load_config(None, [f"algorithm.loss={path}"]))
+    assert algorithm.needs == {Need.ENTROPY} and all(isinstance(n, Need) for n in algorithm.needs)
+    typo = load_config(None, [f"algorithm.loss={path}", 'algorithm.loss_options={wants=["entropy", "valeus"]}'])
+    with pytest.raises(ConfigError, match=r"policy loss '.*needy_loss' requires valeus, which the learner does not"):
+        assemble(typo)
 
 
 def test_requirements_follow_the_settings() -> None:

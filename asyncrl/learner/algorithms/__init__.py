@@ -51,6 +51,7 @@ from asyncrl.learner.algorithms.types import (
     GlobalCounts,
     LossInput,
     LossOutput,
+    Need,
     Settings,
 )
 
@@ -69,6 +70,7 @@ __all__ = [
     "KLRewardSettings",
     "LossInput",
     "LossOutput",
+    "Need",
     "OffPolicySettings",
     "PolicyGradientSettings",
     "Settings",

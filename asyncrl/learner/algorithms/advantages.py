@@ -25,7 +25,7 @@ from torch import Tensor
 
 from asyncrl.learner.algorithms.masked import masked_whiten, zero_masked
 from asyncrl.learner.algorithms.registries import register_advantage
-from asyncrl.learner.algorithms.types import AdvantageInput, AdvantageOutput, Settings
+from asyncrl.learner.algorithms.types import AdvantageInput, AdvantageOutput, Need, Settings
 
 
 class AdvantageSettings(Settings):
@@ -70,8 +70,8 @@ class GAESettings(AdvantageSettings):
     """Whiten the advantages over the batch's response tokens (verl's ``masked_whiten``); the returns
     are taken before whitening."""
 
-    def requires(self) -> frozenset[str]:
-        return frozenset({"values", "token_kl"} if self.kl_coef > 0 else {"values"})
+    def requires(self) -> frozenset[Need]:
+        return frozenset({Need.VALUES, Need.TOKEN_KL} if self.kl_coef > 0 else {Need.VALUES})
 
 
 class ReinforcePPSettings(AdvantageSettings):
@@ -85,8 +85,8 @@ class ReinforcePPSettings(AdvantageSettings):
     """Whiten the returns over the batch's response tokens: the "++" of REINFORCE++ (its global batch
     advantage normalization); False gives plain REINFORCE with a KL-shaped return-to-go."""
 
-    def requires(self) -> frozenset[str]:
-        return frozenset({"token_kl"} if self.kl_coef > 0 else set())
+    def requires(self) -> frozenset[Need]:
+        return frozenset({Need.TOKEN_KL} if self.kl_coef > 0 else set())
 
 
 @register_advantage("grpo")

@@ -24,7 +24,7 @@ from asyncrl.learner.algorithms.registries import (
     loss_settings,
     settings_type,
 )
-from asyncrl.learner.algorithms.types import AdvantageInput, LossInput
+from asyncrl.learner.algorithms.types import AdvantageInput, LossInput, Need, Settings
 
 
 @dataclass(frozen=True)
@@ -35,8 +35,8 @@ class Algorithm:
     loss: Callable[[LossInput], Any]
     aggregate: Callable[..., torch.Tensor]
     kl_reward: KLRewardSettings
-    needs: frozenset[str]
-    """What the variants require computed (``Settings.requires``): ``values``, ``ref_logprobs``, ``entropy``, …"""
+    needs: frozenset[Need]
+    """What the variants require computed (``Settings.requires``): values, reference log-probs, entropy, …"""
 
 
 def assemble(config: RunConfig) -> Algorithm:
@@ -49,10 +49,11 @@ def assemble(config: RunConfig) -> Algorithm:
         kl_reward = KLRewardSettings(**algorithm.kl_reward)
     except ValidationError as exc:
         raise ConfigError(f"algorithm.kl_reward: {_problems(exc)}") from None
-    needs = advantage_settings(algorithm.advantage, algorithm.advantage_options).requires()
-    needs |= loss_settings(algorithm.loss, loss_options).requires()
+    advantage = advantage_settings(algorithm.advantage, algorithm.advantage_options)
+    needs = _needs(f"advantage {algorithm.advantage!r}", advantage)
+    needs |= _needs(f"policy loss {algorithm.loss!r}", loss_settings(algorithm.loss, loss_options))
     if kl_reward.mode != "off":
-        needs |= {"token_kl"}
+        needs |= {Need.TOKEN_KL}
     return Algorithm(
         advantage=build_advantage(algorithm.advantage, algorithm.advantage_options),
         loss=build_loss(algorithm.loss, loss_options),
@@ -60,6 +61,18 @@ def assemble(config: RunConfig) -> Algorithm:
         kl_reward=kl_reward,
         needs=frozenset(needs),
     )
+
+
+def _needs(variant: str, settings: Settings) -> frozenset[Need]:
+    """What ``settings.requires()`` names, as :class:`Need` members; :class:`ConfigError` for a name the learner
+    does not compute (a variant of a user's own may name them as strings)."""
+    named = settings.requires()
+    if unknown := sorted(str(n) for n in named if n not in set(Need)):
+        known = ", ".join(need.value for need in Need)
+        raise ConfigError(
+            f"{variant} requires {', '.join(unknown)}, which the learner does not compute (it computes {known})"
+        )
+    return frozenset(Need(n) for n in named)
 
 
 def _check_names(config: RunConfig) -> None:

@@ -23,7 +23,7 @@ from asyncrl.common.config.operations import OffPolicyCorrection
 from asyncrl.learner.algorithms.kl import kl_estimate
 from asyncrl.learner.algorithms.masked import masked_max, masked_mean, zero_masked
 from asyncrl.learner.algorithms.registries import KL_ESTIMATORS, register_loss
-from asyncrl.learner.algorithms.types import LossInput, LossOutput, Settings
+from asyncrl.learner.algorithms.types import LossInput, LossOutput, Need, Settings
 
 _LOG_CLAMP = 20.0
 """Log-ratios are clamped to ±20 before exp: exp(89) overflows float32, and beyond e^20 every correction
@@ -48,9 +48,9 @@ class PolicyGradientSettings(Settings):
     entropy_coef: float = Field(default=0.0, ge=0.0)
     """Weight of the entropy bonus: loss_t −= entropy_coef · H_t; used only when ``LossInput.entropy`` is given."""
 
-    def requires(self) -> frozenset[str]:
-        needs = {"ref_logprobs"} if self.kl_coef > 0 else set()
-        return frozenset(needs | ({"entropy"} if self.entropy_coef > 0 else set()))
+    def requires(self) -> frozenset[Need]:
+        needs = {Need.REF_LOGPROBS} if self.kl_coef > 0 else set()
+        return frozenset(needs | ({Need.ENTROPY} if self.entropy_coef > 0 else set()))
 
     @field_validator("kl_estimator")
     @classmethod
@@ -88,8 +88,8 @@ class DPOSettings(Settings):
     label_smoothing: float = Field(default=0.0, ge=0.0, le=0.5)
     """ε of conservative DPO (Mitchell 2023): the probability that a preference label is flipped."""
 
-    def requires(self) -> frozenset[str]:
-        return frozenset({"ref_logprobs", "pairs"})
+    def requires(self) -> frozenset[Need]:
+        return frozenset({Need.REF_LOGPROBS, Need.PAIRS})
 
     @model_validator(mode="after")
     def _smoothing_is_for_sigmoid(self) -> DPOSettings:

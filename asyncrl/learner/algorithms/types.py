@@ -17,6 +17,7 @@ Fields are appended, never reordered.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Protocol
 
 import torch
@@ -33,8 +34,8 @@ class Settings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
-    def requires(self) -> frozenset[str]:
-        """The optional inputs this variant needs the learner to compute, from :data:`REQUIREMENTS`.
+    def requires(self) -> frozenset[Need]:
+        """The optional inputs this variant needs the learner to compute (:class:`Need`).
 
         The learner builds a critic, a reference model, entropies or preference pairs exactly when the configured
         variants list them — this is how it learns what an algorithm needs without looking at its name.
@@ -42,21 +43,37 @@ class Settings(BaseModel):
         return frozenset()
 
 
+class Need(StrEnum):
+    """An optional input a variant needs the learner to compute (:meth:`Settings.requires`). Members equal their
+    names as strings, so a variant of a user's own may name them either way."""
+
+    VALUES = "values"
+    TOKEN_KL = "token_kl"
+    REF_LOGPROBS = "ref_logprobs"
+    ENTROPY = "entropy"
+    PAIRS = "pairs"
+
+    @property
+    def meaning(self) -> str:
+        """What the need means for the learner."""
+        return REQUIREMENTS[self]
+
+
 REQUIREMENTS = {
-    "values": "critic values (AdvantageInput.values): the learner trains a value model beside the policy",
-    "token_kl": "per-token KL to the reference in the reward (AdvantageInput.token_kl)",
-    "ref_logprobs": "log-probs of the frozen reference model (LossInput.ref_logprobs)",
-    "entropy": "per-token entropy of the policy (LossInput.entropy)",
-    "pairs": "rows in chosen/rejected pairs: row 2i preferred to row 2i + 1",
+    Need.VALUES: "critic values (AdvantageInput.values): the learner trains a value model beside the policy",
+    Need.TOKEN_KL: "per-token KL to the reference in the reward (AdvantageInput.token_kl)",
+    Need.REF_LOGPROBS: "log-probs of the frozen reference model (LossInput.ref_logprobs)",
+    Need.ENTROPY: "per-token entropy of the policy (LossInput.entropy)",
+    Need.PAIRS: "rows in chosen/rejected pairs: row 2i preferred to row 2i + 1",
 }
-"""What :meth:`Settings.requires` may name, and what each means for the learner."""
-PER_SEQUENCE = frozenset({"values", "token_kl", "pairs"})
+"""What each :class:`Need` means for the learner."""
+PER_SEQUENCE = frozenset({Need.VALUES, Need.TOKEN_KL, Need.PAIRS})
 """The requirements that treat a whole response as one sequence the model ran on (a critic's values along it, a KL
 penalty summed into its reward, a preference pair of two): refused for multi-turn episodes kept per turn
 (``learner/batch.py: ServedRows``)."""
 
 
-def per_turn_refusal(needs: frozenset[str]) -> str | None:
+def per_turn_refusal(needs: frozenset[Need]) -> str | None:
     """Why an algorithm that needs ``needs`` cannot train episodes kept per turn, in one line; None when it can."""
     if not (refused := needs & PER_SEQUENCE):
         return None
