@@ -96,6 +96,12 @@ class EnvironmentHost:
         """Processes started to replace one that died or was killed."""
         return max(0, self._started - 1)
 
+    def start(self) -> None:
+        """Start the child now and return once it takes requests (:class:`EnvironmentFailed` when it cannot): a reward
+        worker serving environments pays for the start before it advertises them, so an actor's first request to it
+        (an episode moved there from a worker that died, say) is not charged the start within its time limit."""
+        self._writer.submit(self._ensure_child).result()  # on the writer thread: see _start_child
+
     # -- the child
     def _ensure_child(self) -> _Child:
         """The running child, started first if there is none (or it died), once it is ready for requests."""

@@ -417,7 +417,9 @@ class RewardWorker:
         seal = run_seal(self.client, self.plane.keys, "environments")
         assert self.signer is not None  # made for a worker that serves environments
         notary = None if is_replayable(section.name) else Notary(self.signer, self.config.run.name)
-        self.environments = EnvironmentService(section, seal, environment_host(section), notary)
+        host = environment_host(section)
+        host.start()  # before the endpoint is advertised: no actor's request is charged the start
+        self.environments = EnvironmentService(section, seal, host, notary)
         self.environments.socket.on_refused_handshake = functools.partial(self._handshake_refused, "environments")
         self.environments.start(pull_endpoint.rsplit(":", 1)[0] + ":0", self._curve())
 

@@ -71,6 +71,7 @@ def reward(
 
     from asyncrl.actors.reward_worker import RewardWorker, run_until_stopped
     from asyncrl.cli.util import fail, redis_url
+    from asyncrl.common.environments.protocol import EnvironmentFailed
     from asyncrl.common.transport.channel import InsecureBindError
 
     url = redis_url(redis, run, url_file=redis_file)
@@ -80,8 +81,8 @@ def reward(
     try:
         worker = RewardWorker(config, url, worker_id)
         code = run_until_stopped(worker)
-    except (ValueError, InsecureBindError, zmq.ZMQError) as exc:  # unknown function, no CURVE keys, port in use
-        fail(str(exc))
+    except (ValueError, InsecureBindError, zmq.ZMQError, EnvironmentFailed) as exc:  # unknown function, no CURVE
+        fail(str(exc))  # keys, port in use, an environment process that cannot start
     raise typer.Exit(code)
 
 

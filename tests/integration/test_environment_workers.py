@@ -33,6 +33,7 @@ from asyncrl.actors.remote_environments import RemoteEnvironments
 from asyncrl.common.config import load_config
 from asyncrl.common.environments.protocol import EnvironmentFailed, EpisodeRow
 from asyncrl.common.environments.turns import turn_text
+from asyncrl.common.observability.procs import descendants
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.keys import RunKeys
 from asyncrl.common.plane.run_secret import run_seal
@@ -65,6 +66,13 @@ def served(redis_client, worker: str, op: str, outcome: str = "ok") -> float:
     """``asyncrl_reward_environment_requests_total{op, outcome}`` of ``worker`` (its /metrics)."""
     beat = heartbeat(redis_client, RUN, worker)
     return metric(beat, "asyncrl_reward_environment_requests_total", {"op": op, "outcome": outcome})
+
+
+def _argv(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
 
 
 def moves() -> float:
@@ -104,7 +112,9 @@ def remote(redis_client, workers) -> Iterator[RemoteEnvironments]:
         client.close()
 
 
-def test_an_episode_steps_its_environment_on_a_worker_and_is_scored(remote, redis_client) -> None:
+def test_an_episode_steps_its_environment_on_a_worker_and_is_scored(remote, redis_client, workers) -> None:
+    for proc in workers["procs"].values():  # each worker started its environment process before it said it was ready
+        assert [pid for pid in descendants(proc.pid) if "asyncrl.actors.environment_host" in _argv(pid)], proc.pid
     rollout, engine, turn = episode(TOOLS, [CALL, "42"], *SETTINGS, remote=remote)
     assert len(engine.prompts) == 2  # the call, then the answer after the worker's observation
     assert [t for _, _, t in segments(rollout.trained(0))] == [True, False, True]
