@@ -8,9 +8,11 @@ that vLLM reported for response token ``j`` sit at index ``len(prompt) + j``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Self
 
 import numpy as np
 import torch
@@ -149,6 +151,39 @@ def preference_rows(groups: Sequence[ScoredGroup]) -> list[tuple[ScoredGroup, in
         if rewards[best] > rewards[worst]:
             rows += [(group, best), (group, worst)]
     return rows
+
+
+# --------------------------------------------------------------------------- the policy's step
+
+
+@dataclass(frozen=True)
+class PolicyRows:
+    """The policy update's ``[rows, T]`` tensors, of the whole step or of one micro-batch of it, in the engine's
+    alignment (module docstring): what the model runs on, μ, the advantages, and the log-probs of a pass before the
+    update where the algorithm needs them. A missing one is ``None``, never a missing key."""
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    response_mask: Tensor
+    behaviour_logprobs: Tensor
+    """μ: the log-probs the actors sampled with."""
+    advantages: Tensor
+    old_logprobs: Tensor | None = None
+    """π_old from a no-grad pass before the update (only for a KL penalty in the reward): otherwise the training
+    forward's own log-probs stand for it (``learner/update.py``)."""
+    ref_logprobs: Tensor | None = None
+    """π_ref of the frozen reference (a KL term in the loss or the reward)."""
+
+    def tensors(self) -> dict[str, Tensor]:
+        """The tensors present, by name: what :func:`rank_micro_batches` cuts by rows."""
+        return {f.name: value for f in dataclasses.fields(self) if (value := getattr(self, f.name)) is not None}
+
+    def to(self, device: torch.device | str) -> Self:
+        return dataclasses.replace(self, **{name: value.to(device) for name, value in self.tensors().items()})
+
+    def micro_batches(self, size: int, rank: int, world: int, unit: int = 1) -> list[Self]:
+        """Rank ``rank``'s micro-batches of the step (:func:`rank_micro_batches`), each a :class:`PolicyRows`."""
+        return [type(self)(**piece) for piece in rank_micro_batches(self.tensors(), size, rank, world, unit)]
 
 
 # --------------------------------------------------------------------------- micro-batches

@@ -18,7 +18,7 @@ read from the hidden state that has seen the tokens before it. It sits at the sa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -176,7 +176,7 @@ class ValueEngine:
         """The same without a graph: V_old at the start of a step (the bootstrap values of GAE, the clip centre)."""
         return self.values(input_ids, attention_mask)
 
-    def train_step(self, micro_batches: Sequence[Mapping[str, Tensor]], loss_fn: ValueLossFn) -> StepStats:
+    def train_step(self, micro_batches: Sequence[Batch], loss_fn: ValueLossFn) -> StepStats:
         """One optimizer step of the critic; ``loss_fn(self, micro_batch)`` follows the engine's loss convention."""
         return self._wrapped.train_step(micro_batches, lambda _, micro_batch: loss_fn(self, micro_batch))
 

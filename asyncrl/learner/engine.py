@@ -23,10 +23,10 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -34,6 +34,7 @@ from transformers import AutoModelForCausalLM
 
 from asyncrl.common.config import LearnerSection, RunConfig
 from asyncrl.learner import dist, lora
+from asyncrl.learner.batch import PolicyRows
 from asyncrl.learner.health import step_is_finite
 from asyncrl.learner.jit_lock import clear_stale_locks, prefer_environment_ninja
 
@@ -43,7 +44,16 @@ ADAM_EPS = 1e-8
 ZERO3_GATHER_NUMEL = 64 * 2**20  # parameters gathered per all-gather when collecting ZeRO-3 weights
 
 Batch = dict[str, Tensor]
+MicroBatch = TypeVar("MicroBatch", Batch, PolicyRows)
+"""What one backward pass runs on: a typed bundle of the policy's rows, or named tensors (the critic's, DPO's)."""
 LossFn = Callable[["PolicyEngine", Batch], Tensor]
+"""A loss over named tensors (:meth:`PolicyEngine.train_step`'s other form)."""
+
+
+def _on_device(micro_batch: MicroBatch, device: torch.device) -> MicroBatch:
+    if isinstance(micro_batch, PolicyRows):
+        return micro_batch.to(device)
+    return {key: value.to(device) for key, value in micro_batch.items()}
 
 
 # --------------------------------------------------------------------------- log-probs
@@ -252,7 +262,9 @@ class PolicyEngine:
         """The same without a graph: proximal log-probs π_old at the start of a step."""
         return self.token_logprobs(input_ids, attention_mask, temperature)
 
-    def train_step(self, micro_batches: Sequence[Mapping[str, Tensor]], loss_fn: LossFn) -> StepStats:
+    def train_step(
+        self, micro_batches: Sequence[MicroBatch], loss_fn: Callable[[PolicyEngine, MicroBatch], Tensor]
+    ) -> StepStats:
         """One optimizer step: ``backward`` of each micro-batch's loss share, then one DeepSpeed ``step``.
 
         ``loss_fn(engine, micro_batch)`` returns a scalar normalised with global counts (see the module docstring).
@@ -267,7 +279,7 @@ class PolicyEngine:
         last = len(micro_batches) - 1
         for index, micro_batch in enumerate(micro_batches):
             self.engine.set_gradient_accumulation_boundary(index == last)
-            loss = loss_fn(self, {key: value.to(self.device) for key, value in micro_batch.items()})
+            loss = loss_fn(self, _on_device(micro_batch, self.device))
             # DeepSpeed averages gradients over data-parallel ranks; the shares are already globally normalised.
             self.engine.backward(loss * self.engine.dp_world_size, scale_wrt_gas=False)
             local_loss += loss.detach()  # a tensor: no device sync per micro-batch

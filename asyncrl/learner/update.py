@@ -34,7 +34,14 @@ from asyncrl.learner.algorithms.kl import KLController
 from asyncrl.learner.algorithms.losses import log_ratios, mismatch_kl
 from asyncrl.learner.algorithms.masked import masked_mean
 from asyncrl.learner.algorithms.types import per_turn_refusal
-from asyncrl.learner.batch import TrainBatch, collate, preference_rows, rank_micro_batches, training_passes
+from asyncrl.learner.batch import (
+    PolicyRows,
+    TrainBatch,
+    collate,
+    preference_rows,
+    rank_micro_batches,
+    training_passes,
+)
 from asyncrl.learner.engine import PolicyEngine, ReferenceModel, reference_for
 from asyncrl.learner.step_metrics import MicroBatchMetrics
 
@@ -102,27 +109,24 @@ class PolicyUpdate:
         (:func:`asyncrl.learner.batch.rank_micro_batches`)."""
         ranks.lead("train", batch)
         self._check_rows(batch)
-        tensors = batch.model_tensors()
-        if Need.TOKEN_KL in self.needs:  # the one consumer of π_old before the update (module docstring)
-            tensors["old_logprobs"] = self._old_logprobs(batch)
+        model = batch.model_tensors()
+        old = self._old_logprobs(batch) if Need.TOKEN_KL in self.needs else None  # its one consumer: module docstring
+        ref = None
         if self.reference is not None:
-            tensors["ref_logprobs"] = self.reference.token_logprobs(
-                tensors["input_ids"], tensors["attention_mask"], self.temperature
-            )
+            ref = self.reference.token_logprobs(model["input_ids"], model["attention_mask"], self.temperature)
+        old_values = self._values(self.critic, batch) if self.critic is not None else None
         figures: dict[str, float] = {}
-        if self.critic is not None:
-            tensors["old_values"] = self._values(self.critic, batch)
-        advantage = self.algorithm.advantage(self._advantage_input(batch, tensors, figures))
+        advantage = self.algorithm.advantage(self._advantage_input(batch, old, ref, old_values, figures))
         self.last_advantages = advantages = advantage.advantages.float()  # [B, T]; samples.jsonl reads it
-        tensors["advantages"] = batch.on_model_rows(advantages)
-        counts = GlobalCounts.of(tensors["response_mask"])
+        step = PolicyRows(**model, advantages=batch.on_model_rows(advantages), old_logprobs=old, ref_logprobs=ref)
+        counts = GlobalCounts.of(step.response_mask)
         metrics = MicroBatchMetrics()
-        stats = self.engine.train_step(self._micro_batches(tensors), self._loss_fn(counts, metrics))
+        stats = self.engine.train_step(self._micro_batches(step), self._loss_fn(counts, metrics))
         figures |= {"loss": stats.loss, "grad_norm": stats.grad_norm, "lr": stats.lr, "seconds": stats.seconds}
         figures["applied"] = float(stats.applied)  # False: a non-finite step was skipped (learner/health.py)
-        if self.critic is not None and advantage.returns is not None:
-            tensors["returns"] = advantage.returns.float()
-            figures |= self._train_critic(self.critic, tensors, counts, metrics)
+        if self.critic is not None and old_values is not None and advantage.returns is not None:
+            critic_rows = {**model, "old_values": old_values, "returns": advantage.returns.float()}
+            figures |= self._train_critic(self.critic, critic_rows, counts, metrics)
         figures.update(metrics.figures())
         return figures
 
@@ -132,11 +136,19 @@ class PolicyUpdate:
         if batch.served is not None and (refusal := per_turn_refusal(self.needs)):
             raise RuntimeError(refusal)
 
-    def _advantage_input(self, batch: TrainBatch, tensors: dict[str, torch.Tensor], figures: dict[str, float]):
-        """The estimator's input; with a KL penalty in the reward, k1 = log π_old − log π_ref per token."""
+    def _advantage_input(
+        self,
+        batch: TrainBatch,
+        old: torch.Tensor | None,
+        ref: torch.Tensor | None,
+        values: torch.Tensor | None,
+        figures: dict[str, float],
+    ) -> AdvantageInput:
+        """The estimator's input: ``values`` V_old with a critic; with a KL penalty in the reward, k1 = log π_old
+        (``old``) − log π_ref (``ref``) per token."""
         token_kl = kl_coef = None
-        if Need.TOKEN_KL in self.needs:
-            token_kl = (tensors["old_logprobs"] - tensors["ref_logprobs"]) * batch.response_mask
+        if old is not None and ref is not None:  # the pass before the update runs only for a KL penalty in the reward
+            token_kl = (old - ref) * batch.response_mask
             observed = float(token_kl.sum() / batch.response_mask.sum().clamp(min=1))
             if self.kl_control.settings.mode != "off":
                 kl_coef = self.kl_control.coef
@@ -147,15 +159,15 @@ class PolicyUpdate:
             group_ids=batch.group_ids,
             response_mask=batch.response_mask,
             token_kl=token_kl,
-            values=tensors.get("old_values"),
+            values=values,
             kl_coef=kl_coef,
             turn_rewards=batch.turn_rewards,
         )
 
-    def _micro_batches(self, tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        """This rank's shard of the batch in micro-batches (a pair is never split across micro-batches or ranks)."""
+    def _micro_batches(self, step: PolicyRows) -> list[PolicyRows]:
+        """This rank's shard of the step in micro-batches (a pair is never split across micro-batches or ranks)."""
         size, unit = self._micro_batch_shape()
-        return rank_micro_batches(tensors, size, dist.rank(), dist.world_size(), unit)
+        return step.micro_batches(size, dist.rank(), dist.world_size(), unit)
 
     def _micro_batch_shape(self) -> tuple[int, int]:
         """``(rows, unit)`` of the policy's micro-batches: a pairwise loss takes whole pairs."""
@@ -167,13 +179,13 @@ class PolicyUpdate:
         with_entropy, temperature = Need.ENTROPY in self.needs, self.temperature
         off_policy = self.config.staleness.correction != "none"
 
-        def loss_fn(engine: PolicyEngine, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        def loss_fn(engine: PolicyEngine, mb: PolicyRows) -> torch.Tensor:
             # The entropy is measured every step (the entropy-collapse alert watches it), with a graph only when the
             # loss has an entropy bonus.
             logprobs, entropy = engine.token_logprobs_and_entropy(
-                mb["input_ids"], mb["attention_mask"], temperature, entropy_grad=with_entropy
+                mb.input_ids, mb.attention_mask, temperature, entropy_grad=with_entropy
             )
-            mask = mb["response_mask"]
+            mask = mb.response_mask
             if not with_entropy:
                 metrics.add({"loss/entropy": masked_mean(entropy, mask.to(entropy.device))}, mask)
                 entropy = None
@@ -181,15 +193,15 @@ class PolicyUpdate:
                 LossInput(
                     logprobs=logprobs,
                     old_logprobs=_proximal(mb, logprobs, off_policy),
-                    behaviour_logprobs=mb["behaviour_logprobs"],
-                    advantages=mb["advantages"],
-                    response_mask=mb["response_mask"],
-                    ref_logprobs=mb.get("ref_logprobs"),
+                    behaviour_logprobs=mb.behaviour_logprobs,
+                    advantages=mb.advantages,
+                    response_mask=mask,
+                    ref_logprobs=mb.ref_logprobs,
                     entropy=entropy,
                 )
             )
             if not off_policy:  # μ stood in for π_old, so the loss saw no mismatch: measure it on this forward
-                log_w = log_ratios(logprobs, mb["behaviour_logprobs"], mask)
+                log_w = log_ratios(logprobs, mb.behaviour_logprobs, mask)
                 out.metrics["offpolicy/mismatch_kl"] = mismatch_kl(log_w, mask)
             metrics.add(out.metrics, mask, out.sequence_metrics)
             return self.algorithm.aggregate(out.per_token_loss, mask, counts)
@@ -205,12 +217,13 @@ class PolicyUpdate:
         return values * batch.response_mask
 
     def _train_critic(
-        self, critic: ValueEngine, tensors: dict[str, torch.Tensor], counts: GlobalCounts, metrics: MicroBatchMetrics
+        self, critic: ValueEngine, rows: dict[str, torch.Tensor], counts: GlobalCounts, metrics: MicroBatchMetrics
     ) -> dict[str, float]:
+        """The critic's step on ``rows``: the model's inputs, V_old (``old_values``) and the returns."""
         from asyncrl.learner.critic import value_loss_fn
 
         keys = ("input_ids", "attention_mask", "response_mask", "old_values", "returns")
-        shard = {k: tensors[k] for k in keys}
+        shard = {k: rows[k] for k in keys}
         micro = rank_micro_batches(shard, critic.micro_batch_size, dist.rank(), dist.world_size())
         stats = critic.train_step(micro, value_loss_fn(self.config.critic.value_clip, counts, metrics))
         return {"critic/loss": stats.loss, "critic/grad_norm": stats.grad_norm, "critic/seconds": stats.seconds}
@@ -228,9 +241,9 @@ class PolicyUpdate:
         return logprobs * batch.response_mask
 
 
-def _proximal(mb: dict[str, torch.Tensor], logprobs: torch.Tensor, off_policy: bool) -> torch.Tensor:
+def _proximal(mb: PolicyRows, logprobs: torch.Tensor, off_policy: bool) -> torch.Tensor:
     """log π_old of one micro-batch: the pass before the update when there was one, else the training forward's own
     log-probs detached (the same weights: one optimizer step per batch); μ when the correction is ``none``."""
-    if "old_logprobs" in mb:
-        return mb["old_logprobs"]
-    return logprobs.detach() if off_policy else mb["behaviour_logprobs"]
+    if mb.old_logprobs is not None:
+        return mb.old_logprobs
+    return logprobs.detach() if off_policy else mb.behaviour_logprobs

@@ -185,7 +185,7 @@ def test_a_cpu_engine_in_eager_mode_compiles_nothing_unless_the_user_says_so(
     monkeypatch: pytest.MonkeyPatch, eager: bool, has_gpu: bool, given: str | None, kept: str | None
 ) -> None:
     """vLLM compiles two sampling helpers with Inductor even in eager mode; on CPUs an actor turns that off before
-    vLLM loads them (``bench/engine_start.py``: the first group 2.4 s against 0.09 s), and keeps a user's own setting."""
+    vLLM loads them (``bench/engine_start.py``: the first group 2.4 s against 0.09 s), and keeps a user's setting."""
     from asyncrl.actors.engine_processes import compile_nothing
 
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", given or "")  # whatever it was, restored after the test

@@ -82,3 +82,21 @@ def test_the_no_grad_passes_run_the_training_passes_rows_and_shapes(world: int, 
     assert [mb["input_ids"].tolist() for _, mb in passes] == [mb["input_ids"].tolist() for mb in trained]
     for rows, mb in passes:
         assert torch.equal(mb["input_ids"], whole["input_ids"][rows][:, : mb["input_ids"].shape[1]])
+
+
+def test_the_policys_step_is_cut_as_its_tensors_are_and_a_missing_one_stays_none() -> None:
+    """:class:`PolicyRows` cuts by the same rules as named tensors: every field present is cut alike, and a pass the
+    step did not run (π_old, π_ref) is ``None`` in every micro-batch, not a missing key."""
+    from asyncrl.learner.batch import PolicyRows
+
+    whole = batch(5)
+    mu = torch.randn(5, 3)
+    step = PolicyRows(**whole, behaviour_logprobs=mu, advantages=mu * 2, ref_logprobs=mu - 1)
+    pieces = step.micro_batches(2, rank=0, world=1)
+    named = rank_micro_batches(step.tensors(), 2, 0, 1)
+    assert [type(p) for p in pieces] == [PolicyRows] * len(named) == [PolicyRows] * 3
+    for piece, same in zip(pieces, named, strict=True):
+        assert piece.old_logprobs is None and set(piece.tensors()) == set(same) == set(step.tensors())
+        for name, value in same.items():
+            assert torch.equal(getattr(piece, name), value)
+    assert "old_logprobs" not in step.tensors() and step.to("cpu").advantages.device.type == "cpu"
