@@ -49,12 +49,24 @@ class KVLogger:
         self._log(logging.ERROR, msg, fields)
 
 
+class _Stderr:
+    """``sys.stderr`` as it is when a line is written, not when logging was configured: whatever replaced it since (a
+    test harness capturing output, a process redirecting its own) gets the line, and a closed former stream none."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure(level: str | None = None, stream: Any = None) -> None:
-    """Configure the root handler once per process (level from ``ASYNCRL_LOG_LEVEL``, default INFO)."""
+    """Configure the root handler once per process (level from ``ASYNCRL_LOG_LEVEL``, default INFO), writing to
+    ``stream``, else to the process's standard error of the moment."""
     global _CONFIGURED
     if _CONFIGURED:
         return
-    handler = logging.StreamHandler(stream or sys.stderr)
+    handler = logging.StreamHandler(stream or _Stderr())
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s pid=%(process)d: %(message)s"))
     root = logging.getLogger("asyncrl")
     root.addHandler(handler)
