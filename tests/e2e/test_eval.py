@@ -32,7 +32,7 @@ from asyncrl.common.plane.run_secret import run_seal
 from asyncrl.common.tiny_models.chat import chat_examples, init_chat_model, warm_start_chat
 from asyncrl.common.transport.channel import ChannelBlocked, PushChannel
 from asyncrl.common.transport.curve import CurveClient
-from tests.helpers.forgery import reward_endpoints, right_texts
+from tests.helpers.forgery import reward_endpoints, reward_workers, right_texts
 from tests.helpers.runs import check_samples
 from tests.helpers.stack import BIN, ONE_PROCESS_ENGINE, ROOT, Processes, _wait
 
@@ -77,7 +77,7 @@ def strike_as_stranger(plane: ControlPlane, key_file: str) -> PushChannel:
     """A peer whose key pair the run never authorised connects to the reward worker as an actor does (CURVE with the
     server key the worker advertises, the run's seal: it reached the run's Redis) and sends a rollout for every group
     in flight. Its handshake is refused, so nothing it sends ever arrives (each send gives up at once)."""
-    worker = next(h for h in plane.registry.processes()[0] if h.kind == "reward")
+    [worker] = reward_workers(plane)
     channel = PushChannel("rollouts", send_timeout_s=0.1, seal=run_seal(plane.client, plane.keys, "rollouts"))
     channel.connect(worker.endpoint, CurveClient(Path(key_file), worker.curve_public_key.encode()))
     for group in right_texts(plane, actor="intruder"):

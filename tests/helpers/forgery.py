@@ -10,7 +10,7 @@ import numpy as np
 
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.dead_letters import DEAD_LETTER_EXCERPT
-from asyncrl.common.wire.messages import PromptGroup, RolloutGroup
+from asyncrl.common.wire.messages import Heartbeat, PromptGroup, RolloutGroup
 
 NEVER_ISSUED = "{run}-99999999"
 """The id of a forged group the run never issued."""
@@ -41,9 +41,15 @@ def right_texts(plane: ControlPlane, actor: str = "forger") -> list[RolloutGroup
     return [honest(plane.prompts.load_group(g), [1] * 8, actor=actor) for g in sorted(plane.prompts.ledger())]
 
 
+def reward_workers(plane: ControlPlane) -> list[Heartbeat]:
+    """The heartbeats of the run's live reward workers that have bound their socket: one still starting registers
+    with no endpoint and no CURVE key yet, and a peer cannot connect to it."""
+    return [h for h in plane.registry.processes()[0] if h.kind == "reward" and h.endpoint]
+
+
 def reward_endpoints(plane: ControlPlane) -> list[str]:
-    """The endpoints of the live reward workers in the run's registry."""
-    return [h.endpoint for h in plane.registry.processes()[0] if h.kind == "reward"]
+    """The endpoints of the run's live reward workers that have bound their socket (:func:`reward_workers`)."""
+    return [h.endpoint for h in reward_workers(plane)]
 
 
 def queued_ids(plane: ControlPlane, count: int) -> list[str]:
