@@ -75,8 +75,7 @@ class VllmFacts:
         return known if isinstance(known, dict) and known.get("identity") == self.identity else {}
 
     def _remember(self, key: str, value: Any) -> Any:
-        self.known[key] = value
-        self.known["identity"] = self.identity
+        self.known = {**self._read(), **self.known, key: value, "identity": self.identity}  # others' answers kept
         with contextlib.suppress(OSError):  # a read-only home costs only the time of asking again
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as out:
@@ -107,7 +106,8 @@ class VllmFacts:
         Asking loads the model's class, not its weights."""
         served = self.known.setdefault("lora", {})
         if architecture not in served:
-            self._remember("lora", served | {architecture: _serves_lora(architecture)})
+            on_disk = self._read().get("lora", {})
+            self._remember("lora", {**on_disk, **served, architecture: _serves_lora(architecture)})
         return self.known["lora"][architecture]
 
 

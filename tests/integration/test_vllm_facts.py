@@ -85,3 +85,16 @@ def test_the_cache_folder_follows_the_environment(monkeypatch: pytest.MonkeyPatc
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert vllm_facts.cache_dir() == tmp_path / "home" / ".cache" / "asyncrl"
+
+
+def test_two_processes_asking_at_once_keep_each_others_answers(cache: Path) -> None:
+    identity = installation()
+    assert identity is not None
+    first, second = VllmFacts(identity), VllmFacts(identity)  # both read the file before either wrote
+    first.cpu_head_sizes()
+    second.engine_arg_names()
+    second.serves_lora("GPT2LMHeadModel")
+    first.serves_lora("LlamaForCausalLM")
+    kept = json.loads(facts_file(identity).read_text())
+    assert {"cpu_head_sizes", "engine_args"} <= set(kept)
+    assert kept["lora"] == {"GPT2LMHeadModel": False, "LlamaForCausalLM": True}
