@@ -26,7 +26,7 @@ import difflib
 import gc
 import os
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence, Set
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.actors import ipc_folder
@@ -297,7 +297,7 @@ CPU_KV_CACHE_BYTES = 256 * 2**20
 
 
 def engine_settings(
-    rollout: RolloutSection, known: Collection[str], has_gpu: bool, max_model_len: int = 0
+    rollout: RolloutSection, known: Set[str], has_gpu: bool, max_model_len: int = 0
 ) -> dict[str, Any]:
     """The ``AsyncEngineArgs`` keywords the ``[rollout]`` table sets: memory, parallelism, batching, prefix caching,
     on CPUs whole-prompt prefills (:func:`whole_prompt_prefills`), then ``rollout.engine_args`` as given, each checked
@@ -322,7 +322,7 @@ def engine_settings(
         settings["enable_prefix_caching"] = rollout.enable_prefix_caching
     if not has_gpu:
         settings |= whole_prompt_prefills(max_model_len)
-    if unknown := sorted(set(rollout.engine_args) - set(known)):
+    if unknown := sorted(rollout.engine_args.keys() - known):
         close = [match for name in unknown for match in difflib.get_close_matches(name, sorted(known), n=2)]
         raise EngineSettingsError(
             f"rollout.engine_args: {', '.join(map(repr, unknown))} not a field of this vLLM's AsyncEngineArgs"

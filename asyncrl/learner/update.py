@@ -125,8 +125,9 @@ class PolicyUpdate:
         figures |= {"loss": stats.loss, "grad_norm": stats.grad_norm, "lr": stats.lr, "seconds": stats.seconds}
         figures["applied"] = float(stats.applied)  # False: a non-finite step was skipped (learner/health.py)
         if self.critic is not None and old_values is not None and advantage.returns is not None:
-            critic_rows = {**model, "old_values": old_values, "returns": advantage.returns.float()}
-            figures |= self._train_critic(self.critic, critic_rows, counts, metrics)
+            inputs = {k: model[k] for k in ("input_ids", "attention_mask", "response_mask")}  # μ is the policy's alone
+            rows = {**inputs, "old_values": old_values, "returns": advantage.returns.float()}
+            figures |= self._train_critic(self.critic, rows, counts, metrics)
         figures.update(metrics.figures())
         return figures
 
@@ -222,9 +223,7 @@ class PolicyUpdate:
         """The critic's step on ``rows``: the model's inputs, V_old (``old_values``) and the returns."""
         from asyncrl.learner.critic import value_loss_fn
 
-        keys = ("input_ids", "attention_mask", "response_mask", "old_values", "returns")
-        shard = {k: rows[k] for k in keys}
-        micro = rank_micro_batches(shard, critic.micro_batch_size, dist.rank(), dist.world_size())
+        micro = rank_micro_batches(rows, critic.micro_batch_size, dist.rank(), dist.world_size())
         stats = critic.train_step(micro, value_loss_fn(self.config.critic.value_clip, counts, metrics))
         return {"critic/loss": stats.loss, "critic/grad_norm": stats.grad_norm, "critic/seconds": stats.seconds}
 

@@ -67,10 +67,11 @@ def _needs(variant: str, settings: Settings) -> frozenset[Need]:
     """What ``settings.requires()`` names, as :class:`Need` members; :class:`ConfigError` for a name the learner
     does not compute (a variant of a user's own may name them as strings)."""
     named = settings.requires()
-    if unknown := sorted(str(n) for n in named if n not in set(Need)):
-        known = ", ".join(need.value for need in Need)
+    known = [need.value for need in Need]
+    if unknown := sorted(str(n) for n in named if n not in known):
         raise ConfigError(
-            f"{variant} requires {', '.join(unknown)}, which the learner does not compute (it computes {known})"
+            f"{variant} requires {', '.join(unknown)}, which the learner does not compute (it computes "
+            f"{', '.join(known)})"
         )
     return frozenset(Need(n) for n in named)
 

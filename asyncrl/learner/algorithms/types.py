@@ -53,11 +53,6 @@ class Need(StrEnum):
     ENTROPY = "entropy"
     PAIRS = "pairs"
 
-    @property
-    def meaning(self) -> str:
-        """What the need means for the learner."""
-        return REQUIREMENTS[self]
-
 
 REQUIREMENTS = {
     Need.VALUES: "critic values (AdvantageInput.values): the learner trains a value model beside the policy",
