@@ -21,7 +21,8 @@ KINDS = {
 }
 
 
-def _command(pid: str) -> str:
+def command_line(pid: int | str) -> str:
+    """``pid``'s command line, its arguments joined by spaces (``OSError`` once it has ended)."""
     raw = Path(f"/proc/{pid}/cmdline").read_bytes()
     return raw.replace(b"\0", b" ").decode(errors="replace").strip()
 
@@ -81,7 +82,7 @@ class StartupCounter:
         now = time.monotonic()
         for pid in running - self._settled:
             try:
-                command = _command(pid)
+                command = command_line(pid)
             except OSError:
                 continue  # gone between listing and reading
             kind = next((kind for kind, matches in KINDS.items() if command and matches(command)), None)

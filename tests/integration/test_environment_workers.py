@@ -15,6 +15,7 @@ dead-lettered with the reason; such an episode never moves when its worker dies.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import signal
@@ -42,6 +43,7 @@ from asyncrl.common.transport.channel import PushChannel
 from asyncrl.common.transport.rpc import RequestSocket
 from asyncrl.common.wire.attestation import EpisodeAttestation, EpisodeIdentity, Signer, score_message, step_message
 from asyncrl.common.wire.messages import Heartbeat, RolloutGroup, segments
+from tests.helpers.costs import command_line
 from tests.helpers.flood import flood
 from tests.helpers.reward_stack import heartbeat, publish, read_replay, start, wait_for, wait_ready
 from tests.helpers.rollouts import issue
@@ -68,11 +70,14 @@ def served(redis_client, worker: str, op: str, outcome: str = "ok") -> float:
     return metric(beat, "asyncrl_reward_environment_requests_total", {"op": op, "outcome": outcome})
 
 
-def _argv(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
+def environment_processes(pid: int) -> list[int]:
+    """The environment processes below ``pid`` (one that ended while looked at is not one)."""
+    found = []
+    for child in descendants(pid):
+        with contextlib.suppress(OSError):
+            if "asyncrl.actors.environment_host" in command_line(child):
+                found.append(child)
+    return found
 
 
 def moves() -> float:
@@ -114,7 +119,7 @@ def remote(redis_client, workers) -> Iterator[RemoteEnvironments]:
 
 def test_an_episode_steps_its_environment_on_a_worker_and_is_scored(remote, redis_client, workers) -> None:
     for proc in workers["procs"].values():  # each worker started its environment process before it said it was ready
-        assert [pid for pid in descendants(proc.pid) if "asyncrl.actors.environment_host" in _argv(pid)], proc.pid
+        assert environment_processes(proc.pid), proc.pid
     rollout, engine, turn = episode(TOOLS, [CALL, "42"], *SETTINGS, remote=remote)
     assert len(engine.prompts) == 2  # the call, then the answer after the worker's observation
     assert [t for _, _, t in segments(rollout.trained(0))] == [True, False, True]
