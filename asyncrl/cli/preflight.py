@@ -126,11 +126,11 @@ def check_config(config: RunConfig) -> None:
     (:func:`asyncrl.learner.algorithms.assembly.assemble`), the task's (:func:`asyncrl.learner.dispatcher.check_task`)
     and a built-in eval task's (:func:`check_eval_options`), the reward functions' names (an import path must name a
     reward function) and the verifier of each ``task`` function with its options (``common/rewards/functions.py:
-    check_names, check_verifiers``), the rollout workflow's name (``actors/workflows.py``), and
+    check_names, check_options``), the rollout workflow's name (``actors/workflows.py``), and
     ``model.max_model_len`` against the model folder's context (:func:`check_model_context`). Raises ``ValueError``."""
     from asyncrl.actors.workflows import check_workflow_name
     from asyncrl.common.data.tasks import task_label
-    from asyncrl.common.rewards.functions import check_names, check_verifiers
+    from asyncrl.common.rewards.functions import check_names, check_options
     from asyncrl.learner.algorithms.assembly import assemble
     from asyncrl.learner.dispatcher import check_task
 
@@ -139,7 +139,7 @@ def check_config(config: RunConfig) -> None:
     check_eval_options(config)
     check_workflow_name(config.rollout.workflow)
     check_names(config.reward.functions)
-    check_verifiers(config.reward.functions, task_label(config.task))
+    check_options(config.reward.functions, task_label(config.task))
     check_model_context(config)
     check_episodes(config)
     check_adapters(config)

@@ -124,6 +124,12 @@ class Registry(Generic[T]):
                 raise ValueError(f"{self.kind} import path {exc.path!r}: {exc}") from None
             raise
 
+    def loaded(self, name: str) -> T | None:
+        """The entry registered as ``name`` by its object, which needs no import; None for a name registered by
+        path, installed by a package or unknown. What a check may look at without loading anything."""
+        entry = self._entries.get(name)
+        return None if entry is None or isinstance(entry, _Deferred) else cast(T, entry)
+
     def names(self) -> list[str]:
         return sorted(self._entries.keys() | self._plugins().keys())
 

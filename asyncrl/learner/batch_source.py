@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import TypedDict
 
 import numpy as np
@@ -58,8 +59,38 @@ class Position(TypedDict):
 log = get_logger("learner")
 RECOVER_MAX = 100_000
 """Most pending replay entries taken back at start (trained since the last checkpoint, or read and not trained)."""
-VERDICTS = ("duplicate", "refused", "stale", "zero_variance")
-"""Why an arriving group is not trained, in the order they are judged; each is a ``groups/<verdict>`` count."""
+
+
+class Verdict(StrEnum):
+    """What admission decides on an arriving group (:meth:`BatchSource.admit`), judged in this order. Each but
+    ``ok`` is why a group is not trained, and a ``groups/<name>`` count of metrics.jsonl."""
+
+    DUPLICATE = "duplicate"
+    """Its id was already trained, or decided on earlier in this batch."""
+    REFUSED = "refused"
+    """It does not answer its issue record, or its texts are not the decode of its ids: dead-lettered."""
+    STALE = "stale"
+    """Its oldest token is older than the staleness bound allows."""
+    ZERO_VARIANCE = "zero_variance"
+    """Every response has the same reward, with dynamic sampling on: no signal."""
+    OK = "ok"
+    """Admitted: trained in this step."""
+
+    @property
+    def settles(self) -> bool:
+        """Whether this decides the group for good, so that another copy of it in the batch is a duplicate (a
+        refused copy does not: the group it claims to be may still arrive)."""
+        return self in (Verdict.OK, Verdict.STALE, Verdict.ZERO_VARIANCE)
+
+    @property
+    def metric(self) -> str:
+        """Its count's name in metrics.jsonl (two keep their historical names)."""
+        historical = {Verdict.DUPLICATE: "duplicates", Verdict.STALE: "dropped_stale"}
+        return f"groups/{historical.get(self, self)}"
+
+
+DROPPED = tuple(v for v in Verdict if v is not Verdict.OK)
+"""The verdicts that keep a group out of the batch."""
 
 
 class StepInterrupted(Exception):
@@ -132,7 +163,7 @@ class Taken:
     entries: list[ReplayEntry] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
     """Replay entry ids judged and not admitted: acknowledged with the step (or at once when interrupted)."""
-    verdicts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(VERDICTS, 0))
+    verdicts: dict[Verdict, int] = field(default_factory=lambda: dict.fromkeys(DROPPED, 0))
     waited_s: float = 0.0
     """Seconds spent waiting for the batch: the learner's idle time in this step."""
     faulted_episodes: int = 0
@@ -151,9 +182,8 @@ class Taken:
         return np.concatenate([entry.group.rewards for entry in self.entries]).astype(np.float64)
 
     def figures(self) -> dict[str, float]:
-        """The ``groups/*`` counts of metrics.jsonl (``dropped_stale`` keeps its historical name)."""
-        names = {"duplicate": "duplicates", "stale": "dropped_stale"}
-        return {f"groups/{names.get(verdict, verdict)}": float(n) for verdict, n in self.verdicts.items()}
+        """The ``groups/*`` counts of metrics.jsonl."""
+        return {verdict.metric: float(n) for verdict, n in self.verdicts.items()}
 
 
 class BatchSource:
@@ -216,9 +246,9 @@ class BatchSource:
                 group_id = entry.group.rollout.group_id
                 # the standings were read before this batch decided on any of them: `decided` is what changed since
                 verdict = self.admit(entry, version, decided, standings.get(group_id))
-                if verdict in ("ok", "stale", "zero_variance"):
+                if verdict.settles:
                     decided.add(group_id)
-                if verdict == "ok":
+                if verdict is Verdict.OK:
                     self._dead_lettered_streak = 0
                     taken.entries.append(entry)
                     standing = standings.get(group_id)
@@ -304,8 +334,10 @@ class BatchSource:
             "reason names, then start the learner with --resume latest"
         )
 
-    def admit(self, entry: ReplayEntry, version: int, in_batch: set[str], standing: Standing | None = None) -> str:
-        """``ok`` or one of :data:`VERDICTS` for ``entry`` arriving while the learner is at ``version``; ``standing``:
+    def admit(
+        self, entry: ReplayEntry, version: int, in_batch: set[str], standing: Standing | None = None
+    ) -> Verdict:
+        """The :class:`Verdict` on ``entry`` arriving while the learner is at ``version``; ``standing``:
         its id's record, looked up with the rest of a read (one round trip per read, not two per group).
 
         ``in_batch``: ids this batch already decided on (admitted, or discarded as stale or zero-variance). Another copy
@@ -317,7 +349,7 @@ class BatchSource:
             standing = self.dispatcher.standings([group_id])[group_id]
         if group_id in in_batch or standing.completed:
             self.dispatcher.note_duplicate(group_id)
-            return "duplicate"
+            return Verdict.DUPLICATE
         if group_id not in self._retrain:  # a group trained again after a resume was checked when first trained
             issued, rollout = standing.issued, entry.group.rollout
             reason = issue_mismatch(
@@ -326,7 +358,7 @@ class BatchSource:
             reason = reason or self.texts.mismatch(rollout)  # train only ids whose scored text is their decode
             if reason is not None:
                 self._refuse(entry, reason)
-                return "refused"
+                return Verdict.REFUSED
         oldest = int(entry.group.rollout.versions.min(initial=version))
         if oldest < self.bound.floor(version):
             self.dispatcher.discard([group_id])
@@ -338,11 +370,11 @@ class BatchSource:
                 floor=self.bound.floor(version),
                 actor=entry.group.rollout.actor_id,
             )
-            return "stale"
+            return Verdict.STALE
         if self.config.algorithm.dynamic_sampling and len(set(entry.group.rewards.tolist())) == 1:
             self.dispatcher.discard([group_id])  # DAPO's dynamic sampling: no signal; admission releases another
-            return "zero_variance"
-        return "ok"
+            return Verdict.ZERO_VARIANCE
+        return Verdict.OK
 
     def _refuse(self, entry: ReplayEntry, reason: str) -> None:
         """Dead-letter a group that does not answer what was issued under its id; log the 1st, 10th, 100th, …"""

@@ -58,7 +58,10 @@ def test_a_name_registered_by_import_path_is_imported_when_first_used() -> None:
     reg.register_path("double", "tests.unit.test_registry:double")  # the same path again is fine
     reg.register_path("broken", "no_such_module_here:thing")
     assert reg.names() == ["broken", "double"] and "double" in reg
+    assert reg.loaded("double") is None  # a check may ask without importing it
     assert reg.get("double")(3) == 6
+    reg.register("triple")(double)
+    assert reg.loaded("triple") is double and reg.loaded("unknown") is None
     with pytest.raises(ValueError, match="thing import path 'no_such_module_here:thing' cannot be resolved"):
         reg.get("broken")  # refused when used, naming the path
     with pytest.raises(ValueError, match=r"already registered by tests\.unit\.test_registry:double"):

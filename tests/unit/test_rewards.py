@@ -17,6 +17,7 @@ from asyncrl.common.rewards.functions import (
     RewardError,
     bind_functions,
     check_functions,
+    check_options,
     combine,
     get_reward,
     load_reward_model,
@@ -96,6 +97,16 @@ def test_run_verifier_is_the_one_the_reward_workers_bind() -> None:
     two = 'reward.functions=[{ name = "task" }, { name = "format", weight = 0.1 }]'
     with pytest.raises(ValueError, match="one 'task' function at weight 1 is needed here, got task"):
         run_verifier(load_config(CONFIG, [two]))
+
+
+def test_the_options_a_config_check_binds_are_those_of_functions_already_in_memory(registry) -> None:
+    """What the learner checks before anything starts: a typo'd verifier option is refused, and a function registered
+    by path (the environment replay, which imports the actors' code) is not imported to be checked."""
+    with pytest.raises(ValueError, match="verifier 'regex'"):
+        check_options([fn("task", verifier="regex", patern="x")], "arithmetic")
+    registry.register_path("later", "no_such_module_here:later")
+    checked = [fn("task", verifier="regex", pattern="=(\\d+)"), fn("later", anything=1), fn("format")]
+    check_options(checked, "arithmetic")
 
 
 def test_the_groups_own_task_name_selects_nothing() -> None:

@@ -252,13 +252,13 @@ registered by ``asyncrl.actors``),
             get_reward(function.name, f"reward.functions[{i}].name")
 
 
-def check_verifiers(functions: Sequence[RewardFunction], task: str) -> None:
-    """The ``task`` functions' verifiers and their options as :func:`bind_functions` binds them, checked without
-    resolving any other function (what the learner checks in a config: a typo'd verifier option raises ``ValueError``
-    before anything starts)."""
+def check_options(functions: Sequence[RewardFunction], task: str) -> None:
+    """The options of each configured function already in memory (registered by its object, as the built-ins of this
+    module are) bound as :func:`bind_functions` binds them, without importing any other (what the learner checks in a
+    config: a ``task`` function's typo'd verifier option raises ``ValueError`` before anything starts)."""
     run = RunFacts(task)
     for function in functions:
-        if function.name == "task":  # registered here, with no import behind it; the others may load a model
+        if REWARDS.loaded(function.name) is not None:
             _bound(function, run)
 
 
