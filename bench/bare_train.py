@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8  # the learner's (asyncrl/learner/engine.py)
+ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8  # the learner's (asyncrl/learner/update/engine.py)
 
 
 class MasterWeights:

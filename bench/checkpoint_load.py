@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def main() -> None:
     spec, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
     from asyncrl.common.config import load_config
-    from asyncrl.learner.checkpoint import Checkpointer
-    from asyncrl.learner.checkpoint_format import open_checkpoint
-    from asyncrl.learner.checkpoint_history import find_checkpoint
-    from asyncrl.learner.engine import PolicyEngine
+    from asyncrl.learner.checkpoint.checkpointer import Checkpointer
+    from asyncrl.learner.checkpoint.format import open_checkpoint
+    from asyncrl.learner.checkpoint.history import find_checkpoint
+    from asyncrl.learner.update.engine import PolicyEngine
 
     config = load_config(spec["config"], spec["overrides"])
     policy = PolicyEngine(config)

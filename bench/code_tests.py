@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np
 
 from asyncrl.common.rewards.functions import get_reward
-from asyncrl.common.rewards.sandbox import isolation
+from asyncrl.common.sandbox import isolation
 from asyncrl.common.wire.messages import RolloutGroup
 
 PROGRAM = "```python\ndef add(a, b):\n    return a + b\n```\n"

@@ -65,7 +65,7 @@ def adapter_version(folder: Path, lora_settings: list[str], seed: int) -> dict[s
     """The adapters a learner would send: PEFT's on the model at ``folder``, A and B drawn from ``seed``."""
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.learner.lora import adapter_tensors, add_adapters
+    from asyncrl.learner.update.lora import adapter_tensors, add_adapters
 
     config = load_config(None, lora_settings)
     model = add_adapters(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), config.lora)
@@ -115,7 +115,7 @@ def optimizer_figures(folder: Path, settings: list[str]) -> dict:
 
 
 def _one_step(folder: Path, settings: list[str], results) -> None:
-    from asyncrl.learner.engine import PolicyEngine
+    from asyncrl.learner.update.engine import PolicyEngine
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", DS_ACCELERATOR="cpu")
     os.environ["MASTER_PORT"] = str(free_port())

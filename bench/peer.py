@@ -275,7 +275,7 @@ def training_prompts(config, chat: bool = False) -> list[dict[str, Any]]:
     ``chat``: each prompt a user message, for TRL to render with the chat template and the environment's tools."""
     import random
 
-    from asyncrl.learner.dispatcher import prompt_source
+    from asyncrl.learner.intake.dispatcher import prompt_source
 
     task, _ = prompt_source(config.task)
     rng = random.Random(config.run.seed)
@@ -291,7 +291,7 @@ def trl_args(config, out: str, longest_prompt: int = 0):
     fits the context its longest prompt leaves (``longest_prompt`` tokens)."""
     from trl import GRPOConfig
 
-    from asyncrl.learner.engine import ADAM_BETAS, ADAM_EPS
+    from asyncrl.learner.update.engine import ADAM_BETAS, ADAM_EPS
 
     clip = config.algorithm.loss_options
     learner, rollout = config.learner, config.rollout

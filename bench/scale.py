@@ -244,7 +244,7 @@ def step_prompts(config: Any) -> tuple[list[list[int]], list[int]]:
     from transformers import AutoTokenizer
 
     from asyncrl.common.environments.protocol import run_prompter
-    from asyncrl.learner.dispatcher import prompt_source
+    from asyncrl.learner.intake.dispatcher import prompt_source
 
     tokenizer = AutoTokenizer.from_pretrained(config.model.path)
     prompter = run_prompter(tokenizer, config)

@@ -3,7 +3,7 @@ or a reward worker), so a hostile ``step`` can end only its own host.
 
 Environments are named by the operator's config, but more and more come from hubs of other people's code. Without a
 fence, ``os.kill(os.getppid(), 9)`` in a ``step`` kills the actor. :func:`host_fence` picks, once per process, the
-strongest fence of :func:`~asyncrl.common.rewards.sandbox_fences.host_candidates` whose host starts (and logs it);
+strongest fence of :func:`~asyncrl.common.sandbox.fences.host_candidates` whose host starts (and logs it);
 :func:`launch` starts a host behind it; :func:`enter` is what the host does first, before any environment code:
 
 ``namespaces`` (the actor is root): the host is the init of its own PID namespace, with a fresh ``/proc``, in its own
@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import IO, Any, TypedDict
 
 from asyncrl.common.observability.logs import get_logger
-from asyncrl.common.rewards.sandbox_fences import HOST_UID_BASE, Isolation, host_candidates
+from asyncrl.common.sandbox.fences import HOST_UID_BASE, Isolation, host_candidates
 
 log = get_logger("environment_host")
 READY = {"ready": True}
@@ -257,7 +257,7 @@ def _log_fence(fence: Isolation, setting: str) -> None:
 def enter(fence_plan: FencePlan) -> None:
     """The host's first act behind a namespace fence (it is root in its namespaces still): the read-only view, its
     scratch, the binds back, then its uid and no capability ever again."""
-    from asyncrl.common.rewards import sandbox_supervisor as stage2
+    from asyncrl.common.sandbox import supervisor as stage2
 
     uid, home = fence_plan["uid"], fence_plan["home"]
     sources = {path: os.open(path, os.O_PATH) for path in fence_plan["binds"]}  # before scratch hides them
@@ -305,7 +305,7 @@ class _MountAttr(ctypes.Structure):
 def _read_only(path: str, read_only: bool = True) -> None:
     """``path`` and every mount below it read-only (``mount_setattr``, Linux 5.12); with ``read_only`` False, the
     mount at ``path`` alone writable again."""
-    from asyncrl.common.rewards import sandbox_supervisor as stage2
+    from asyncrl.common.sandbox import supervisor as stage2
 
     attr = _MountAttr(*((MOUNT_ATTR_RDONLY, 0) if read_only else (0, MOUNT_ATTR_RDONLY)), 0, 0)
     flags = AT_RECURSIVE if read_only else 0

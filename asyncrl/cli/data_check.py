@@ -170,7 +170,7 @@ def check_run_data(config: RunConfig) -> Report:
     or the prompt settings do not fit the tokenizer (``task.chat = true`` without a template).
     """
     from asyncrl.common.data.prompts import PromptError
-    from asyncrl.learner.dispatcher import task_options
+    from asyncrl.learner.intake.dispatcher import task_options
 
     generated = config.task.name != "file"
     if not generated and not (path := Path(task_options(config.task)["path"])).exists():
@@ -238,7 +238,7 @@ def check_file(
 ) -> Report:
     """Every row of the run's data file through the run's checks, under ``prompter``; ``answer_tokens`` counts a
     reference answer's tokens as a response, ``verifiers`` are the run's (:func:`run_verifiers`)."""
-    from asyncrl.learner.dispatcher import task_options
+    from asyncrl.learner.intake.dispatcher import task_options
 
     options = task_options(config.task)
     report = _report(config, prompter, verifiers, str(options["path"]))
@@ -280,7 +280,7 @@ def check_generated(
     import random
 
     from asyncrl.common.data.tasks import get_task, task_label
-    from asyncrl.learner.dispatcher import task_options
+    from asyncrl.learner.intake.dispatcher import task_options
 
     try:
         task = get_task(config.task.name, **task_options(config.task)).fresh()

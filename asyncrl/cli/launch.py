@@ -315,8 +315,8 @@ def ray_actor(
 def _checkpoint_folder(resolved: RunConfig, spec: str) -> Path:
     """The checkpoint ``--resume`` names, found before anything starts (the learner verifies its files)."""
     from asyncrl.cli.util import fail
-    from asyncrl.learner.checkpoint_format import CheckpointError
-    from asyncrl.learner.checkpoint_history import find_checkpoint
+    from asyncrl.learner.checkpoint.format import CheckpointError
+    from asyncrl.learner.checkpoint.history import find_checkpoint
 
     try:
         return find_checkpoint(spec, resolved.run_dir / "checkpoints")

@@ -173,8 +173,8 @@ def eval_command(
     from asyncrl.cli.children import root_cause
     from asyncrl.cli.util import fail, load
     from asyncrl.common.private import open_private, private_dir
-    from asyncrl.learner.checkpoint_format import CheckpointError
-    from asyncrl.learner.checkpoint_history import find_checkpoint
+    from asyncrl.learner.checkpoint.format import CheckpointError
+    from asyncrl.learner.checkpoint.history import find_checkpoint
 
     resolved = load(config, set_)
     try:
@@ -318,7 +318,7 @@ def train(
     from asyncrl.cli.resuming import says_finished, started_refusal, verified_checkpoint
     from asyncrl.cli.util import fail, given_redis_url, load
     from asyncrl.common.plane.redis_server import EmbeddedRedis
-    from asyncrl.learner.batch_source import NoActorsLeft
+    from asyncrl.learner.intake.batch_source import NoActorsLeft
 
     resolved = load(config, set_, check=check_config)
     if resolved.data.source == "preferences":
@@ -344,7 +344,7 @@ def train(
     server = None if url else EmbeddedRedis(resolved.run_dir / "redis", maxmemory_mb=memory).start()
     try:
         from asyncrl.common.data.tasks import TaskError
-        from asyncrl.learner.checkpoint_format import CheckpointError
+        from asyncrl.learner.checkpoint.format import CheckpointError
         from asyncrl.learner.loop import Learner
 
         try:
@@ -391,8 +391,8 @@ def _train_offline(resolved: RunConfig, resume: str | None) -> None:
     loss option exits with the reason, not a traceback."""
     from asyncrl.cli.util import fail
     from asyncrl.common.config import ConfigError
-    from asyncrl.learner.dpo import OfflineDPOTrainer
-    from asyncrl.learner.preferences import PreferenceFileError
+    from asyncrl.learner.intake.preferences import PreferenceFileError
+    from asyncrl.learner.update.dpo import OfflineDPOTrainer
 
     if resume:
         fail("--resume is for runs that train from rollouts; offline DPO (data.source = 'preferences') has none")
@@ -416,7 +416,7 @@ def make_preferences(
     from asyncrl.cli.preflight import check_config
     from asyncrl.cli.util import fail, load
     from asyncrl.common.data.tasks import get_task
-    from asyncrl.learner.preferences import write_synthetic_preferences
+    from asyncrl.learner.intake.preferences import write_synthetic_preferences
 
     # data.path = OUT, so a preferences config (which requires data.path) validates before the file exists.
     resolved = load(config, [*(set_ or []), f"data.path={json.dumps(str(out))}"], check=check_config)

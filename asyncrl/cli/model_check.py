@@ -95,7 +95,7 @@ def rendered_rows(config: RunConfig, prompter: Any) -> list[RenderedRow]:
     """The first row the run's task draws and, when the run evaluates, its first eval row, as the model sees
     them; ``ValueError`` naming the section when a row cannot be rendered."""
     from asyncrl.common.data.evaluation import eval_examples
-    from asyncrl.learner.dispatcher import prompt_source
+    from asyncrl.learner.intake.dispatcher import prompt_source
 
     task, _label = prompt_source(config.task)
     rows = [_render("task", prompter, lambda: task.sample(random.Random(config.run.seed)))]

@@ -123,16 +123,17 @@ def check_model_context(config: RunConfig) -> int | None:
 
 def check_config(config: RunConfig) -> None:
     """What every ``rl-learner`` command checks before it starts anything: the algorithm's names and options
-    (:func:`asyncrl.learner.algorithms.assembly.assemble`), the task's (:func:`asyncrl.learner.dispatcher.check_task`)
-    and a built-in eval task's (:func:`check_eval_options`), the reward functions' names (an import path must name a
-    reward function) and the verifier of each ``task`` function with its options (``common/rewards/functions.py:
-    check_names, check_options``), the rollout workflow's name (``actors/workflows.py``), and
-    ``model.max_model_len`` against the model folder's context (:func:`check_model_context`). Raises ``ValueError``."""
+    (:func:`asyncrl.learner.algorithms.assembly.assemble`), the task's
+    (:func:`asyncrl.learner.intake.dispatcher.check_task`) and a built-in eval task's (:func:`check_eval_options`), the
+    reward functions' names (an import path must name a reward function) and the verifier of each ``task`` function with
+    its options (``common/rewards/functions.py: check_names, check_options``), the rollout workflow's name
+    (``actors/workflows.py``), and ``model.max_model_len`` against the model folder's context
+    (:func:`check_model_context`). Raises ``ValueError``."""
     from asyncrl.actors.workflows import check_workflow_name
     from asyncrl.common.data.tasks import task_label
     from asyncrl.common.rewards.functions import check_names, check_options
     from asyncrl.learner.algorithms.assembly import assemble
-    from asyncrl.learner.dispatcher import check_task
+    from asyncrl.learner.intake.dispatcher import check_task
 
     assemble(config)
     check_task(config.task)

@@ -34,7 +34,7 @@ def started_refusal(resolved: RunConfig) -> str | None:
     """Why a learner started without ``--resume`` must not train in this run folder: it holds a complete checkpoint
     (and the run's Redis its versions), and starting again from ``model.path`` under them would mix two runs. None
     for a run folder with no checkpoint."""
-    from asyncrl.learner.checkpoint_history import complete_checkpoints
+    from asyncrl.learner.checkpoint.history import complete_checkpoints
 
     saved = complete_checkpoints(resolved.run_dir / "checkpoints")
     if not saved:
@@ -72,8 +72,8 @@ def mark_finished(url: str | None, resolved: RunConfig, step: int) -> None:
 def finished_at(resolved: RunConfig, spec: str) -> int | None:
     """The step of the checkpoint ``--resume`` names when the run is done there (at ``learner.steps`` or past it), else
     None (a missing or bad checkpoint is :func:`verified_checkpoint`'s to report)."""
-    from asyncrl.learner.checkpoint_format import CheckpointError
-    from asyncrl.learner.checkpoint_history import checkpoint_step, find_checkpoint
+    from asyncrl.learner.checkpoint.format import CheckpointError
+    from asyncrl.learner.checkpoint.history import checkpoint_step, find_checkpoint
 
     try:
         step = checkpoint_step(find_checkpoint(spec, resolved.run_dir / "checkpoints"))
@@ -85,9 +85,9 @@ def finished_at(resolved: RunConfig, spec: str) -> int | None:
 def verified_checkpoint(resolved: RunConfig, spec: str):
     """The checkpoint ``--resume`` names, every file checked against its manifest; a bad one exits 2 naming the file."""
     from asyncrl.cli.util import fail
-    from asyncrl.learner.checkpoint_format import CheckpointError, open_checkpoint
-    from asyncrl.learner.checkpoint_history import find_checkpoint
-    from asyncrl.learner.checkpoint_settings import check_world_size
+    from asyncrl.learner.checkpoint.format import CheckpointError, open_checkpoint
+    from asyncrl.learner.checkpoint.history import find_checkpoint
+    from asyncrl.learner.checkpoint.settings import check_world_size
 
     try:
         checkpoint = open_checkpoint(find_checkpoint(spec, resolved.run_dir / "checkpoints"))
@@ -99,7 +99,7 @@ def verified_checkpoint(resolved: RunConfig, spec: str):
 
 def how_to_go_on(resolved: RunConfig, config: Path | None, overrides: list[str] | None) -> str:
     """The line after a run stopped early: where it stopped and the command that goes on from there."""
-    from asyncrl.learner.checkpoint_history import complete_checkpoints
+    from asyncrl.learner.checkpoint.history import complete_checkpoints
 
     saved = complete_checkpoints(resolved.run_dir / "checkpoints")
     where = f"its checkpoint of step {saved[-1][0]}" if saved else "its first checkpoint (none was saved)"

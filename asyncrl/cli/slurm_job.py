@@ -89,8 +89,8 @@ class JobSignals:
 
 def resume_args(resolved: RunConfig) -> list[str]:
     """``--resume latest`` when the run folder holds a complete checkpoint (a requeued job), else nothing."""
-    from asyncrl.learner.checkpoint_format import CheckpointError
-    from asyncrl.learner.checkpoint_history import find_checkpoint
+    from asyncrl.learner.checkpoint.format import CheckpointError
+    from asyncrl.learner.checkpoint.history import find_checkpoint
 
     try:
         find_checkpoint("latest", resolved.run_dir / "checkpoints")

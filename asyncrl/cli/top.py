@@ -175,7 +175,7 @@ def _sample_lines(rows: list[dict[str, Any]], width: int = 60) -> list[str]:
 
 
 def _eval_rounds(plane) -> list[dict[str, Any]]:
-    """The newest eval rounds' rows (``learner/evaluation.py``), oldest first."""
+    """The newest eval rounds' rows (``learner/intake/evaluation.py``), oldest first."""
     raw = plane.client.get(plane.keys.eval)
     return json.loads(raw) if raw is not None else []
 

@@ -1,8 +1,8 @@
 """A follower rank's whole life (ranks 1…N−1 of a learner): the same engines as rank 0's, driven by the commands rank 0
 leads on the rank channel (:mod:`asyncrl.learner.ranks`, which lists them) until ``stop``.
 
-It lives apart from the channel because it needs the engines (``learner/update.py``, ``learner/checkpoint.py``),
-which themselves lead commands through the channel.
+It lives apart from the channel because it needs the engines (``learner/update/policy.py``,
+``learner/checkpoint/checkpointer.py``), which themselves lead commands through the channel.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from transformers import AutoTokenizer
 from asyncrl.common.observability.logs import get_logger
 from asyncrl.learner import dist
 from asyncrl.learner.algorithms.assembly import assemble
-from asyncrl.learner.checkpoint import Checkpointer
-from asyncrl.learner.checkpoint_format import restore_rng
-from asyncrl.learner.health import scale_lr_schedule
+from asyncrl.learner.checkpoint.checkpointer import Checkpointer
+from asyncrl.learner.checkpoint.format import restore_rng
+from asyncrl.learner.health.monitor import scale_lr_schedule
 from asyncrl.learner.ranks import lost_rank, receive, say_lost
-from asyncrl.learner.update import PolicyUpdate
+from asyncrl.learner.update.policy import PolicyUpdate
 
 if TYPE_CHECKING:
     from asyncrl.common.config import RunConfig

@@ -10,13 +10,13 @@ One step is a table of contents of five owners (:meth:`Learner.step`)::
     roll back if that is due        RunState        (through health) a resume from an older checkpoint
 
 and every ``checkpoint.every`` steps, at the end and on SIGTERM, :meth:`RunState.save` writes a checkpoint.
-With ``[eval]``, the batch source issues and records eval rounds on the way (``learner/evaluation.py``) and, at the
-end, waits for the last one.
+With ``[eval]``, the batch source issues and records eval rounds on the way (``learner/intake/evaluation.py``) and, at
+the end, waits for the last one.
 
 Staleness (:class:`asyncrl.common.staleness.StalenessBound`): a group whose oldest token is older than
 ``v − max_staleness`` is dropped and counted; admission control makes that rare. Replay entries are acknowledged
 only after the step that used them has been applied — with periodic checkpoints, only once a checkpoint holds
-that step (:mod:`asyncrl.learner.trained`) — so a learner crash re-reads them, and a resume trains them again.
+that step (:mod:`asyncrl.learner.intake.trained`) — so a learner crash re-reads them, and a resume trains them again.
 
 Resume (``--resume``): the checkpoint's weights, optimizer, KL coefficient and RNGs come back, the groups
 trained after it are trained again, metrics.jsonl is cut back to its step (later lines move to
@@ -43,14 +43,14 @@ from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.keys import connect
 from asyncrl.learner import ranks
 from asyncrl.learner.algorithms.assembly import assemble
-from asyncrl.learner.batch_source import BatchSource, NoActorsLeft, StepInterrupted
-from asyncrl.learner.broadcaster import Broadcaster
-from asyncrl.learner.checkpoint_format import Checkpoint
-from asyncrl.learner.health import HealthMonitor
-from asyncrl.learner.profile import profiled
-from asyncrl.learner.recorder import Recorder, StepRecord
+from asyncrl.learner.checkpoint.format import Checkpoint
+from asyncrl.learner.health.monitor import HealthMonitor
+from asyncrl.learner.intake.batch_source import BatchSource, NoActorsLeft, StepInterrupted
+from asyncrl.learner.record.profile import profiled
+from asyncrl.learner.record.recorder import Recorder, StepRecord
 from asyncrl.learner.run_state import RunState
-from asyncrl.learner.update import PolicyUpdate
+from asyncrl.learner.update.policy import PolicyUpdate
+from asyncrl.learner.weights.broadcaster import Broadcaster
 
 log = get_logger("learner")
 
@@ -64,7 +64,7 @@ class Learner:
         from transformers import AutoTokenizer
 
         self.config = config
-        self.profile_step = profile_step  # this step runs under cProfile (learner/profile.py)
+        self.profile_step = profile_step  # this step runs under cProfile (learner/record/profile.py)
         algorithm = assemble(config)  # a bad option fails here, before DeepSpeed starts
         self.plane = ControlPlane(connect(redis_url, config.transport.redis_outage_s), config.run.name)
         write_resolved(config)
@@ -132,7 +132,7 @@ class Learner:
                     self.save_checkpoint("every")
             self.broadcaster.finish()
             self.save_checkpoint(self._stop_reason if self._stop.is_set() else "end")
-            self.batches.finish_eval(self.version, self._stop)  # the last policy's eval round (learner/evaluation.py)
+            self.batches.finish_eval(self.version, self._stop)  # the last policy's eval round (intake/evaluation.py)
             # A stop asked for during the last step still finished the run: its end is the step count, not the flag.
             outcome = "completed" if self.version >= self.config.learner.steps else "stopped"
             if outcome == "completed":

@@ -8,7 +8,7 @@ any of it, it tells the others with one command on a gloo group of its own (:fun
 (:func:`asyncrl.learner.follower.follow`)::
 
     train     the step's whole TrainBatch    every rank: π_old and advantages over the batch, then its shard's
-                                             backward (learner/update.py); the gradient is the sum of the shards'
+                                             backward (learner/update/policy.py); the gradient is the sum of the shards'
     params    (ZeRO-3 only)                  every rank takes part in the bucket-by-bucket gather for the broadcast
     save      the SavedState                 every rank writes its DeepSpeed shard; rank 0 the rest and the manifest
     restore   the verified Checkpoint        every rank loads its shard, the KL coefficient and its own RNG

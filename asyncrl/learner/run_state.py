@@ -1,16 +1,16 @@
 """The run's position — its policy version — and everything that saves, restores or rolls it back.
 
 :class:`RunState` owns the version (optimizer steps applied; the step being trained is ``version + 1``) and the
-checkpoints of it (:mod:`asyncrl.learner.checkpoint` writes the files, :mod:`asyncrl.learner.checkpoint_format`
-verifies them):
+checkpoints of it (:mod:`asyncrl.learner.checkpoint.checkpointer` writes the files,
+:mod:`asyncrl.learner.checkpoint.format` verifies them):
 
 - :meth:`RunState.save` writes ``step-<N>`` and then acknowledges the replay entries it covers;
 - :meth:`RunState.restore` goes back to a checkpoint: the engines' weights, optimizer and KL coefficient, the
   RNGs and the step from it; in Redis the groups trained after it become untrained (:meth:`BatchSource.rewind`);
   metrics.jsonl is cut back to its step; the actors are sent the restored weights under a bumped restore
   generation;
-- for health (:class:`asyncrl.learner.health.Checkpoints`), :meth:`RunState.restore_latest_healthy` is a restore from
-  the newest checkpoint before a non-finite streak, and :meth:`RunState.set_lr_factor` lowers the lr through the
+- for health (:class:`asyncrl.learner.health.monitor.Checkpoints`), :meth:`RunState.restore_latest_healthy` is a restore
+  from the newest checkpoint before a non-finite streak, and :meth:`RunState.set_lr_factor` lowers the lr through the
   scheduler's public API.
 
 Each checkpoint written, verified (before a restore), restored or rolled back to is an event of the audit trail
@@ -26,10 +26,8 @@ from asyncrl.common.config import RunConfig
 from asyncrl.common.observability.logs import get_logger
 from asyncrl.common.plane.audit import Audit
 from asyncrl.learner import dist, ranks
-from asyncrl.learner.batch_source import BatchSource
-from asyncrl.learner.broadcaster import Broadcaster
-from asyncrl.learner.checkpoint import Checkpointer
-from asyncrl.learner.checkpoint_format import (
+from asyncrl.learner.checkpoint.checkpointer import Checkpointer
+from asyncrl.learner.checkpoint.format import (
     Checkpoint,
     SavedState,
     capture_rng,
@@ -37,10 +35,12 @@ from asyncrl.learner.checkpoint_format import (
     open_checkpoint,
     restore_rng,
 )
-from asyncrl.learner.checkpoint_history import complete_checkpoints, count_lines, set_aside_after, truncate_metrics
-from asyncrl.learner.checkpoint_settings import config_changes, config_hash, flat_config
-from asyncrl.learner.health import scale_lr_schedule
-from asyncrl.learner.update import PolicyUpdate
+from asyncrl.learner.checkpoint.history import complete_checkpoints, count_lines, set_aside_after, truncate_metrics
+from asyncrl.learner.checkpoint.settings import config_changes, config_hash, flat_config
+from asyncrl.learner.health.monitor import scale_lr_schedule
+from asyncrl.learner.intake.batch_source import BatchSource
+from asyncrl.learner.update.policy import PolicyUpdate
+from asyncrl.learner.weights.broadcaster import Broadcaster
 
 log = get_logger("learner")
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.learner.checkpoint_history import complete_checkpoints
+from asyncrl.learner.checkpoint.history import complete_checkpoints
 from tests.helpers.runs import step_rows
 from tests.helpers.stack import ONE_PROCESS_ENGINE, ROOT, actor_pid, finish, launch, metrics
 from tests.helpers.waits import wait_for

@@ -59,8 +59,8 @@ from asyncrl.common.rewards.verifiers import bind_verifier
 from asyncrl.common.transport.channel import ChannelBlocked, PushChannel
 from asyncrl.common.wire.messages import RolloutGroup, ScoredGroup
 from asyncrl.common.wire.seal import numbered_group_id
-from asyncrl.learner.checkpoint_format import open_checkpoint
-from asyncrl.learner.checkpoint_history import complete_checkpoints
+from asyncrl.learner.checkpoint.format import open_checkpoint
+from asyncrl.learner.checkpoint.history import complete_checkpoints
 from tests.helpers.forgery import NEVER_ISSUED, check_refusals, forgeries, queued_ids, reward_endpoints, right_texts
 from tests.helpers.lora_exports import base_accuracy, disagreements
 from tests.helpers.runs import step_rows

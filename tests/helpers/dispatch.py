@@ -6,7 +6,7 @@ from __future__ import annotations
 from asyncrl.common.config import RunConfig, load_config
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.wire.messages import Heartbeat
-from asyncrl.learner.dispatcher import Dispatcher
+from asyncrl.learner.intake.dispatcher import Dispatcher
 
 RUN = "disp"
 

@@ -1,4 +1,5 @@
-"""One optimizer step of :class:`asyncrl.learner.engine.PolicyEngine` on each learner rank, for the two-rank test.
+"""One optimizer step of :class:`asyncrl.learner.update.engine.PolicyEngine` on each learner rank, for the two-rank
+test.
 
 Run under a launcher, from the repository root::
 
@@ -25,8 +26,8 @@ from torch import Tensor
 from asyncrl.common.config import RunConfig
 from asyncrl.common.data.tasks import TASK_ALPHABET
 from asyncrl.learner import dist
-from asyncrl.learner.batch import split_micro_batches
-from asyncrl.learner.engine import Batch, LossFn, PolicyEngine
+from asyncrl.learner.update.batch import split_micro_batches
+from asyncrl.learner.update.engine import Batch, LossFn, PolicyEngine
 
 LENGTHS = (12, 5, 9, 3, 11, 7, 10, 6)  # different lengths, so rows carry right padding
 FIRST_TOKEN_ID = 4  # ids 0..3 are <pad> <s> </s> <unk> in the tiny model's tokenizer

@@ -16,7 +16,7 @@ from asyncrl.common.config import RunConfig, load_config
 from asyncrl.common.data.tasks import task_label
 from asyncrl.common.rewards.functions import bind_functions, combine
 from asyncrl.common.wire.messages import PromptGroup, RolloutGroup, ScoredGroup
-from asyncrl.learner.update import PolicyUpdate
+from asyncrl.learner.update.policy import PolicyUpdate
 from tests.helpers.rollouts import encode
 
 REPO = Path(__file__).resolve().parents[2]

@@ -16,7 +16,8 @@ def rows(run_dir: Path) -> list[dict]:
 
 
 def step_rows(run_dir: Path) -> list[dict]:
-    """The training steps' rows, in file order (an eval round's row has ``eval/step``: ``learner/evaluation.py``)."""
+    """The training steps' rows, in file order (an eval round's row has ``eval/step``:
+    ``learner/intake/evaluation.py``)."""
     return [row for row in rows(run_dir) if "eval/step" not in row]
 
 

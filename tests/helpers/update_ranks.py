@@ -1,4 +1,4 @@
-"""Steps of :class:`asyncrl.learner.update.PolicyUpdate` on every learner rank, led by rank 0 as in a run
+"""Steps of :class:`asyncrl.learner.update.policy.PolicyUpdate` on every learner rank, led by rank 0 as in a run
 (learner/ranks.py).
 
 Run from the repository root, one rank or several, each ``--case ZERO_STAGE:PRESET`` in turn in the same processes
@@ -33,10 +33,10 @@ from asyncrl.common.data.tasks import TASK_ALPHABET
 from asyncrl.common.wire.messages import RolloutGroup, ScoredGroup
 from asyncrl.learner import dist, ranks
 from asyncrl.learner.algorithms.assembly import assemble
-from asyncrl.learner.checkpoint import Checkpointer
-from asyncrl.learner.checkpoint_format import SavedState, capture_rng, open_checkpoint
+from asyncrl.learner.checkpoint.checkpointer import Checkpointer
+from asyncrl.learner.checkpoint.format import SavedState, capture_rng, open_checkpoint
 from asyncrl.learner.follower import follow
-from asyncrl.learner.update import PolicyUpdate
+from asyncrl.learner.update.policy import PolicyUpdate
 
 SAMPLES = 3  # responses per group; 3 groups a step: 9 rows
 FIRST_TOKEN_ID = 4  # ids 0..3 are <pad> <s> </s> <unk> in the tiny model's tokenizer

@@ -19,8 +19,8 @@ from asyncrl.common.config import RunConfig
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.replay import ReplayWriter
 from asyncrl.common.wire.messages import Heartbeat, PromptGroup
-from asyncrl.learner.batch_source import BatchSource
-from asyncrl.learner.dispatcher import Dispatcher
+from asyncrl.learner.intake.batch_source import BatchSource
+from asyncrl.learner.intake.dispatcher import Dispatcher
 from tests.helpers.rollouts import answer
 
 pytestmark = pytest.mark.integration

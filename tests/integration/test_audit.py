@@ -298,8 +298,8 @@ def test_the_learner_records_the_run_and_mirrors_the_trail_into_its_folder(redis
     while the learner waits for a batch, as when the last actor dies and no step comes — and at the end run.finished
     and the learner's own leaving, all in runs/<name>/audit.jsonl."""
     from asyncrl.common.config import RunConfig, write_resolved
-    from asyncrl.learner.checkpoint_settings import config_hash
-    from asyncrl.learner.recorder import Recorder
+    from asyncrl.learner.checkpoint.settings import config_hash
+    from asyncrl.learner.record.recorder import Recorder
 
     config = RunConfig.model_validate({"run": {"name": "recorded", "root": str(tmp_path)}})
     write_resolved(config)
@@ -336,7 +336,7 @@ def test_a_learner_started_again_records_only_the_losses_nobody_recorded(redis_c
     back under its id and lost again, one whose loss no learner saw (it died after the first stopped). The learner
     started after them records the last two, once each, and not the first again."""
     from asyncrl.common.config import RunConfig, write_resolved
-    from asyncrl.learner.recorder import Recorder
+    from asyncrl.learner.record.recorder import Recorder
 
     config = RunConfig.model_validate({"run": {"name": "again", "root": str(tmp_path)}})
     write_resolved(config)

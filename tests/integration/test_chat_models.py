@@ -18,8 +18,8 @@ single-turn answer.
 
 The thinking model's template drops past reasoning once a later user turn follows, so its episodes are kept per turn
 (``common/environments/turns.py``): each model turn was sampled on the context the template serves for the
-conversation before it, and the learner's rows (``learner/batch.py: ServedRows``) hold exactly those contexts — its
-log-probs on them equal vLLM's, and every model token is trained in exactly one row.
+conversation before it, and the learner's rows (``learner/update/batch.py: ServedRows``) hold exactly those contexts —
+its log-probs on them equal vLLM's, and every model token is trained in exactly one row.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ from asyncrl.common.rewards.response_text import ResponseTexts
 from asyncrl.common.tiny_models.chat import ARCHITECTURES, IM_END, chat_examples, init_chat_model, warm_start_chat
 from asyncrl.common.transport.channel import PullChannel
 from asyncrl.common.wire.messages import Heartbeat, RolloutGroup, ScoredGroup, model_turns, segments
-from asyncrl.learner.batch import collate
-from asyncrl.learner.batch_source import BatchSource
+from asyncrl.learner.intake.batch_source import BatchSource
+from asyncrl.learner.update.batch import collate
 from tests.helpers.actor_stack import stop, transformers_logprobs
 from tests.helpers.episodes import ADAPTERS, adapter_of, adapter_section, is_episode
 from tests.helpers.rollouts import answer

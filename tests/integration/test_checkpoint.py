@@ -19,12 +19,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from asyncrl.common.config import RunConfig
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.replay import ReplayReader
-from asyncrl.learner.batch import split_micro_batches
-from asyncrl.learner.checkpoint import Checkpointer
-from asyncrl.learner.checkpoint_format import CheckpointError, SavedState, capture_rng, open_checkpoint, restore_rng
-from asyncrl.learner.checkpoint_history import find_checkpoint, truncate_metrics
-from asyncrl.learner.engine import PolicyEngine
-from asyncrl.learner.trained import TrainedLog
+from asyncrl.learner.checkpoint.checkpointer import Checkpointer
+from asyncrl.learner.checkpoint.format import CheckpointError, SavedState, capture_rng, open_checkpoint, restore_rng
+from asyncrl.learner.checkpoint.history import find_checkpoint, truncate_metrics
+from asyncrl.learner.intake.trained import TrainedLog
+from asyncrl.learner.update.batch import split_micro_batches
+from asyncrl.learner.update.engine import PolicyEngine
 from tests.helpers.engine_ranks import LENGTHS, fixed_batch, nll_loss, predicted_tokens
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_rank_world")]
@@ -109,7 +109,7 @@ def test_a_loaded_checkpoint_trains_on_exactly_like_the_saved_engine(
 
 @pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
 def test_the_critic_is_saved_and_loaded_beside_the_policy(tmp_path: Path, tiny_model_dir: Path, lora_rank: int) -> None:
-    from asyncrl.learner.critic import ValueEngine
+    from asyncrl.learner.update.critic import ValueEngine
 
     config = run_config(tmp_path, tiny_model_dir, lora_rank=lora_rank, export_hf=False)
     policy, critic = new_engine(config), ValueEngine(config, global_batch=len(LENGTHS))

@@ -20,11 +20,11 @@ from transformers import AutoTokenizer
 from asyncrl.cli.children import why_it_failed
 from asyncrl.common.config import RunConfig
 from asyncrl.common.observability import metrics as m
-from asyncrl.learner.checkpoint import Checkpointer
-from asyncrl.learner.checkpoint_disk import disk_refusal, disk_space
-from asyncrl.learner.checkpoint_format import CheckpointError, SavedState, capture_rng, open_checkpoint
-from asyncrl.learner.checkpoint_history import find_checkpoint
-from asyncrl.learner.engine import PolicyEngine
+from asyncrl.learner.checkpoint.checkpointer import Checkpointer
+from asyncrl.learner.checkpoint.disk import disk_refusal, disk_space
+from asyncrl.learner.checkpoint.format import CheckpointError, SavedState, capture_rng, open_checkpoint
+from asyncrl.learner.checkpoint.history import find_checkpoint
+from asyncrl.learner.update.engine import PolicyEngine
 from tests.helpers.engine_ranks import LENGTHS
 from tests.helpers.machine import unavailable
 

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from asyncrl.common.rewards.functions import code_tests_reward
-from asyncrl.common.rewards.sandbox import run_python_tests
-from asyncrl.common.rewards.sandbox_fences import candidates
-from asyncrl.common.rewards.sandbox_run import Limits, run_behind
 from asyncrl.common.rewards.verifiers import verify_code_tests
+from asyncrl.common.sandbox import run_python_tests
+from asyncrl.common.sandbox.fences import candidates
+from asyncrl.common.sandbox.run import Limits, run_behind
 from asyncrl.common.wire.messages import RolloutGroup
 
 pytestmark = pytest.mark.integration  # every test starts sandboxes

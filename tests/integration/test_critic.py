@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM
 
 from asyncrl.common.config import RunConfig
 from asyncrl.learner.algorithms import GlobalCounts
-from asyncrl.learner.batch import split_micro_batches
-from asyncrl.learner.critic import (
+from asyncrl.learner.update.batch import split_micro_batches
+from asyncrl.learner.update.critic import (
     VALUE_HEAD_FILE,
     ValueEngine,
     ValueModel,
@@ -25,7 +25,7 @@ from asyncrl.learner.critic import (
     token_values,
     value_loss_fn,
 )
-from asyncrl.learner.step_metrics import MicroBatchMetrics
+from asyncrl.learner.update.step_metrics import MicroBatchMetrics
 from tests.helpers.engine_ranks import LENGTHS, fixed_batch
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_rank_world")]

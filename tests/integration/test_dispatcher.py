@@ -19,7 +19,7 @@ from asyncrl.common.config import RunConfig
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.keys import connect
 from asyncrl.common.wire.messages import Decoder, PromptGroup, decode_blob
-from asyncrl.learner.dispatcher import Dispatcher
+from asyncrl.learner.intake.dispatcher import Dispatcher
 from tests.helpers.dispatch import RUN, actor, encode, make_config, make_dispatcher
 from tests.helpers.waits import wait_for
 

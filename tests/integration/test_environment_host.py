@@ -222,7 +222,7 @@ from tests.helpers.scripted_episodes import episode, tools_for
 hows, victim_file, fence = sys.argv[1].split(","), sys.argv[2], sys.argv[3]
 if fence == "user-namespaces":  # the fence of an actor that is not root, on a machine where this one is
     from asyncrl.actors import environment_fence
-    from asyncrl.common.rewards.sandbox_fences import host_candidates
+    from asyncrl.common.sandbox.fences import host_candidates
     fence, environment_fence._FENCES["auto"] = "auto", host_candidates(network=True)[1]
 tools, said = tools_for("qwen2"), {}
 for how in hows:  # one attack after another, each on the host of its own options, each followed by a fine episode

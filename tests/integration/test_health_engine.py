@@ -1,6 +1,6 @@
 """The non-finite guard on a real DeepSpeed :class:`PolicyEngine` (CPU, one rank): a step with a NaN loss or a NaN
 gradient leaves weights, Adam state and lr schedule untouched, so the next finite step equals a fresh engine's first
-step; and :func:`asyncrl.learner.health.scale_lr_schedule` scales the lr DeepSpeed applies.
+step; and :func:`asyncrl.learner.health.monitor.scale_lr_schedule` scales the lr DeepSpeed applies.
 
 ZeRO 0 in float32 is the set-up where ``train_step`` skips the step itself; ZeRO 2 is one where DeepSpeed's own
 overflow check does it. Warm-up is 2 steps, so a skipped step that advanced the schedule would show in the lr.
@@ -15,9 +15,9 @@ import torch
 from torch import Tensor
 
 from asyncrl.common.config import RunConfig
-from asyncrl.learner.batch import split_micro_batches
-from asyncrl.learner.engine import Batch, LossFn, PolicyEngine
-from asyncrl.learner.health import scale_lr_schedule
+from asyncrl.learner.health.monitor import scale_lr_schedule
+from asyncrl.learner.update.batch import split_micro_batches
+from asyncrl.learner.update.engine import Batch, LossFn, PolicyEngine
 from tests.helpers.engine_ranks import LEARNING_RATE, LENGTHS, fixed_batch, nll_loss, predicted_tokens
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_rank_world")]

@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from asyncrl.learner.batch import split_micro_batches
-from asyncrl.learner.engine import PolicyEngine, ReferenceModel
+from asyncrl.learner.update.batch import split_micro_batches
+from asyncrl.learner.update.engine import PolicyEngine, ReferenceModel
 from tests.helpers.engine_ranks import LENGTHS, fixed_batch, nll_loss, predicted_tokens, run_config
 from tests.helpers.ranks import run_ranks
 

@@ -21,12 +21,12 @@ from asyncrl.common.plane.dead_letters import dead_letter
 from asyncrl.common.plane.replay import ReplayWriter
 from asyncrl.common.wire.messages import Heartbeat
 from asyncrl.learner.algorithms.assembly import assemble
-from asyncrl.learner.batch_source import BatchSource, EveryGroupRefused, StepInterrupted
-from asyncrl.learner.broadcaster import Broadcaster
-from asyncrl.learner.checkpoint_format import open_checkpoint
-from asyncrl.learner.checkpoint_history import complete_checkpoints
+from asyncrl.learner.checkpoint.format import open_checkpoint
+from asyncrl.learner.checkpoint.history import complete_checkpoints
+from asyncrl.learner.intake.batch_source import BatchSource, EveryGroupRefused, StepInterrupted
 from asyncrl.learner.run_state import RunState
-from asyncrl.learner.update import PolicyUpdate
+from asyncrl.learner.update.policy import PolicyUpdate
+from asyncrl.learner.weights.broadcaster import Broadcaster
 from tests.helpers.rollouts import answer
 from tests.helpers.waits import wait_for
 

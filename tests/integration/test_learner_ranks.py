@@ -17,9 +17,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from asyncrl.learner.checkpoint_format import CheckpointError, open_checkpoint
-from asyncrl.learner.checkpoint_history import complete_checkpoints
-from asyncrl.learner.checkpoint_settings import check_world_size
+from asyncrl.learner.checkpoint.format import CheckpointError, open_checkpoint
+from asyncrl.learner.checkpoint.history import complete_checkpoints
+from asyncrl.learner.checkpoint.settings import check_world_size
 from tests.helpers.ranks import run_ranks
 from tests.helpers.update_ranks import case_dir
 

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 ENGINE = """
 import sys
 from asyncrl.common.config import RunConfig
-from asyncrl.learner.engine import PolicyEngine
+from asyncrl.learner.update.engine import PolicyEngine
 config = RunConfig.model_validate({"run": {"name": "bind", "root": sys.argv[2]}, "model": {"path": sys.argv[1]}})
 engine = PolicyEngine(config, global_batch=4)
 print("ready", flush=True)

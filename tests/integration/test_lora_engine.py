@@ -12,10 +12,10 @@ from transformers import AutoModelForCausalLM
 
 from asyncrl.cli.preflight import check_adapters
 from asyncrl.common.config import RunConfig
-from asyncrl.learner.batch import split_micro_batches
-from asyncrl.learner.checkpoint import export_adapter, export_hf
-from asyncrl.learner.engine import PolicyEngine, ReferenceModel, reference_for, sequence_logprobs
-from asyncrl.learner.lora import AdapterOffReference
+from asyncrl.learner.checkpoint.checkpointer import export_adapter, export_hf
+from asyncrl.learner.update.batch import split_micro_batches
+from asyncrl.learner.update.engine import PolicyEngine, ReferenceModel, reference_for, sequence_logprobs
+from asyncrl.learner.update.lora import AdapterOffReference
 from tests.helpers.engine_ranks import LEARNING_RATE, LENGTHS, fixed_batch, nll_loss, predicted_tokens
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_rank_world")]

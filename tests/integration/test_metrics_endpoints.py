@@ -17,7 +17,7 @@ from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.redis_server import free_port
 from asyncrl.common.plane.replay import ReplayReader, ReplayWriter
 from asyncrl.common.wire.messages import Heartbeat, PromptGroup, ScoredGroup
-from asyncrl.learner.telemetry import StepTelemetry
+from asyncrl.learner.record.telemetry import StepTelemetry
 from tests.helpers.rollouts import make_group
 from tests.helpers.waits import wait_for
 

@@ -29,9 +29,9 @@ from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.replay import ReplayWriter
 from asyncrl.common.wire.messages import PromptGroup, ScoredGroup
 from asyncrl.learner.algorithms.assembly import assemble
-from asyncrl.learner.batch import TrainBatch
-from asyncrl.learner.batch_source import BatchSource, Taken
-from asyncrl.learner.update import PolicyUpdate
+from asyncrl.learner.intake.batch_source import BatchSource, Taken
+from asyncrl.learner.update.batch import TrainBatch
+from asyncrl.learner.update.policy import PolicyUpdate
 from tests.helpers.preset_batches import answer_prompt, policy_logprobs, preset_config, response, score, with_behaviour
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_rank_world")]

@@ -1,5 +1,5 @@
 """π_old without its own pass: the loss gets the training forward's log-probs, detached, and they are the numbers the
-pass before the update would have computed (one optimizer step per batch, no dropout: learner/update.py)."""
+pass before the update would have computed (one optimizer step per batch, no dropout: learner/update/policy.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from asyncrl.learner.algorithms.assembly import assemble
-from asyncrl.learner.batch import longest_first
-from asyncrl.learner.update import PolicyUpdate
+from asyncrl.learner.update.batch import longest_first
+from asyncrl.learner.update.policy import PolicyUpdate
 from tests.helpers.update_ranks import groups, run_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_rank_world")]
@@ -73,7 +73,7 @@ def test_a_kl_penalty_in_the_reward_still_computes_proximal_first(tiny_model_dir
 
 
 def in_micro_batch_order(batch) -> torch.Tensor:
-    """The row indices in the order one rank's micro-batches take them (``learner/batch.py: longest_first``)."""
+    """The row indices in the order one rank's micro-batches take them (``learner/update/batch.py: longest_first``)."""
     rows = torch.arange(batch.rows)
     return longest_first({"attention_mask": batch.attention_mask, "row": rows})["row"]
 

@@ -36,7 +36,7 @@ from asyncrl.common.tiny_models.character import init_model
 from asyncrl.common.transport.channel import PullChannel
 from asyncrl.common.weights.group import pack_sealed
 from asyncrl.common.wire.messages import PromptGroup, RolloutGroup
-from asyncrl.learner.lora import adapter_tensors, add_adapters
+from asyncrl.learner.update.lora import adapter_tensors, add_adapters
 from tests.helpers.actor_stack import (
     LOGPROB_TOLERANCE,
     SharedActor,

@@ -25,9 +25,9 @@ from asyncrl.common.plane.redis_server import EmbeddedRedis
 from asyncrl.common.plane.replay import ReplayWriter
 from asyncrl.common.private import private_umask
 from asyncrl.common.wire.messages import ScoredGroup
-from asyncrl.learner.checkpoint_history import truncate_metrics
-from asyncrl.learner.recorder import Recorder, StepRecord
-from asyncrl.learner.samples import SampleLog
+from asyncrl.learner.checkpoint.history import truncate_metrics
+from asyncrl.learner.record.recorder import Recorder, StepRecord
+from asyncrl.learner.record.samples import SampleLog
 from tests.helpers.rollouts import make_group
 from tests.helpers.waits import wait_for
 

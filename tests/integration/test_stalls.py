@@ -22,8 +22,8 @@ from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.replay import ReplayReader
 from asyncrl.common.plane.run_secret import run_seal
 from asyncrl.common.wire.messages import Heartbeat
-from asyncrl.learner.broadcaster import Broadcaster
-from asyncrl.learner.dispatcher import Dispatcher
+from asyncrl.learner.intake.dispatcher import Dispatcher
+from asyncrl.learner.weights.broadcaster import Broadcaster
 from tests.helpers.rollouts import encode, issue, make_group, tokenizer_dir
 from tests.helpers.waits import wait_for
 

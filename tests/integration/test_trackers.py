@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.common.config import load_config
-from asyncrl.learner.trackers import Trackers
+from asyncrl.learner.record.trackers import Trackers
 from tests.helpers.waits import wait_for
 from tests.helpers.wandb_log import finished, history
 

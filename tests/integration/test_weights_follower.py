@@ -20,7 +20,7 @@ from asyncrl.common.plane.audit import Audit
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.weights.group import unpack_bucket
 from asyncrl.common.wire.messages import Decoder, Heartbeat, WeightManifest
-from asyncrl.learner.broadcaster import Broadcaster
+from asyncrl.learner.weights.broadcaster import Broadcaster
 from tests.helpers.waits import wait_for
 
 pytestmark = pytest.mark.integration

@@ -1,12 +1,12 @@
-"""The actors a run wants (learner/autoscale.py): more while the learner waits for scored groups, fewer while actors
-sit spare, never 0 while the run goes on."""
+"""The actors a run wants (learner/intake/autoscale.py): more while the learner waits for scored groups, fewer while
+actors sit spare, never 0 while the run goes on."""
 
 from __future__ import annotations
 
 import pytest
 
 from asyncrl.common.wire.messages import Heartbeat
-from asyncrl.learner.autoscale import ActorDemand, actors_wanted
+from asyncrl.learner.intake.autoscale import ActorDemand, actors_wanted
 
 
 def beats(*states: str) -> list[Heartbeat]:

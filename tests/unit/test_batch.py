@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from asyncrl.common.wire.messages import ScoredGroup
-from asyncrl.learner.batch import collate, preference_rows
+from asyncrl.learner.update.batch import collate, preference_rows
 from tests.helpers.rollouts import make_group
 
 

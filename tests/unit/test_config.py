@@ -150,7 +150,7 @@ def test_a_preset_that_switches_the_loss_does_not_inherit_the_old_loss_options(t
 
 
 def test_the_reference_model_precision_defaults_to_the_training_precision() -> None:
-    from asyncrl.learner.engine import reference_precision
+    from asyncrl.learner.update.engine import reference_precision
 
     assert reference_precision(load_config(None, ["learner.precision=bfloat16"])) == "bfloat16"
     both = ["learner.precision=bfloat16", "learner.reference_precision=float32"]

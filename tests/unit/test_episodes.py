@@ -39,7 +39,7 @@ from asyncrl.common.rewards.functions import bind_functions, episode_options, ti
 from asyncrl.common.tiny_models.chat import ARCHITECTURES, CHATML_TEMPLATE, build_bpe_tokenizer
 from asyncrl.common.wire.messages import ScoredGroup, segments
 from asyncrl.learner.algorithms import GlobalCounts, LossInput, build_aggregation, build_loss
-from asyncrl.learner.batch import collate
+from asyncrl.learner.update.batch import collate
 from tests.helpers.scripted_episodes import CALL, QUESTION, context, episode, replay, tools_for
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from asyncrl.cli.learner import app
-from asyncrl.learner.checkpoint_format import MANIFEST
+from asyncrl.learner.checkpoint.format import MANIFEST
 
 
 def saved(root: Path, step: int) -> None:

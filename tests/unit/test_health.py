@@ -16,7 +16,7 @@ import torch
 
 from asyncrl.common.config import ConfigError, HealthSection, load_config
 from asyncrl.common.plane.redis_server import free_port
-from asyncrl.learner.health import (
+from asyncrl.learner.health.monitor import (
     HealthMonitor,
     ProcessFacts,
     RollbackPolicy,

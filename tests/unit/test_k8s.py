@@ -512,7 +512,7 @@ def test_the_code_sandbox_capabilities_start_the_namespaces_fence() -> None:
         unavailable("needs root and setpriv (as in CI) to start a process with the pod's capability set")
     added = container(workloads(build("gpu+code-sandbox"))["reward"])["securityContext"]["capabilities"]["add"]
     probe = (
-        "from asyncrl.common.rewards.sandbox import isolation, run_python_tests\n"
+        "from asyncrl.common.sandbox import isolation, run_python_tests\n"
         "fence = isolation()\n"
         "caps = \"caps = [l.split()[1] for l in open('/proc/self/status') if l.startswith('Cap')]\\n"
         "assert set(caps) == {'0000000000000000'}, caps\"\n"
@@ -773,7 +773,7 @@ def test_the_learner_resumes_exactly_when_a_complete_checkpoint_exists(
 ) -> None:
     """The learner's wrapper (on a host, and in a Job's pod) adds --resume latest iff the checkpoint code finds a
     complete checkpoint in the folder the learner writes them to."""
-    from asyncrl.learner.checkpoint_history import complete_checkpoints
+    from asyncrl.learner.checkpoint.history import complete_checkpoints
 
     site = deploy.Site("r", "run.toml", "url", "host", root=str(tmp_path / "runs"))
     argv = form(site).argv

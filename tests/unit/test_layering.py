@@ -14,6 +14,8 @@ import tomllib
 from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("common", "actors", "learner", "cli")
 
@@ -113,7 +115,7 @@ def test_each_part_imports_only_what_its_layer_allows() -> None:
 
 
 def test_the_layering_rule_sees_a_crossing() -> None:
-    assert part("asyncrl.learner.update") == "learner" and part("vllm.v1") == "vllm"
+    assert part("asyncrl.learner.update.policy") == "learner" and part("vllm.v1") == "vllm"
     assert part("asyncrl.actors.episodes") in FORBIDDEN["learner"]
 
 
@@ -150,30 +152,57 @@ def test_the_distribution_installs_every_package() -> None:
 
 COMMON_STACK = (
     "exit_codes", "registry", "openmp", "net", "redact", "config", "observability", "private", "wire", "transport",
-    "plane", "weights", "staleness", "data", "rewards", "environments", "tiny_models",
+    "plane", "weights", "staleness", "sandbox", "data", "rewards", "environments", "tiny_models",
 )  # fmt: skip
 """The layers of ``common`` (its sub-packages and top modules), lowest first: a module uses its own layer and those
 below it, never one above (docs/development.md draws them)."""
+LEARNER_STACK = (
+    "jit_lock", "dist", "ranks", "algorithms", "health", "intake", "update", "checkpoint", "weights", "record",
+    "run_state", "follower", "loop",
+)  # fmt: skip
+"""The layers of ``learner``, lowest first, read as ``COMMON_STACK`` is: the training step uses what it is fed and
+how its health is judged; checkpoints save the step's engines; the record reads them all; the loop owns everything."""
+STACKS = {"common": COMMON_STACK, "learner": LEARNER_STACK}
 
 
-def layer(module: str) -> str | None:
-    """The layer of ``common`` a module name is in (``config`` for ``asyncrl.common.config.run``), None outside it."""
+def layer(module: str, stack: str = "common") -> str | None:
+    """The layer of the part ``stack`` a module name is in (``config`` for ``asyncrl.common.config.run``), None
+    outside that part."""
     names = module.split(".")
-    return names[2] if names[:2] == ["asyncrl", "common"] and len(names) > 2 else None
+    return names[2] if names[:2] == ["asyncrl", stack] and len(names) > 2 else None
 
 
-def test_common_is_a_stack_of_layers_each_using_only_those_below() -> None:
-    files = module_files()
-    assert {layer(name) for name in files} - {None} == set(COMMON_STACK)  # a new layer is placed in the list
-    height = {name: level for level, name in enumerate(COMMON_STACK)}
+def upward_references(stack: str, files: dict[str, Path]) -> dict[str, list[str]]:
+    """Each module of ``files`` in the part ``stack`` that uses a layer above its own, with what it uses there."""
+    layers = STACKS[stack]
+    height = {name: level for level, name in enumerate(layers)}
     upward = {}
     for name, path in files.items():
-        if (mine := layer(name)) is None:
+        if (mine := layer(name, stack)) is None:
             continue
-        above = sorted(m for m in references(path) if (other := layer(m)) and height[other] > height[mine])
+        above = sorted(m for m in references(path) if (other := layer(m, stack)) and height[other] > height[mine])
         if above:
             upward[name] = above
-    assert upward == {}
+    return upward
+
+
+@pytest.mark.parametrize("stack", sorted(STACKS))
+def test_common_and_learner_are_stacks_of_layers_each_using_only_those_below(stack: str) -> None:
+    files = module_files()
+    assert {layer(name, stack) for name in files} - {None} == set(STACKS[stack])  # a new layer is placed in the list
+    assert upward_references(stack, files) == {}
+
+
+def test_the_stack_rule_sees_a_planted_back_edge(tmp_path: Path) -> None:
+    """A module of the update that reached up into the loop, or named it as an import path, breaks the stack."""
+    planted = tmp_path / "planted.py"
+    planted.write_text("from asyncrl.learner.loop import Learner\nSTART = 'asyncrl.learner.record.recorder:Recorder'\n")
+    files = {**module_files(), "asyncrl.learner.update.planted": planted}
+    assert upward_references("learner", files) == {
+        "asyncrl.learner.update.planted": [
+            "asyncrl.learner.loop", "asyncrl.learner.loop.Learner", "asyncrl.learner.record.recorder",
+        ],
+    }  # fmt: skip
 
 
 def test_the_rules_count_annotations_and_import_path_strings_but_not_prose(tmp_path: Path) -> None:

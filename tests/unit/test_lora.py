@@ -11,7 +11,7 @@ import torch
 
 from asyncrl.actors.engine import VLLM_LORA_RANKS, adapter_settings, lora_engine_settings
 from asyncrl.common.config import ConfigError, load_config
-from asyncrl.learner.lora import ADAPTER, adapter_tensors, merged_weights, saved_name
+from asyncrl.learner.update.lora import ADAPTER, adapter_tensors, merged_weights, saved_name
 
 
 def test_lora_is_off_by_default_and_its_fields_are_checked() -> None:
@@ -71,7 +71,7 @@ def test_the_exported_adapter_names_a_local_base_model_by_its_absolute_path(
     a relative one only from the run's working directory), a hub name as it is; the policy's own settings unchanged."""
     from peft import LoraConfig
 
-    from asyncrl.learner.checkpoint import export_adapter
+    from asyncrl.learner.checkpoint.checkpointer import export_adapter
 
     monkeypatch.chdir(tmp_path)
     if local:

@@ -17,7 +17,7 @@ from prometheus_client import REGISTRY
 from asyncrl.cli.top import frame_for_terminal, render, targets
 from asyncrl.common.observability import metrics
 from asyncrl.common.wire.messages import Heartbeat
-from asyncrl.learner.telemetry import DROPPED, GAUGES
+from asyncrl.learner.record.telemetry import DROPPED, GAUGES
 
 MONITORING = Path(__file__).resolve().parents[2] / "k8s" / "monitoring"
 SERIES = re.compile(r"\b(asyncrl_[a-z_]+)(\{[^}]*\})?")

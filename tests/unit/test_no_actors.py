@@ -9,7 +9,7 @@ import pytest
 
 from asyncrl.cli.children import root_cause, why_it_failed
 from asyncrl.common.wire.messages import Heartbeat
-from asyncrl.learner.batch_source import FIRST_SIGHT_S, ActorWatch, NoActorsLeft
+from asyncrl.learner.intake.batch_source import FIRST_SIGHT_S, ActorWatch, NoActorsLeft
 
 
 class Registry:

@@ -10,7 +10,7 @@ from redis.exceptions import AuthenticationError, BusyLoadingError, ConnectionEr
 
 from asyncrl.common.plane.outage import OutageClock, OutageRetry, RedisUnavailable, outage_in
 from asyncrl.common.plane.prompt_ledger import LedgerEntry
-from asyncrl.learner.dispatcher import overdue_reason
+from asyncrl.learner.intake.dispatcher import overdue_reason
 
 
 def failing(times: int, error: Exception | None = None):

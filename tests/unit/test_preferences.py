@@ -12,7 +12,7 @@ import torch
 
 from asyncrl.common.data.tasks import TASK_ALPHABET, get_task
 from asyncrl.common.tiny_models.character import build_char_tokenizer
-from asyncrl.learner.preferences import (
+from asyncrl.learner.intake.preferences import (
     EncodedPair,
     PreferenceFileError,
     PreferencePair,

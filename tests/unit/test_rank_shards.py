@@ -1,11 +1,17 @@
-"""How a batch every learner rank holds whole is cut into each rank's micro-batches (learner/engine.py)."""
+"""How a batch every learner rank holds whole is cut into each rank's micro-batches (learner/update/engine.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from asyncrl.learner.batch import longest_first, rank_micro_batches, split_micro_batches, training_passes, trimmed
+from asyncrl.learner.update.batch import (
+    longest_first,
+    rank_micro_batches,
+    split_micro_batches,
+    training_passes,
+    trimmed,
+)
 
 
 def batch(rows: int, width: int = 3) -> dict[str, torch.Tensor]:
@@ -87,7 +93,7 @@ def test_the_no_grad_passes_run_the_training_passes_rows_and_shapes(world: int, 
 def test_the_policys_step_is_cut_as_its_tensors_are_and_a_missing_one_stays_none() -> None:
     """:class:`PolicyRows` cuts by the same rules as named tensors: every field present is cut alike, and a pass the
     step did not run (π_old, π_ref) is ``None`` in every micro-batch, not a missing key."""
-    from asyncrl.learner.batch import PolicyRows
+    from asyncrl.learner.update.batch import PolicyRows
 
     whole = batch(5)
     mu = torch.randn(5, 3)

@@ -1,11 +1,11 @@
-"""The learner's memory figures in each row (learner/resources.py): resident bytes always, the growth once two
+"""The learner's memory figures in each row (learner/record/resources.py): resident bytes always, the growth once two
 minutes and eight steps are in the ten-minute window, fitted over that window only."""
 
 from __future__ import annotations
 
 import pytest
 
-from asyncrl.learner.resources import MemoryTrend
+from asyncrl.learner.record.resources import MemoryTrend
 
 
 def test_the_growth_is_the_slope_over_the_window_once_it_spans_two_minutes_and_eight_steps() -> None:

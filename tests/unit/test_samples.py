@@ -11,8 +11,8 @@ import torch
 from asyncrl.cli.top import render
 from asyncrl.common.plane.replay import ReplayEntry
 from asyncrl.common.wire.messages import ScoredGroup, segments
-from asyncrl.learner.batch_source import Taken
-from asyncrl.learner.recorder import (
+from asyncrl.learner.intake.batch_source import Taken
+from asyncrl.learner.record.recorder import (
     ending_figures,
     episode_figures,
     group_stage_seconds,
@@ -21,7 +21,7 @@ from asyncrl.learner.recorder import (
     length_figures,
     tool_call_figures,
 )
-from asyncrl.learner.samples import MAX_TEXT, SampleLog, row_advantages
+from asyncrl.learner.record.samples import MAX_TEXT, SampleLog, row_advantages
 from tests.helpers.rollouts import make_group
 from tests.helpers.scripted_episodes import CALL, episode, tools_for
 
@@ -186,7 +186,7 @@ def test_each_groups_stages_are_observed_in_the_stage_histograms() -> None:
     """Two groups, one observation each per stage and for the total: the histogram's count rises by 2 and its sum by
     the groups' seconds (the queued stage 3 + 5 s; the totals 11 + 11 s)."""
     from asyncrl.common.observability import metrics as m
-    from asyncrl.learner.telemetry import observe_group_stages
+    from asyncrl.learner.record.telemetry import observe_group_stages
 
     def count_and_sum(stage: str) -> tuple[float, float]:
         def value(suffix: str) -> float:

@@ -26,11 +26,11 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.common import sandbox
 from asyncrl.common.plane.redis_server import EmbeddedRedis
-from asyncrl.common.rewards import sandbox
-from asyncrl.common.rewards.sandbox import run_python_tests
-from asyncrl.common.rewards.sandbox_fences import MAX_PROCESSES, Isolation, candidates
-from asyncrl.common.rewards.sandbox_run import HARNESS, MAX_FILE_BYTES, SUPERVISOR, Limits, SandboxResult, run_behind
+from asyncrl.common.sandbox import run_python_tests
+from asyncrl.common.sandbox.fences import MAX_PROCESSES, Isolation, candidates
+from asyncrl.common.sandbox.run import HARNESS, MAX_FILE_BYTES, SUPERVISOR, Limits, SandboxResult, run_behind
 from tests.helpers.machine import unavailable
 from tests.helpers.waits import wait_for
 
@@ -414,7 +414,7 @@ def test_an_interpreter_in_tmp_runs_behind_the_namespaces_fence(tmp_path: Path) 
         site = [p for p in sys.path if p.endswith("site-packages")]
         probe = (
             f"import site\nfor folder in {site!r}:\n    site.addsitedir(folder)\n"  # runs the install's .pth files
-            "from asyncrl.common.rewards.sandbox import isolation, run_python_tests\n"
+            "from asyncrl.common.sandbox import isolation, run_python_tests\n"
             "fence = isolation()\nassert fence.fence == 'namespaces', fence\n"
             "assert run_python_tests('import sys\\nassert sys.prefix.startswith(\"/tmp/\")', '').passed\n"
         )
@@ -510,7 +510,7 @@ def test_the_parent_dying_kills_the_sandboxed_tree(tmp_path: Path) -> None:
     name = process_name()
     program = named(name, "import os, time\nos.fork()\ntime.sleep(600)\n")
     worker_code = (
-        f"from asyncrl.common.rewards.sandbox import run_python_tests\n"
+        f"from asyncrl.common.sandbox import run_python_tests\n"
         f"run_python_tests({program!r}, '', cpu_s=600, wall_s=600)\n"
     )
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # a worker killed by SIGKILL cannot remove its temporary folder

@@ -21,8 +21,8 @@ from asyncrl.common.config import load_config
 from asyncrl.common.environments.turns import EpisodeTools
 from asyncrl.common.wire.codec import Limits, WireError
 from asyncrl.common.wire.messages import ScoredGroup, segments
-from asyncrl.learner.batch import collate
-from asyncrl.learner.samples import _turns
+from asyncrl.learner.record.samples import _turns
+from asyncrl.learner.update.batch import collate
 from tests.helpers.scripted_episodes import CALL, QUESTION, episode, replay, tools_for
 
 COUNTING = "environment.name=tests.unit.test_episodes:Counting"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from asyncrl.learner.algorithms.masked import masked_mean
-from asyncrl.learner.step_metrics import MicroBatchMetrics
+from asyncrl.learner.update.step_metrics import MicroBatchMetrics
 
 
 def test_means_are_the_whole_batchs_token_mean_however_the_batch_is_cut() -> None:

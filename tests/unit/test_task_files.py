@@ -26,7 +26,7 @@ from asyncrl.common.tiny_models.character import build_char_tokenizer
 from asyncrl.common.tiny_models.chat import build_bpe_tokenizer
 from asyncrl.common.wire.messages import Decoder, PromptGroup, RolloutGroup, encode
 from asyncrl.common.wire.provenance import issue_mismatch
-from asyncrl.learner.dispatcher import task_options
+from asyncrl.learner.intake.dispatcher import task_options
 
 VERL_ROWS = [  # the layout of verl's GSM8K Parquet files: chat messages, the answer nested, other fields beside
     {

@@ -8,8 +8,8 @@ import threading
 import pytest
 
 from asyncrl.common.config import ConfigError, load_config
-from asyncrl.learner import trackers as trackers_module
-from asyncrl.learner.trackers import QUEUE_ROWS, Trackers
+from asyncrl.learner.record import trackers as trackers_module
+from asyncrl.learner.record.trackers import QUEUE_ROWS, Trackers
 
 
 class Recording:

@@ -149,8 +149,8 @@ class MonitoringSection(Section):
 
 
 class HealthSection(Section):
-    """Run health (``learner/health.py``): non-finite steps are skipped, repeated ones roll the run back, and alert
-    rules watch each step's metrics. An alert's threshold of 0 turns it off."""
+    """Run health (``learner/health/monitor.py``): non-finite steps are skipped, repeated ones roll the run back, and
+    alert rules watch each step's metrics. An alert's threshold of 0 turns it off."""
 
     max_skipped_steps: Int = Field(default=3, ge=1, le=10_000)
     """Consecutive optimizer steps skipped for a non-finite loss or gradient (their update is never applied) after which the learner rolls back to the last healthy checkpoint."""  # noqa: E501

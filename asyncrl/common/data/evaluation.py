@@ -1,5 +1,5 @@
 """Evaluation on held-out prompts (``[eval]``): the eval set, its prompt groups and the figures of a round — shared by
-the learner's rounds during a run (``learner/evaluation.py``) and the offline evaluator (``actors/evaluate.py``).
+the learner's rounds during a run (``learner/intake/evaluation.py``) and the offline evaluator (``actors/evaluate.py``).
 
 How an eval group travels, and why each choice:
 

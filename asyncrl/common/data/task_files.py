@@ -8,7 +8,7 @@ through its prompt and answer keys (``_example``), and checks that example's pro
 
 The ``file`` task (``common/data/file_task.py``) serves a file's rows through these checks; ``asyncrl check-data``
 (``cli/data_check.py``) runs the same per-row checks over every row, and the preference data of offline DPO
-(``learner/preferences.py``) is read with :func:`read_rows`.
+(``learner/intake/preferences.py``) is read with :func:`read_rows`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Environments whose tools run code the model wrote: in the sandbox (``common/rewards/sandbox.py``), with its fence and
+"""Environments whose tools run code the model wrote: in the sandbox (``common/sandbox/``), with its fence and
 limits, never in the process that hosts the environment."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncrl.common.environments.protocol import OutOfTime, ToolEnvironment, function_spec
-from asyncrl.common.rewards.sandbox import run_python
+from asyncrl.common.sandbox import run_python
 
 MAX_RESULT_CHARS = 2000
 """Characters of a program's output given back to the model."""

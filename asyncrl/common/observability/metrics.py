@@ -198,7 +198,7 @@ LEARNER_IDLE_RATIO = Gauge(
 )
 LEARNER_EVAL_SCORE = Gauge(
     "asyncrl_learner_eval_score",
-    "Scores of the newest complete eval round (learner/evaluation.py), by figure (pass@k, mean@k, accuracy).",
+    "Scores of the newest complete eval round (learner/intake/evaluation.py), by figure (pass@k, mean@k, accuracy).",
     ["figure"],
 )
 LEARNER_EVAL_STEP = Gauge("asyncrl_learner_eval_step", "Step (policy version) the newest eval round evaluated.")
@@ -264,7 +264,7 @@ LEARNER_GROUP_STAGE_DURATION = Histogram(
 )
 LEARNER_ACTORS_WANTED = Gauge(
     "asyncrl_learner_actors_wanted",
-    "Rollout actors the run wants now (learner/autoscale.py): the live actors' busy share over one minus the "
+    "Rollout actors the run wants now (learner/intake/autoscale.py): the live actors' busy share over one minus the "
     "learner's idle fraction; at least 1 while the run goes on, 0 once it has finished. What autoscalers follow.",
 )
 LEARNER_CHECKPOINT_BYTES = Gauge(

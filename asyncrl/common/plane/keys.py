@@ -50,8 +50,8 @@ class RunKeys:
 
     @property
     def actors_wanted(self) -> str:
-        """A list whose length is the number of rollout actors the run wants (``learner/autoscale.py``): KEDA's redis
-        scaler reads a list's length (LLEN) and nothing else, so the number is kept in that form."""
+        """A list whose length is the number of rollout actors the run wants (``learner/intake/autoscale.py``): KEDA's
+        redis scaler reads a list's length (LLEN) and nothing else, so the number is kept in that form."""
         return self._k("actors_wanted")
 
     @property
@@ -75,18 +75,18 @@ class RunKeys:
 
     @property
     def samples(self) -> str:
-        """JSON list of the newest rows of samples.jsonl (``learner/samples.py``)."""
+        """JSON list of the newest rows of samples.jsonl (``learner/record/samples.py``)."""
         return self._k("samples")
 
     @property
     def trained(self) -> str:
-        """Hash: group id → the step that trained it (``learner/trained.py``)."""
+        """Hash: group id → the step that trained it (``learner/intake/trained.py``)."""
         return self._k("trained")
 
     @property
     def unacked(self) -> str:
         """Hash: replay entry id → ``[step, group id]`` of a trained entry whose acknowledgement waits for the
-        checkpoint that holds its step (``learner/trained.py``)."""
+        checkpoint that holds its step (``learner/intake/trained.py``)."""
         return self._k("unacked")
 
     @property
@@ -107,7 +107,7 @@ class RunKeys:
 
     @property
     def eval(self) -> str:
-        """JSON list of the newest eval rounds' ``eval/*`` figures (``learner/evaluation.py``), for rl-top."""
+        """JSON list of the newest eval rounds' ``eval/*`` figures (``learner/intake/evaluation.py``), for rl-top."""
         return self._k("eval")
 
     @property
@@ -125,7 +125,7 @@ class RunKeys:
     @property
     def refused(self) -> str:
         """List of the ids of groups the reward workers dead-lettered for good, for the learner's
-        dispatcher to retire at once (``learner/dispatcher.py: retire_refused``)."""
+        dispatcher to retire at once (``learner/intake/dispatcher.py: retire_refused``)."""
         return self._k("refused")
 
     @property
@@ -140,7 +140,7 @@ class RunKeys:
 
     @property
     def dispatch(self) -> str:
-        """Hash of the dispatcher's counters (see ``learner/dispatcher.py``)."""
+        """Hash of the dispatcher's counters (see ``learner/intake/dispatcher.py``)."""
         return self._k("dispatch")
 
     def once(self, token: str) -> str:

@@ -130,7 +130,7 @@ class RunRecord:
         return self._manifest_decoder.decode(frames), frames
 
     def publish_samples(self, rows: Iterable[Mapping[str, Any]]) -> None:
-        """The newest rows of samples.jsonl (``learner/samples.py``), for rl-top."""
+        """The newest rows of samples.jsonl (``learner/record/samples.py``), for rl-top."""
         self.client.set(self.keys.samples, json.dumps(list(rows)))
 
     def samples(self) -> list[dict[str, Any]]:

@@ -358,7 +358,7 @@ def code_tests_reward(group: RolloutGroup, options: dict[str, Any]) -> list[floa
     The program is the response's first fenced code block, else the whole response
     (:func:`asyncrl.common.rewards.verifiers.verify_code_tests`); the tests, not the program's exit status, decide the
     score (``sys.exit(0)`` or ``os._exit(0)`` before the tests end scores 0). Each run is a separate
-    subprocess with CPU, memory and wall-clock limits (``common/rewards/sandbox.py``: 5 s wall by default), so even
+    subprocess with CPU, memory and wall-clock limits (``common/sandbox/``: 5 s wall by default), so even
     an abandoned call ends by itself — though an abandoned call still delays the process's exit until its
     sandboxes have ended.
     Up to ``options["workers"]`` (default: the CPU count) sandboxes run at once; size the worker's

@@ -53,7 +53,7 @@ from asyncrl.common.config import ConfigError
 from asyncrl.common.registry import Contract, Registry
 from asyncrl.common.rewards.answers import GROUPED_NUMBER, PLAIN_NUMBER, chosen_letter, final_answer, normalise
 from asyncrl.common.rewards.judge import judge
-from asyncrl.common.rewards.sandbox import run_python_tests
+from asyncrl.common.sandbox import run_python_tests
 
 Verifier = Callable[[str, str], float]
 """``verify(response, answer) -> score in [0, 1]``."""
@@ -236,7 +236,7 @@ _FENCED = re.compile(r"```[^\n]*\n(.*?)```", re.DOTALL)
 
 @register_verifier("code_tests")
 def verify_code_tests(response: str, answer: str) -> float:
-    """1.0 when the response's program passes ``answer`` (test source) in the sandbox (``common/rewards/sandbox.py``).
+    """1.0 when the response's program passes ``answer`` (test source) in the sandbox (``common/sandbox/``).
 
     The program is the response's first fenced block (opened by a line starting with three backticks)
     when there is one, else the whole response. The tests decide: a program that exits early, with any status,

@@ -1,7 +1,7 @@
 """The configured algorithm assembled from the registries: every name and option of ``[algorithm]`` (and the
 off-policy correction of ``[staleness]``) resolved and validated, with no model and no DeepSpeed — so that every
 command can check a config in a second before it starts anything (``cli/preflight.py``), and the policy update
-(``learner/update.py``) runs what it returns."""
+(``learner/update/policy.py``) runs what it returns."""
 
 from __future__ import annotations
 

@@ -65,7 +65,7 @@ REQUIREMENTS = {
 PER_SEQUENCE = frozenset({Need.VALUES, Need.TOKEN_KL, Need.PAIRS})
 """The requirements that treat a whole response as one sequence the model ran on (a critic's values along it, a KL
 penalty summed into its reward, a preference pair of two): refused for multi-turn episodes kept per turn
-(``learner/batch.py: ServedRows``)."""
+(``learner/update/batch.py: ServedRows``)."""
 
 
 def per_turn_refusal(needs: frozenset[Need]) -> str | None:
@@ -128,7 +128,7 @@ class LossInput:
 
     logprobs: log π_θ, the current policy, carrying the graph (the only input that gets a gradient);
     old_logprobs: log π_old, the proximal policy: the weights at the start of the step (the training forward's
-    own log-probs detached, since a batch makes one optimizer step; see ``learner/update.py``), or μ itself when
+    own log-probs detached, since a batch makes one optimizer step; see ``learner/update/policy.py``), or μ itself when
     the off-policy correction is ``none``; behaviour_logprobs: log μ, shipped by vLLM with each token;
     advantages: from the estimator; response_mask: bool; ref_logprobs: log π_ref of the frozen
     reference model, or None when no KL term is used; entropy: the per-token entropy of π_θ carrying the
@@ -157,7 +157,7 @@ class LossInput:
 class LossOutput:
     """per_token_loss [B, T], zero at masked positions; metrics: detached scalars over the masked tokens
     of this micro-batch, named ``component/metric``; those named in ``sequence_metrics`` are means over its sequences
-    instead (a step weighs them by sequences, the others by tokens: ``learner/step_metrics.py``)."""
+    instead (a step weighs them by sequences, the others by tokens: ``learner/update/step_metrics.py``)."""
 
     per_token_loss: Tensor
     metrics: dict[str, Tensor] = field(default_factory=dict)

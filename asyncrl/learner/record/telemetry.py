@@ -26,15 +26,15 @@ from asyncrl.common.observability.logs import get_logger
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.heartbeat import HeartbeatThread
 from asyncrl.common.wire.messages import Heartbeat
-from asyncrl.learner.autoscale import ActorDemand
-from asyncrl.learner.checkpoint_disk import disk_space
+from asyncrl.learner.checkpoint.disk import disk_space
+from asyncrl.learner.intake.autoscale import ActorDemand
 
 log = get_logger("telemetry")
 
 RESPONSE_STATISTICS = ("mean", "p50", "p95", "max")
 GPU_MEMORY_KINDS = ("allocated", "reserved", "peak", "total", "used")
 LATENCY_STAGES = ("queued", "generate", "scoring", "replay", "total")
-"""The stages of ``latency/*`` (learner/recorder.py: latency_figures), exported by stage."""
+"""The stages of ``latency/*`` (learner/record/recorder.py: latency_figures), exported by stage."""
 # metrics.jsonl key -> (gauge, labels). Keys a step did not compute leave their series absent.
 GAUGES: dict[str, tuple[Any, dict[str, str]]] = {
     "rollout/reward_mean": (m.LEARNER_REWARD, {"statistic": "mean"}),

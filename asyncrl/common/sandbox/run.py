@@ -1,10 +1,10 @@
 """One run of the code sandbox: a program and its tests behind a given fence, with limits, to a :class:`SandboxResult`.
 
 :func:`run_behind` writes the program to ``main.py`` and the tests to ``tests.py`` in a fresh temporary folder and
-starts stage 2 (:mod:`asyncrl.common.rewards.sandbox_supervisor`, run by path: ``python -I -S <its file> <config>``)
-behind the fence's launcher (:mod:`asyncrl.common.rewards.sandbox_fences`), in a new session, with an environment of
+starts stage 2 (:mod:`asyncrl.common.sandbox.supervisor`, run by path: ``python -I -S <its file> <config>``)
+behind the fence's launcher (:mod:`asyncrl.common.sandbox.fences`), in a new session, with an environment of
 only ``PATH``. Stage 2 sets the limits of :class:`Limits` in the run's two processes, the program's and the tests',
-and runs the harness (:mod:`asyncrl.common.rewards.sandbox_harness`, compiled once here) in both with an environment
+and runs the harness (:mod:`asyncrl.common.sandbox.harness`, compiled once here) in both with an environment
 of only ``PATH`` and ``HOME``. This module
 owns the rest: the wall clock (it kills the whole process group), the output (stdout and stderr go to files bounded by
 ``RLIMIT_FSIZE``, of which only the last few KiB are read back), stage 2's report, the per-run uid of a root worker
@@ -30,14 +30,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from asyncrl.common.rewards.sandbox_fences import MAX_PROCESSES, UID_BASE, Isolation, tool
+from asyncrl.common.sandbox.fences import MAX_PROCESSES, UID_BASE, Isolation, tool
 
 MAX_OPEN_FILES = 64
 MAX_FILE_BYTES = 8 * 2**20
 SCRATCH_BYTES = 64 * 2**20  # the private tmpfs: working folder, /tmp and /dev/shm together
 SCRATCH_INODES = 4096
-SUPERVISOR = Path(__file__).resolve().with_name("sandbox_supervisor.py")  # stage 2, run by path
-HARNESS = Path(__file__).resolve().with_name("sandbox_harness.py")  # compiled here, run by the run's two interpreters
+SUPERVISOR = Path(__file__).resolve().with_name("supervisor.py")  # stage 2, run by path
+HARNESS = Path(__file__).resolve().with_name("harness.py")  # compiled here, run by the run's two interpreters
 _TAIL_BYTES = 2000
 _POLL_S = 0.01
 _DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
@@ -343,4 +343,4 @@ def _harness_code() -> bytes:
     """The harness, compiled once (``marshal``: the sandbox runs this same interpreter): compiling its text costs
     each of a run's two interpreters milliseconds. Stage 2 hands it to both on a pipe (the file is not inside the
     private root); docstrings are left out (``optimize=2``; the harness has no ``assert``)."""
-    return marshal.dumps(compile(HARNESS.read_text(encoding="utf-8"), "sandbox_harness.py", "exec", optimize=2))
+    return marshal.dumps(compile(HARNESS.read_text(encoding="utf-8"), "harness.py", "exec", optimize=2))

@@ -33,10 +33,11 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM
 
 from asyncrl.common.config import LearnerSection, RunConfig
-from asyncrl.learner import dist, lora
-from asyncrl.learner.batch import PolicyRows
-from asyncrl.learner.health import step_is_finite
+from asyncrl.learner import dist
+from asyncrl.learner.health.monitor import step_is_finite
 from asyncrl.learner.jit_lock import clear_stale_locks, prefer_environment_ninja
+from asyncrl.learner.update import lora
+from asyncrl.learner.update.batch import PolicyRows
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ADAM_BETAS = (0.9, 0.999)
@@ -285,10 +286,10 @@ class PolicyEngine:
             local_loss += loss.detach()  # a tensor: no device sync per micro-batch
         own_norm = self._grad_norm() if not hasattr(self.engine.optimizer, "_global_grad_norm") else None
         total_loss = dist.all_reduce_sum(local_loss)
-        # A non-finite loss or gradient must not reach the weights (learner/health.py). DeepSpeed's ZeRO and bf16/fp16
-        # optimizers skip such a step themselves; the bare optimizer of ZeRO 0 float32 (the one without a norm of its
-        # own) would not, so skip it here: drop the gradients and leave weights, Adam state and lr schedule as they are.
-        # Loss and norm are global, so every rank decides the same.
+        # A non-finite loss or gradient must not reach the weights (learner/health/monitor.py). DeepSpeed's ZeRO and
+        # bf16/fp16 optimizers skip such a step themselves; the bare optimizer of ZeRO 0 float32 (the one without a norm
+        # of its own) would not, so skip it here: drop the gradients and leave weights, Adam state and lr schedule as
+        # they are. Loss and norm are global, so every rank decides the same.
         if own_norm is not None and not step_is_finite(total_loss, own_norm):
             self.engine.zero_grad()
             applied = False
@@ -321,8 +322,8 @@ class PolicyEngine:
 
         Full names are ``named_parameters()`` of the HF model (``model.layers.0.self_attn.q_proj.weight``,
         ``lm_head.weight``; a tied weight appears once, as in ``save_pretrained``); adapter names are as
-        :func:`asyncrl.learner.lora.saved_name` gives them. ``dtype`` defaults to ``config.model.dtype``, the actors'.
-        ZeRO 0–2 keep whole parameters on every rank: the tensors are detached views of the live weights on the
+        :func:`asyncrl.learner.update.lora.saved_name` gives them. ``dtype`` defaults to ``config.model.dtype``, the
+        actors'. ZeRO 0–2 keep whole parameters on every rank: the tensors are detached views of the live weights on the
         engine's device (no copy; copy before the next ``train_step`` when sending in the background —
         ``common.weights.group.pack_bucket`` does). ZeRO-3: collective; parameters are all-gathered
         ``ZERO3_GATHER_NUMEL`` elements at a time with ``deepspeed.zero.GatheredParameters`` and rank 0 keeps CPU
@@ -336,7 +337,7 @@ class PolicyEngine:
     def full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
         """Every weight of the policy under its HF name, on rank 0 (``{}`` on others; collective under ZeRO-3): with
         ``[lora]`` each targeted layer merged, ``W + (alpha / rank) · B A``
-        (:func:`asyncrl.learner.lora.merged_weights`), otherwise :meth:`state_dict_for_broadcast`."""
+        (:func:`asyncrl.learner.update.lora.merged_weights`), otherwise :meth:`state_dict_for_broadcast`."""
         if not self.config.lora.enabled:
             return self.state_dict_for_broadcast(dtype)
         params = self._collect(list(self.module.named_parameters()), dtype or DTYPES[self.config.model.dtype])

@@ -1,7 +1,7 @@
 """From scored groups to the padded tensors one training step works on, and those cut into micro-batches.
 
 Every response becomes one row: prompt tokens then response tokens, right-padded to the longest
-row. Token-aligned values follow the engine's convention (``learner/engine.py``): the value at index
+row. Token-aligned values follow the engine's convention (``learner/update/engine.py``): the value at index
 ``t`` belongs to token ``t`` (its log-prob given the tokens before it), so the behaviour log-probs
 that vLLM reported for response token ``j`` sit at index ``len(prompt) + j``.
 """
@@ -170,7 +170,7 @@ class PolicyRows:
     advantages: Tensor
     old_logprobs: Tensor | None = None
     """π_old from a no-grad pass before the update (only for a KL penalty in the reward): otherwise the training
-    forward's own log-probs stand for it (``learner/update.py``)."""
+    forward's own log-probs stand for it (``learner/update/policy.py``)."""
     ref_logprobs: Tensor | None = None
     """π_ref of the frozen reference (a KL term in the loss or the reward)."""
 

@@ -108,13 +108,13 @@ class AdapterOffReference:
 
     Its log-probs are the base model's, exactly (``B A`` is left out, not multiplied by zero), and it costs no memory
     beyond the policy's. Collective under ZeRO-3, like the policy's own forward: every rank calls it in the same order.
-    ``policy`` is the :class:`asyncrl.learner.engine.PolicyEngine` whose module holds the adapters.
+    ``policy`` is the :class:`asyncrl.learner.update.engine.PolicyEngine` whose module holds the adapters.
     """
 
     def __init__(self, policy: Any) -> None:
         self.policy = policy
 
     def token_logprobs(self, input_ids: Tensor, attention_mask: Tensor, temperature: float = 1.0) -> Tensor:
-        """``[B, T]`` log π_ref(x_t | x_<t); see :func:`asyncrl.learner.engine.sequence_logprobs`."""
+        """``[B, T]`` log π_ref(x_t | x_<t); see :func:`asyncrl.learner.update.engine.sequence_logprobs`."""
         with self.policy.module.disable_adapter():  # PEFT's own switch: the base layers alone compute
             return self.policy.token_logprobs_no_grad(input_ids, attention_mask, temperature)

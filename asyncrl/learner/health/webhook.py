@@ -1,6 +1,6 @@
 """Where an alert's transitions go besides the log: :class:`Transition` (firing ↔ resolved, the JSON body) and
 :class:`Webhook`, which POSTs each from a daemon thread (``health.webhook_url``). The rules and the firing set are
-``learner/alerts.py``.
+``learner/health/alerts.py``.
 """
 
 from __future__ import annotations

@@ -11,10 +11,10 @@ One checkpoint is the folder ``runs/<name>/checkpoints/step-<N>/``::
                    dispatcher and replay positions at save time
     manifest.json  sha256 and size of every other file
 
-A save (:mod:`asyncrl.learner.checkpoint`) writes it into ``.tmp-step-<N>/``, fsyncs and hashes every file into the
-manifest, and only then renames the folder to ``step-<N>`` (atomic): a folder named ``step-<N>`` with a manifest is
-complete. A resume verifies every file against the manifest and refuses a checkpoint with a changed or missing file,
-naming it.
+A save (:mod:`asyncrl.learner.checkpoint.checkpointer`) writes it into ``.tmp-step-<N>/``, fsyncs and hashes every file
+into the manifest, and only then renames the folder to ``step-<N>`` (atomic): a folder named ``step-<N>`` with a
+manifest is complete. A resume verifies every file against the manifest and refuses a checkpoint with a changed or
+missing file, naming it.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class SavedState:
     rng: dict[str, Any] = field(default_factory=dict)
     """Python, NumPy and torch RNG states (:func:`capture_rng`)."""
     config_hash: str = ""
-    """:func:`~asyncrl.learner.checkpoint_settings.config_hash` of the run's config: a resume with other training
+    """:func:`~asyncrl.learner.checkpoint.settings.config_hash` of the run's config: a resume with other training
     settings is named in a warning."""
     config: dict[str, Any] = field(default_factory=dict)
     """The resolved config, flattened (to name the fields a resume changes)."""

@@ -1,7 +1,7 @@
 """The code sandbox's fences: what each one isolates, and the candidates this machine may start, strongest first.
 
-This module describes; :func:`asyncrl.common.rewards.sandbox.isolation` picks, once per process, the strongest
-candidate that starts, and :mod:`asyncrl.common.rewards.sandbox_run` runs a program behind it:
+This module describes; :func:`asyncrl.common.sandbox.isolation` picks, once per process, the strongest
+candidate that starts, and :mod:`asyncrl.common.sandbox.run` runs a program behind it:
 
 ``namespaces`` (the worker is root, e.g. in CI): new PID, network, mount, IPC and UTS namespaces; the program runs as a
     per-run unprivileged uid (:data:`UID_BASE` and up, its own ``RLIMIT_NPROC`` budget) with no capabilities and
@@ -27,7 +27,7 @@ Isolated under both namespace fences:
   which ignores every signal sent from inside, holds no capability once the program runs, and is not dumpable (so
   not traceable, its ``/proc`` entries closed);
 - network: none, not even loopback (a new network namespace has only a ``lo`` that is down);
-- filesystem: a private ``tmpfs`` root (``SCRATCH_BYTES``, ``SCRATCH_INODES`` of ``sandbox_run``) holding the working
+- filesystem: a private ``tmpfs`` root (``SCRATCH_BYTES``, ``SCRATCH_INODES`` of ``run``) holding the working
   folder ``/sandbox`` (also ``HOME``), ``/tmp`` and ``/dev/shm``, the rest of it read-only; read-only binds of ``/usr``
   (with the host's ``/bin``, ``/lib*``, ``/sbin`` links), the interpreter's prefixes (the venv and its base Python),
   ``/etc/ld.so.cache`` and ``/etc/localtime``; ``/dev/null``, ``zero``, ``full``, ``random``, ``urandom``. Everything
@@ -38,7 +38,7 @@ Isolated under both namespace fences:
 - lifetime: killing the namespace's init kills everything in it. That happens when the program exits, at the
   wall-clock limit (the whole process group is killed), and when the worker dies (``setpriv --pdeathsig`` ends
   ``unshare``, whose ``--kill-child`` ends the init: the program can clear neither). The parent-death signal follows
-  the *thread* that started the run; :func:`~asyncrl.common.rewards.sandbox.run_python_tests` blocks that thread until
+  the *thread* that started the run; :func:`~asyncrl.common.sandbox.run_python_tests` blocks that thread until
   the run has ended.
 
 Not isolated, under any fence: the kernel (no seccomp filter: a kernel exploit escapes); the files of the read-only

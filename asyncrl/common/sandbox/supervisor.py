@@ -1,10 +1,10 @@
 """Stage 2 of the code sandbox: the supervisor of one run, started by path (``python -I -S <this file> <config>``).
 
-The worker (:mod:`asyncrl.common.rewards.sandbox_run`) starts this file behind the fence's launcher with one argument,
+The worker (:mod:`asyncrl.common.sandbox.run`) starts this file behind the fence's launcher with one argument,
 the run's configuration (a ``marshal``-ed dict, hex). Behind a namespace fence it is the PID namespace's init: it reads
 and removes the tests and the harness's compiled code, builds the private root, forks the run's two processes (limits,
 no capability, the run's uid, then ``exec`` of :data:`BOOT`, which runs the harness's code handed on a pipe,
-:mod:`asyncrl.common.rewards.sandbox_harness`): the test runner and the program server. The program runs only once the
+:mod:`asyncrl.common.sandbox.harness`): the test runner and the program server. The program runs only once the
 runner has made itself non-dumpable and said so; the runner then gets the run's token and the tests. This process
 waits for the runner and writes its report on the pipe ``report_fd``: ``ready`` before either may exec, then ``exit
 <wait status> <CPU s> <1 when the tests ran to their end, else 0>`` — the program's status when it ended before the
@@ -180,7 +180,7 @@ def hand(fd: int, data: bytes) -> None:
 
 
 def spawn(cfg: dict, cwd: str, report: int, feed: bytes, code: bytes) -> tuple[int, int, int, int]:
-    """Start the test runner and the program server (:mod:`sandbox_harness`): both exec only once this process holds
+    """Start the test runner and the program server (``harness.py``): both exec only once this process holds
     no capability and has reported ``ready``, so the program never meets a privileged parent. The program runs only
     once the runner has made itself non-dumpable and said so (``r`` on the verdict pipe); the runner then gets
     ``feed`` (the token, then the tests). ``(runner pid, server pid, verdict pipe, watch pipe)``; raises if either

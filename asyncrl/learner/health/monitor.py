@@ -7,13 +7,13 @@ Three parts, each usable alone (none needs Redis or DeepSpeed):
   could not recover without a restore. DeepSpeed's ZeRO 1–3 and bf16/fp16 optimizers already skip a step whose gradient
   norm is not finite (``was_step_applied()`` is then False; measured with DeepSpeed 0.19.8 for ZeRO 1, 2, 3 in float32
   and ZeRO 0, 2 in bf16); the bare torch optimizer of ZeRO 0 in float32 does not, so
-  :meth:`asyncrl.learner.engine.PolicyEngine.train_step` skips it itself, on a non-finite loss or norm. (A non-finite
-  loss whose gradients are all finite — rare — is still applied by the DeepSpeed optimizers.)
+  :meth:`asyncrl.learner.update.engine.PolicyEngine.train_step` skips it itself, on a non-finite loss or norm. (A
+  non-finite loss whose gradients are all finite — rare — is still applied by the DeepSpeed optimizers.)
 - **Rollback** (:class:`RollbackPolicy`). One skipped step is noise; ``max_skipped_steps`` in a row mean the weights
   themselves now produce them (an earlier step went too far), so the run goes back to the last healthy checkpoint at
   a lower learning rate (through the :class:`Checkpoints` protocol). After ``max_rollbacks`` the run stops.
-- **Alerts** (:mod:`asyncrl.learner.alerts`): rules over a metrics.jsonl row plus facts only the loop knows, and their
-  transitions; :class:`HealthMonitor` feeds them each step and raises ``non_finite`` and ``rolled_back`` itself.
+- **Alerts** (:mod:`asyncrl.learner.health.alerts`): rules over a metrics.jsonl row plus facts only the loop knows, and
+  their transitions; :class:`HealthMonitor` feeds them each step and raises ``non_finite`` and ``rolled_back`` itself.
 
 The loop calls :meth:`HealthMonitor.observe` once a step with the step's row, and
 :meth:`HealthMonitor.roll_back_if_due` once the row is written; see their docstrings.
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from asyncrl.common.config import HealthSection, RunConfig
 from asyncrl.common.observability.logs import get_logger
-from asyncrl.learner.alerts import Alerts, Check, ProcessFacts, Row, SetAlert, build_rules
+from asyncrl.learner.health.alerts import Alerts, Check, ProcessFacts, Row, SetAlert, build_rules
 
 if TYPE_CHECKING:
     import torch

@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 from asyncrl.common.config import RunConfig
-from asyncrl.learner.checkpoint_format import Checkpoint, CheckpointError
+from asyncrl.learner.checkpoint.format import Checkpoint, CheckpointError
 
 RESUMABLE_CHANGES = (
     "learner.steps",

@@ -5,14 +5,15 @@ with a scalar head ``nn.Linear(hidden, 1)`` on every position — the usual PPO 
 verl and OpenRLHF build theirs the same way). Started from the policy's checkpoint, its head is zero, so every value
 starts at 0 (a neutral baseline) and the backbone starts from the policy's features.
 
-:class:`ValueEngine` wraps it with ``deepspeed.initialize`` exactly like :class:`asyncrl.learner.engine.PolicyEngine`
-(same DeepSpeed config builder, warm-up schedule and loss convention: a micro-batch's loss is its share of the
-full-batch loss, normalised with global counts; ``backward`` without accumulation scaling, × the data-parallel size).
-Its optimizer settings come from ``[critic]``, falling back to ``[learner]`` (:func:`critic_learner_section`).
+:class:`ValueEngine` wraps it with ``deepspeed.initialize`` exactly like
+:class:`asyncrl.learner.update.engine.PolicyEngine` (same DeepSpeed config builder, warm-up schedule and loss
+convention: a micro-batch's loss is its share of the full-batch loss, normalised with global counts; ``backward``
+without accumulation scaling, × the data-parallel size). Its optimizer settings come from ``[critic]``, falling back to
+``[learner]`` (:func:`critic_learner_section`).
 
 **Alignment.** ``values[b, t] = V(x[b, :t]) = head(h[b, t−1])``: the value of the state in which token ``t`` is chosen,
 read from the hidden state that has seen the tokens before it. It sits at the same index as that token's log-prob in
-:func:`asyncrl.learner.engine.sequence_logprobs`, so one ``response_mask`` selects both; ``values[:, 0] = 0`` and
+:func:`asyncrl.learner.update.engine.sequence_logprobs`, so one ``response_mask`` selects both; ``values[:, 0] = 0`` and
 ``values[b, t] = 0`` where token ``t`` or ``t−1`` is padding.
 """
 
@@ -29,12 +30,12 @@ from transformers import AutoModel, PreTrainedModel
 
 from asyncrl.common.config import LearnerSection, RunConfig
 from asyncrl.common.observability.logs import get_logger
-from asyncrl.learner import lora
 from asyncrl.learner.algorithms.aggregations import TokenMeanSettings, token_mean
 from asyncrl.learner.algorithms.types import GlobalCounts
 from asyncrl.learner.algorithms.value import clipped_value_loss
-from asyncrl.learner.engine import DTYPES, Batch, PolicyEngine, StepStats
-from asyncrl.learner.step_metrics import MicroBatchMetrics
+from asyncrl.learner.update import lora
+from asyncrl.learner.update.engine import DTYPES, Batch, PolicyEngine, StepStats
+from asyncrl.learner.update.step_metrics import MicroBatchMetrics
 
 log = get_logger("critic")
 
@@ -90,7 +91,7 @@ class ValueModel(nn.Module):
 
 
 def token_values(model: Callable[..., Tensor], input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-    """``values[b, t] = head(h[b, t−1])``, aligned with :func:`asyncrl.learner.engine.sequence_logprobs` (module
+    """``values[b, t] = head(h[b, t−1])``, aligned with :func:`asyncrl.learner.update.engine.sequence_logprobs` (module
     docstring).
 
     Position ids count valid tokens (``cumsum(mask) − 1``), as in ``sequence_logprobs``, so left and right padding
@@ -109,8 +110,8 @@ def token_values(model: Callable[..., Tensor], input_ids: Tensor, attention_mask
 
 
 def critic_learner_section(config: RunConfig) -> LearnerSection:
-    """``[learner]`` with the critic's own settings in place: what :func:`asyncrl.learner.engine.deepspeed_config`
-    reads.
+    """``[learner]`` with the critic's own settings in place: what
+    :func:`asyncrl.learner.update.engine.deepspeed_config` reads.
 
     ``lr`` is the critic's; ``precision``, ``zero_stage``, ``offload`` and ``micro_batch_size`` are the critic's when
     set, else the learner's; warm-up, weight decay and gradient clip are always the learner's.

@@ -21,7 +21,7 @@ order, the text with the chat template's markers, so tool calls and their result
 estimator such as GAE); ``staleness`` is the version trained minus one minus its oldest token's version, as in
 ``rollout/staleness_max``. Texts are cut at :data:`MAX_TEXT` characters. The newest rows also go to the run's Redis
 (``asyncrl:<run>:samples``) for ``rl-top``. A resume cuts the file back to the checkpoint's step like
-metrics.jsonl (``learner/checkpoint_history.py: truncate_metrics``).
+metrics.jsonl (``learner/checkpoint/history.py: truncate_metrics``).
 """
 
 from __future__ import annotations

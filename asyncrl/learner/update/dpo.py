@@ -34,9 +34,15 @@ from asyncrl.common.observability.logs import get_logger
 from asyncrl.learner import dist
 from asyncrl.learner.algorithms import GlobalCounts, LossInput, Need
 from asyncrl.learner.algorithms.assembly import assemble
-from asyncrl.learner.batch import split_micro_batches
-from asyncrl.learner.engine import Batch, PolicyEngine, reference_for
-from asyncrl.learner.preferences import EncodedPair, PreferenceFileError, collate_pairs, encode_pairs, read_preferences
+from asyncrl.learner.intake.preferences import (
+    EncodedPair,
+    PreferenceFileError,
+    collate_pairs,
+    encode_pairs,
+    read_preferences,
+)
+from asyncrl.learner.update.batch import split_micro_batches
+from asyncrl.learner.update.engine import Batch, PolicyEngine, reference_for
 
 log = get_logger("dpo")
 

@@ -4,7 +4,7 @@ or a folder), which are kept (:func:`prune`: the last ``checkpoint.keep``, and t
 ``discarded/`` so that ``latest`` never picks one of them (:func:`set_aside_after`), and the lines of the per-step
 JSONL files after it move aside (:func:`truncate_metrics`).
 
-Only a ``step-<N>`` folder with a manifest counts as a checkpoint (:mod:`asyncrl.learner.checkpoint_format`): a
+Only a ``step-<N>`` folder with a manifest counts as a checkpoint (:mod:`asyncrl.learner.checkpoint.format`): a
 ``.tmp-step-<N>`` of a save in progress, or of one that died, is never found, kept or picked.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from asyncrl.common.observability.logs import get_logger
 from asyncrl.common.private import open_private
-from asyncrl.learner.checkpoint_format import MANIFEST, STATE, CheckpointError
+from asyncrl.learner.checkpoint.format import MANIFEST, STATE, CheckpointError
 
 log = get_logger("checkpoint")
 

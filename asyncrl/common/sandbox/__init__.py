@@ -3,13 +3,13 @@
 The entry points — :func:`run_python_tests`, :func:`run_python` — and :func:`isolation`, the fence of this process:
 detected once, at the first run, by starting each candidate in turn, and logged then. The parts, each a module:
 
-- :mod:`~asyncrl.common.rewards.sandbox_fences`: the fences, what each one isolates and what none does, and the
+- :mod:`~asyncrl.common.sandbox.fences`: the fences, what each one isolates and what none does, and the
   candidates this machine may start;
-- :mod:`~asyncrl.common.rewards.sandbox_run`: one run behind a given fence — files, limits, wall clock, output,
+- :mod:`~asyncrl.common.sandbox.run`: one run behind a given fence — files, limits, wall clock, output,
   report, verdict;
-- :mod:`~asyncrl.common.rewards.sandbox_supervisor`: stage 2, started by path; it builds the private root, starts the
+- :mod:`~asyncrl.common.sandbox.supervisor`: stage 2, started by path; it builds the private root, starts the
   run's two interpreters and reports;
-- :mod:`~asyncrl.common.rewards.sandbox_harness`: what those run — the program in one, its tests in the other, calls
+- :mod:`~asyncrl.common.sandbox.harness`: what those run — the program in one, its tests in the other, calls
   between them by value — and why only tests that ran to their end pass a run.
 
 Each call runs the program under ``python -I`` (isolated mode: no ``PYTHON*`` variables, no user site-packages) with
@@ -18,7 +18,7 @@ an environment of only ``PATH`` and ``HOME``. The process tree::
     worker thread
       setpriv --pdeathsig KILL            the worker dies -> this dies (a new session: one process group)
         unshare ... --fork --kill-child   only with namespaces; it dies -> the namespace's init dies
-          python -I -S sandbox_supervisor.py <config>
+          python -I -S supervisor.py <config>
                                           stage 2, init of the PID namespace: builds the private root, forks,
                                           waits, reports on a pipe (ready / exit status, CPU seconds, tests passed)
             python -I -S -c <boot> runner the tests, not dumpable, holding the run's token; the program's names are
@@ -35,8 +35,8 @@ import threading
 from dataclasses import replace
 
 from asyncrl.common.observability.logs import get_logger
-from asyncrl.common.rewards.sandbox_fences import Isolation, candidates
-from asyncrl.common.rewards.sandbox_run import Limits, SandboxResult, run_behind
+from asyncrl.common.sandbox.fences import Isolation, candidates
+from asyncrl.common.sandbox.run import Limits, SandboxResult, run_behind
 
 log = get_logger("sandbox")
 
@@ -66,7 +66,7 @@ def run_python_tests(
 
     The tests run in an interpreter of their own: the program's functions and objects reach them as handles, values
     cross by value, and a handle never compares with a value. The program's exit status alone never passes a run:
-    exiting before the tests end (with any status) fails it (:mod:`~asyncrl.common.rewards.sandbox_harness` says
+    exiting before the tests end (with any status) fails it (:mod:`~asyncrl.common.sandbox.harness` says
     how, what crosses between the two, and what a program can still do).
 
     The script is killed when it uses ``cpu_s`` CPU seconds (rounded up to whole seconds), ``memory_mb``

@@ -1,6 +1,6 @@
 """The code sandbox's harness: the two interpreters of a run, the program's and the tests', and the calls between them.
 
-Stage 2 (:mod:`asyncrl.common.rewards.sandbox_supervisor`) runs this file's text twice, as ``python -I -c <text> server
+Stage 2 (:mod:`asyncrl.common.sandbox.supervisor`) runs this file's text twice, as ``python -I -c <text> server
 <calls fd> <replies fd>`` (the **program server**) and ``python -I -c <text> runner <feed fd> <verdict fd> <calls fd>
 <replies fd>`` (the **test runner**), both in the program's folder (inside the private root the file itself is not
 there, hence its text), as the run's uid, with the run's limits.

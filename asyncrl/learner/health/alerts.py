@@ -3,8 +3,8 @@
 Each :class:`Rule` judges one metrics.jsonl row plus facts only the loop knows (:class:`ProcessFacts`) and returns a
 :class:`Check`. :class:`Alerts` keeps which alerts are *firing*; only a transition (firing ↔ resolved) is logged,
 passed to the metric callback (``common.observability.metrics.set_alert``) and POSTed to the webhook
-(``learner/alert_webhook.py``, from a daemon thread), so a long incident is one line, not one a step.
-``learner/health.py: HealthMonitor`` feeds it.
+(``learner/health/webhook.py``, from a daemon thread), so a long incident is one line, not one a step.
+``learner/health/monitor.py: HealthMonitor`` feeds it.
 
 Rules (thresholds in ``[health]``): ``kl_high``, ``grad_norm_high``, ``entropy_collapse``, ``reward_flat``,
 ``reward_errors``, ``stale_drops``, ``actor_lost``, ``learner_starving``; and the two the monitor raises itself,
@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Literal
 
 from asyncrl.common.config import HealthSection
 from asyncrl.common.observability.logs import get_logger
-from asyncrl.learner.alert_webhook import Transition, Webhook
+from asyncrl.learner.health.webhook import Transition, Webhook
 
 log = get_logger("health")
 

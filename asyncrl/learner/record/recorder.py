@@ -36,16 +36,16 @@ from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.outage import settling
 from asyncrl.common.private import open_private
 from asyncrl.common.wire.messages import EPISODE_FINISH_REASONS, RolloutGroup, model_turns
-from asyncrl.learner.alerts import ProcessFacts
-from asyncrl.learner.batch import TrainBatch
-from asyncrl.learner.batch_source import Taken
-from asyncrl.learner.checkpoint_format import Checkpoint
-from asyncrl.learner.checkpoint_settings import config_hash
-from asyncrl.learner.health import HealthMonitor
-from asyncrl.learner.resources import MemoryTrend
-from asyncrl.learner.samples import SampleLog, row_advantages
-from asyncrl.learner.telemetry import StepTelemetry, observe_group_stages
-from asyncrl.learner.trackers import Trackers
+from asyncrl.learner.checkpoint.format import Checkpoint
+from asyncrl.learner.checkpoint.settings import config_hash
+from asyncrl.learner.health.alerts import ProcessFacts
+from asyncrl.learner.health.monitor import HealthMonitor
+from asyncrl.learner.intake.batch_source import Taken
+from asyncrl.learner.record.resources import MemoryTrend
+from asyncrl.learner.record.samples import SampleLog, row_advantages
+from asyncrl.learner.record.telemetry import StepTelemetry, observe_group_stages
+from asyncrl.learner.record.trackers import Trackers
+from asyncrl.learner.update.batch import TrainBatch
 
 log = get_logger("learner")
 

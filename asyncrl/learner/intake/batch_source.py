@@ -14,8 +14,8 @@ record is **refused** (``common/wire/provenance.py``: dead-lettered, its id stay
 with a token older than the staleness floor is **stale** and a group with equal rewards under dynamic sampling is
 **zero_variance** — both discarded, so admission releases replacements.
 
-Eval groups (``purpose = "eval"``) are routed to :class:`asyncrl.learner.evaluation.EvalRounds` before any of this: they
-are never admitted, judged stale, counted by admission or trained.
+Eval groups (``purpose = "eval"``) are routed to :class:`asyncrl.learner.intake.evaluation.EvalRounds` before any of
+this: they are never admitted, judged stale, counted by admission or trained.
 
 Recovery: entries read and never acknowledged (an earlier learner's, or after a resume those its later steps
 trained) come back first (:meth:`BatchSource.recover`); entries read beyond one batch are carried to the next.
@@ -44,9 +44,9 @@ from asyncrl.common.rewards.response_text import ResponseTexts
 from asyncrl.common.staleness import StalenessBound
 from asyncrl.common.wire.messages import Limits, ScoredGroup, encode_blob
 from asyncrl.common.wire.provenance import episode_tokens, issue_mismatch
-from asyncrl.learner.dispatcher import Dispatcher
-from asyncrl.learner.evaluation import EvalRounds
-from asyncrl.learner.trained import Rewind, TrainedLog, replay_position
+from asyncrl.learner.intake.dispatcher import Dispatcher
+from asyncrl.learner.intake.evaluation import EvalRounds
+from asyncrl.learner.intake.trained import Rewind, TrainedLog, replay_position
 
 
 class Position(TypedDict):
@@ -200,7 +200,7 @@ class BatchSource:
         self.texts = ResponseTexts(tokenizer)
         self.dispatcher = Dispatcher(config, plane, prompter)
         self.evaluation = EvalRounds(config, plane, prompter, self.reader) if config.eval.every else None
-        """The run's eval rounds (``learner/evaluation.py``); eval entries go there before admission."""
+        """The run's eval rounds (``learner/intake/evaluation.py``); eval entries go there before admission."""
         self.trained = TrainedLog(plane, self.reader, defer_acks=config.checkpoint.every > 0)
         self._faulted_total = self._faulted_episodes_total()  # counted on from the learner's start (or resume)
         self.actors = ActorWatch(plane.registry, config.learner.no_actors_s)

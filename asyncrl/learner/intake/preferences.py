@@ -115,7 +115,7 @@ def collate_pairs(pairs: Sequence[EncodedPair], pad_id: int) -> dict[str, Tensor
     """``[2P, T]`` right-padded rows: ``2i`` = prompt + chosen, ``2i + 1`` = prompt + rejected of pair ``i``.
 
     Returns ``input_ids`` int64, ``attention_mask`` int64 (1 on real tokens) and ``response_mask`` bool (True on
-    response tokens only), the layout of :class:`asyncrl.learner.batch.TrainBatch`.
+    response tokens only), the layout of :class:`asyncrl.learner.update.batch.TrainBatch`.
     """
     if not pairs:
         raise ValueError("collate_pairs needs at least one pair")

@@ -3,9 +3,9 @@
 The losses report per micro-batch means over its response tokens (clip fraction, entropy, ratio mean), some over its
 sequences (the share of sequences dropped, GSPO's sequence clip fraction, DPO's pair figures: a loss names them in
 ``LossOutput.sequence_metrics``), and maxima (``offpolicy/weight_max``). Micro-batches go longest first
-(:func:`asyncrl.learner.batch.rank_micro_batches`), so with lengths that vary widely one micro-batch holds thousands of
-tokens and the last a few dozen. An unweighted mean of their means counts the few as much as the thousands, and the
-figure then moves with ``learner.micro_batch_size``. Weighted, it is the whole batch's mean::
+(:func:`asyncrl.learner.update.batch.rank_micro_batches`), so with lengths that vary widely one micro-batch holds
+thousands of tokens and the last a few dozen. An unweighted mean of their means counts the few as much as the thousands,
+and the figure then moves with ``learner.micro_batch_size``. Weighted, it is the whole batch's mean::
 
     mean = Σ_m n_m · mean_m / Σ_m n_m        n_m = response tokens (or sequences) of micro-batch m
 

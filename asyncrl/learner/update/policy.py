@@ -17,7 +17,7 @@ its log-probs, detached, are π_old exactly, and a separate no-grad pass over th
 numbers (verl's ``on_policy`` shortcut in ``dp_actor.py``: ``old_log_prob = log_prob.detach()``). That pass runs only
 when something needs π_old before the update: a KL penalty in the reward (k1 = log π_old − log π_ref).
 
-Offline DPO (:mod:`asyncrl.learner.dpo`) assembles its loss and aggregation through the same ``assemble``.
+Offline DPO (:mod:`asyncrl.learner.update.dpo`) assembles its loss and aggregation through the same ``assemble``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from asyncrl.learner.algorithms.kl import KLController
 from asyncrl.learner.algorithms.losses import log_ratios, mismatch_kl
 from asyncrl.learner.algorithms.masked import masked_mean
 from asyncrl.learner.algorithms.types import per_turn_refusal
-from asyncrl.learner.batch import (
+from asyncrl.learner.update.batch import (
     PolicyRows,
     TrainBatch,
     collate,
@@ -42,13 +42,13 @@ from asyncrl.learner.batch import (
     rank_micro_batches,
     training_passes,
 )
-from asyncrl.learner.engine import PolicyEngine, ReferenceModel, reference_for
-from asyncrl.learner.step_metrics import MicroBatchMetrics
+from asyncrl.learner.update.engine import PolicyEngine, ReferenceModel, reference_for
+from asyncrl.learner.update.step_metrics import MicroBatchMetrics
 
 if TYPE_CHECKING:
     from asyncrl.learner.algorithms.assembly import Algorithm
-    from asyncrl.learner.critic import ValueEngine
-    from asyncrl.learner.lora import AdapterOffReference
+    from asyncrl.learner.update.critic import ValueEngine
+    from asyncrl.learner.update.lora import AdapterOffReference
 
 
 class PolicyUpdate:
@@ -74,7 +74,7 @@ class PolicyUpdate:
     def _critic(self) -> ValueEngine | None:
         if Need.VALUES not in self.needs:
             return None
-        from asyncrl.learner.critic import ValueEngine
+        from asyncrl.learner.update.critic import ValueEngine
 
         return ValueEngine(self.config)
 
@@ -106,7 +106,7 @@ class PolicyUpdate:
 
         With several learner ranks every rank gets the whole batch (:mod:`asyncrl.learner.ranks`), computes π_old and
         the advantages over all of it, and runs backward on its shard
-        (:func:`asyncrl.learner.batch.rank_micro_batches`)."""
+        (:func:`asyncrl.learner.update.batch.rank_micro_batches`)."""
         ranks.lead("train", batch)
         self._check_rows(batch)
         model = batch.model_tensors()
@@ -123,7 +123,7 @@ class PolicyUpdate:
         metrics = MicroBatchMetrics()
         stats = self.engine.train_step(self._micro_batches(step), self._loss_fn(counts, metrics))
         figures |= {"loss": stats.loss, "grad_norm": stats.grad_norm, "lr": stats.lr, "seconds": stats.seconds}
-        figures["applied"] = float(stats.applied)  # False: a non-finite step was skipped (learner/health.py)
+        figures["applied"] = float(stats.applied)  # False: a non-finite step was skipped (learner/health/monitor.py)
         if self.critic is not None and old_values is not None and advantage.returns is not None:
             inputs = {k: model[k] for k in ("input_ids", "attention_mask", "response_mask")}  # μ is the policy's alone
             rows = {**inputs, "old_values": old_values, "returns": advantage.returns.float()}
@@ -221,7 +221,7 @@ class PolicyUpdate:
         self, critic: ValueEngine, rows: dict[str, torch.Tensor], counts: GlobalCounts, metrics: MicroBatchMetrics
     ) -> dict[str, float]:
         """The critic's step on ``rows``: the model's inputs, V_old (``old_values``) and the returns."""
-        from asyncrl.learner.critic import value_loss_fn
+        from asyncrl.learner.update.critic import value_loss_fn
 
         micro = rank_micro_batches(rows, critic.micro_batch_size, dist.rank(), dist.world_size())
         stats = critic.train_step(micro, value_loss_fn(self.config.critic.value_clip, counts, metrics))

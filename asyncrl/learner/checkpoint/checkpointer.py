@@ -5,13 +5,13 @@ every rank calls it).
 A save writes the engines' DeepSpeed state, the policy as a Hugging Face folder and the run state into
 ``.tmp-step-<N>/``, fsyncs and hashes every file into the manifest, and only then renames the folder to ``step-<N>``
 (atomic), then prunes old checkpoints. The folder's files, the manifest and the verification a resume does before it
-trusts one: :mod:`asyncrl.learner.checkpoint_format`; finding, keeping and setting aside checkpoints:
-:mod:`asyncrl.learner.checkpoint_history`; the settings a resume must match:
-:mod:`asyncrl.learner.checkpoint_settings`.
+trusts one: :mod:`asyncrl.learner.checkpoint.format`; finding, keeping and setting aside checkpoints:
+:mod:`asyncrl.learner.checkpoint.history`; the settings a resume must match:
+:mod:`asyncrl.learner.checkpoint.settings`.
 
 **A save that fails** removes its ``.tmp-step-<N>/``; when the disk refused it (full, read-only, not writable) the
 learner stops with one line (:class:`CheckpointError`, also logged) that names the
-folder, its mount point and free bytes, and what to do (:mod:`asyncrl.learner.checkpoint_disk`). A save removes a
+folder, its mount point and free bytes, and what to do (:mod:`asyncrl.learner.checkpoint.disk`). A save removes a
 ``.tmp-step-<N>`` of its own name before it starts, and a learner removes those of saves that died when it starts.
 
 **What lives where.** The control plane and the replay stream live in Redis (AOF-persisted) and are *not* rolled back
@@ -22,12 +22,12 @@ controller, the RNGs, the step. The positions in ``state.json`` (dispatcher coun
 last-delivered id) are a record for people and for a resume into an empty Redis (:meth:`Dispatcher.adopt`).
 
 **Exactly once.** The groups trained after the checkpoint are the only ones whose effect a resume loses; Redis knows
-which they are (:mod:`asyncrl.learner.trained`): their replay entries are acknowledged only once a checkpoint covers
-them, so a resume takes their ids out of the ``done`` set and trains them again from the pending list. Every other group
-is either in the checkpoint (trained at or before its step) or not trained yet (queued, in flight, or in the stream).
-Resuming from an older checkpoint than the latest, the groups trained between the two were acknowledged by the later one
-and cannot be read again: they are counted lost (``restore_lost`` in the dispatcher's counters) and admission releases
-replacements; the later checkpoints move to ``discarded/`` so that ``latest`` never picks one of them.
+which they are (:mod:`asyncrl.learner.intake.trained`): their replay entries are acknowledged only once a checkpoint
+covers them, so a resume takes their ids out of the ``done`` set and trains them again from the pending list. Every
+other group is either in the checkpoint (trained at or before its step) or not trained yet (queued, in flight, or in the
+stream). Resuming from an older checkpoint than the latest, the groups trained between the two were acknowledged by the
+later one and cannot be read again: they are counted lost (``restore_lost`` in the dispatcher's counters) and admission
+releases replacements; the later checkpoints move to ``discarded/`` so that ``latest`` never picks one of them.
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ from asyncrl.common.config import RunConfig
 from asyncrl.common.observability import metrics as m
 from asyncrl.common.observability.logs import get_logger
 from asyncrl.common.private import private_dir
-from asyncrl.learner import dist, lora, ranks
-from asyncrl.learner.checkpoint_disk import disk_refusal, remove_partial_saves
-from asyncrl.learner.checkpoint_format import (
+from asyncrl.learner import dist, ranks
+from asyncrl.learner.checkpoint.disk import disk_refusal, remove_partial_saves
+from asyncrl.learner.checkpoint.format import (
     DS_TAG,
     STATE,
     Checkpoint,
@@ -59,14 +59,15 @@ from asyncrl.learner.checkpoint_format import (
     capture_rng,
     write_manifest,
 )
-from asyncrl.learner.checkpoint_history import prune
-from asyncrl.learner.checkpoint_settings import check_world_size
+from asyncrl.learner.checkpoint.history import prune
+from asyncrl.learner.checkpoint.settings import check_world_size
+from asyncrl.learner.update import lora
 
 if TYPE_CHECKING:
     from peft import LoraConfig
 
-    from asyncrl.learner.critic import ValueEngine
-    from asyncrl.learner.engine import PolicyEngine
+    from asyncrl.learner.update.critic import ValueEngine
+    from asyncrl.learner.update.engine import PolicyEngine
 
 log = get_logger("checkpoint")
 
@@ -89,7 +90,7 @@ class Checkpointer:
         """Write ``state`` and the engines to ``step-<N>`` (temporary folder, manifest, rename), then prune.
 
         A failed save removes its temporary folder; a disk that refused it raises :class:`CheckpointError` naming
-        the disk (:func:`~asyncrl.learner.checkpoint_disk.disk_refusal`). Collective: a rank whose DeepSpeed shard
+        the disk (:func:`~asyncrl.learner.checkpoint.disk.disk_refusal`). Collective: a rank whose DeepSpeed shard
         failed fails every rank's save.
         """
         started = time.perf_counter()
@@ -215,8 +216,8 @@ def export_hf(module: torch.nn.Module, params: dict[str, torch.Tensor], tokenize
 def export_adapter(module: torch.nn.Module, adapters: dict[str, torch.Tensor], out: Path) -> Path:
     """A LoRA run's adapters as a PEFT adapter folder (``adapter_config.json``, ``adapter_model.safetensors``):
     ``peft.PeftModel.from_pretrained`` and vLLM's LoRA requests load it over the base model (``model.path``), which
-    the config names by an absolute path when it is a local folder (:func:`asyncrl.learner.lora.base_model_reference`):
-    it loads from any working directory."""
+    the config names by an absolute path when it is a local folder
+    (:func:`asyncrl.learner.update.lora.base_model_reference`): it loads from any working directory."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)

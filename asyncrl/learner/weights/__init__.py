@@ -1,0 +1,1 @@
+"""New weights after a step, to every live rollout actor."""
