@@ -1,9 +1,9 @@
 """What the environment host's fence costs: its start-up and a step's round trip, fenced and unfenced.
 
-- ``start_ms``: from starting ``python -m asyncrl.actors.environment_host`` (behind the fence's launcher, which
+- ``start_ms``: from starting ``python -m asyncrl.actors.environments.host`` (behind the fence's launcher, which
   applies its namespaces, read-only view, scratch and uid first) to its ready line — the median of ``--starts``;
 - ``step_us``: one ``step`` request of the built-in ``calculator`` environment, written and answered through
-  :class:`~asyncrl.actors.environment_host.EnvironmentHost` — the median of ``--steps`` in a row.
+  :class:`~asyncrl.actors.environments.host.EnvironmentHost` — the median of ``--steps`` in a row.
 
 Both fences run in the same process, alternating start by start; ratios are the fenced figure over the unfenced one.
 The fence is the one this machine picks (``environment.fence = "auto"``; the last line names it).
@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from asyncrl.actors import environment_fence
-from asyncrl.actors.environment_host import READY, EnvironmentHost
+from asyncrl.actors.environments.host import READY, EnvironmentHost
 from asyncrl.common.config import load_config
 
 ROW = {"prompt": "", "answer": "1"}

@@ -16,8 +16,8 @@ done, at ``environment.max_turns``, at ``environment.max_episode_tokens`` (or th
 ``environment.episode_timeout_s`` (checked before each model turn), and when
 a step fails, hangs past ``environment.step_timeout_s`` or returns something unusable — then it ends with the tokens
 it has, and the failure is counted (``asyncrl_actor_episode_endings_total{ending="environment_error"}``).
-Environments run in a process of their own (``actors/environment_host.py``), on the run's reward workers with
-``environment.isolation = "workers"`` (``actors/remote_environments.py``), or in the actor with ``"thread"``.
+Environments run in a process of their own (``actors/environments/host.py``), on the run's reward workers with
+``environment.isolation = "workers"`` (``actors/environments/remote.py``), or in the actor with ``"thread"``.
 
 The reward worker does not take the actor's word for any of it: it replays each episode, or checks the signed answers
 of an environment that cannot be replayed (``actors/episode_scoring.py``). An environment that cannot be replayed
@@ -39,9 +39,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
-from asyncrl.actors.environment_host import EnvironmentHost, HostedEnvironment
+from asyncrl.actors.environments.host import EnvironmentHost, HostedEnvironment
+from asyncrl.actors.environments.remote import RemoteEnvironments
 from asyncrl.actors.generation import Generator, Response, Sampling, WorkflowContext, rollout_group, sampling_for
-from asyncrl.actors.remote_environments import RemoteEnvironments
 from asyncrl.common.config import EnvironmentSection
 from asyncrl.common.environments.protocol import (
     Environment,

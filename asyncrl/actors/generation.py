@@ -17,7 +17,7 @@ from asyncrl.common.config import EnvironmentSection, RolloutSection, RunConfig
 from asyncrl.common.wire.messages import PromptGroup, RolloutGroup
 
 if TYPE_CHECKING:
-    from asyncrl.actors.remote_environments import RemoteEnvironments
+    from asyncrl.actors.environments.remote import RemoteEnvironments
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Literal
 
 import zmq
 
-from asyncrl.actors.remote_environments import RemoteEnvironments
+from asyncrl.actors.environments.remote import RemoteEnvironments
 from asyncrl.common.config import RunConfig
 from asyncrl.common.observability.logs import get_logger
 from asyncrl.common.plane.control import ControlPlane

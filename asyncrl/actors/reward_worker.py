@@ -24,7 +24,7 @@ says where the PULL socket is bound (``endpoint``) and the worker's state, which
 =============  ==========================================================================
 
 Environments: with ``environment.isolation = "workers"`` in a multi-turn run the worker also serves the episodes'
-environments to every actor (``actors/environment_service.py``), on a port of its own that its heartbeat advertises
+environments to every actor (``actors/environments/service.py``), on a port of its own that its heartbeat advertises
 (``environment_endpoint``), with the public key of the Ed25519 key pair it made at start
 (``environment_signing_key``; the private key never leaves this process). It signs what an environment that cannot be
 replayed says, and scores such an environment's episodes by checking the signatures, made with a key some reward
@@ -50,8 +50,8 @@ from pathlib import Path
 
 import numpy as np
 
-from asyncrl.actors.environment_notary import Notary
-from asyncrl.actors.environment_service import EnvironmentService, serves_environments
+from asyncrl.actors.environments.notary import Notary
+from asyncrl.actors.environments.service import EnvironmentService, serves_environments
 from asyncrl.actors.episode_scoring import EpisodeMismatch
 from asyncrl.actors.episodes import environment_host
 from asyncrl.actors.timed_calls import CallTimedOut, TimedCalls, WorkerStalled

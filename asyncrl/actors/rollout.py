@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING
 import redis.exceptions
 
 from asyncrl.actors import liveness
-from asyncrl.actors.environment_service import serves_environments
+from asyncrl.actors.environments.remote import RemoteEnvironments
+from asyncrl.actors.environments.service import serves_environments
 from asyncrl.actors.faults import faulted_episodes, settle_faulted
-from asyncrl.actors.remote_environments import RemoteEnvironments
 from asyncrl.actors.reward_peers import PeerDiscovery, RewardPeers
 from asyncrl.actors.weights_follower import WeightsFollower
 from asyncrl.actors.workflows import WorkflowContext, check_workflow

@@ -2,9 +2,9 @@
 process that runs the environments the worker serves to every actor is hung (SIGSTOP) for longer than
 ``environment.step_timeout_s``, then killed -9, with a training step between the two and after each.
 
-The host is found from the root PID namespace, where its fence (``actors/environment_fence.py``: its own PID
+The host is found from the root PID namespace, where its fence (``actors/environments/fence.py``: its own PID
 namespace, behind ``setpriv`` and ``unshare``) does not hide it: the worker's descendant whose command is
-``python -m asyncrl.actors.environment_host``. The fence's launchers name the module in their arguments too, so only
+``python -m asyncrl.actors.environments.host``. The fence's launchers name the module in their arguments too, so only
 the interpreter itself matches.
 """
 
@@ -21,7 +21,7 @@ import psutil
 from tests.helpers.runs import step_rows
 from tests.helpers.waits import wait_for
 
-HOST_MODULE = "asyncrl.actors.environment_host"
+HOST_MODULE = "asyncrl.actors.environments.host"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,9 +9,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from asyncrl.actors.environments.remote import RemoteEnvironments
 from asyncrl.actors.episode_scoring import replay_episode
 from asyncrl.actors.episodes import run_episode
-from asyncrl.actors.remote_environments import RemoteEnvironments
 from asyncrl.actors.workflows import Response, Sampling, WorkflowContext, rollout_group, sampling_for
 from asyncrl.common.config import load_config
 from asyncrl.common.environments.turns import EpisodeTools

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.actors import environment_fence
-from asyncrl.actors.environment_host import EnvironmentHost
+from asyncrl.actors.environments import fence as environment_fence
+from asyncrl.actors.environments.host import EnvironmentHost
 from asyncrl.actors.episodes import close_environment_hosts, environment_host
 from asyncrl.common.config import load_config
 from asyncrl.common.environments.protocol import EnvironmentFailed
@@ -80,7 +80,7 @@ def test_the_environments_process_ends_with_the_process_it_serves() -> None:
     """Killed with -9, the parent cannot stop its child: the child ends when its stdin closes."""
     script = (
         "import asyncio, sys, time\n"
-        "from asyncrl.actors.environment_host import EnvironmentHost, HostedEnvironment\n"
+        "from asyncrl.actors.environments.host import EnvironmentHost, HostedEnvironment\n"
         "from asyncrl.common.config import load_config\n"
         "from asyncrl.common.environments.protocol import EpisodeRow\n"
         "section = load_config(None, ['environment.name=calculator']).environment\n"
@@ -192,7 +192,7 @@ def test_a_slow_start_of_the_process_is_not_charged_to_the_first_request() -> No
 
 
 def test_a_process_that_never_starts_fails_the_request_naming_the_wait(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("asyncrl.actors.environment_host.START_TIMEOUT_S", 1.0)
+    monkeypatch.setattr("asyncrl.actors.environments.host.START_TIMEOUT_S", 1.0)
     section = load_config(None, ["environment.name=calculator", "environment.step_timeout_s=1"]).environment
     host = EnvironmentHost(section)
     pids = frozen_at_start(host, thaw_after_s=None)
@@ -221,7 +221,7 @@ from tests.helpers.scripted_episodes import episode, tools_for
 
 hows, victim_file, fence = sys.argv[1].split(","), sys.argv[2], sys.argv[3]
 if fence == "user-namespaces":  # the fence of an actor that is not root, on a machine where this one is
-    from asyncrl.actors import environment_fence
+    from asyncrl.actors.environments import fence as environment_fence
     from asyncrl.common.sandbox.fences import host_candidates
     fence, environment_fence._FENCES["auto"] = "auto", host_candidates(network=True)[1]
 tools, said = tools_for("qwen2"), {}

@@ -1,6 +1,6 @@
 """Environments on the run's reward workers (``environment.isolation = "workers"``): two ``rl-actor reward`` processes
 serve the episodes' environments, and the test drives episodes as an actor does (the episode loop with a scripted
-engine, and :class:`~asyncrl.actors.remote_environments.RemoteEnvironments` pointed at the workers their heartbeats
+engine, and :class:`~asyncrl.actors.environments.remote.RemoteEnvironments` pointed at the workers their heartbeats
 advertise). An episode whose worker is killed with -9 moves to the other, its steps replayed there; with no worker
 left, the next one fails within its time limit and says what to do. The worker makes the environment its own config
 names, never one a request names, and answers nobody without the run's credential
@@ -28,9 +28,9 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
-from asyncrl.actors.environment_host import HostedEnvironment
+from asyncrl.actors.environments.host import HostedEnvironment
+from asyncrl.actors.environments.remote import RemoteEnvironments
 from asyncrl.actors.episodes import open_environment
-from asyncrl.actors.remote_environments import RemoteEnvironments
 from asyncrl.common.config import load_config
 from asyncrl.common.environments.protocol import EnvironmentFailed, EpisodeRow
 from asyncrl.common.environments.turns import turn_text
@@ -75,7 +75,7 @@ def environment_processes(pid: int) -> list[int]:
     found = []
     for child in descendants(pid):
         with contextlib.suppress(OSError):
-            if "asyncrl.actors.environment_host" in command_line(child):
+            if "asyncrl.actors.environments.host" in command_line(child):
                 found.append(child)
     return found
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.actors.environment_service import BadRequest, request_fields
-from asyncrl.actors.remote_environments import _wire_fields
+from asyncrl.actors.environments.remote import _wire_fields
+from asyncrl.actors.environments.service import BadRequest, request_fields
 
 ROW = {"prompt": "What is 6*7?", "answer": "42", "extra": {}, "seed": 7}
 

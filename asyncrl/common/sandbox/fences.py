@@ -122,9 +122,9 @@ def candidates() -> list[Isolation]:
 
 
 # --------------------------------------------------------------------------- the environment host's fences
-# Environment code (``actors/environment_host.py``) is not a model's program: it needs the venv, its packages, the
+# Environment code (``actors/environments/host.py``) is not a model's program: it needs the venv, its packages, the
 # network where it calls a service, and time. So its fences keep the filesystem (read-only) and, unless asked, the
-# network, and fence the process off from the process it serves (``actors/environment_fence.py`` says what each does).
+# network, and fence the process off from the process it serves (``actors/environments/fence.py`` says what each does).
 
 HOST_UID_BASE = UID_BASE - 2**24
 """Per-host uids of a root actor's environment hosts: below the sandbox's per-run uids, far above any real account."""

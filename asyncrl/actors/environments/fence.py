@@ -80,7 +80,7 @@ def host_fence(setting: str) -> Isolation:
 
 
 def launch(fence: Isolation, memory_mb: int, stderr: int | IO[Any] | None = None) -> subprocess.Popen[str]:
-    """``python -m asyncrl.actors.environment_host`` behind ``fence``, in a session of its own (so its process group
+    """``python -m asyncrl.actors.environments.host`` behind ``fence``, in a session of its own (so its process group
     is the launcher and the host), with stdin and stdout pipes. Call it from a thread that outlives the host: the
     launcher's parent-death signal follows the thread that started it."""
     env = {**os.environ, "ASYNCRL_ENV_MEMORY_MB": str(memory_mb)}
@@ -88,7 +88,7 @@ def launch(fence: Isolation, memory_mb: int, stderr: int | IO[Any] | None = None
         env = {name: value for name, value in env.items() if name not in SECRETS}
         env[PLAN_VARIABLE] = json.dumps(plan(fence, memory_mb))
     return subprocess.Popen(
-        [*fence.launcher, sys.executable, "-m", "asyncrl.actors.environment_host"],
+        [*fence.launcher, sys.executable, "-m", "asyncrl.actors.environments.host"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=stderr,

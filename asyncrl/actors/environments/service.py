@@ -3,9 +3,9 @@
 A reward worker that serves environments binds a ROUTER socket (:class:`~asyncrl.common.transport.rpc.ReplySocket`:
 sealed with the run secret, CURVE like its PULL socket) next to its PULL socket and advertises it in its heartbeat
 (``environment_endpoint``). Actors open each episode's environment on one of the live workers and step it there
-(``actors/remote_environments.py``); the worker keeps the environments in its environment process
-(:class:`~asyncrl.actors.environment_host.EnvironmentHost`), so one that crashes, hangs or eats memory ends only its own
-episode, and neither the worker nor any actor's engine.
+(``actors/environments/remote.py``); the worker keeps the environments in its environment process
+(:class:`~asyncrl.actors.environments.host.EnvironmentHost`), so one that crashes, hangs or eats memory ends only its
+own episode, and neither the worker nor any actor's engine.
 
 Requests: ``make`` (a dataset row, and which episode of which group it is for), ``step`` (the model's turn),
 ``score``, ``close``. Which environment is made, and with which options, is the worker's own config
@@ -14,7 +14,7 @@ episode keys never meet. An episode nobody has touched for :data:`IDLE_S` (its a
 is forgotten.
 
 An environment that cannot be replayed (``replayable = False``) is served with a notary
-(``actors/environment_notary.py``): its ``make`` must name the episode (``identity``: group id and index), and its
+(``actors/environments/notary.py``): its ``make`` must name the episode (``identity``: group id and index), and its
 ``step`` and ``score`` answers carry the worker's signature (``common/wire/attestation.py``), which the reward worker
 that scores the episode checks instead of replaying it.
 """
@@ -29,8 +29,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from asyncrl.actors.environment_host import EnvironmentHost
-from asyncrl.actors.environment_notary import Notary
+from asyncrl.actors.environments.host import EnvironmentHost
+from asyncrl.actors.environments.notary import Notary
 from asyncrl.common.config import EnvironmentSection, RunConfig
 from asyncrl.common.environments.protocol import EnvironmentFailed, EpisodeRow
 from asyncrl.common.observability.logs import get_logger

@@ -1,13 +1,13 @@
 """An actor's episodes' environments on the run's reward workers (``environment.isolation = "workers"``).
 
-:class:`RemoteEnvironments` has the interface of :class:`~asyncrl.actors.environment_host.EnvironmentHost`
-(``call_async``, ``forget``), so :class:`~asyncrl.actors.environment_host.HostedEnvironment` and the episode loop use
+:class:`RemoteEnvironments` has the interface of :class:`~asyncrl.actors.environments.host.EnvironmentHost`
+(``call_async``, ``forget``), so :class:`~asyncrl.actors.environments.host.HostedEnvironment` and the episode loop use
 either. Each episode's environment is made on the live worker holding the fewest of this actor's episodes, and every
 later request of that episode goes to the same worker. The actor tells it which workers serve environments
 (:meth:`set_servers`, from the heartbeats it reads anyway); a request to a worker that has left, whose heartbeat expired
 or whose connection dropped (a worker that dies drops it at once) fails with
 :class:`~asyncrl.common.environments.protocol.EnvironmentLost`, and
-:class:`~asyncrl.actors.environment_host.HostedEnvironment` then makes the environment again on another worker and
+:class:`~asyncrl.actors.environments.host.HostedEnvironment` then makes the environment again on another worker and
 replays the episode's steps there (or, for an environment that cannot be replayed, fails the episode). Every request
 has ``environment.step_timeout_s``.
 

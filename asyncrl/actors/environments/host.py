@@ -1,7 +1,7 @@
 """Environments in a process of their own, so that one that crashes, hangs or eats memory never takes down the
 process that drives it (a rollout actor and its engine, or a reward worker).
 
-:class:`EnvironmentHost` starts ``python -m asyncrl.actors.environment_host`` (``subprocess``: safe from the threaded
+:class:`EnvironmentHost` starts ``python -m asyncrl.actors.environments.host`` (``subprocess``: safe from the threaded
 actor, unlike ``fork``) and speaks JSON lines with it over its stdin and stdout: ``make`` an environment for an episode,
 ``step`` it, ``score`` it, ``close`` it. The child answers each request from a thread of its own, so a slow step does
 not hold up the other episodes' steps; it limits its address space to ``environment.max_memory_mb``, so a greedy
@@ -13,7 +13,7 @@ the next ``make``; a child with :data:`MAX_STUCK` steps still running past their
 episodes it held end as errors).
 
 The child runs behind the strongest fence this machine allows (``environment.fence``;
-:mod:`~asyncrl.actors.environment_fence` says what each one stops): its own PID, mount and IPC namespaces, a read-only
+:mod:`~asyncrl.actors.environments.fence` says what each one stops): its own PID, mount and IPC namespaces, a read-only
 filesystem but its scratch, no capability, and a uid of its own when the actor is root, so environment code cannot
 signal, trace or write into the process it serves; a hostile ``step`` ends only its own child, which is replaced as
 one that crashed.
@@ -39,7 +39,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from asyncrl.actors import environment_fence
+from asyncrl.actors.environments import fence as environment_fence
 from asyncrl.common.config import EnvironmentSection
 from asyncrl.common.environments.protocol import (
     EnvironmentFailed,
@@ -234,7 +234,7 @@ class EnvironmentHost:
 
 class HostedEnvironment:
     """An episode's environment in an :class:`EnvironmentHost` (or on reward workers:
-    :class:`~asyncrl.actors.remote_environments.RemoteEnvironments`); made with :meth:`open`, every call awaited.
+    :class:`~asyncrl.actors.environments.remote.RemoteEnvironments`); made with :meth:`open`, every call awaited.
 
     It keeps the episode's steps so far. When the worker holding it is lost
     (:class:`~asyncrl.common.environments.protocol.EnvironmentLost`), it is made again from the same row on another
