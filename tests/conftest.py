@@ -3,7 +3,8 @@
 Tiers are selected by marker, never skipped: ``unit`` (no subprocess, no server, no vLLM), ``integration`` (real
 processes and servers on loopback), ``e2e`` (the whole system, ``tests/e2e``) and ``soak`` (long variants of
 properties a shorter test also checks). A plain run selects unit + integration; ``--slow`` adds e2e (what CI runs);
-``--soak`` adds soak. A test's tier is its folder's unless it is marked ``integration`` or ``soak`` itself.
+``--soak`` adds soak. A test's tier is its folder's (``tests/unit``, ``tests/integration``, ``tests/e2e``): a test that
+starts a process lives under ``tests/integration``; ``soak`` alone is a marker, on the long variant of a test.
 At the end the run prints what it started (vLLM engines, torchrun launches, warm starts, redis-servers) and its
 slowest tests. ``bin/test`` runs the whole suite on two xdist workers: one takes every test that starts heavy
 processes, one after another; the other the unit tier and the Redis-only modules (:func:`runs_serially`).
@@ -53,14 +54,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--soak", action="store_true", help="also run the soak tier (long variants)")
 
 
+TIERS = ("unit", "integration", "e2e")
+"""The tiers, each a folder under ``tests/``."""
+
+
 def tier_of(item: pytest.Item) -> str:
+    """``soak`` for a test marked so, else the folder it lives in."""
     if item.get_closest_marker("soak"):
         return "soak"
-    if "e2e" in Path(str(item.path)).relative_to(ROOT).parts:
-        return "e2e"
-    if item.get_closest_marker("integration") or "integration" in Path(str(item.path)).parts:
-        return "integration"
-    return "unit"
+    folder = Path(str(item.path)).relative_to(ROOT).parts[1]
+    assert folder in TIERS, f"{item.nodeid}: a test lives under tests/unit, tests/integration or tests/e2e"
+    return folder
 
 
 SHARED_CORES = {
@@ -101,17 +105,12 @@ critic test take 14 s beside an e2e run."""
 
 @functools.cache
 def runs_serially_in(path: Path) -> bool:
-    if path.name in SHARED_CORES:
-        return False
-    if path.parts[:2] == ("tests", "unit"):
-        return "pytest.mark.integration" in (ROOT / path).read_text()
-    return True
+    return path.parts[:2] != ("tests", "unit") and path.name not in SHARED_CORES
 
 
 def runs_serially(nodeid: str) -> bool:
     """Whether a test joins the one serial chain under ``-n 2``: decided from its path alone, because xdist's
-    controller schedules node ids and never sees markers. A module under ``tests/unit`` with a test that starts
-    processes (marked ``integration``) runs serially as a whole (``tests/unit/test_test_layout.py`` keeps that so)."""
+    controller schedules node ids and never sees markers. The unit tier never does (it starts no process)."""
     return runs_serially_in(Path(nodeid.split("::", 1)[0]))
 
 
@@ -269,7 +268,7 @@ def _unit_tests_start_no_process(request: pytest.FixtureRequest) -> Iterator[Non
         return
 
     def refuse(self, *args, **kwargs) -> None:
-        raise AssertionError("a unit test starts no process: mark it `integration` (tests/conftest.py: tiers)")
+        raise AssertionError("a unit test starts no process: move it to tests/integration (tests/conftest.py: tiers)")
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(subprocess.Popen, "__init__", refuse)

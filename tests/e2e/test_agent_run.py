@@ -37,7 +37,6 @@ from tests.helpers.scrape import metric
 from tests.helpers.stack import ONE_PROCESS_ENGINE, ROOT, actor_pid, finish, launch
 from tests.helpers.waits import wait_for
 
-pytestmark = pytest.mark.e2e
 CONFIG = ROOT / "configs/agent.toml"
 NAME, STEPS, GROUPS, KILL_AFTER_STEP = "agent", 24, 8, 6
 STEP_TIMEOUT_S = 10.0

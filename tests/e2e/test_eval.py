@@ -24,8 +24,6 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
-import pytest
-
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.keys import connect
 from asyncrl.common.plane.run_secret import run_seal
@@ -36,7 +34,6 @@ from tests.helpers.forgery import reward_endpoints, reward_workers, right_texts
 from tests.helpers.runs import check_samples
 from tests.helpers.stack import BIN, ONE_PROCESS_ENGINE, ROOT, Processes, _wait
 
-pytestmark = pytest.mark.e2e
 RUN, STEPS, GROUPS, PROMPTS = "evalrun", 4, 8, 12
 ASSISTANT_TURN = "<|im_start|>assistant\n"
 """How the chat template's rendering of every prompt ends (the generation prompt)."""

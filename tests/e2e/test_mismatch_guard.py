@@ -29,7 +29,6 @@ from tests.helpers.runs import step_rows
 from tests.helpers.stack import ONE_PROCESS_ENGINE, ROOT, actor_pid, finish, launch, metrics
 from tests.helpers.waits import wait_for
 
-pytestmark = pytest.mark.e2e
 NAME, STEPS = "faults", 12
 EVERY = 2
 """``checkpoint.every``."""

@@ -46,8 +46,6 @@ from tests.helpers.hosts import Hosts
 from tests.helpers.readme import readme_block
 from tests.helpers.stack import BIN, Processes, actor_pid
 
-pytestmark = pytest.mark.e2e
-
 EXAMPLE = deploy.CLUSTER_EXAMPLE
 RUN, LEARNER_HOST = EXAMPLE["run"], EXAMPLE["learner_host"]
 B, C, D = EXAMPLE["worker_hosts"]  # D joins mid-run, C leaves

@@ -33,8 +33,6 @@ from tests.helpers.runs import cluster_run_toml, not_loaded, processes_of, step_
 from tests.helpers.stack import BIN
 from tests.helpers.waits import wait_for
 
-pytestmark = pytest.mark.e2e
-
 RUN, GROUPS = "onray", 4
 STEPS = 100_000
 """More steps than the run ever reaches: it ends by Ctrl-C, so nothing the test waits for races its end."""

@@ -18,8 +18,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
-
 from asyncrl.actors.liveness import ALIVE_ENV
 from asyncrl.common.exit_codes import ExitCode
 from asyncrl.common.plane.control import ControlPlane
@@ -27,7 +25,6 @@ from asyncrl.common.plane.keys import connect
 from tests.helpers.accounting import account_groups
 from tests.helpers.stack import BIN, ONE_PROCESS_ENGINE, ROOT, Processes, _steps, _wait
 
-pytestmark = pytest.mark.e2e
 GROUPS = 16  # configs/demo.toml: learner.groups_per_step
 CONFIG = ROOT / "configs/demo.toml"
 STEPS, EVERY = 10, 3

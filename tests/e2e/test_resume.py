@@ -48,7 +48,6 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
-import pytest
 from transformers import AutoTokenizer
 
 from asyncrl.common.plane.control import ControlPlane
@@ -68,7 +67,6 @@ from tests.helpers.scrape import metric
 from tests.helpers.stack import BIN, DEMO, ROOT, Processes, _steps, _wait, running
 from tests.helpers.torchrun import learner_command, rank_pid
 
-pytestmark = pytest.mark.e2e
 RUN, STEPS, EVERY, GROUPS = "resume", 36, 2, 16
 LORA_PRESET = tomllib.loads((ROOT / "configs/lora.toml").read_text())
 LORA = [f"lora.{key}={json.dumps(value)}" for key, value in LORA_PRESET["lora"].items()]

@@ -41,8 +41,6 @@ from tests.helpers.slurm_cluster import SlurmCluster, missing_programs
 from tests.helpers.stack import BIN
 from tests.helpers.waits import wait_for
 
-pytestmark = pytest.mark.e2e
-
 RUN, GROUPS = "slurm", 4
 STEPS = 100_000
 """``learner.steps`` of the first start: more than it ever reaches, so nothing the test waits for races the run's end.

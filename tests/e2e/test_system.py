@@ -34,7 +34,6 @@ from tests.helpers.secrets import files_exposing, processes_showing
 from tests.helpers.stack import BIN, ROOT, actor_pid, finish, launch, metrics
 from tests.helpers.waits import wait_for
 
-pytestmark = pytest.mark.e2e
 T = TypeVar("T")
 
 

@@ -23,7 +23,6 @@ from asyncrl.learner.intake.batch_source import BatchSource
 from asyncrl.learner.intake.dispatcher import Dispatcher
 from tests.helpers.rollouts import answer
 
-pytestmark = pytest.mark.integration
 RUN = "acct"
 
 

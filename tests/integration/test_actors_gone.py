@@ -7,13 +7,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
-
 from asyncrl.cli.children import ActorsGone
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.wire.messages import Heartbeat
-
-pytestmark = pytest.mark.integration
 
 
 def _actors(lives: list[bool]) -> dict[str, subprocess.Popen]:

@@ -14,7 +14,6 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
 import redis
 from redis.backoff import ConstantBackoff
 from redis.retry import Retry
@@ -34,8 +33,6 @@ from tests.helpers.audit_trail import entries
 from tests.helpers.reward_stack import publish, start, stop, wait_ready
 from tests.helpers.rollouts import issue, make_group
 from tests.helpers.waits import wait_for
-
-pytestmark = pytest.mark.integration
 
 
 def jsonl(path: Path) -> list[dict]:

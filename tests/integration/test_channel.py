@@ -18,7 +18,6 @@ from asyncrl.common.transport.curve import CurveClient, CurveServer, create_keyp
 from asyncrl.common.wire.messages import RolloutGroup, encode
 from tests.helpers.waits import wait_for
 
-pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
 SENDER = textwrap.dedent(

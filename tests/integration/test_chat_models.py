@@ -60,7 +60,6 @@ from tests.helpers.actor_stack import stop, transformers_logprobs
 from tests.helpers.episodes import ADAPTERS, adapter_of, adapter_section, is_episode
 from tests.helpers.rollouts import answer
 
-pytestmark = pytest.mark.integration
 ACTOR = str(Path(sys.executable).parent / "rl-actor")
 ROOT = Path(__file__).resolve().parents[2]
 LOGPROB_TOLERANCE = 1e-4

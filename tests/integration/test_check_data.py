@@ -24,7 +24,6 @@ from asyncrl.common.data.prompts import Prompter
 from asyncrl.common.data.task_files import TaskFileError
 from asyncrl.common.tiny_models.chat import init_chat_model
 
-pytestmark = pytest.mark.integration
 BIN = Path(sys.executable).parent
 GSM8K_ANSWER = "She sold 48/2 = <<48/2=24>>24 clips in May.\nIn all 48+24 = <<48+24=72>>72 clips.\n#### 72"
 UNTEMPLATED = "holds 'messages', but the run uses no chat template"

@@ -16,8 +16,6 @@ from asyncrl.common.data.tasks import TASK_ALPHABET
 from asyncrl.common.tiny_models.character import init_model
 from tests.helpers.stack import BIN, DEMO
 
-pytestmark = pytest.mark.integration
-
 
 def check_model(model: Path, *sets: str, engine: bool = False) -> subprocess.CompletedProcess:
     args = [BIN / "rl-learner", "check-model", DEMO, "--set", f"model.path={model}"]

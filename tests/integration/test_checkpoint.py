@@ -27,7 +27,7 @@ from asyncrl.learner.update.batch import split_micro_batches
 from asyncrl.learner.update.engine import PolicyEngine
 from tests.helpers.engine_ranks import LENGTHS, fixed_batch, nll_loss, predicted_tokens
 
-pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_rank_world")]
+pytestmark = pytest.mark.usefixtures("one_rank_world")
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[2]
 

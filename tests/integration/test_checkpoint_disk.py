@@ -28,7 +28,7 @@ from asyncrl.learner.update.engine import PolicyEngine
 from tests.helpers.engine_ranks import LENGTHS
 from tests.helpers.machine import unavailable
 
-pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_rank_world")]
+pytestmark = pytest.mark.usefixtures("one_rank_world")
 
 
 @contextlib.contextmanager

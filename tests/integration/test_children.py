@@ -13,8 +13,6 @@ import pytest
 from asyncrl.common.observability.procs import parent_of
 from tests.helpers.waits import wait_for
 
-pytestmark = pytest.mark.integration
-
 LAUNCHER = """
 import sys, time
 from pathlib import Path

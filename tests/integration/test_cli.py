@@ -17,7 +17,6 @@ from asyncrl.common.plane.keys import connect
 from asyncrl.common.wire.messages import Heartbeat
 from tests.helpers.waits import wait_for
 
-pytestmark = pytest.mark.integration
 BIN = Path(sys.executable).parent
 HEAVY = {"torch", "vllm", "deepspeed", "transformers", "redis", "zmq", "numpy"}
 
@@ -66,6 +65,14 @@ def test_invalid_override_exits_with_the_field_named(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert "learner.zero_stage: Input should be 0, 1, 2 or 3 (got 7)" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_value_out_of_bounds_in_a_config_file_exits_2_with_one_line_and_no_traceback(tmp_path: Path) -> None:
+    config = tmp_path / "run.toml"
+    config.write_text("[learner]\nlr = inf\n")
+    done = run(str(BIN / "rl-learner"), "resolve", "--dry-run", str(config), check=False)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == f"error: {config}: learner.lr: inf is not a finite number; give a finite value\n"
 
 
 def test_an_option_typo_exits_2_before_anything_starts(tmp_path: Path) -> None:

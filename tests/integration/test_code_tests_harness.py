@@ -15,14 +15,14 @@ from textwrap import dedent
 import numpy as np
 import pytest
 
-from asyncrl.common.rewards.functions import code_tests_reward
-from asyncrl.common.rewards.verifiers import verify_code_tests
+from asyncrl.common.config import RewardFunction
+from asyncrl.common.rewards.functions import code_tests_reward, score
+from asyncrl.common.rewards.verifiers import get_verifier, verify_code_tests
 from asyncrl.common.sandbox import run_python_tests
 from asyncrl.common.sandbox.fences import candidates
 from asyncrl.common.sandbox.run import Limits, run_behind
 from asyncrl.common.wire.messages import RolloutGroup
-
-pytestmark = pytest.mark.integration  # every test starts sandboxes
+from tests.helpers.rollouts import make_group
 
 ADD = "def add(a, b):\n    return a + b\n"
 TESTS = "assert add(2, 3) == 5, 'add(2, 3)'\n"
@@ -256,6 +256,21 @@ def test_the_reward_scores_each_response_of_a_group() -> None:
     responses += ["def add(a, b):\n    return 0\n"]
     assert code_tests_reward(group(responses, TESTS), {"workers": 2}) == [1.0, 0.0, 1.0, 0.0]
     assert code_tests_reward(group(responses, FAILING), {"workers": 2}) == [0.0] * len(responses)
+
+
+def test_the_registered_reward_and_verifier_run_each_program_in_the_sandbox() -> None:
+    """``code_tests`` as a config names it: the reward function and the verifier from their registries."""
+    responses = [
+        f"```python\n{ADD}```\nexplanation after the block",
+        ADD,  # no fence: the whole response is the program
+        "def add(a, b):\n    return a - b",
+        "def add(a, b) return",  # a syntax error
+    ]
+    group = make_group(responses, task="code_tests", prompt="write add", answer=TESTS)
+    assert score(RewardFunction(name="code_tests", options={"workers": 2}), group) == [1.0, 1.0, 0.0, 0.0]
+    verify = get_verifier("code_tests")
+    assert [verify(r, TESTS) for r in responses[:3]] == [1.0, 1.0, 0.0]
+    assert verify("\ud800", TESTS) == 0.0  # a response that is not valid text scores 0, not a crash
 
 
 # --------------------------------------------------------------------------- a program written against the harness

@@ -17,8 +17,6 @@ from asyncrl.common.plane.run_record import RunNotFoundError
 from asyncrl.common.wire.messages import Heartbeat, PromptGroup
 from tests.helpers.waits import wait_for
 
-pytestmark = pytest.mark.integration
-
 
 def prompt(i: int) -> PromptGroup:
     return PromptGroup(

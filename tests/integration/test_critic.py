@@ -28,7 +28,7 @@ from asyncrl.learner.update.critic import (
 from asyncrl.learner.update.step_metrics import MicroBatchMetrics
 from tests.helpers.engine_ranks import LENGTHS, fixed_batch
 
-pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_rank_world")]
+pytestmark = pytest.mark.usefixtures("one_rank_world")
 
 TIGHT = 1e-5
 PROMPT = 3  # the first 3 tokens of every row are "prompt"; the rest are response tokens

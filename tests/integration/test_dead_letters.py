@@ -7,13 +7,9 @@ import hashlib
 import json
 import uuid
 
-import pytest
-
 from asyncrl.common.plane import audit as audit_module
 from asyncrl.common.plane.dead_letters import DEAD_LETTER_EXCERPT, DEAD_LETTER_REASON, dead_letter, dead_letters
 from asyncrl.common.plane.keys import RunKeys
-
-pytestmark = pytest.mark.integration
 
 FORGED_BYTES = 19 * 2**20  # a forged group as large as the reward worker's refusals seen in a flood
 

@@ -23,8 +23,6 @@ from asyncrl.learner.intake.dispatcher import Dispatcher
 from tests.helpers.dispatch import RUN, actor, encode, make_config, make_dispatcher
 from tests.helpers.waits import wait_for
 
-pytestmark = pytest.mark.integration
-
 
 def expired(plane: ControlPlane, process_id: str) -> None:
     """Wait until the heartbeat of ``process_id`` has expired (its TTL passed)."""

@@ -15,8 +15,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.integration
-
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 DPO = str(REPO / "configs" / "dpo.toml")

@@ -29,7 +29,6 @@ from asyncrl.common.wire.messages import segments
 from tests.helpers.scripted_episodes import episode, replay, tools_for
 from tests.helpers.stack import running
 
-pytestmark = pytest.mark.integration
 TOOLS = tools_for("qwen2")
 HOSTED = ("environment.isolation=process", "environment.step_timeout_s=5", "environment.max_memory_mb=512")
 

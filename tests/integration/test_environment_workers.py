@@ -52,7 +52,6 @@ from tests.helpers.scripted_episodes import CALL, episode, replay, tools_for
 from tests.helpers.unreplayable import ENOUGH
 from tests.helpers.waits import wait_for as wait_until
 
-pytestmark = pytest.mark.integration
 RUN = "envs"
 TOOLS = tools_for("qwen2")
 SETTINGS = (

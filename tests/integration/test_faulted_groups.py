@@ -5,14 +5,10 @@ use of it runs in the agent run (``tests/e2e/test_agent_run.py``: its environmen
 
 from __future__ import annotations
 
-import pytest
-
 from asyncrl.actors.faults import faulted_episodes, settle_faulted
 from asyncrl.common.wire.messages import Decoder, PromptGroup, decode_blob
 from tests.helpers.dispatch import make_config, make_dispatcher
 from tests.helpers.rollouts import make_group
-
-pytestmark = pytest.mark.integration
 
 
 def test_a_faulted_group_is_generated_again_then_dead_lettered_never_scored(redis_client) -> None:

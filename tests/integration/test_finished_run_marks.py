@@ -6,14 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 from typer.testing import CliRunner
 
 from asyncrl.cli.learner import app
 from asyncrl.common.plane.control import ControlPlane
 from tests.unit.test_finished_run import saved
-
-pytestmark = pytest.mark.integration
 
 
 def test_the_finished_run_is_marked_in_redis(tmp_path: Path, redis_server, redis_client) -> None:

@@ -24,7 +24,6 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
 import zmq
 
 from asyncrl.common.plane.control import ControlPlane
@@ -39,7 +38,6 @@ from tests.helpers.garbage import bad_blob, bad_messages
 from tests.helpers.reward_stack import heartbeat, publish, read_replay, reward_worker, wait_for
 from tests.helpers.rollouts import issue, make_group
 
-pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 FLOOD_S = float(os.environ.get("ASYNCRL_FLOOD_S", "5"))
 MAX_BYTES = 2**18  # transport.max_message_mb = 0.25: oversized messages stay cheap to send

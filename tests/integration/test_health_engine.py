@@ -20,7 +20,7 @@ from asyncrl.learner.update.batch import split_micro_batches
 from asyncrl.learner.update.engine import Batch, LossFn, PolicyEngine
 from tests.helpers.engine_ranks import LEARNING_RATE, LENGTHS, fixed_batch, nll_loss, predicted_tokens
 
-pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_rank_world")]
+pytestmark = pytest.mark.usefixtures("one_rank_world")
 
 TIGHT = 1e-6  # same process, same maths, same order
 WARMUP = 2

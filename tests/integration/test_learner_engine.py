@@ -20,7 +20,7 @@ from asyncrl.learner.update.engine import PolicyEngine, ReferenceModel
 from tests.helpers.engine_ranks import LENGTHS, fixed_batch, nll_loss, predicted_tokens, run_config
 from tests.helpers.ranks import run_ranks
 
-pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_rank_world")]
+pytestmark = pytest.mark.usefixtures("one_rank_world")
 
 TIGHT = 1e-5  # same process, same maths, different summation order
 RANKS_RTOL = 1e-4  # two processes: gloo reduction order differs

@@ -30,8 +30,6 @@ from asyncrl.learner.weights.broadcaster import Broadcaster
 from tests.helpers.rollouts import answer
 from tests.helpers.waits import wait_for
 
-pytestmark = pytest.mark.integration
-
 
 def run_config(tmp_path: Path, model_dir: Path | str = "unused", **sections: dict) -> RunConfig:
     base = {

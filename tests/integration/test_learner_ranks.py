@@ -23,7 +23,6 @@ from asyncrl.learner.checkpoint.settings import check_world_size
 from tests.helpers.ranks import run_ranks
 from tests.helpers.update_ranks import case_dir
 
-pytestmark = pytest.mark.integration
 HELPER = "tests.helpers.update_ranks"
 RANKS_ATOL = 1e-4  # the bound; gloo's reduction order differs from one rank's sums
 

@@ -10,11 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from tests.helpers.torchrun import REPO, launcher_env
-
-pytestmark = pytest.mark.integration
 
 ENGINE = """
 import sys

@@ -18,7 +18,7 @@ from asyncrl.learner.update.engine import PolicyEngine, ReferenceModel, referenc
 from asyncrl.learner.update.lora import AdapterOffReference
 from tests.helpers.engine_ranks import LEARNING_RATE, LENGTHS, fixed_batch, nll_loss, predicted_tokens
 
-pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_rank_world")]
+pytestmark = pytest.mark.usefixtures("one_rank_world")
 
 RANK = 4
 EXACT = 1e-6  # the same forward with the adapters left out

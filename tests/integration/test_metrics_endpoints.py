@@ -21,8 +21,6 @@ from asyncrl.learner.record.telemetry import StepTelemetry
 from tests.helpers.rollouts import make_group
 from tests.helpers.waits import wait_for
 
-pytestmark = pytest.mark.integration
-
 
 def scrape(port: int) -> dict[str, list]:
     """{family name: samples} of the /metrics page on ``port`` (loopback: the server binds every interface)."""

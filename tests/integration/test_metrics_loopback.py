@@ -6,14 +6,11 @@ from __future__ import annotations
 import socket
 import urllib.request
 
-import pytest
 from prometheus_client import CollectorRegistry
 
 from asyncrl.common.config import load_config
 from asyncrl.common.net import advertise_host
 from asyncrl.common.observability.metrics import start_metrics_server
-
-pytestmark = pytest.mark.integration
 
 
 def outward_address() -> str | None:

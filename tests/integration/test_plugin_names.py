@@ -9,12 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from tests.helpers.plugin_dist import installed_plugin
 from tests.helpers.stack import BIN, ROOT
-
-pytestmark = pytest.mark.integration
 
 MAKES_ONE = """
 from asyncrl.common.environments.protocol import EpisodeRow, make_environment

@@ -5,13 +5,9 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-import pytest
-
 from asyncrl.common.data.tasks import TASK_ALPHABET
 from asyncrl.common.tiny_models.character import init_model
 from tests.helpers.stack import BIN, ROOT
-
-pytestmark = pytest.mark.integration
 
 
 def test_rl_launch_refuses_a_max_model_len_beyond_the_models_context_before_starting_anything(tmp_path: Path) -> None:

@@ -34,7 +34,7 @@ from asyncrl.learner.update.batch import TrainBatch
 from asyncrl.learner.update.policy import PolicyUpdate
 from tests.helpers.preset_batches import answer_prompt, policy_logprobs, preset_config, response, score, with_behaviour
 
-pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_rank_world")]
+pytestmark = pytest.mark.usefixtures("one_rank_world")
 
 Responses = list[tuple[str, str]]
 STEPS = 4  # learner.steps of preset_config

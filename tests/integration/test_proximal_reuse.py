@@ -14,7 +14,7 @@ from asyncrl.learner.update.batch import longest_first
 from asyncrl.learner.update.policy import PolicyUpdate
 from tests.helpers.update_ranks import groups, run_config
 
-pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_rank_world")]
+pytestmark = pytest.mark.usefixtures("one_rank_world")
 TIGHT = 1e-5  # the same weights; only the padding of a micro-batch differs from the whole batch's
 
 

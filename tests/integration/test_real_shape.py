@@ -26,7 +26,6 @@ from asyncrl.common.tiny_models.shapes import SHAPES
 from tests.helpers.runs import step_rows
 from tests.helpers.stack import BIN, ONE_PROCESS_ENGINE, ROOT, finish, launch
 
-pytestmark = pytest.mark.integration
 SHAPE, LAYERS, STEPS = "qwen2.5-0.5b", 2, 1
 LEARNER_PRECISION = "bfloat16" if cpu_flags() & set(HALF_PRECISION_FLAGS["bfloat16"]) else "float32"
 """The learner's precision on this machine's CPU (``cli/preflight.py: slow_precision``)."""

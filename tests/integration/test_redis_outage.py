@@ -31,7 +31,6 @@ from tests.helpers.dispatch import actor, make_config, make_dispatcher
 from tests.helpers.replay import KEYS, fill
 from tests.helpers.waits import wait_for
 
-pytestmark = pytest.mark.integration
 BIN = Path(sys.executable).parent
 
 

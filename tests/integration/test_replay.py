@@ -17,8 +17,6 @@ from asyncrl.common.plane.replay import ReplayReader, ReplayWriter
 from asyncrl.common.tiny_models import synthetic
 from tests.helpers.replay import KEYS, fill
 
-pytestmark = pytest.mark.integration
-
 READ_AND_HANG = textwrap.dedent(
     """
     import sys, time

@@ -7,8 +7,6 @@ import subprocess
 import time
 import urllib.request
 
-import pytest
-
 from asyncrl.common.plane.control import ControlPlane
 from asyncrl.common.plane.dead_letters import DEAD_LETTER_EXCERPT
 from asyncrl.common.plane.keys import RunKeys
@@ -22,7 +20,6 @@ from tests.helpers.reward_stack import heartbeat, publish, read_replay, reward_w
 from tests.helpers.rollouts import issue, make_group
 from tests.helpers.stack import BIN
 
-pytestmark = pytest.mark.integration
 STALL = "tests.helpers.slow_rewards:stall"
 
 

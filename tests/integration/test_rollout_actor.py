@@ -58,7 +58,6 @@ from tests.helpers.actor_stack import (
 from tests.helpers.scrape import metric
 from tests.helpers.stack import running
 
-pytestmark = pytest.mark.integration
 RUN = "actors"
 
 

@@ -31,8 +31,6 @@ from asyncrl.learner.record.samples import SampleLog
 from tests.helpers.rollouts import make_group
 from tests.helpers.waits import wait_for
 
-pytestmark = pytest.mark.integration
-
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -13,7 +13,6 @@ import sys
 import threading
 from pathlib import Path
 
-import pytest
 import torch
 
 from asyncrl.actors.reward_peers import RewardPeers
@@ -27,7 +26,6 @@ from asyncrl.learner.weights.broadcaster import Broadcaster
 from tests.helpers.rollouts import encode, issue, make_group, tokenizer_dir
 from tests.helpers.waits import wait_for
 
-pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 STALL = "tests.helpers.slow_rewards:stall"
 HOUR = 3600

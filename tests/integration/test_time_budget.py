@@ -12,13 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from asyncrl.common.plane.audit_file import entry_line
 from asyncrl.common.plane.keys import RunKeys
 from tests.helpers.waits import wait_for
 
-pytestmark = pytest.mark.integration
 BIN = Path(sys.executable).parent
 
 

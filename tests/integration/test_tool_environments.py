@@ -15,7 +15,6 @@ from asyncrl.actors.episodes import close_environment_hosts, environment_host
 from asyncrl.common.wire.messages import segments
 from tests.helpers.scripted_episodes import episode, replay, tools_for
 
-pytestmark = pytest.mark.integration
 TOOLS = tools_for("qwen2")
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from asyncrl.cli.top import render, snapshot
 from asyncrl.common.config import load_config
@@ -22,7 +21,6 @@ from asyncrl.common.wire.messages import Heartbeat, PromptGroup, ScoredGroup
 from tests.helpers.rollouts import make_group
 from tests.helpers.waits import wait_for
 
-pytestmark = pytest.mark.integration
 BIN = Path(sys.executable).parent
 
 

@@ -6,14 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from asyncrl.common.config import load_config
 from asyncrl.learner.record.trackers import Trackers
 from tests.helpers.waits import wait_for
 from tests.helpers.wandb_log import finished, history
-
-pytestmark = pytest.mark.integration
 
 ROWS = [{"rollout/reward_mean": 0.25 * step, "train/loss": 1.0 / step, "step": float(step)} for step in (1, 2, 3)]
 SAMPLES = [{"step": 2, "pick": "best", "prompt": "2+2=", "response": "4", "reward": 1.0, "advantage": 0.5}]

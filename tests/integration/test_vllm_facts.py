@@ -13,8 +13,6 @@ import pytest
 from asyncrl.actors import vllm_facts
 from asyncrl.actors.vllm_facts import VllmFacts, facts_file, installation, installed_vllm
 
-pytestmark = pytest.mark.integration  # vLLM's model registry and platform probe start processes of their own
-
 
 @pytest.fixture
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:

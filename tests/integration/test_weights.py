@@ -24,8 +24,6 @@ from asyncrl.common.weights.group import (
 from asyncrl.common.weights.rendezvous import RedisStore, rendezvous_prefix
 from tests.helpers.waits import wait_for
 
-pytestmark = pytest.mark.integration
-
 
 def make_params() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)

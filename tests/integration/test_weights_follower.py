@@ -10,7 +10,6 @@ import asyncio
 import threading
 from pathlib import Path
 
-import pytest
 import torch
 
 from asyncrl.actors.weight_receiver import WeightReceiverExtension
@@ -22,8 +21,6 @@ from asyncrl.common.weights.group import unpack_bucket
 from asyncrl.common.wire.messages import Decoder, Heartbeat, WeightManifest
 from asyncrl.learner.weights.broadcaster import Broadcaster
 from tests.helpers.waits import wait_for
-
-pytestmark = pytest.mark.integration
 
 
 class ReceivingWorker(WeightReceiverExtension):

@@ -4,8 +4,6 @@ cross-field rules hold — each refusal a ConfigError naming the setting, before
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, get_args
 
@@ -373,15 +371,3 @@ def test_reward_workers_that_would_refuse_to_bind_are_refused_before_the_run_sta
     assert bind_refusal(wide_config, {"ASYNCRL_CURVE_SERVER_KEY": "k/server.key_secret"}) is not None
     for endpoint in ("tcp://127.0.0.1:0", "tcp://localhost:7000", "tcp://[::1]:0", "ipc:///tmp/x"):
         assert bind_refusal(load_config(None, [f"transport.zmq_endpoint={endpoint}"]), {}) is None
-
-
-@pytest.mark.integration  # it runs the console script
-def test_the_console_script_exits_2_with_one_line_and_no_traceback(tmp_path: Path) -> None:
-    config = tmp_path / "run.toml"
-    config.write_text("[learner]\nlr = inf\n")
-    command = Path(sys.executable).parent / "rl-learner"
-    done = subprocess.run(
-        [str(command), "resolve", "--dry-run", str(config)], capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 2, done.stderr
-    assert done.stderr == f"error: {config}: learner.lr: inf is not a finite number; give a finite value\n"

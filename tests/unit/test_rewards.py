@@ -32,7 +32,6 @@ from tests.helpers.rollouts import make_group
 from tests.helpers.waits import wait_for
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs/demo.toml"
-ADD_TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0"
 
 
 @pytest.fixture
@@ -158,18 +157,6 @@ def test_overlong_with_the_whole_length_as_buffer_penalises_every_token() -> Non
 def test_overlong_refuses_options_without_a_valid_buffer(options: dict) -> None:
     with pytest.raises(ValueError, match="buffer <= max_tokens"):
         score(RewardFunction(name="overlong", options=options), make_group(["x"]))
-
-
-@pytest.mark.integration  # it runs programs in the sandbox
-def test_code_tests_runs_each_program_against_the_answers_tests() -> None:
-    responses = [
-        "```python\ndef add(a, b):\n    return a + b\n```\nexplanation after the block",
-        "def add(a, b):\n    return a + b",  # no fence: the whole response is the program
-        "def add(a, b):\n    return a - b",
-        "def add(a, b) return",  # a syntax error
-    ]
-    group = make_group(responses, task="code_tests", prompt="write add", answer=ADD_TESTS)
-    assert score(fn("code_tests", workers=2), group) == [1.0, 1.0, 0.0, 0.0]
 
 
 # --------------------------------------------------------------------------- reward model

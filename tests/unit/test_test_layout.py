@@ -3,6 +3,7 @@ basename in different tiers break collection of the whole suite: refused here, w
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -17,6 +18,17 @@ def test_no_two_test_files_share_a_basename() -> None:
     assert not shared, f"rename one of each: {shared}"
 
 
+def test_a_tests_tier_is_its_folder_alone() -> None:
+    """No module marks a tier itself (a unit module once ran in the chain because one of its tests was marked
+    ``integration``); the folders under ``tests/`` are the three tiers, the helpers and their data."""
+    from tests.conftest import TIERS
+
+    marked = re.compile(r"pytest\.mark\.(unit|integration|e2e)\b")
+    assert [str(p.relative_to(TESTS)) for p in TESTS.rglob("test_*.py") if marked.search(p.read_text())] == []
+    folders = {p.name for p in TESTS.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders == {*TIERS, "helpers", "data"}, folders
+
+
 def test_tests_that_start_heavy_processes_join_the_serial_chain() -> None:
     """Under ``bin/test`` (two xdist workers) only the unit tier, the Redis-only modules, the short command-line runs
     and training whose checks compare numbers go beside the chain; every module that starts a vLLM engine or a sandbox,
@@ -25,7 +37,7 @@ def test_tests_that_start_heavy_processes_join_the_serial_chain() -> None:
 
     assert runs_serially("tests/e2e/test_system.py::test_demo_reward_rises_within_the_staleness_bound")
     assert runs_serially("tests/integration/test_rollout_actor.py::test_kill_9_of_an_actor_leaves_no_vllm_process")
-    assert runs_serially("tests/unit/test_sandbox.py::test_a_fork_bomb_does_not_starve_runs_beside_it")  # processes
+    assert runs_serially("tests/integration/test_sandbox.py::test_a_fork_bomb_does_not_starve_runs_beside_it")
     assert not runs_serially("tests/unit/test_wire.py::test_truncated_messages_raise_only_wire_error")
     assert runs_serially("tests/integration/test_redis_outage.py::test_a_delivery_cut_by_the_restart_is_read_again")
     assert runs_serially("tests/integration/test_time_budget.py::test_the_learner_stops_when_its_time_budget_is_spent")

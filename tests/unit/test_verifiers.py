@@ -180,17 +180,3 @@ def test_registry_refuses_a_second_function_under_a_taken_name() -> None:
         assert get_verifier("other")("x", "y") == 0.5
         with pytest.raises(ValueError, match="unknown verifier 'nope'"):
             get_verifier("nope")
-
-
-# --------------------------------------------------------------------------- code (starts processes)
-
-TESTS = "assert add(2, 3) == 5, 'add(2, 3)'\n"  # the sandbox itself is tested in test_sandbox.py
-
-
-@pytest.mark.integration
-def test_code_tests_verifier_runs_the_fenced_program() -> None:
-    verify = get_verifier("code_tests")
-    assert verify("Here:\n```python\ndef add(a, b):\n    return a + b\n```\nDone.", TESTS) == 1.0
-    assert verify("def add(a, b):\n    return a + b\n", TESTS) == 1.0
-    assert verify("def add(a, b):\n    return 0\n", TESTS) == 0.0
-    assert verify("\ud800", TESTS) == 0.0

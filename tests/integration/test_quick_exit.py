@@ -37,9 +37,6 @@ def test_the_plugin_registers_the_freeze_once_and_only_in_an_actors_process(monk
     quick_exit.skip_final_collection()
     quick_exit.skip_final_collection()  # vLLM may load plugins more than once in a process
     assert registered == [gc.freeze]
-
-
-@pytest.mark.integration
 @pytest.mark.parametrize("in_an_actor", [True, False])
 def test_an_actors_process_exits_without_collecting_its_cycles(in_an_actor: bool) -> None:
     env = {k: v for k, v in os.environ.items() if k != ACTOR_PID_ENV}

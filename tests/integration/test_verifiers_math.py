@@ -26,8 +26,6 @@ from asyncrl.common.rewards.verifiers import MATH_JOB, bind_verifier
 from tests.helpers.rollouts import make_group
 from tests.helpers.waits import wait_for
 
-pytestmark = pytest.mark.integration  # the judge runs in a child process
-
 ROOT = Path(__file__).resolve().parents[2]
 BOUND_S = 30.0  # a hostile call must return at all; its real cost is printed
 FAST = {"timeout_s": 0.5}  # the hostile tables wait out fewer seconds than the 1 s default

@@ -44,8 +44,6 @@ from asyncrl.common.exit_codes import ExitCode
 from asyncrl.common.plane.keys import RunKeys
 from tests.helpers.machine import unavailable
 
-pytestmark = pytest.mark.integration  # kubectl kustomize and a redis-server run as processes
-
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 KEDA_SCHEMAS = ROOT / "tests" / "data" / "keda-v2.20.2-crd-schemas.json"

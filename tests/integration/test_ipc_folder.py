@@ -64,9 +64,6 @@ def test_claim_points_vllm_at_a_private_folder_and_release_removes_it_with_its_s
     assert ipc_folder.claim() == folder  # a second engine of the process: the same path (vLLM caches it)
     ipc_folder.release(folder)
     assert list(temp.iterdir()) == []
-
-
-@pytest.mark.integration  # it starts processes
 def test_folders_of_gone_processes_are_removed_and_live_ones_kept(temp: Path) -> None:
     gone = temp / f"asyncrl-vllm-{gone_pid()}"
     gone_suffixed = temp / f"asyncrl-vllm-{gone_pid()}-x1y2"
@@ -77,9 +74,6 @@ def test_folders_of_gone_processes_are_removed_and_live_ones_kept(temp: Path) ->
     bound_socket(gone)
     assert sorted(ipc_folder.remove_stale(temp)) == sorted([gone, gone_suffixed])
     assert sorted(p.name for p in temp.iterdir()) == sorted([live.name, unrelated.name])
-
-
-@pytest.mark.integration  # it starts processes
 def test_a_link_in_the_folders_place_is_neither_used_nor_followed(temp: Path) -> None:
     elsewhere = temp / "elsewhere"
     elsewhere.mkdir()

@@ -144,9 +144,6 @@ def test_stage_2_imports_nothing_slow() -> None:
 
 
 # --------------------------------------------------------------------------- limits (every fence)
-
-
-@pytest.mark.integration
 def test_passing_and_failing_tests() -> None:
     ok = run_python_tests("def add(a, b):\n    return a + b\n", TESTS)
     assert (ok.passed, ok.reason) == (True, "passed")
@@ -154,39 +151,24 @@ def test_passing_and_failing_tests() -> None:
     assert not bad.passed and bad.reason.startswith("failed:") and "AssertionError: add(2, 3)" in bad.reason
     broken = run_python_tests("def add(a, b) return\n", TESTS)
     assert not broken.passed and "SyntaxError" in broken.reason
-
-
-@pytest.mark.integration
 def test_kills_an_infinite_loop_at_the_cpu_limit() -> None:
     result = run_python_tests("while True:\n    pass\n", "", cpu_s=1, wall_s=4)
     # Killed by the CPU limit, or by the wall clock when a loaded machine gives it less than a core (no time asserted).
     assert not result.passed and result.reason.startswith("timeout:")
-
-
-@pytest.mark.integration
 def test_kills_a_sleeper_at_the_wall_clock_limit() -> None:
     result = run_python_tests("import time\ntime.sleep(60)\n", "", wall_s=1)
     assert not result.passed and result.reason.startswith("timeout: wall-clock")
     assert result.seconds >= 1  # never before its limit (an upper bound would depend on the machine's load)
-
-
-@pytest.mark.integration
 def test_stops_a_memory_hog() -> None:
     hog = "chunks = []\nwhile True:\n    chunks.append(bytearray(16 * 2**20))\n"
     result = run_python_tests(hog, "", memory_mb=128, wall_s=5)
     assert not result.passed and result.reason.startswith("memory:")
-
-
-@pytest.mark.integration
 def test_child_sees_no_parent_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ASYNCRL_SECRET", "hunter2")
     code = "import os, sys\nassert 'ASYNCRL_SECRET' not in os.environ, 'leak'\nassert sys.flags.isolated\n"
     tests = "assert set(os.environ) <= {'PATH', 'HOME', 'LC_CTYPE'}, sorted(os.environ)\n"
     result = run_python_tests(code, tests)
     assert result.passed, result.reason
-
-
-@pytest.mark.integration
 def test_a_program_cannot_forge_the_report() -> None:
     """Stage 2 reports on a pipe the program never holds: words on stdout/stderr or writes to any fd change nothing."""
     forge = """
@@ -202,17 +184,11 @@ def test_a_program_cannot_forge_the_report() -> None:
     """
     result = run_python_tests(textwrap.dedent(forge), "")
     contained(result, "failed: exit status 1")
-
-
-@pytest.mark.integration
 def test_a_launcher_that_cannot_start_raises() -> None:
     """A sandbox that does not start is the worker's fault: it raises, it never scores the response 0."""
     broken = replace(sandbox.isolation(), launcher=("/bin/sh", "-c", "echo cannot start >&2; exit 1", "--"))
     with pytest.raises(RuntimeError, match=r"did not start.*cannot start"):
         run_behind(broken, "", TESTS, Limits(2, 256, 5))
-
-
-@pytest.mark.integration
 def test_every_candidate_that_starts_here_runs_and_limits_programs() -> None:
     """The weaker fences are real code paths too: each one that starts on this machine passes, fails and limits."""
     limits = Limits(cpu_s=2, memory_mb=128, wall_s=2)
@@ -258,9 +234,6 @@ def sandbox_log(monkeypatch: pytest.MonkeyPatch) -> LogSpy:
     monkeypatch.setattr(sandbox, "log", spy)
     monkeypatch.setattr(sandbox, "_ISOLATION", None)  # detect again, in this test
     return spy
-
-
-@pytest.mark.integration
 def test_isolation_is_detected_once_and_logged(sandbox_log: LogSpy) -> None:
     first = sandbox.isolation()
     assert sandbox.isolation() is first
@@ -270,9 +243,6 @@ def test_isolation_is_detected_once_and_logged(sandbox_log: LogSpy) -> None:
     assert first.fence in ("namespaces", "user-namespaces", "rlimits") and first.processes and first.user
     if os.geteuid() == 0 and first.fence == "namespaces":  # root here: the uid of its own is what holds NPROC
         assert first.per_run_uid and first.processes.startswith("RLIMIT_NPROC")
-
-
-@pytest.mark.integration
 def test_a_refused_fence_falls_back_to_the_next_and_says_so(
     monkeypatch: pytest.MonkeyPatch, sandbox_log: LogSpy
 ) -> None:
@@ -286,9 +256,6 @@ def test_a_refused_fence_falls_back_to_the_next_and_says_so(
     [(level, message, fields)] = sandbox_log.events
     assert level == "warning" and "weaker fence" in message
     assert "Operation not permitted" in str(fields["refused"]) and fields["action"]
-
-
-@pytest.mark.integration
 def test_no_fence_at_all_raises(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shutil, "which", lambda name: None)
     monkeypatch.setattr(os, "access", lambda path, mode: False)
@@ -298,9 +265,6 @@ def test_no_fence_at_all_raises(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # --------------------------------------------------------------------------- escapes
-
-
-@pytest.mark.integration
 def test_escape_kill_the_parent(stand_in_worker: subprocess.Popen[bytes]) -> None:
     """From inside, the parent is the namespace's init (which ignores signals) or, without namespaces, root's."""
     needs_another_uid_or_namespaces()
@@ -323,9 +287,6 @@ def test_escape_kill_the_parent(stand_in_worker: subprocess.Popen[bytes]) -> Non
     """
     contained(run_python_tests(textwrap.dedent(worker), ""), "failed:")
     assert stand_in_worker.poll() is None  # the stand-in worker and this test process both live
-
-
-@pytest.mark.integration
 def test_escape_fork_bomb() -> None:
     needs_a_process_limit()
     name = process_name()
@@ -347,9 +308,6 @@ def test_escape_fork_bomb() -> None:
     contained(result, "failed:", "stopped after")
     assert int(result.reason.rsplit("after ", 1)[1].split()[0]) < MAX_PROCESSES
     wait_until_gone(name)  # every one of them ended with the run
-
-
-@pytest.mark.integration
 def test_a_fork_bomb_does_not_starve_runs_beside_it() -> None:
     """Each run has its own process budget: the other responses of a group score as if it were not there."""
     needs_a_process_limit()
@@ -361,9 +319,6 @@ def test_a_fork_bomb_does_not_starve_runs_beside_it() -> None:
         )
     assert not results[0].passed
     assert all(r.passed for r in results[1:]), results
-
-
-@pytest.mark.integration
 def test_escape_connect_to_the_runs_redis(tmp_path: Path) -> None:
     server = EmbeddedRedis(tmp_path / "redis").start()
     try:
@@ -383,9 +338,6 @@ def test_escape_connect_to_the_runs_redis(tmp_path: Path) -> None:
             unavailable("the rlimits fence shares the host's network")
     finally:
         server.stop()
-
-
-@pytest.mark.integration
 def test_escape_read_the_run_folder(tmp_path: Path) -> None:
     secret = tmp_path / "run" / "secret.txt"
     secret.parent.mkdir()
@@ -402,9 +354,6 @@ def test_escape_read_the_run_folder(tmp_path: Path) -> None:
     }
     listing = f"import os\nassert set(os.listdir('/tmp')) - {interpreter!r}, 'nothing there'\n"
     contained(run_python_tests(listing, ""), "failed:", "nothing there")
-
-
-@pytest.mark.integration
 def test_an_interpreter_in_tmp_runs_behind_the_namespaces_fence(tmp_path: Path) -> None:
     """A venv under /tmp (a fresh clone's) must stay visible below the sandbox's own /tmp, so the fence starts."""
     clone = Path(tempfile.mkdtemp(prefix="sandbox-clone-", dir="/tmp"))  # 0700, as mktemp -d makes a clone's
@@ -428,9 +377,6 @@ def test_an_interpreter_in_tmp_runs_behind_the_namespaces_fence(tmp_path: Path) 
         assert done.returncode == 0, done.stderr[-3000:]
     finally:
         shutil.rmtree(clone, ignore_errors=True)
-
-
-@pytest.mark.integration
 def test_escape_read_the_workers_environment(stand_in_worker: subprocess.Popen[bytes]) -> None:
     needs_another_uid_or_namespaces()
     scan = f"""
@@ -446,9 +392,6 @@ def test_escape_read_the_workers_environment(stand_in_worker: subprocess.Popen[b
     """
     assert unfenced(textwrap.dedent(scan)).returncode == 0  # as a plain child it reads the stand-in's secret
     contained(run_python_tests(textwrap.dedent(scan), ""), "failed:", "no secret readable")
-
-
-@pytest.mark.integration
 def test_escape_fill_the_disk() -> None:
     one_big = "open('big', 'wb').write(b'x' * 100 * 2**20)\n"
     contained(run_python_tests(one_big, "", memory_mb=512), "output:")
@@ -459,9 +402,6 @@ def test_escape_fill_the_disk() -> None:
                 f.write(b'x' * (sandbox_limit - 1))
     """).replace("sandbox_limit", str(MAX_FILE_BYTES))
     contained(run_python_tests(many, "", memory_mb=512), "failed:", "No space left on device")
-
-
-@pytest.mark.integration
 def test_escape_sleep_forever_and_leave_children() -> None:
     name = process_name()
     sleeper = """
@@ -475,14 +415,8 @@ def test_escape_sleep_forever_and_leave_children() -> None:
     result = run_python_tests(named(name, sleeper), "", wall_s=1)
     contained(result, "timeout: wall-clock")
     wait_until_gone(name)
-
-
-@pytest.mark.integration
 def test_escape_allocate_20_gb() -> None:
     contained(run_python_tests("x = bytearray(20 * 2**30)\n", ""), "memory:")
-
-
-@pytest.mark.integration
 def test_escape_gain_privileges() -> None:
     """No capability, no_new_privs, not the worker's uid (when the worker is root), and a parent with no capability."""
     probe = textwrap.dedent("""
@@ -501,9 +435,6 @@ def test_escape_gain_privileges() -> None:
         contained(
             run_python_tests(f"import os\nassert os.getuid() == {os.getuid()}, 'another uid'\n", ""), "another uid"
         )
-
-
-@pytest.mark.integration
 def test_the_parent_dying_kills_the_sandboxed_tree(tmp_path: Path) -> None:
     """A worker killed mid-run takes every process of its sandbox with it (setpriv → unshare → init → all)."""
     needs_namespaces()  # the rlimits fence leaves children that left the process group behind a dead worker
@@ -521,9 +452,6 @@ def test_the_parent_dying_kills_the_sandboxed_tree(tmp_path: Path) -> None:
         worker.send_signal(signal.SIGKILL)
         worker.wait()
     wait_until_gone(name)
-
-
-@pytest.mark.integration
 def test_concurrent_runs_from_threads_all_finish() -> None:
     """The reward worker runs sandboxes from a thread pool: no lock, no stray, no crossed report."""
     codes = [f"def add(a, b):\n    return a + b + {i % 2}\n" for i in range(8)]
@@ -538,9 +466,6 @@ def test_concurrent_runs_from_threads_all_finish() -> None:
     for thread in threads:
         thread.join(60)
     assert results == {i: i % 2 == 0 for i in range(len(codes))}
-
-
-@pytest.mark.integration
 def test_isolation_describes_this_machine() -> None:
     fence = sandbox.isolation()
     assert isinstance(fence, Isolation)
