@@ -45,6 +45,8 @@ from datetime import timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+ROLLOUT_TESTS = "tests/integration/actors/test_rollout_actor.py"
+"""The rollout actor's tests, the tensor-parallel one among them (run where vLLM is installed)."""
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
@@ -267,10 +269,10 @@ def check_tensor_parallel() -> dict:
     try:
         import vllm  # noqa: F401
     except ImportError:
-        return {"skipped": "vLLM is not installed here (run tests/integration/test_rollout_actor.py where it is)"}
+        return {"skipped": f"vLLM is not installed here (run {ROLLOUT_TESTS} where it is)"}
     if torch.cuda.device_count() < 2:
         return {"skipped": f"{torch.cuda.device_count()} GPU(s): tensor_parallel_size = 2 needs 2"}
-    command = [sys.executable, "-m", "pytest", "-q", "tests/integration/test_rollout_actor.py", "-k", "tensor_parallel"]
+    command = [sys.executable, "-m", "pytest", "-q", ROLLOUT_TESTS, "-k", "tensor_parallel"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     return {"ok": done.returncode == 0, "output": done.stdout[-1500:]}
 

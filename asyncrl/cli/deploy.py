@@ -3,13 +3,13 @@ manifests under ``k8s/`` and for the multi-host test.
 
 Why a module, not a YAML file of commands or a manifest generator: the manifests stay hand-written (readable,
 reviewable, patched by kustomize overlays), and both users of a command take it from here.
-``tests/integration/test_k8s.py`` builds every overlay and asserts that each container's ``command + args`` and ``env``
-are exactly :func:`kube_container` of its role; the multi-host test starts its processes from :func:`learner`,
+``tests/integration/cli/test_k8s.py`` builds every overlay and asserts that each container's ``command + args`` and
+``env`` are exactly :func:`kube_container` of its role; the multi-host test starts its processes from :func:`learner`,
 :func:`actor`, :func:`reward` and :func:`redis` with its own :class:`Site` (a Job's learner is :func:`learner_job`: the
 same ``rl-learner train`` arguments, wrapped so that the container exits with the learner's own status). A changed
 command fails that test until the manifests say the same, so they cannot drift apart. The "On a cluster" commands of
 ``docs/cluster.md`` are :func:`cluster_steps` of :data:`CLUSTER_EXAMPLE`, rendered by :func:`cluster_doc`:
-``tests/unit/test_across_hosts.py`` asserts the docs hold that text and ``tests/e2e/test_multi_host.py`` runs those
+``tests/unit/cli/test_across_hosts.py`` asserts the docs hold that text and ``tests/e2e/test_multi_host.py`` runs those
 very steps, host by host.
 
 What differs between hosts or pods is a :class:`Site` parameter. On Kubernetes (:data:`KUBE`) the parameters that

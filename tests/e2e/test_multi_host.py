@@ -3,7 +3,7 @@
 
 The commands are ``cli/deploy.py``'s :func:`~asyncrl.cli.deploy.cluster_steps` of
 :data:`~asyncrl.cli.deploy.CLUSTER_EXAMPLE` (the README's block is that text: checked here and in
-``tests/unit/test_across_hosts.py``): setup commands run with ``sh -c``, each lasting process from the
+``tests/unit/cli/test_across_hosts.py``): setup commands run with ``sh -c``, each lasting process from the
 :class:`~asyncrl.cli.deploy.Process` its command line renders, inside its host's namespace and in its host's own
 folder. Between them the test copies what the README says to copy (``redis-url``, the keys each role needs). On
 10.77.0.1 Redis (a password, bound to that address, AOF) and the learner; on 10.77.0.2 a reward worker (CURVE on

@@ -31,7 +31,7 @@ tampered version; audit.jsonl tells who started and resumed the run, and which v
 run's final checkpoint as users take it: ``rl-learner eval --checkpoint latest`` serves its merged ``hf/`` export on
 vLLM and writes every greedy answer (``--samples``), and transformers, loading the PEFT ``adapter/`` folder over the
 base model and the ``hf/`` folder, answers every prompt the same (tests/helpers/lora_exports.py). The equality of two
-ranks and one on the same batches is tests/integration/test_learner_ranks.py's; a full-weight run's resume is
+ranks and one on the same batches is tests/integration/learner/test_learner_ranks.py's; a full-weight run's resume is
 tests/e2e/test_redis_restart.py's.
 """
 

@@ -1,5 +1,5 @@
 """An environment that attacks the process it serves, for the environment host's fence
-(``tests/integration/test_environment_host.py``). Named by import path in the run config.
+(``tests/integration/actors/environments/test_environment_host.py``). Named by import path in the run config.
 
 Its row's answer says what it does: ``attack`` runs the attack ``options["how"]`` names against the actor (the host's
 parent, and ``options["victim"]``, the actor's pid, as a hub's code could learn it), then ends its own process, the

@@ -1,5 +1,5 @@
 """The user docs as the tests read them: README.md and every docs/*.md, and the shell block of docs/cluster.md's
-"On a cluster" section, which ``cli/deploy.py`` builds (checked in ``tests/unit/test_across_hosts.py``) and
+"On a cluster" section, which ``cli/deploy.py`` builds (checked in ``tests/unit/cli/test_across_hosts.py``) and
 ``tests/e2e/test_multi_host.py`` runs."""
 
 from __future__ import annotations

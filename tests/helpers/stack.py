@@ -22,7 +22,7 @@ DEMO = ROOT / "configs/demo.toml"
 ONE_PROCESS_ENGINE = "rollout.cpu_single_process=true"
 """vLLM's one-process layout (the model worker inside the engine core) for the actors of every e2e run but the demo's:
 one Python process fewer importing vLLM, so an engine is up in about 20 s instead of 30 on this machine. The demo run
-(``tests/e2e/test_system.py``) keeps the default layout, and ``tests/integration/test_rollout_actor.py`` checks
+(``tests/e2e/test_system.py``) keeps the default layout, and ``tests/integration/actors/test_rollout_actor.py`` checks
 both."""
 
 

@@ -107,7 +107,7 @@ def run_config(tmp_path: Path, model_dir: Path, data: Path, groups: int = 16, sa
                 "system_prompt": SYSTEM_PROMPT,
             },
             # the engine's layout is not what these tests check: the one that starts fastest (its worker inside the
-            # engine core, pinned to CPU 0; tests/integration/test_rollout_actor.py checks both layouts)
+            # engine core, pinned to CPU 0; tests/integration/actors/test_rollout_actor.py checks both layouts)
             "rollout": {
                 "num_samples": samples,
                 "max_new_tokens": 24,

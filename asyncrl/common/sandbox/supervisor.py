@@ -14,8 +14,8 @@ alone know the run's token.
 
 Rule: this file imports the standard library only. It runs in a bare interpreter (``-I -S``: no site-packages, no
 ``PYTHON*`` variables, not its own folder on ``sys.path``) where asyncrl is not importable, and importing it would slow
-every run (``tests/integration/test_sandbox.py`` parses the imports to hold this); for the same reason its annotations
-name builtins only (``typing`` alone costs milliseconds of every run).
+every run (``tests/integration/common/sandbox/test_sandbox.py`` parses the imports to hold this); for the same reason
+its annotations name builtins only (``typing`` alone costs milliseconds of every run).
 """
 
 from __future__ import annotations

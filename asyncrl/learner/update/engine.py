@@ -11,7 +11,7 @@ global counts (all tokens or sequences of the optimizer step, over every micro-b
 sum to the full-batch loss. Then accumulation is a plain sum: :meth:`train_step` calls ``backward`` without
 DeepSpeed's division by the accumulation steps, and multiplies by the data-parallel size because DeepSpeed averages
 (not sums) gradients over ranks. One rank with one micro-batch, one rank with many, and many ranks all give the same
-gradient — ``tests/integration/test_learner_engine.py`` checks it.
+gradient — ``tests/integration/learner/update/test_learner_engine.py`` checks it.
 
 DeepSpeed is imported through :mod:`asyncrl.learner.dist` (its accelerator is fixed at first import). Before DeepSpeed
 builds or loads a JIT-compiled op, a build lock that a killed process left in torch's extension cache is cleared
