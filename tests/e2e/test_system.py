@@ -5,8 +5,8 @@ processes; the assertions read what a person would read: metrics.jsonl, the exit
 rl-top's screen.
 
 The demo run is started once (the ``demo`` fixture) and several tests read what it left: the reward rise within the
-staleness bound, an actor killed -9 mid-run, the /metrics of every process and rl-top (both seen while every process
-was alive, before the kill), and where the Redis password may be.
+staleness bound, its redis-server killed -9 mid-run, an actor killed -9 mid-run, the /metrics of every process and
+rl-top (both seen while every process was alive, before the kills), and where the Redis password may be.
 """
 
 from __future__ import annotations
@@ -103,6 +103,20 @@ class Watched:
 
 
 @dataclasses.dataclass(frozen=True)
+class RedisKilled:
+    """The run's redis-server killed -9 under `rl-launch run`, and what followed until every process carried on."""
+
+    restarted: bool
+    """The launcher started it again on its AOF (its log says so)."""
+    reconnected_s: float
+    """Seconds from the kill until the last process said it reached Redis again."""
+    alive: set[str]
+    """The processes of the run still running then."""
+    lost_groups: int
+    """Groups the dispatcher counted lost by then."""
+
+
+@dataclasses.dataclass(frozen=True)
 class DemoRun:
     run_dir: Path
     exit_code: int
@@ -110,6 +124,7 @@ class DemoRun:
     watched: Watched
     steps_at_kill: int
     """Training steps in metrics.jsonl when actor-0 was killed."""
+    redis_killed: RedisKilled
 
 
 @pytest.fixture(scope="module")
@@ -117,24 +132,27 @@ def demo(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> DemoRun:
     """The demo as bin/demo runs it, started once for the tests below: configs/demo.toml's own settings (60 steps of
     16 groups x 8 responses, max staleness 1, heartbeat TTL 10 s, group deadline 300 s, greedy eval rounds at steps 0,
     30 and 60), 2 actors and 1 reward worker. After step 3 it is watched while every process is alive
-    (/metrics of each, rl-top in tmux, command lines); then actor-0 is killed -9 and the run goes on with one actor to
-    its last step."""
+    (/metrics of each, rl-top in tmux, command lines); then its redis-server is killed -9 (the launcher starts it
+    again) and, once every process carried on, actor-0 is killed -9 and the run goes on with one actor to its last
+    step."""
     root = tmp_path_factory.mktemp("demo")
     run_dir = root / DEMO
-    proc = launch(root, model_dir, DEMO, "eval.every=30")  # the demo's own eval rounds, as bin/demo runs them
+    said = root / "launcher.txt"
+    proc = launch(root, model_dir, DEMO, "eval.every=30", stderr=said)  # the demo's eval rounds, as bin/demo has
     try:
         _wait_for_steps(run_dir, proc, KILL_AFTER_STEP)
         # a labelled series (the actor's channel counters) appears with its first message: watch once both actors
         # have groups in a trained step (the second one may load its weights a step or two after the first)
         _wait_for(lambda: {"actor-0", "actor-1"} <= actors_trained(run_dir), proc)
         watched = watch(run_dir, proc)
+        redis_killed = kill_redis(run_dir, proc, said)
         steps_at_kill = len(step_rows(run_dir))
         assert proc.poll() is None, "the run ended before the kill"
         os.kill(actor_pid(run_dir / "logs" / "actor-0.log"), signal.SIGKILL)
         exit_code = finish(proc)
     finally:
         finish(proc, 1)
-    return DemoRun(run_dir, exit_code, metrics(root, DEMO), watched, steps_at_kill)
+    return DemoRun(run_dir, exit_code, metrics(root, DEMO), watched, steps_at_kill, redis_killed)
 
 
 def test_demo_reward_rises_within_the_staleness_bound(demo: DemoRun) -> None:
@@ -193,6 +211,15 @@ def test_an_actor_killed_mid_run_loses_no_group(demo: DemoRun) -> None:
     assert last["sync/members"] == 1.0  # the dead actor was dropped from the weight group
     # the last step's groups (within one version of it, long after the kill) all came from the survivor
     assert not last.get("rollout/groups_from/actor-0") and last.get("rollout/groups_from/actor-1"), last
+
+
+def test_a_redis_server_killed_mid_run_is_started_again_and_every_process_carries_on(demo: DemoRun) -> None:
+    """The run's redis-server killed -9: `rl-launch run` starts it again on its AOF with the same port and password,
+    every process reconnects and carries on, no group is lost, and the run ends as it would have."""
+    killed = demo.redis_killed
+    assert killed.restarted and killed.alive == DEMO_PROCESSES and killed.lost_groups == 0, killed
+    assert demo.exit_code == 0 and [int(r["step"]) for r in demo.rows] == list(range(1, DEMO_STEPS + 1))
+    print(f"\nredis-server killed: every process carried on after {killed.reconnected_s:.1f} s")
 
 
 def test_every_process_serves_metrics(demo: DemoRun) -> None:
@@ -262,6 +289,24 @@ def watch(run_dir: Path, proc: subprocess.Popen) -> Watched:
     pages = {process_id: _page(endpoint["url"]) for process_id, endpoint in found.items()}
     showing = processes_showing(password, proc.pid)
     return Watched(password, found, advertised, pages, showing, rl_top_screen(url, proc))
+
+
+def kill_redis(run_dir: Path, proc: subprocess.Popen, said: Path) -> RedisKilled:
+    """``kill -9`` the run's redis-server (its PID is in the folder's lock) and wait until every process logged that
+    it reached Redis again."""
+    os.kill(int((run_dir / "redis" / "server.lock").read_text()), signal.SIGKILL)
+    killed = time.monotonic()
+    logs = {name: run_dir / "logs" / f"{name}.log" for name in DEMO_PROCESSES}
+    _wait_for(lambda: all("Redis reachable again" in log.read_text() for log in logs.values()), proc, timeout_s=120)
+    reconnected_s = time.monotonic() - killed
+    alive = {h.process_id for h in ControlPlane(connect(_url(run_dir)), DEMO).registry.processes()[0]}
+    lost = ControlPlane(connect(_url(run_dir)), DEMO).prompts.dispatch_counts().get("lost", 0)
+    restarted = "the embedded redis-server died; started it again" in said.read_text()
+    return RedisKilled(restarted, reconnected_s, alive & DEMO_PROCESSES, lost)
+
+
+def _url(run_dir: Path) -> str:
+    return (run_dir / "redis" / "url").read_text().strip()
 
 
 def _page(url: str) -> str:
