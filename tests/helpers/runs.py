@@ -126,3 +126,13 @@ every = 0
 kv_cache_bytes = 67108864
 cpu_single_process = true
 {more}"""
+
+
+def saved(root: Path, step: int, run: str = "finished") -> None:
+    """A checkpoint folder of ``run`` under ``root`` at ``step`` that counts as complete (it has a manifest) and holds
+    nothing else: what a command that only looks for the newest checkpoint sees."""
+    from asyncrl.learner.checkpoint.format import MANIFEST
+
+    folder = root / run / "checkpoints" / f"step-{step}"
+    folder.mkdir(parents=True)
+    (folder / MANIFEST).write_text("{}")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import asyncrl.api as api
-from tests.unit.test_layering import imported_names
+from tests.helpers.source_imports import imported_names
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.source_imports import imported_names
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("common", "actors", "learner", "cli")
 
@@ -34,26 +36,6 @@ def part(module: str) -> str:
     """``common``, ``actors``, ``learner`` or ``cli`` for a module of asyncrl; the top-level package name otherwise."""
     names = module.split(".")
     return names[1] if names[0] == "asyncrl" and len(names) > 1 else names[0]
-
-
-def imported_names(path: Path) -> set[str]:
-    """Every absolute import in the module, at any depth, except under ``if TYPE_CHECKING:``; ``from a import b``
-    gives both ``a`` and ``a.b`` (``b`` may be a module)."""
-    names: set[str] = set()
-
-    def walk(node: ast.AST) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                continue
-            if isinstance(child, ast.Import):
-                names.update(alias.name for alias in child.names)
-            elif isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
-                names.add(child.module)
-                names.update(f"{child.module}.{alias.name}" for alias in child.names)
-            walk(child)
-
-    walk(ast.parse(path.read_text()))
-    return names
 
 
 def references(path: Path) -> set[str]:

@@ -29,6 +29,13 @@ def test_a_tests_tier_is_its_folder_alone() -> None:
     assert folders == {*TIERS, "helpers", "data"}, folders
 
 
+def test_no_test_module_imports_another() -> None:
+    """What two modules share lives in ``tests/helpers`` (a test module imported by another runs its fixtures and
+    registrations twice, under two names)."""
+    imports = re.compile(r"^\s*(from|import) tests\.(unit|integration|e2e)\b", re.M)
+    assert [str(p.relative_to(TESTS)) for p in TESTS.rglob("test_*.py") if imports.search(p.read_text())] == []
+
+
 def test_the_unit_and_integration_tiers_mirror_the_package() -> None:
     """A test module under ``tests/<tier>/X/`` tests the code of ``asyncrl/X/`` (a folder of the package); those at a
     tier's top test what spans the parts (the public API, the docs, the layering, a model through actor and learner)."""

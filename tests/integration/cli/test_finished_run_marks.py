@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from asyncrl.cli.learner import app
 from asyncrl.common.plane.control import ControlPlane
-from tests.unit.cli.test_finished_run import saved
+from tests.helpers.runs import saved
 
 
 def test_the_finished_run_is_marked_in_redis(tmp_path: Path, redis_server, redis_client) -> None:

@@ -7,13 +7,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from asyncrl.cli.learner import app
-from asyncrl.learner.checkpoint.format import MANIFEST
-
-
-def saved(root: Path, step: int) -> None:
-    folder = root / "finished" / "checkpoints" / f"step-{step}"
-    folder.mkdir(parents=True)
-    (folder / MANIFEST).write_text("{}")
+from tests.helpers.runs import saved
 
 
 def train(root: Path, steps: int, resume: str = "latest"):
