@@ -44,7 +44,7 @@ from asyncrl.learner.algorithms import (
     settings_type,
 )
 from asyncrl.learner.algorithms.advantages import GRPOSettings
-from asyncrl.learner.algorithms.losses import PPOClipSettings, ppo_clip
+from asyncrl.learner.algorithms.losses import PPOClipSettings, mismatch_kl, ppo_clip
 from asyncrl.learner.algorithms.masked import zero_masked
 
 T_ = True
@@ -285,6 +285,14 @@ def test_k3_clamps_the_log_ratio() -> None:
     torch.testing.assert_close(out[0], torch.tensor([math.exp(20) - 21, math.exp(-20) + 19]))
     narrower = build_kl_estimator("k3", {"clamp": 1.0})(torch.zeros(1, 1), torch.tensor([[50.0]]))
     torch.testing.assert_close(narrower[0, 0], torch.tensor(math.e - 2))
+
+
+def test_the_mismatch_of_two_float32_computations_of_one_policy_is_measured_not_zero() -> None:
+    # log w = ±1e-6, 2e-6 per token: KL ≈ (log w)² / 2, 1e-12 on average. As exp(x) − 1 − x in float32: −1.1e-8.
+    log_w = torch.tensor([[1e-6, -1e-6, 2e-6, 0.0]])
+    mask = torch.tensor([[True, True, True, False]])
+    kl = mismatch_kl(log_w, mask).item()
+    assert kl == pytest.approx((1 + 1 + 4) * 1e-12 / 2 / 3, rel=1e-3)
 
 
 def test_k3_clamps_its_value_as_verl_does() -> None:
