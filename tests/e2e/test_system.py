@@ -277,7 +277,7 @@ def test_the_redis_password_is_only_where_it_must_be(demo: DemoRun) -> None:
 def watch(run_dir: Path, proc: subprocess.Popen) -> Watched:
     """Look at the live run as a person does: the /metrics endpoints registered in Redis and their pages, the command
     lines of every process the launcher started, and rl-top's screen. Records what it saw; the tests judge it."""
-    url = (run_dir / "redis" / "url").read_text().strip()
+    url = _url(run_dir)
     password = urlsplit(url).password or ""
     plane = ControlPlane(connect(url), DEMO)
 
@@ -299,8 +299,9 @@ def kill_redis(run_dir: Path, proc: subprocess.Popen, said: Path) -> RedisKilled
     logs = {name: run_dir / "logs" / f"{name}.log" for name in DEMO_PROCESSES}
     _wait_for(lambda: all("Redis reachable again" in log.read_text() for log in logs.values()), proc, timeout_s=120)
     reconnected_s = time.monotonic() - killed
-    alive = {h.process_id for h in ControlPlane(connect(_url(run_dir)), DEMO).registry.processes()[0]}
-    lost = ControlPlane(connect(_url(run_dir)), DEMO).prompts.dispatch_counts().get("lost", 0)
+    plane = ControlPlane(connect(_url(run_dir)), DEMO)
+    alive = {h.process_id for h in plane.registry.processes()[0]}
+    lost = plane.prompts.dispatch_counts().get("lost", 0)
     restarted = "the embedded redis-server died; started it again" in said.read_text()
     return RedisKilled(restarted, reconnected_s, alive & DEMO_PROCESSES, lost)
 
